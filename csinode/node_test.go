@@ -1,0 +1,488 @@
+package csinode
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/mount-utils"
+
+	"github.com/dirpv/dirpv/volume"
+)
+
+func requireRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for real mounts")
+	}
+}
+
+func newTestDriver(t *testing.T, m mount.Interface, timeout time.Duration) (*Driver, *nodeServer) {
+	t.Helper()
+	d, err := NewDriver(Options{
+		DriverName: "dirpv.io", Version: "test", NodeID: "node-1",
+		Endpoint: "unix://" + filepath.Join(t.TempDir(), "csi.sock"),
+		Mounter:  m, OperationTimeout: timeout,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d, &nodeServer{d: d}
+}
+
+// localVolume creates base/rel and returns its attributes.
+func localVolume(t *testing.T, rel string) (base string, attrs volume.Attributes) {
+	t.Helper()
+	base = t.TempDir()
+	root, err := volume.OpenRoot(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	if _, err := root.MkdirAll(rel, volume.Owner{Mode: 0o777, UID: -1, GID: -1}); err != nil {
+		t.Fatal(err)
+	}
+	return base, volume.Attributes{Backend: volume.BackendLocal, BasePath: base, Path: rel}
+}
+
+// newTarget returns a target path whose parent exists (as kubelet leaves it) and makes sure
+// nothing stays mounted there after the test, before the temp dir is removed.
+func newTarget(t *testing.T) string {
+	t.Helper()
+	target := filepath.Join(t.TempDir(), "target")
+	t.Cleanup(func() {
+		for range maxStackedMounts {
+			if err := unix.Unmount(target, unix.MNT_DETACH); err != nil {
+				return
+			}
+		}
+	})
+	return target
+}
+
+// isMounted reads the kernel's mount table for the calling process.
+func isMounted(t *testing.T, target string) bool {
+	t.Helper()
+	infos, err := mount.ParseMountInfo("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return slices.ContainsFunc(infos, func(mi mount.MountInfo) bool { return mi.MountPoint == target })
+}
+
+func mountCap(mode csi.VolumeCapability_AccessMode_Mode, flags ...string) *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{MountFlags: flags}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode},
+	}
+}
+
+func publishReq(id, target string, attrs volume.Attributes, c *csi.VolumeCapability, ro bool) *csi.NodePublishVolumeRequest {
+	return &csi.NodePublishVolumeRequest{
+		VolumeId: id, TargetPath: target, VolumeCapability: c, Readonly: ro,
+		VolumeContext: attrs.Map(),
+	}
+}
+
+func wantCode(t *testing.T, err error, code codes.Code) {
+	t.Helper()
+	if status.Code(err) != code {
+		t.Fatalf("got %v (code %s), want code %s", err, status.Code(err), code)
+	}
+}
+
+func TestPublishLocalBindMount(t *testing.T) {
+	requireRoot(t)
+	ctx := context.Background()
+	_, ns := newTestDriver(t, mount.New(""), 10*time.Second)
+	base, attrs := localVolume(t, "ns/vol-1")
+	target := newTarget(t)
+	rw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+
+	for i := range 2 { // the second call must be an idempotent no-op
+		if _, err := ns.NodePublishVolume(ctx, publishReq("vol-1", target, attrs, rw, false)); err != nil {
+			t.Fatalf("publish #%d: %v", i+1, err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(target, "hello"), []byte("hi"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(filepath.Join(base, "ns/vol-1/hello")); err != nil || string(b) != "hi" {
+		t.Fatalf("file written at target not in volume directory: %q, %v", b, err)
+	}
+	// Same target, read-only now: incompatible with what is mounted.
+	_, err := ns.NodePublishVolume(ctx, publishReq("vol-1", target, attrs, rw, true))
+	wantCode(t, err, codes.AlreadyExists)
+
+	st, err := ns.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: "vol-1", VolumePath: target})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, u := range st.GetUsage() {
+		if u.GetTotal() <= 0 || u.GetUsed() < 0 || u.GetAvailable() < 0 {
+			t.Errorf("bad usage %v", u)
+		}
+	}
+	if len(st.GetUsage()) != 2 {
+		t.Errorf("want bytes and inodes usage, got %v", st.GetUsage())
+	}
+	h, err := ns.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: "vol-1"})
+	if err != nil || len(h.GetVolumeHealth().GetHealthStatuses()) != 0 {
+		t.Errorf("health of a good volume: %v, %v", h, err)
+	}
+	_, err = ns.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: "other", VolumePath: target})
+	wantCode(t, err, codes.NotFound)
+
+	for i := range 2 {
+		if _, err := ns.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: "vol-1", TargetPath: target}); err != nil {
+			t.Fatalf("unpublish #%d: %v", i+1, err)
+		}
+	}
+	if isMounted(t, target) {
+		t.Error("target still mounted after unpublish")
+	}
+	if _, err := os.Lstat(target); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("target not removed: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(base, "ns/vol-1/hello")); err != nil {
+		t.Errorf("volume data gone after unpublish: %v", err)
+	}
+	_, err = ns.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: "vol-1", VolumePath: target})
+	wantCode(t, err, codes.NotFound)
+}
+
+func TestPublishLocalReadOnly(t *testing.T) {
+	requireRoot(t)
+	ctx := context.Background()
+	_, ns := newTestDriver(t, mount.New(""), 10*time.Second)
+	for _, tc := range []struct {
+		name string
+		mode csi.VolumeCapability_AccessMode_Mode
+		ro   bool
+	}{
+		{"readonly flag", csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, true},
+		{"reader-only mode", csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, attrs := localVolume(t, "vol")
+			target := newTarget(t)
+			req := publishReq("vol", target, attrs, mountCap(tc.mode, "nosuid", "nodev"), tc.ro)
+			if _, err := ns.NodePublishVolume(ctx, req); err != nil {
+				t.Fatal(err)
+			}
+			err := os.WriteFile(filepath.Join(target, "x"), nil, 0o644)
+			if !errors.Is(err, unix.EROFS) {
+				t.Fatalf("write to read-only volume: got %v, want EROFS", err)
+			}
+			if _, err := ns.NodePublishVolume(ctx, req); err != nil {
+				t.Fatalf("idempotent read-only publish: %v", err)
+			}
+			if _, err := ns.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: "vol", TargetPath: target}); err != nil {
+				t.Fatal(err)
+			}
+			if isMounted(t, target) {
+				t.Error("still mounted")
+			}
+		})
+	}
+}
+
+func TestPublishLocalRefusesSymlinks(t *testing.T) {
+	requireRoot(t)
+	ctx := context.Background()
+	_, ns := newTestDriver(t, mount.New(""), 10*time.Second)
+	outside := t.TempDir()
+	if err := os.WriteFile(filepath.Join(outside, "secret"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	base, _ := localVolume(t, "real")
+	if err := os.Symlink(outside, filepath.Join(base, "evil")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outside, filepath.Join(base, "evildir")); err != nil {
+		t.Fatal(err)
+	}
+	rw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	for _, rel := range []string{"evil", "evildir/inner"} {
+		t.Run(rel, func(t *testing.T) {
+			target := newTarget(t)
+			attrs := volume.Attributes{Backend: volume.BackendLocal, BasePath: base, Path: rel}
+			_, err := ns.NodePublishVolume(ctx, publishReq("v", target, attrs, rw, false))
+			if err == nil {
+				t.Fatal("publish through a symlink succeeded")
+			}
+			if c := status.Code(err); c != codes.FailedPrecondition && c != codes.NotFound {
+				t.Errorf("code %s (%v), want FailedPrecondition or NotFound", c, err)
+			}
+			if isMounted(t, target) {
+				t.Error("something was mounted at the target")
+			}
+		})
+	}
+}
+
+func TestPublishLocalMissingVolume(t *testing.T) {
+	requireRoot(t)
+	_, ns := newTestDriver(t, mount.New(""), 10*time.Second)
+	base := t.TempDir()
+	attrs := volume.Attributes{Backend: volume.BackendLocal, BasePath: base, Path: "gone"}
+	target := newTarget(t)
+	_, err := ns.NodePublishVolume(context.Background(), publishReq("v", target, attrs, mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER), false))
+	wantCode(t, err, codes.NotFound)
+	attrs.BasePath = filepath.Join(base, "no-base")
+	attrs.Path = "v"
+	_, err = ns.NodePublishVolume(context.Background(), publishReq("v", target, attrs, mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER), false))
+	wantCode(t, err, codes.NotFound)
+}
+
+func TestPublishSingleNodeSingleWriter(t *testing.T) {
+	requireRoot(t)
+	ctx := context.Background()
+	_, ns := newTestDriver(t, mount.New(""), 10*time.Second)
+	_, attrs := localVolume(t, "vol")
+	t1, t2 := newTarget(t), newTarget(t)
+	snsw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER)
+	if _, err := ns.NodePublishVolume(ctx, publishReq("vol", t1, attrs, snsw, false)); err != nil {
+		t.Fatal(err)
+	}
+	_, err := ns.NodePublishVolume(ctx, publishReq("vol", t2, attrs, snsw, false))
+	wantCode(t, err, codes.FailedPrecondition)
+	// A multi-writer publish of the same volume elsewhere is fine.
+	if _, err := ns.NodePublishVolume(ctx, publishReq("vol", t2, attrs, mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER), false)); err != nil {
+		t.Fatal(err)
+	}
+	for _, tp := range []string{t1, t2} {
+		if _, err := ns.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: "vol", TargetPath: tp}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func TestPublishValidation(t *testing.T) {
+	_, ns := newTestDriver(t, mount.NewFakeMounter(nil), time.Second)
+	local := volume.Attributes{Backend: volume.BackendLocal, BasePath: "/var/lib/dirpv", Path: "v"}
+	rw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	target := filepath.Join(t.TempDir(), "target")
+	block := &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+	for name, req := range map[string]*csi.NodePublishVolumeRequest{
+		"no volume id":    publishReq("", target, local, rw, false),
+		"no target":       publishReq("v", "", local, rw, false),
+		"relative target": publishReq("v", "rel/target", local, rw, false),
+		"no capability":   publishReq("v", target, local, nil, false),
+		"block":           publishReq("v", target, local, block, false),
+		"RWX on local":    publishReq("v", target, local, mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER), false),
+		"unknown mode":    publishReq("v", target, local, mountCap(csi.VolumeCapability_AccessMode_UNKNOWN), false),
+		"NFS option on local": publishReq("v", target, local,
+			mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, "nfsvers=4.1"), false),
+		"escaping path": {VolumeId: "v", TargetPath: target, VolumeCapability: rw,
+			VolumeContext: map[string]string{"backend": "local", "basePath": "/b", "path": "../etc"}},
+		"unknown attribute": {VolumeId: "v", TargetPath: target, VolumeCapability: rw,
+			VolumeContext: map[string]string{"backend": "local", "basePath": "/b", "path": "v", "pth": "x"}},
+		"no attributes": {VolumeId: "v", TargetPath: target, VolumeCapability: rw},
+		"nfs without server": {VolumeId: "v", TargetPath: target, VolumeCapability: rw,
+			VolumeContext: map[string]string{"backend": "nfs", "share": "/export", "path": "v"}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, err := ns.NodePublishVolume(context.Background(), req)
+			wantCode(t, err, codes.InvalidArgument)
+			if _, err := os.Lstat(target); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("target created for a refused request: %v", err)
+			}
+		})
+	}
+	_, err := ns.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{TargetPath: target})
+	wantCode(t, err, codes.InvalidArgument)
+	_, err = ns.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: "v"})
+	wantCode(t, err, codes.InvalidArgument)
+	_, err = ns.NodeStageVolume(context.Background(), &csi.NodeStageVolumeRequest{})
+	wantCode(t, err, codes.Unimplemented)
+}
+
+// TestPublishNFSOptions checks only what reaches mount(8) for an NFS volume; real NFS mounts
+// are exercised by the NFS suite through its mount helper.
+func TestPublishNFSOptions(t *testing.T) {
+	ctx := context.Background()
+	fake := mount.NewFakeMounter(nil)
+	_, ns := newTestDriver(t, fake, time.Second)
+	attrs := volume.Attributes{Backend: volume.BackendNFS, Server: "nfs.example", Share: "/export", Path: "ns/pvc-1"}
+	target := filepath.Join(t.TempDir(), "target")
+	c := mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, "nfsvers=4.1", "hard")
+	for range 2 {
+		if _, err := ns.NodePublishVolume(ctx, publishReq("pvc-1", target, attrs, c, true)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	log := fake.GetLog()
+	if len(log) != 1 {
+		t.Fatalf("want exactly one mount (second publish idempotent), got %+v", log)
+	}
+	if log[0].Source != "nfs.example:/export/ns/pvc-1" || log[0].FSType != "nfs" || log[0].Target != target {
+		t.Errorf("mount call %+v", log[0])
+	}
+	if got, want := fake.MountPoints[0].Opts, []string{"nfsvers=4.1", "hard", "ro"}; !slices.Equal(got, want) {
+		t.Errorf("options %v, want %v", got, want)
+	}
+	// Same target, different source: incompatible.
+	other := attrs
+	other.Path = "ns/pvc-2"
+	_, err := ns.NodePublishVolume(ctx, publishReq("pvc-2", target, other, c, true))
+	wantCode(t, err, codes.AlreadyExists)
+
+	if _, err := ns.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: "pvc-1", TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+	if len(fake.MountPoints) != 0 {
+		t.Errorf("mounts left: %+v", fake.MountPoints)
+	}
+	if _, err := os.Lstat(target); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("target not removed: %v", err)
+	}
+}
+
+// blockingMounter wraps the system mounter; the calls named in block hang until the test ends,
+// like mount(8) or umount(8) against a dead NFS server.
+type blockingMounter struct {
+	mount.Interface
+	blockMount, blockUnmount atomic.Bool
+	release                  chan struct{}
+}
+
+func (m *blockingMounter) Mount(source, target, fstype string, options []string) error {
+	if m.blockMount.Load() {
+		<-m.release
+		return errors.New("server unreachable")
+	}
+	return m.Interface.Mount(source, target, fstype, options)
+}
+
+func (m *blockingMounter) Unmount(target string) error {
+	if m.blockUnmount.Load() {
+		<-m.release
+		return errors.New("server unreachable")
+	}
+	return m.Interface.Unmount(target)
+}
+
+func TestUnpublishHungUnmountDetaches(t *testing.T) {
+	requireRoot(t)
+	ctx := context.Background()
+	bm := &blockingMounter{Interface: mount.New(""), release: make(chan struct{})}
+	t.Cleanup(func() { close(bm.release) })
+	_, ns := newTestDriver(t, bm, 2*time.Second)
+	_, attrs := localVolume(t, "vol")
+	target := newTarget(t)
+	if _, err := ns.NodePublishVolume(ctx, publishReq("vol", target, attrs, mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER), false)); err != nil {
+		t.Fatal(err)
+	}
+	bm.blockUnmount.Store(true)
+	start := time.Now()
+	if _, err := ns.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: "vol", TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(start); d > 10*time.Second {
+		t.Errorf("unpublish took %v", d)
+	}
+	if isMounted(t, target) {
+		t.Error("target still mounted")
+	}
+	if _, err := os.Lstat(target); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("target not removed: %v", err)
+	}
+}
+
+func TestPublishHungMountTimesOut(t *testing.T) {
+	ctx := context.Background()
+	bm := &blockingMounter{Interface: mount.NewFakeMounter(nil), release: make(chan struct{})}
+	bm.blockMount.Store(true)
+	released := false
+	t.Cleanup(func() {
+		if !released {
+			close(bm.release)
+		}
+	})
+	_, ns := newTestDriver(t, bm, 500*time.Millisecond)
+	attrs := volume.Attributes{Backend: volume.BackendNFS, Server: "dead.example", Share: "/export", Path: "v"}
+	target := filepath.Join(t.TempDir(), "target")
+	req := publishReq("v", target, attrs, mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER), false)
+	_, err := ns.NodePublishVolume(ctx, req)
+	wantCode(t, err, codes.DeadlineExceeded)
+	// The hung mount still owns the target: a retry is told so at once.
+	start := time.Now()
+	_, err = ns.NodePublishVolume(ctx, req)
+	wantCode(t, err, codes.Aborted)
+	if d := time.Since(start); d > 200*time.Millisecond {
+		t.Errorf("retry waited %v instead of failing fast", d)
+	}
+	// Once mount(8) gives up, the key is free again.
+	close(bm.release)
+	released = true
+	bm.blockMount.Store(false)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		_, err = ns.NodePublishVolume(ctx, req)
+		if status.Code(err) != codes.Aborted || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond) // polling for the background mount to finish
+	}
+	if err != nil {
+		t.Fatalf("publish after the hung mount returned: %v", err)
+	}
+}
+
+// swappingMounter replaces the volume directory with a symlink to another directory just
+// before the bind mount runs: the race that a path-based bind mount would lose.
+type swappingMounter struct {
+	mount.Interface
+	dir, outside string
+}
+
+func (m *swappingMounter) MountSensitiveWithoutSystemdWithMountFlags(source, target, fstype string, options, sensitive, flags []string) error {
+	if err := os.Rename(m.dir, m.dir+".moved"); err != nil {
+		return err
+	}
+	if err := os.Symlink(m.outside, m.dir); err != nil {
+		return err
+	}
+	return m.Interface.MountSensitiveWithoutSystemdWithMountFlags(source, target, fstype, options, sensitive, flags)
+}
+
+func TestPublishLocalBindsTheCheckedDirectory(t *testing.T) {
+	requireRoot(t)
+	ctx := context.Background()
+	base, attrs := localVolume(t, "vol")
+	outside := t.TempDir()
+	if err := os.WriteFile(filepath.Join(outside, "secret"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(base, "vol", "mine"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	sm := &swappingMounter{Interface: mount.New(""), dir: filepath.Join(base, "vol"), outside: outside}
+	_, ns := newTestDriver(t, sm, 10*time.Second)
+	target := newTarget(t)
+	if _, err := ns.NodePublishVolume(ctx, publishReq("vol", target, attrs, mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER), false)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(target, "mine")); err != nil {
+		t.Errorf("target does not show the volume directory that was checked: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(target, "secret")); err == nil {
+		t.Error("bind mount followed the symlink swapped in after the check")
+	}
+	if _, err := ns.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: "vol", TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+}
