@@ -1,0 +1,185 @@
+package csinode
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+	"k8s.io/mount-utils"
+)
+
+// waitReady polls Ready until it succeeds or the deadline passes.
+func waitReady(t *testing.T, d *Driver, runErr <-chan error) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err := d.Ready()
+		if err == nil {
+			return
+		}
+		select {
+		case err := <-runErr:
+			t.Fatalf("Run returned early: %v", err)
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("driver not ready: %v", err)
+		}
+		time.Sleep(10 * time.Millisecond) // poll interval
+	}
+}
+
+func dial(t *testing.T, path string) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient("unix://"+path, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+// TestRunAndRegistration starts the driver as the node plugin runs and talks to it as kubelet
+// does: the plugin watcher finds <registry>/dirpv.io-reg.sock, calls GetInfo, dials the CSI
+// endpoint it names, and reports the result with NotifyRegistrationStatus.
+func TestRunAndRegistration(t *testing.T) {
+	dir := t.TempDir()
+	registry := filepath.Join(dir, "plugins_registry")
+	csiSock := filepath.Join(dir, "plugins", "dirpv.io", "csi.sock")
+	// A stale socket from a previous instance must not stop the new one.
+	if err := os.MkdirAll(filepath.Dir(csiSock), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	d, err := NewDriver(Options{
+		DriverName: "dirpv.io", Version: "v0.1.0", NodeID: "node-1",
+		Endpoint: "unix://" + csiSock, RegistrationDir: registry,
+		Mounter: mount.NewFakeMounter(nil), OperationTimeout: time.Second,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	runErr := make(chan error, 1)
+	go func() { runErr <- d.Run(ctx) }()
+	waitReady(t, d, runErr)
+
+	regSock := filepath.Join(registry, "dirpv.io-reg.sock")
+	reg := registerapi.NewRegistrationClient(dial(t, regSock))
+	info, err := reg.GetInfo(ctx, &registerapi.InfoRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Type != registerapi.CSIPlugin || info.Name != "dirpv.io" || info.Endpoint != csiSock ||
+		!slices.Equal(info.SupportedVersions, []string{"1.0.0"}) {
+		t.Errorf("GetInfo = %+v", info)
+	}
+
+	// kubelet dials the endpoint it was given and asks for the node's identity.
+	conn := dial(t, info.Endpoint)
+	pi, err := csi.NewIdentityClient(conn).GetPluginInfo(ctx, &csi.GetPluginInfoRequest{})
+	if err != nil || pi.Name != "dirpv.io" || pi.VendorVersion != "v0.1.0" {
+		t.Errorf("GetPluginInfo = %v, %v", pi, err)
+	}
+	ni, err := csi.NewNodeClient(conn).NodeGetInfo(ctx, &csi.NodeGetInfoRequest{})
+	if err != nil || ni.NodeId != "node-1" || ni.AccessibleTopology.GetSegments()[TopologyKey] != "node-1" {
+		t.Errorf("NodeGetInfo = %v, %v", ni, err)
+	}
+	pr, err := csi.NewIdentityClient(conn).Probe(ctx, &csi.ProbeRequest{})
+	if err != nil || !pr.GetReady().GetValue() {
+		t.Errorf("Probe = %v, %v", pr, err)
+	}
+
+	// A rejection is logged; the plugin keeps serving so kubelet can retry.
+	if _, err := reg.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: false, Error: "test rejection"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := reg.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: true}); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Ready(); err != nil {
+		t.Errorf("not ready after registration: %v", err)
+	}
+
+	cancel()
+	select {
+	case err := <-runErr:
+		if err != nil {
+			t.Fatalf("Run: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return after cancel")
+	}
+	for _, p := range []string{csiSock, regSock} {
+		if _, err := os.Lstat(p); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("socket %s left behind: %v", p, err)
+		}
+	}
+	if d.Ready() == nil {
+		t.Error("Ready after stop")
+	}
+}
+
+func TestRunReplacesStaleSocketOnly(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "csi.sock")
+	// A regular file where the socket should be is not ours to delete.
+	if err := os.WriteFile(sock, []byte("data"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	d, err := NewDriver(Options{DriverName: "dirpv.io", Version: "v", NodeID: "n", Endpoint: "unix://" + sock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Run(context.Background()); err == nil {
+		t.Fatal("Run replaced a regular file")
+	}
+	if b, _ := os.ReadFile(sock); string(b) != "data" {
+		t.Error("regular file was touched")
+	}
+	// A stale socket is replaced.
+	os.Remove(sock)
+	lis, err := listenUnix(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lis.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	runErr := make(chan error, 1)
+	go func() { runErr <- d.Run(ctx) }()
+	waitReady(t, d, runErr)
+	cancel()
+	if err := <-runErr; err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestNewDriverValidates(t *testing.T) {
+	good := Options{DriverName: "dirpv.io", Version: "v", NodeID: "n", Endpoint: "unix:///run/csi.sock"}
+	if _, err := NewDriver(good); err != nil {
+		t.Fatal(err)
+	}
+	for name, mutate := range map[string]func(*Options){
+		"bad name":         func(o *Options) { o.DriverName = "-dirpv" },
+		"no version":       func(o *Options) { o.Version = "" },
+		"no node":          func(o *Options) { o.NodeID = "" },
+		"tcp endpoint":     func(o *Options) { o.Endpoint = "tcp://127.0.0.1:1" },
+		"relative socket":  func(o *Options) { o.Endpoint = "unix://csi.sock" },
+		"relative reg dir": func(o *Options) { o.RegistrationDir = "registry" },
+		"negative timeout": func(o *Options) { o.OperationTimeout = -time.Second },
+	} {
+		o := good
+		mutate(&o)
+		if _, err := NewDriver(o); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+}
