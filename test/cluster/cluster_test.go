@@ -1,0 +1,268 @@
+package cluster
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+)
+
+// binDir returns the cached Kubernetes binaries or skips: a cold build takes ~15 minutes and
+// does not belong inside `go test`.
+func binDir(t *testing.T) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	dir, err := CachedBinDir(ctx)
+	if errors.Is(err, ErrNotBuilt) {
+		t.Skipf("skipping: %v", err)
+	}
+	if err != nil {
+		t.Fatalf("locate binaries: %v", err)
+	}
+	return dir
+}
+
+// keepLogs copies component logs next to the test output when the test failed, because Stop
+// removes the work dir.
+func keepLogs(t *testing.T, c *Cluster) {
+	if !t.Failed() || c == nil {
+		return
+	}
+	for _, p := range c.Procs {
+		t.Logf("--- %s log tail (%s):\n%s", p.Name, p.Log, logTail(p.Log, 40))
+	}
+}
+
+func TestControlPlaneSchedulesOnFakeNode(t *testing.T) {
+	bin := binDir(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	t0 := time.Now()
+	c, err := Start(ctx, Options{BinDir: bin, Logf: t.Logf})
+	if err != nil {
+		t.Fatalf("Start: %v", err)
+	}
+	t.Logf("control plane started in %s", time.Since(t0).Round(time.Millisecond))
+	procs := append([]*Proc(nil), c.Procs...)
+	workDir := c.WorkDir
+	defer func() {
+		keepLogs(t, c)
+		if err := c.Stop(); err != nil {
+			t.Errorf("Stop: %v", err)
+		}
+		for _, p := range procs {
+			if p.alive() {
+				t.Errorf("%s (pid %d) still running after Stop", p.Name, p.PID)
+			}
+		}
+		if _, err := os.Stat(workDir); !os.IsNotExist(err) {
+			t.Errorf("temporary work dir %s left behind (err %v)", workDir, err)
+		}
+	}()
+
+	if !strings.HasPrefix(c.APIServerURL, "https://127.0.0.1:") || c.APIServerPort == 0 {
+		t.Errorf("APIServerURL %q / port %d", c.APIServerURL, c.APIServerPort)
+	}
+	cs, err := c.Client()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CreateReadyNode(ctx, "fake-1", map[string]string{"dirpv.io/test": "yes"}); err != nil {
+		t.Fatalf("CreateReadyNode: %v", err)
+	}
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "scheduled", Namespace: "default"},
+		Spec: corev1.PodSpec{
+			NodeSelector: map[string]string{"dirpv.io/test": "yes"},
+			Containers:   []corev1.Container{{Name: "c", Image: "example.invalid/none:1"}},
+		},
+	}
+	if _, err := cs.CoreV1().Pods("default").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create pod: %v", err)
+	}
+	err = poll(ctx, 60*time.Second, 100*time.Millisecond, "pod scheduled onto fake-1", nil, func(ctx context.Context) (bool, error) {
+		p, err := cs.CoreV1().Pods("default").Get(ctx, "scheduled", metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		return p.Spec.NodeName == "fake-1", nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := cs.CoreV1().Nodes().Get(ctx, "fake-1", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !nodeReady(n) || len(n.Spec.Taints) != 0 {
+		t.Errorf("fake node not Ready or tainted: ready=%v taints=%v", nodeReady(n), n.Spec.Taints)
+	}
+}
+
+func TestNodeRunsPod(t *testing.T) {
+	if testing.Short() {
+		t.Skip("skipping: starts containerd and a kubelet on this host (~30 s); not with -short")
+	}
+	if os.Geteuid() != 0 {
+		t.Skip("skipping: a node needs root (containerd, kubelet, mounts, cgroups)")
+	}
+	bin := binDir(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+
+	hostDir := t.TempDir()
+	t0 := time.Now()
+	c, err := Start(ctx, Options{BinDir: bin, WithNode: true, Logf: t.Logf})
+	if err != nil {
+		t.Fatalf("Start with node: %v", err)
+	}
+	t.Logf("control plane + node started in %s", time.Since(t0).Round(time.Millisecond))
+	// What Stop must clean up, captured before it clears the cluster's records.
+	procs := append([]*Proc(nil), c.Procs...)
+	host := *c.Host
+	workDir, socket := c.WorkDir, c.ContainerdSocket
+	stopped := false
+	defer func() {
+		if !stopped {
+			keepLogs(t, c)
+			_ = c.Stop()
+		}
+	}()
+
+	if c.KubeletRootDir != KubeletRootDir || c.PluginRegistryDir != filepath.Join(KubeletRootDir, "plugins_registry") {
+		t.Errorf("kubelet dirs: %q %q", c.KubeletRootDir, c.PluginRegistryDir)
+	}
+	if _, err := os.Stat(c.PluginRegistryDir); err != nil {
+		t.Errorf("plugin registry dir: %v", err)
+	}
+	cs, err := c.Client()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// A pod that writes through a hostPath and an emptyDir and exits.
+	dirType := corev1.HostPathDirectoryOrCreate
+	writer := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "writer", Namespace: "default"},
+		Spec: corev1.PodSpec{
+			RestartPolicy: corev1.RestartPolicyNever,
+			Containers: []corev1.Container{{
+				Name: "c", Image: c.BusyboxImage, ImagePullPolicy: corev1.PullNever,
+				Command:      []string{"sh", "-c", "echo scratch > /scratch/f && cat /scratch/f > /host/out && echo hello >> /host/out"},
+				VolumeMounts: []corev1.VolumeMount{{Name: "host", MountPath: "/host"}, {Name: "scratch", MountPath: "/scratch"}},
+			}},
+			Volumes: []corev1.Volume{
+				{Name: "host", VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: hostDir, Type: &dirType}}},
+				{Name: "scratch", VolumeSource: corev1.VolumeSource{EmptyDir: &corev1.EmptyDirVolumeSource{}}},
+			},
+		},
+	}
+	t1 := time.Now()
+	if _, err := cs.CoreV1().Pods("default").Create(ctx, writer, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create pod: %v", err)
+	}
+	if err := waitPodPhase(ctx, cs, "writer", corev1.PodSucceeded); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("pod create -> Succeeded in %s", time.Since(t1).Round(time.Millisecond))
+	got, err := os.ReadFile(filepath.Join(hostDir, "out"))
+	if err != nil || string(got) != "scratch\nhello\n" {
+		t.Errorf("file written by pod: %q, %v", got, err)
+	}
+
+	// A long-running pod, left running so that Stop has to tear a live pod down.
+	sleeper := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "sleeper", Namespace: "default"},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{
+			Name: "c", Image: c.BusyboxImage, ImagePullPolicy: corev1.PullNever, Command: []string{"sleep", "3600"},
+		}}},
+	}
+	t2 := time.Now()
+	if _, err := cs.CoreV1().Pods("default").Create(ctx, sleeper, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("create pod: %v", err)
+	}
+	if err := waitPodPhase(ctx, cs, "sleeper", corev1.PodRunning); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("pod create -> Running in %s", time.Since(t2).Round(time.Millisecond))
+
+	keepLogs(t, c)
+	t3 := time.Now()
+	stopped = true
+	if err := c.Stop(); err != nil {
+		t.Errorf("Stop: %v", err)
+	}
+	t.Logf("Stop took %s", time.Since(t3).Round(time.Millisecond))
+
+	for _, p := range procs {
+		if p.alive() {
+			t.Errorf("%s (pid %d) still running after Stop", p.Name, p.PID)
+		}
+	}
+	if pids := shimPIDs(socket); len(pids) > 0 {
+		t.Errorf("containerd shims left: %v", pids)
+	}
+	for _, d := range []string{KubeletRootDir, workDir, "/run/containerd"} {
+		if m := mountsUnder(d); len(m) > 0 {
+			t.Errorf("mounts left under %s: %v", d, m)
+		}
+	}
+	if host.Bridge != "" {
+		if _, err := os.Stat("/sys/class/net/" + host.Bridge); err == nil {
+			t.Errorf("CNI bridge %s left", host.Bridge)
+		}
+	}
+	if b, _ := os.ReadFile("/proc/sys/net/ipv4/ip_forward"); strings.TrimSpace(string(b)) != host.IPForward {
+		t.Errorf("ip_forward = %q, was %q before Start", strings.TrimSpace(string(b)), host.IPForward)
+	}
+	for _, d := range append(append([]string{}, host.CgroupDirs...), host.CreatedDirs...) {
+		if _, err := os.Stat(d); err == nil {
+			t.Errorf("%s left behind", d)
+		}
+	}
+	if _, err := os.Stat(workDir); !os.IsNotExist(err) {
+		t.Errorf("temporary work dir %s left behind", workDir)
+	}
+}
+
+func waitPodPhase(ctx context.Context, cs kubernetes.Interface, name string, want corev1.PodPhase) error {
+	return poll(ctx, 2*time.Minute, 100*time.Millisecond, "pod "+name+" "+string(want), nil, func(ctx context.Context) (bool, error) {
+		p, err := cs.CoreV1().Pods("default").Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		if p.Status.Phase == corev1.PodFailed && want != corev1.PodFailed {
+			return false, permanent(errors.New("pod failed: " + p.Status.Message + " " + podWhy(p)))
+		}
+		if p.Status.Phase != want {
+			return false, errors.New("phase " + string(p.Status.Phase) + " " + podWhy(p))
+		}
+		return true, nil
+	})
+}
+
+func podWhy(p *corev1.Pod) string {
+	var b strings.Builder
+	for _, s := range p.Status.ContainerStatuses {
+		if s.State.Waiting != nil {
+			b.WriteString(s.State.Waiting.Reason + ": " + s.State.Waiting.Message + " ")
+		}
+		if s.State.Terminated != nil {
+			b.WriteString("terminated " + s.State.Terminated.Reason + " ")
+		}
+	}
+	for _, c := range p.Status.Conditions {
+		if c.Status != corev1.ConditionTrue && c.Message != "" {
+			b.WriteString(string(c.Type) + ": " + c.Message + " ")
+		}
+	}
+	return b.String()
+}

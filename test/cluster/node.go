@@ -1,0 +1,422 @@
+package cluster
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/dirpv/dirpv/test/image"
+)
+
+const (
+	// KubeletRootDir is where the node's kubelet keeps pods, volumes and plugin sockets.
+	//
+	// It is the stock /var/lib/kubelet rather than a directory under WorkDir because deploy/
+	// (the CSI node DaemonSet: hostPath mounts of /var/lib/kubelet/plugins,
+	// /var/lib/kubelet/plugins_registry and the pods dir with Bidirectional propagation) must
+	// work unchanged in e2e, exactly as a user applies it. kubelet also writes
+	// /var/lib/kubelet/device-plugins regardless of --root-dir, so a private root would not
+	// keep the host clean anyway. The price: one node cluster per host at a time.
+	KubeletRootDir = "/var/lib/kubelet"
+
+	pauseImage   = "dirpv.local/pause:1"
+	busyboxImage = "dirpv.local/busybox:1"
+	// bridgeName is the CNI bridge; a dirpv-specific name so teardown never deletes a bridge
+	// that belongs to something else (cni0, docker0).
+	bridgeName = "dirpv0"
+	podSubnet  = "10.88.0.0/16"
+	cniBinDir  = "/usr/lib/cni" // Debian containernetworking-plugins
+)
+
+// aptPackages maps a required file to the Debian package that provides it.
+var aptPackages = []struct{ file, pkg string }{
+	{"/usr/bin/containerd", "containerd"},
+	{"/usr/bin/ctr", "containerd"},
+	{"/usr/sbin/runc", "runc"},
+	{cniBinDir + "/bridge", "containernetworking-plugins"},
+	{cniBinDir + "/host-local", "containernetworking-plugins"},
+	{cniBinDir + "/loopback", "containernetworking-plugins"},
+	{"/bin/busybox", "busybox-static"},
+}
+
+// ensurePackages installs the Debian packages the node needs when their files are missing, so
+// a fresh CI machine works without a setup step.
+func (c *Cluster) ensurePackages(ctx context.Context) error {
+	var missing []string
+	seen := map[string]bool{}
+	for _, p := range aptPackages {
+		if _, err := os.Stat(p.file); err != nil && !seen[p.pkg] {
+			seen[p.pkg] = true
+			missing = append(missing, p.pkg)
+		}
+	}
+	// /bin/busybox may be the dynamically linked Debian "busybox", useless in an image.
+	if !seen["busybox-static"] {
+		if out, err := exec.CommandContext(ctx, "dpkg-query", "-W", "-f=${Status}", "busybox-static").Output(); err != nil || !strings.Contains(string(out), "ok installed") {
+			missing = append(missing, "busybox-static")
+		}
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	c.logf("installing Debian packages %v", missing)
+	env := append(os.Environ(), "DEBIAN_FRONTEND=noninteractive")
+	for _, args := range [][]string{{"update"}, append([]string{"install", "-y", "--no-install-recommends"}, missing...)} {
+		cmd := exec.CommandContext(ctx, "apt-get", args...)
+		cmd.Env = env
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("apt-get %s: %w\n%s", args[0], err, tail(string(out), 20))
+		}
+	}
+	return nil
+}
+
+func (c *Cluster) startNode(ctx context.Context, opts Options) error {
+	if os.Geteuid() != 0 {
+		return fmt.Errorf("a node needs root (containerd, kubelet, mounts, cgroups)")
+	}
+	if err := c.lockNode(ctx); err != nil {
+		return err
+	}
+	if err := c.ensurePackages(ctx); err != nil {
+		return err
+	}
+	c.NodeName = opts.NodeName
+	if c.NodeName == "" {
+		c.NodeName = defaultNodeName
+	}
+	c.KubeletRootDir = KubeletRootDir
+	c.PluginRegistryDir = filepath.Join(KubeletRootDir, "plugins_registry")
+	c.PauseImage, c.BusyboxImage = pauseImage, busyboxImage
+
+	ctrDir := filepath.Join(c.WorkDir, "containerd")
+	c.ContainerdSocket = filepath.Join(ctrDir, "containerd.sock")
+	// Record the host before touching it, so Stop reverts only what we caused.
+	h, err := snapshotHost(c.ContainerdSocket)
+	if err != nil {
+		return err
+	}
+	c.Host = h
+
+	imgDir := filepath.Join(c.WorkDir, "images")
+	if err := os.MkdirAll(imgDir, 0o755); err != nil {
+		return fmt.Errorf("create image dir: %w", err)
+	}
+	pauseTar, busyboxTar := filepath.Join(imgDir, "pause.tar"), filepath.Join(imgDir, "busybox.tar")
+	if err := buildPauseImage(ctx, filepath.Join(c.WorkDir, "bin"), pauseTar); err != nil {
+		return err
+	}
+	if err := buildBusyboxImage(ctx, imgDir, busyboxTar); err != nil {
+		return err
+	}
+
+	if err := c.writeContainerdConfig(ctrDir); err != nil {
+		return err
+	}
+	ctrd, err := c.start(filepath.Join(c.WorkDir, "logs"), "containerd", "containerd",
+		[]string{"--config", filepath.Join(ctrDir, "config.toml")})
+	if err != nil {
+		return err
+	}
+	err = poll(ctx, 30*time.Second, 100*time.Millisecond, "containerd serving", ctrd, func(ctx context.Context) (bool, error) {
+		out, err := exec.CommandContext(ctx, "ctr", "--address", c.ContainerdSocket, "version").CombinedOutput()
+		if err != nil {
+			return false, fmt.Errorf("ctr version: %v: %s", err, strings.TrimSpace(string(out)))
+		}
+		return true, nil
+	})
+	if err != nil {
+		return err
+	}
+	for _, tar := range []string{pauseTar, busyboxTar} {
+		if err := c.ImportImage(ctx, tar); err != nil {
+			return err
+		}
+	}
+	return c.startKubelet(ctx)
+}
+
+// ImportImage imports an OCI or Docker image tar into the node's containerd, in the k8s.io
+// namespace that the CRI plugin serves, so pods can use it with imagePullPolicy: Never.
+func (c *Cluster) ImportImage(ctx context.Context, tarPath string) error {
+	if c.ContainerdSocket == "" {
+		return fmt.Errorf("import %s: cluster has no node", tarPath)
+	}
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "ctr", "--address", c.ContainerdSocket, "-n", "k8s.io",
+		"images", "import", tarPath).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("ctr images import %s: %w: %s", tarPath, err, strings.TrimSpace(string(out)))
+	}
+	c.logf("imported %s: %s", filepath.Base(tarPath), strings.TrimSpace(string(out)))
+	return nil
+}
+
+func (c *Cluster) writeContainerdConfig(dir string) error {
+	for _, d := range []string{dir, filepath.Join(c.WorkDir, "cni", "net.d")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return fmt.Errorf("create %s: %w", d, err)
+		}
+	}
+	cfg := fmt.Sprintf(`version = 2
+root = %[1]q
+state = %[2]q
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs", "io.containerd.internal.v1.tracing"]
+
+[grpc]
+  address = %[3]q
+
+[ttrpc]
+  address = "%[3]s.ttrpc"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = %[4]q
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = %[5]q
+  # Required here: the sandbox lacks CAP_SYS_RESOURCE, so runc cannot lower oom_score_adj and
+  # every sandbox would fail with "can't get final child's PID from pipe".
+  restrict_oom_score_adj = true
+  enable_selinux = false
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        Root = %[6]q
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = %[7]q
+    conf_dir = %[8]q
+`, filepath.Join(dir, "root"), filepath.Join(dir, "state"), c.ContainerdSocket,
+		filepath.Join(dir, "opt"), pauseImage, filepath.Join(dir, "runc"), cniBinDir,
+		filepath.Join(c.WorkDir, "cni", "net.d"))
+	if err := os.WriteFile(filepath.Join(dir, "config.toml"), []byte(cfg), 0o644); err != nil {
+		return fmt.Errorf("write containerd config: %w", err)
+	}
+	// host-local keeps its leases under WorkDir (dataDir) instead of /var/lib/cni/networks.
+	cni := fmt.Sprintf(`{
+  "cniVersion": "0.4.0",
+  "name": "dirpv",
+  "plugins": [
+    {
+      "type": "bridge",
+      "bridge": %q,
+      "isGateway": true,
+      "ipMasq": false,
+      "hairpinMode": true,
+      "ipam": {
+        "type": "host-local",
+        "ranges": [[{"subnet": %q}]],
+        "routes": [{"dst": "0.0.0.0/0"}],
+        "dataDir": %q
+      }
+    }
+  ]
+}
+`, bridgeName, podSubnet, filepath.Join(c.WorkDir, "cni", "ipam"))
+	if err := os.WriteFile(filepath.Join(c.WorkDir, "cni", "net.d", "10-dirpv.conflist"), []byte(cni), 0o644); err != nil {
+		return fmt.Errorf("write CNI config: %w", err)
+	}
+	return nil
+}
+
+// nodeLockPath serialises node clusters on a host: they share /var/lib/kubelet, /run/containerd,
+// the kubepods cgroups and the bridge. The lock is an flock; kubelet inherits the descriptor, so
+// a cluster started by the CLI keeps holding it after the CLI exits, until kubelet stops.
+const nodeLockPath = "/run/dirpv-node.lock"
+
+func (c *Cluster) lockNode(ctx context.Context) error {
+	f, err := os.OpenFile(nodeLockPath, os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return fmt.Errorf("open %s: %w", nodeLockPath, err)
+	}
+	err = poll(ctx, 10*time.Minute, 500*time.Millisecond, "lock "+nodeLockPath+" (another node cluster is running; `dirpv-cluster down` stops a CLI one)", nil,
+		func(context.Context) (bool, error) {
+			err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+			return err == nil, err
+		})
+	if err != nil {
+		f.Close()
+		return err
+	}
+	c.nodeLock = f
+	return nil
+}
+
+func (c *Cluster) startKubelet(ctx context.Context) error {
+	p := c.pki()
+	if err := p.load(); err != nil {
+		return err
+	}
+	name := "kubelet-" + c.NodeName
+	// NodeRestriction and the Node authorizer identify a kubelet by exactly this CN and group.
+	if err := p.leaf(name, "system:node:"+c.NodeName, []string{"system:nodes"}, nil, nil, false, true); err != nil {
+		return err
+	}
+	kubeconfig := filepath.Join(c.WorkDir, "kubelet.kubeconfig")
+	if err := p.kubeconfig(kubeconfig, c.APIServerURL, name); err != nil {
+		return err
+	}
+	ports, err := freePorts(2)
+	if err != nil {
+		return err
+	}
+	port, healthzPort := ports[0], ports[1]
+	cfg := fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+# The hosts here run cgroup v1 with cgroupfs and have no systemd as init.
+failCgroupV1: false
+cgroupDriver: cgroupfs
+failSwapOn: false
+# Leave the host's iptables alone; nothing here needs kubelet's chains.
+makeIPTablesUtilChains: false
+port: %d
+healthzBindAddress: 127.0.0.1
+healthzPort: %d
+readOnlyPort: 0
+authentication:
+  anonymous:
+    enabled: false
+  webhook:
+    enabled: false
+  x509:
+    clientCAFile: %q
+authorization:
+  mode: AlwaysAllow
+containerRuntimeEndpoint: unix://%s
+imageServiceEndpoint: unix://%s
+resolvConf: /etc/resolv.conf
+# Locally imported images cannot be pulled again: never garbage-collect them, and do not let a
+# busy developer disk put the node under pressure and evict test pods.
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard:
+  memory.available: 50Mi
+  nodefs.available: 1%%
+  nodefs.inodesFree: 1%%
+  imagefs.available: 1%%
+serializeImagePulls: false
+# Tests wait on pod status; report it promptly.
+nodeStatusUpdateFrequency: 4s
+syncFrequency: 10s
+`, port, healthzPort, p.path("ca.crt"), c.ContainerdSocket, c.ContainerdSocket)
+	cfgPath := filepath.Join(c.WorkDir, "kubelet-config.yaml")
+	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
+		return fmt.Errorf("write kubelet config: %w", err)
+	}
+	kubelet, err := c.start(filepath.Join(c.WorkDir, "logs"), "kubelet", c.binPath("kubelet"), []string{
+		"--config=" + cfgPath,
+		"--kubeconfig=" + kubeconfig,
+		"--root-dir=" + c.KubeletRootDir,
+		"--cert-dir=" + filepath.Join(c.WorkDir, "kubelet-pki"),
+		"--hostname-override=" + c.NodeName,
+		"--v=1",
+	}, c.nodeLock)
+	if err != nil {
+		return err
+	}
+	if err := poll(ctx, 60*time.Second, 200*time.Millisecond, "kubelet /healthz", kubelet,
+		httpOK(plainHTTP, fmt.Sprintf("http://127.0.0.1:%d/healthz", healthzPort))); err != nil {
+		return err
+	}
+	cs, err := c.Client()
+	if err != nil {
+		return err
+	}
+	return poll(ctx, 90*time.Second, 250*time.Millisecond, "node "+c.NodeName+" Ready", kubelet, func(ctx context.Context) (bool, error) {
+		n, err := cs.CoreV1().Nodes().Get(ctx, c.NodeName, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		return nodeReady(n), nil
+	})
+}
+
+func (c *Cluster) binPath(name string) string { return filepath.Join(c.BinDir, name) }
+
+// sourceDir is the directory of this package's source, used to find build.sh and pause/.
+func sourceDir() (string, error) {
+	_, file, _, ok := runtime.Caller(0)
+	if ok {
+		if _, err := os.Stat(filepath.Join(filepath.Dir(file), "build.sh")); err == nil {
+			return filepath.Dir(file), nil
+		}
+	}
+	// Binaries built with -trimpath lose the absolute path; fall back to the repo root.
+	out, err := exec.Command("git", "rev-parse", "--show-toplevel").Output()
+	if err == nil {
+		dir := filepath.Join(strings.TrimSpace(string(out)), "test", "cluster")
+		if _, err := os.Stat(filepath.Join(dir, "build.sh")); err == nil {
+			return dir, nil
+		}
+	}
+	return "", fmt.Errorf("cannot find test/cluster sources (build.sh); run from the dirpv checkout")
+}
+
+func buildPauseImage(ctx context.Context, binDir, tarPath string) error {
+	src, err := sourceDir()
+	if err != nil {
+		return err
+	}
+	bin := filepath.Join(binDir, "pause")
+	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", bin, "./pause")
+	cmd.Dir = src
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH=amd64")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("build pause: %w: %s", err, out)
+	}
+	return image.WriteOCITar(tarPath, pauseImage, []image.File{{HostPath: bin, ImagePath: "/pause", Mode: 0o755}},
+		image.Config{Entrypoint: []string{"/pause"}})
+}
+
+func buildBusyboxImage(ctx context.Context, tmpDir, tarPath string) error {
+	const bb = "/bin/busybox"
+	out, err := exec.CommandContext(ctx, bb, "--list-full").Output()
+	if err != nil {
+		return fmt.Errorf("busybox --list-full: %w", err)
+	}
+	files := []image.File{
+		{HostPath: bb, ImagePath: "/bin/busybox", Mode: 0o755},
+		{ImagePath: "/tmp", Dir: true, Mode: 0o777 | os.ModeSticky},
+		{ImagePath: "/root", Dir: true, Mode: 0o700},
+	}
+	seen := map[string]bool{"/bin/busybox": true}
+	for _, l := range strings.Fields(string(out)) {
+		p := "/" + strings.TrimPrefix(l, "/")
+		if !seen[p] {
+			seen[p] = true
+			files = append(files, image.File{ImagePath: p, Symlink: "/bin/busybox"})
+		}
+	}
+	etc := map[string]string{
+		"passwd": "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
+		"group":  "root:x:0:\nnogroup:x:65534:\n",
+	}
+	for name, content := range etc {
+		host := filepath.Join(tmpDir, "busybox-"+name)
+		if err := os.WriteFile(host, []byte(content), 0o644); err != nil {
+			return fmt.Errorf("write %s: %w", host, err)
+		}
+		files = append(files, image.File{HostPath: host, ImagePath: "/etc/" + name, Mode: 0o644})
+	}
+	return image.WriteOCITar(tarPath, busyboxImage, files, image.Config{Cmd: []string{"sh"}})
+}
+
+func tail(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
