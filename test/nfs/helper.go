@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 
 	"github.com/dirpv/dirpv/test/nfs/internal/mountrec"
@@ -60,7 +61,9 @@ func BuildMountHelper(ctx context.Context) (string, error) {
 	}
 	tmp.Close()
 	defer os.Remove(tmp.Name())
-	cmd := exec.CommandContext(ctx, goTool(), "build", "-o", tmp.Name(), HelperPackage)
+	// DIRPV_NFS_HELPER_BUILDFLAGS (e.g. "-race") is for debugging the helper.
+	args := append([]string{"build", "-o", tmp.Name()}, strings.Fields(os.Getenv("DIRPV_NFS_HELPER_BUILDFLAGS"))...)
+	cmd := exec.CommandContext(ctx, goTool(), append(args, HelperPackage)...)
 	// Build from this package's source dir so it works whatever the caller's
 	// working directory (tests of other packages run in their own dirs).
 	if _, file, _, ok := runtime.Caller(0); ok {

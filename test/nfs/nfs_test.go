@@ -38,9 +38,11 @@ func startServer(t *testing.T, opts Options) *Server {
 	}
 	t.Logf("ganesha started in %s (nfs port %d, mount port %d)", time.Since(t0).Round(time.Millisecond), s.Port, s.MountPort)
 	t.Cleanup(func() {
+		t0 := time.Now()
 		if err := s.Stop(); err != nil {
 			t.Errorf("Stop: %v", err)
 		}
+		t.Logf("server stopped in %s", time.Since(t0).Round(time.Millisecond))
 	})
 	return s
 }
@@ -293,6 +295,43 @@ func TestMountReadWrite(t *testing.T) {
 	})
 }
 
+// TestConcurrentIO drives many requests through one mount at once: the
+// helper multiplexes them over one RPC connection.
+func TestConcurrentIO(t *testing.T) {
+	s := startServer(t, Options{})
+	m := mount.New(mountHelper(t))
+	serverDir := mkSub(t, s, "c")
+	target := mountShare(t, m, s.Source("c"), s.MountOptions())
+	const n = 8
+	want := make([][]byte, n)
+	errs := make(chan error, n)
+	for i := range n {
+		want[i] = randomBytes(t, 1<<20+i*4093)
+		go func() {
+			p := filepath.Join(target, "f"+strconv.Itoa(i))
+			if err := os.WriteFile(p, want[i], 0o644); err != nil {
+				errs <- err
+				return
+			}
+			got, err := os.ReadFile(p)
+			if err == nil && !bytes.Equal(got, want[i]) {
+				err = errors.New("read back differs: " + p)
+			}
+			errs <- err
+		}()
+	}
+	for range n {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
+	}
+	for i := range n {
+		if got, err := os.ReadFile(filepath.Join(serverDir, "f"+strconv.Itoa(i))); err != nil || !bytes.Equal(got, want[i]) {
+			t.Errorf("server side f%d differs: %v", i, err)
+		}
+	}
+}
+
 // isZombie: the daemon's parent exits right after mounting, so an exited
 // daemon is reaped by PID 1, which in some containers never reaps.
 func isZombie(pid int) bool {
@@ -391,6 +430,44 @@ func TestStaleMountUnmount(t *testing.T) {
 	}
 }
 
+// TestHungServer: a paused (SIGSTOPped) server accepts connections but never
+// answers; the per-RPC deadline must still turn I/O into EIO, and the stale
+// mount must unmount.
+func TestHungServer(t *testing.T) {
+	// The daemon inherits the environment through mount-utils: a short NFS
+	// deadline keeps this test fast.
+	t.Setenv("DIRPV_NFS_FUSE_TIMEOUT", "2s")
+	s := startServer(t, Options{})
+	m := mount.New(mountHelper(t))
+	mkSub(t, s, "hung")
+	target := mountShare(t, m, s.Source("hung"), s.MountOptions())
+	if err := s.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Unpause() })
+	t0 := time.Now()
+	_, err := os.Stat(filepath.Join(target, "nope"))
+	if !errors.Is(err, syscall.EIO) || time.Since(t0) > 15*time.Second {
+		t.Errorf("stat on a hung server: %v after %s; want EIO within 15s", err, time.Since(t0))
+	}
+	t.Logf("I/O on hung server failed after %s: %v", time.Since(t0).Round(time.Millisecond), err)
+	t0 = time.Now()
+	done := make(chan error, 1)
+	go func() { done <- m.Unmount(target) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Unmount with a hung server: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Unmount with a hung server hung for 30s")
+	}
+	t.Logf("unmount with hung server took %s", time.Since(t0).Round(time.Millisecond))
+	if isMounted(t, target) {
+		t.Error("still mounted after Unmount")
+	}
+}
+
 // TestServerRestartMidUse: the server goes away and comes back on the same
 // port and export; an existing mount recovers (Ganesha VFS handles are
 // persistent), and new mounts work.
@@ -432,6 +509,36 @@ func TestServerRestartMidUse(t *testing.T) {
 	if b, err := os.ReadFile(filepath.Join(target2, "after")); err != nil || string(b) != "3" {
 		t.Errorf("new mount after restart: %q, %v", b, err)
 	}
+}
+
+// TestStopStartSameExportAndPort: a fully stopped server started again on the
+// caller's export dir and the same ports serves an existing mount again.
+func TestStopStartSameExportAndPort(t *testing.T) {
+	export := t.TempDir()
+	s1 := startServer(t, Options{ExportDir: export})
+	m := mount.New(mountHelper(t))
+	mkSub(t, s1, "keep")
+	target := mountShare(t, m, s1.Source("keep"), s1.MountOptions())
+	if err := os.WriteFile(filepath.Join(target, "f"), []byte("one"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := s1.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(export, "keep", "f")); err != nil {
+		t.Fatalf("Stop removed the caller's export dir: %v", err)
+	}
+	s2 := startServer(t, Options{ExportDir: export, Port: s1.Port, MountPort: s1.MountPort})
+	if s2.Port != s1.Port || s2.MountPort != s1.MountPort {
+		t.Fatalf("ports changed: %d/%d -> %d/%d", s1.Port, s1.MountPort, s2.Port, s2.MountPort)
+	}
+	poll(t, 30*time.Second, "old mount serves again", func() error {
+		b, err := os.ReadFile(filepath.Join(target, "f"))
+		if err == nil && string(b) != "one" {
+			return errors.New("wrong content " + string(b))
+		}
+		return err
+	})
 }
 
 func TestRootSquash(t *testing.T) {

@@ -106,7 +106,10 @@ func Start(ctx context.Context, opts Options) (s *Server, err error) {
 		Port: opts.Port, MountPort: opts.MountPort, squash: opts.Squash}
 	defer func() {
 		if err != nil {
-			s.cleanupDirs()
+			if s.releaseRPC != nil {
+				s.releaseRPC()
+			}
+			_ = s.cleanupDirs()
 		}
 	}()
 	if s.Share == "" {
@@ -155,17 +158,30 @@ func Start(ctx context.Context, opts Options) (s *Server, err error) {
 		return nil, fmt.Errorf("nfs: creating recovery dir: %w", err)
 	}
 	s.removeDirs = append(s.removeDirs, s.recoveryDir)
-	for _, p := range []*int{&s.Port, &s.MountPort} {
-		if *p == 0 {
-			if *p, err = freePort(); err != nil {
-				return nil, err
+	autoPorts := s.Port == 0 || s.MountPort == 0
+	pinned := [2]int{s.Port, s.MountPort}
+	// Retry when ganesha exits during start-up: an auto-picked port may have
+	// been taken in between, or a portmapper owned by another test process
+	// may have gone away while ganesha registered with it.
+	for attempt := 1; ; attempt++ {
+		s.Port, s.MountPort = pinned[0], pinned[1]
+		for _, p := range []*int{&s.Port, &s.MountPort} {
+			if *p == 0 {
+				if *p, err = freePort(); err != nil {
+					return nil, err
+				}
 			}
 		}
+		if err = s.writeConfig(); err != nil {
+			return nil, err
+		}
+		err = s.start(ctx)
+		if err == nil || !errors.Is(err, errExited) || attempt == 3 {
+			break
+		}
+		debugf("start attempt %d failed (auto ports %v): %v", attempt, autoPorts, err)
 	}
-	if err := s.writeConfig(); err != nil {
-		return nil, err
-	}
-	if err := s.start(ctx); err != nil {
+	if err != nil {
 		return nil, err
 	}
 	return s, nil
@@ -327,13 +343,15 @@ func (s *Server) waitReady(ctx context.Context, exited <-chan struct{}) error {
 		}
 		select {
 		case <-exited:
-			return fmt.Errorf("ganesha.nfsd exited during start-up (last probe: %v)", last)
+			return fmt.Errorf("%w (last probe: %v)", errExited, last)
 		case <-ctx.Done():
 			return fmt.Errorf("%w (last probe: %v)", ctx.Err(), last)
 		case <-tick.C:
 		}
 	}
 }
+
+var errExited = errors.New("ganesha.nfsd exited during start-up")
 
 // Kill SIGKILLs the server, as a crash would: clients see connection
 // refused until Resume. Export, work dir, ports and rpcbind are kept.
@@ -354,6 +372,26 @@ func (s *Server) killLocked() {
 	_ = s.proc.Process.Kill()
 	<-s.exited
 	s.proc, s.exited = nil, nil
+}
+
+// Pause freezes the server with SIGSTOP: connections are still accepted by
+// the kernel but nothing answers, the nastiest failure for a client (a hung
+// server rather than a refused connection). Unpause continues it.
+func (s *Server) Pause() error { return s.signal(syscall.SIGSTOP) }
+
+// Unpause continues a paused server (SIGCONT).
+func (s *Server) Unpause() error { return s.signal(syscall.SIGCONT) }
+
+func (s *Server) signal(sig syscall.Signal) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.proc == nil {
+		return errors.New("nfs: server is not running")
+	}
+	if err := s.proc.Process.Signal(sig); err != nil {
+		return fmt.Errorf("nfs: signalling ganesha: %w", err)
+	}
+	return nil
 }
 
 // Resume starts a killed server again on the same export and ports. Ganesha
@@ -382,6 +420,7 @@ func (s *Server) terminateLocked() {
 		return
 	}
 	_ = s.proc.Process.Signal(syscall.SIGTERM)
+	_ = s.proc.Process.Signal(syscall.SIGCONT) // a paused server would not see SIGTERM
 	select {
 	case <-s.exited:
 	case <-time.After(stopGrace):

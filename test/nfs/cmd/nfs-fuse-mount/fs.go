@@ -157,7 +157,7 @@ var (
 	_ fs.NodeLinker     = (*node)(nil)
 )
 
-// op gives one FUSE operation its deadline (all the RPCs it makes share it)
+// op gives one FUSE operation its own deadline (all the RPCs it makes share it)
 // and the caller's credentials, so the server applies its own permission
 // checks and squashing to the real user.
 func (n *node) op(ctx context.Context) (context.Context, context.CancelFunc, rpc.Auth) {
@@ -165,7 +165,13 @@ func (n *node) op(ctx context.Context) (context.Context, context.CancelFunc, rpc
 	if c, ok := fuse.FromContext(ctx); ok {
 		uid, gid = c.Uid, c.Gid
 	}
-	ctx, cancel := context.WithTimeout(ctx, n.fsys.timeout)
+	// Deliberately not derived from the request context: go-fuse cancels
+	// that on FUSE_INTERRUPT, which the kernel sends whenever the caller
+	// gets any signal - and Go programs get SIGURG for goroutine preemption
+	// all the time. Aborting then would turn writes into spurious EIO (and
+	// drop the shared connection). Like a kernel NFS mount, only the
+	// deadline ends an operation.
+	ctx, cancel := context.WithTimeout(context.Background(), n.fsys.timeout)
 	return ctx, cancel, nfs3.Cred(uid, gid)
 }
 

@@ -42,6 +42,8 @@ const (
 	daemonEnv = "DIRPV_NFS_FUSE_DAEMON"
 	// timeoutEnv overrides the per-operation NFS deadline (a Go duration).
 	timeoutEnv = "DIRPV_NFS_FUSE_TIMEOUT"
+	// keepLogEnv keeps the daemon log after a clean unmount, for debugging.
+	keepLogEnv = "DIRPV_NFS_FUSE_KEEP_LOG"
 	// Exit codes of mount(8)/mount.nfs.
 	exitUsage = 1
 	exitFail  = 32
@@ -249,9 +251,12 @@ func foreground(a *mountArgs) error {
 			return nil
 		}
 		msg := strings.TrimPrefix(r.line, "ERR ")
+		<-exited
 		if msg == "" {
-			<-exited
 			msg = "daemon exited without a status; see " + mountrec.LogPath(a.target)
+		} else {
+			// The reason is in our output already; no need to keep the log.
+			_ = os.Remove(mountrec.LogPath(a.target))
 		}
 		return fmt.Errorf("mounting %s failed: %s", a.source, msg)
 	case <-time.After(readyTimeout):
@@ -314,7 +319,9 @@ func daemonMain() int {
 	srv.Wait()
 	if r, err := mountrec.Read(a.target); err == nil && r.PID == os.Getpid() {
 		_ = os.Remove(mountrec.Path(a.target))
-		_ = os.Remove(mountrec.LogPath(a.target))
+		if os.Getenv(keepLogEnv) == "" {
+			_ = os.Remove(mountrec.LogPath(a.target))
+		}
 	}
 	return 0
 }

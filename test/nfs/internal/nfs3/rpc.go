@@ -257,6 +257,13 @@ func (c *Client) Call(ctx context.Context, prog, vers, proc uint32, cred rpc.Aut
 		}
 		rep = r
 	case <-ctx.Done():
+		if errors.Is(ctx.Err(), context.Canceled) {
+			// The caller gave up; the connection is fine, others may use it.
+			cn.mu.Lock()
+			delete(cn.pending, xid)
+			cn.mu.Unlock()
+			return nil, fmt.Errorf("rpc prog %d proc %d to %s: %w", prog, proc, c.addr, ctx.Err())
+		}
 		c.dropConn(cn, ErrTimeout)
 		return nil, fmt.Errorf("rpc prog %d proc %d to %s: %w", prog, proc, c.addr, ErrTimeout)
 	}
