@@ -196,11 +196,12 @@ func (d *Driver) publishLocal(ctx context.Context, scope *opScope, pr *publishRe
 		return fmt.Errorf("duplicate volume directory handle: %w", err)
 	}
 	source := fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), fd)
-	opts := []string{"bind"}
+	// "ro" goes last: mount(8) lets a later option win, and a PV's "rw" must not undo a
+	// read-only publish.
+	opts := append([]string{"bind"}, pr.flags...)
 	if pr.readonly {
 		opts = append(opts, "ro")
 	}
-	opts = append(opts, pr.flags...)
 	err = scope.call(ctx, "bind mount of "+dir.Name()+" at "+pr.target, func() error {
 		defer unix.Close(fd)
 		return d.mounter.MountSensitiveWithoutSystemdWithMountFlags(source, pr.target, "", opts, nil, []string{"--no-canonicalize"})
@@ -267,7 +268,7 @@ func (d *Driver) publishNFS(ctx context.Context, scope *opScope, pr *publishRequ
 		return err
 	}
 	opts := slices.Clone(pr.flags)
-	if pr.readonly {
+	if pr.readonly { // last, so that a PV's "rw" cannot override it
 		opts = append(opts, "ro")
 	}
 	err = scope.call(ctx, "NFS mount of "+source+" at "+pr.target, func() error {

@@ -175,7 +175,8 @@ func TestPublishLocalReadOnly(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			_, attrs := localVolume(t, "vol")
 			target := newTarget(t)
-			req := publishReq("vol", target, attrs, mountCap(tc.mode, "nosuid", "nodev"), tc.ro)
+			// "rw" among the PV's mount options must not undo a read-only publish.
+			req := publishReq("vol", target, attrs, mountCap(tc.mode, "nosuid", "rw", "nodev"), tc.ro)
 			if _, err := ns.NodePublishVolume(ctx, req); err != nil {
 				t.Fatal(err)
 			}
