@@ -28,9 +28,9 @@ func newKeyedLock() *keyedLock { return &keyedLock{held: map[string]*lockEntry{}
 // errOperationPending means another operation on the same key still runs.
 var errOperationPending = errors.New("an earlier operation on this volume and target is still in progress")
 
-// lock waits until key is free or ctx is done. The returned unlock releases the key once the
-// operations registered on the returned scope have all finished, possibly after the handler
-// itself has returned (see opScope.call).
+// lock waits until key is free or ctx is done, and fails at once if the key is held by an
+// orphaned operation. The returned scope's release gives the key back once every call made
+// through the scope has finished, possibly after the handler itself has returned.
 func (l *keyedLock) lock(ctx context.Context, key string, timeout time.Duration) (*opScope, error) {
 	for {
 		l.mu.Lock()
