@@ -5,7 +5,9 @@ import (
 	"context"
 	"crypto/rand"
 	"errors"
+	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -558,6 +560,51 @@ func TestRootSquash(t *testing.T) {
 	}
 	if err := os.Chown(filepath.Join(target, "f"), 1000, 1000); !errors.Is(err, syscall.EPERM) {
 		t.Errorf("chown through root_squash mount: %v; want EPERM", err)
+	}
+}
+
+// TestSupplementaryGroups: permissions granted through a supplementary
+// group (how a pod's fsGroup works) hold through the mount.
+func TestSupplementaryGroups(t *testing.T) {
+	s := startServer(t, Options{})
+	m := mount.New(mountHelper(t))
+	serverDir := mkSub(t, s, "g")
+	shared := filepath.Join(serverDir, "shared")
+	if err := os.Mkdir(shared, 0o770); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(shared, 0, 4242); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(shared, 0o770); err != nil {
+		t.Fatal(err)
+	}
+	target := mountShare(t, m, s.Source("g"), s.MountOptions())
+	// t.TempDir's parent is 0700: let uid 1000 reach the mount point.
+	if err := os.Chmod(filepath.Dir(target), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	run := func(groups []uint32, script string) error {
+		cmd := exec.Command("/bin/sh", "-c", script)
+		cmd.Dir = "/"
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 1000, Gid: 1000, Groups: groups}}
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("%w: %s", err, out)
+		}
+		return nil
+	}
+	dir := filepath.Join(target, "shared")
+	if err := run([]uint32{4242}, "test -w "+dir+" && echo hi > "+dir+"/by-group"); err != nil {
+		t.Errorf("write via supplementary group: %v", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(shared, "by-group")); err != nil || string(b) != "hi\n" {
+		t.Errorf("server side: %q, %v", b, err)
+	}
+	if err := run(nil, "echo no > "+dir+"/no-group"); err == nil {
+		t.Error("write without the group succeeded")
+	}
+	if err := run(nil, "test -w "+dir); err == nil {
+		t.Error("access(W_OK) without the group succeeded")
 	}
 }
 

@@ -88,6 +88,7 @@ type Server struct {
 	proc       *exec.Cmd
 	exited     chan struct{} // closed when proc has been reaped
 	releaseRPC func()
+	leases     []*os.File // port leases (flocks), see leasePort
 	stopped    bool
 }
 
@@ -95,20 +96,21 @@ type Server struct {
 // listening, writes the config and starts ganesha.nfsd in the foreground as
 // a child process, and returns once the NFSv3, MOUNT and NFSv4 services
 // answer a NULL call.
-func Start(ctx context.Context, opts Options) (s *Server, err error) {
+func Start(ctx context.Context, opts Options) (_ *Server, err error) {
 	if os.Geteuid() != 0 {
 		return nil, errors.New("nfs: starting NFS-Ganesha needs root")
 	}
 	if err := EnsurePackages(ctx); err != nil {
 		return nil, err
 	}
-	s = &Server{Addr: "127.0.0.1", Share: opts.Share, ExportDir: opts.ExportDir, WorkDir: opts.WorkDir,
+	s := &Server{Addr: "127.0.0.1", Share: opts.Share, ExportDir: opts.ExportDir, WorkDir: opts.WorkDir,
 		Port: opts.Port, MountPort: opts.MountPort, squash: opts.Squash}
 	defer func() {
 		if err != nil {
 			if s.releaseRPC != nil {
 				s.releaseRPC()
 			}
+			s.releasePorts()
 			_ = s.cleanupDirs()
 		}
 	}()
@@ -158,28 +160,14 @@ func Start(ctx context.Context, opts Options) (s *Server, err error) {
 		return nil, fmt.Errorf("nfs: creating recovery dir: %w", err)
 	}
 	s.removeDirs = append(s.removeDirs, s.recoveryDir)
-	autoPorts := s.Port == 0 || s.MountPort == 0
-	pinned := [2]int{s.Port, s.MountPort}
-	// Retry when ganesha exits during start-up: an auto-picked port may have
-	// been taken in between, or a portmapper owned by another test process
-	// may have gone away while ganesha registered with it.
+	// Retry when ganesha exits during start-up: the portmapper may have gone
+	// away (another test process stopped it) while ganesha registered.
 	for attempt := 1; ; attempt++ {
-		s.Port, s.MountPort = pinned[0], pinned[1]
-		for _, p := range []*int{&s.Port, &s.MountPort} {
-			if *p == 0 {
-				if *p, err = freePort(); err != nil {
-					return nil, err
-				}
-			}
-		}
-		if err = s.writeConfig(); err != nil {
-			return nil, err
-		}
 		err = s.start(ctx)
 		if err == nil || !errors.Is(err, errExited) || attempt == 3 {
 			break
 		}
-		debugf("start attempt %d failed (auto ports %v): %v", attempt, autoPorts, err)
+		debugf("start attempt %d failed: %v", attempt, err)
 	}
 	if err != nil {
 		return nil, err
@@ -279,19 +267,32 @@ func (s *Server) start(ctx context.Context) error {
 	if s.proc != nil {
 		return errors.New("nfs: server is already running")
 	}
-	// NFSv3 needs the portmapper: Ganesha registers with it at start. Check
-	// again on Resume: a portmapper another process owned may be gone.
-	if s.releaseRPC != nil && !portmapperAlive(ctx) {
-		s.releaseRPC()
-		s.releaseRPC = nil
+	// One start at a time across processes: Ganesha unregisters and
+	// re-registers its programs with the shared portmapper at start-up,
+	// and two doing so at once makes one fail ("Cannot register NFS V3").
+	unlock, err := lockState(ctx, "ganesha-start.lock")
+	if err != nil {
+		return err
 	}
-	if s.releaseRPC == nil {
-		rel, err := acquireRPCBind(ctx)
-		if err != nil {
+	defer unlock()
+	if s.leases == nil { // first start: lease ports for the Server's lifetime
+		if err := s.leasePorts(); err != nil {
 			return err
 		}
-		s.releaseRPC = rel
+		if err := s.writeConfig(); err != nil {
+			return err
+		}
 	}
+	// NFSv3 needs the portmapper: Ganesha registers with it at start.
+	// acquireRPCBind also restarts one that went away since (on Resume).
+	rel, err := acquireRPCBind(ctx)
+	if err != nil {
+		return err
+	}
+	if s.releaseRPC != nil {
+		s.releaseRPC() // keep one share per Server
+	}
+	s.releaseRPC = rel
 	out, err := os.OpenFile(filepath.Join(s.WorkDir, "ganesha.out"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return fmt.Errorf("nfs: opening ganesha.out: %w", err)
@@ -376,8 +377,46 @@ func (s *Server) killLocked() {
 
 // Pause freezes the server with SIGSTOP: connections are still accepted by
 // the kernel but nothing answers, the nastiest failure for a client (a hung
-// server rather than a refused connection). Unpause continues it.
-func (s *Server) Pause() error { return s.signal(syscall.SIGSTOP) }
+// server rather than a refused connection). It returns once every thread
+// is stopped, so nothing is answered after it returns. Unpause continues it.
+func (s *Server) Pause() error {
+	if err := s.signal(syscall.SIGSTOP); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	pid := s.proc.Process.Pid
+	s.mu.Unlock()
+	deadline := time.Now().Add(10 * time.Second)
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for !allThreadsStopped(pid) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("nfs: ganesha pid %d did not stop within 10s", pid)
+		}
+		<-tick.C
+	}
+	return nil
+}
+
+// allThreadsStopped reports whether every thread of pid is in state T.
+func allThreadsStopped(pid int) bool {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil || len(tasks) == 0 {
+		return false
+	}
+	for _, t := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, t.Name()))
+		if err != nil {
+			return false
+		}
+		st := string(b)
+		i := strings.LastIndexByte(st, ')')
+		if i < 0 || i+2 >= len(st) || st[i+2] != 'T' {
+			return false
+		}
+	}
+	return true
+}
 
 // Unpause continues a paused server (SIGCONT).
 func (s *Server) Unpause() error { return s.signal(syscall.SIGCONT) }
@@ -444,7 +483,28 @@ func (s *Server) Stop() error {
 		s.releaseRPC()
 		s.releaseRPC = nil
 	}
+	s.releasePorts()
 	return s.cleanupDirs()
+}
+
+func (s *Server) leasePorts() error {
+	for _, p := range []*int{&s.Port, &s.MountPort} {
+		port, f, err := leasePort(*p)
+		if err != nil {
+			s.releasePorts()
+			return err
+		}
+		*p = port
+		s.leases = append(s.leases, f)
+	}
+	return nil
+}
+
+func (s *Server) releasePorts() {
+	for _, f := range s.leases {
+		f.Close()
+	}
+	s.leases = nil
 }
 
 func (s *Server) cleanupDirs() error {
@@ -456,16 +516,6 @@ func (s *Server) cleanupDirs() error {
 	}
 	s.removeDirs = nil
 	return errors.Join(errs...)
-}
-
-// freePort asks the kernel for a free TCP port on 127.0.0.1.
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("nfs: finding a free port: %w", err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
 }
 
 func tail(file string, n int) string {

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -162,8 +164,12 @@ var (
 // checks and squashing to the real user.
 func (n *node) op(ctx context.Context) (context.Context, context.CancelFunc, rpc.Auth) {
 	uid, gid := uint32(0), uint32(0)
+	var groups []uint32
 	if c, ok := fuse.FromContext(ctx); ok {
 		uid, gid = c.Uid, c.Gid
+		if uid != 0 { // root needs none (and is squashed anyway if so configured)
+			groups = supplementaryGroups(c.Pid)
+		}
 	}
 	// Deliberately not derived from the request context: go-fuse cancels
 	// that on FUSE_INTERRUPT, which the kernel sends whenever the caller
@@ -172,7 +178,28 @@ func (n *node) op(ctx context.Context) (context.Context, context.CancelFunc, rpc
 	// drop the shared connection). Like a kernel NFS mount, only the
 	// deadline ends an operation.
 	ctx, cancel := context.WithTimeout(context.Background(), n.fsys.timeout)
-	return ctx, cancel, nfs3.Cred(uid, gid)
+	return ctx, cancel, nfs3.Cred(uid, gid, groups...)
+}
+
+// supplementaryGroups reads the caller's groups from /proc, as FUSE passes
+// only uid, gid and pid. A vanished process just gets none.
+func supplementaryGroups(pid uint32) []uint32 {
+	b, err := os.ReadFile("/proc/" + strconv.FormatUint(uint64(pid), 10) + "/status")
+	if err != nil {
+		return nil
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "Groups:"); ok {
+			var out []uint32
+			for _, f := range strings.Fields(rest) {
+				if g, err := strconv.ParseUint(f, 10, 32); err == nil {
+					out = append(out, uint32(g))
+				}
+			}
+			return out
+		}
+	}
+	return nil
 }
 
 func (n *node) t() *nfs3.Target { return n.fsys.t }
@@ -215,6 +242,46 @@ func mkdev(major, minor uint32) uint32 {
 func (n *node) child(ctx context.Context, fh []byte, a *nfs3.Fattr, out *fuse.EntryOut) *fs.Inode {
 	fillAttr(a, &out.Attr)
 	return n.NewInode(ctx, &node{fsys: n.fsys, fh: fh}, fs.StableAttr{Mode: typeBits[a.Type], Ino: a.Fileid})
+}
+
+// Access answers access(2) with the server's ACCESS verdict, which knows the
+// caller's supplementary groups, ACLs and squashing (go-fuse's default
+// check looks at mode bits with the primary group only).
+func (n *node) Access(ctx context.Context, mask uint32) syscall.Errno {
+	isDir := n.StableAttr().Mode&syscall.S_IFMT == syscall.S_IFDIR
+	var want uint32
+	if mask&4 != 0 { // R_OK
+		want |= nfsc.ACCESS3_READ
+	}
+	if mask&2 != 0 { // W_OK
+		want |= nfsc.ACCESS3_MODIFY | nfsc.ACCESS3_EXTEND
+		if isDir {
+			want |= nfsc.ACCESS3_DELETE
+		}
+	}
+	if mask&1 != 0 { // X_OK
+		if isDir {
+			want |= nfsc.ACCESS3_LOOKUP
+		} else {
+			want |= nfsc.ACCESS3_EXECUTE
+		}
+	}
+	if want == 0 { // F_OK: existence, which lookup already proved
+		return 0
+	}
+	if mask&2 != 0 && n.fsys.readOnly {
+		return syscall.EROFS
+	}
+	ctx, cancel, cred := n.op(ctx)
+	defer cancel()
+	got, err := n.t().Access(ctx, cred, n.fh, want)
+	if err != nil {
+		return n.logErr("access", err)
+	}
+	if got&want != want {
+		return syscall.EACCES
+	}
+	return 0
 }
 
 func (n *node) Getattr(ctx context.Context, _ fs.FileHandle, out *fuse.AttrOut) syscall.Errno {

@@ -91,9 +91,33 @@ type Target struct {
 	RTMax, WTMax uint32
 }
 
-// Cred builds AUTH_UNIX credentials; the server maps uid 0 per its squash setting.
-func Cred(uid, gid uint32) rpc.Auth {
-	return rpc.NewAuthUnix("dirpv-nfs-fuse", uid, gid).Auth()
+// authSysParms is RFC 5531 authsys_parms. go-nfs-client's AuthUnix carries
+// exactly one group; this one carries the supplementary groups too, which
+// permission checks through group bits (e.g. a pod's fsGroup) rely on.
+type authSysParms struct {
+	Stamp   uint32
+	Machine string
+	UID     uint32
+	GID     uint32
+	GIDs    []uint32
+}
+
+// maxAuthGroups is the AUTH_SYS limit on supplementary groups.
+const maxAuthGroups = 16
+
+// Cred builds AUTH_SYS credentials; the server maps uid 0 per its squash
+// setting. At most 16 supplementary groups are sent, as the protocol allows.
+func Cred(uid, gid uint32, groups ...uint32) rpc.Auth {
+	if len(groups) > maxAuthGroups {
+		groups = groups[:maxAuthGroups]
+	}
+	if groups == nil {
+		groups = []uint32{}
+	}
+	var b bytes.Buffer
+	// Encoding a fixed struct into a buffer cannot fail.
+	_ = xdr.Write(&b, &authSysParms{Stamp: uint32(time.Now().Unix()), Machine: "dirpv-nfs-fuse", UID: uid, GID: gid, GIDs: groups})
+	return rpc.Auth{Flavor: 1, Body: b.Bytes()}
 }
 
 // status reads an nfsstat3 and turns non-zero into *Error.
@@ -575,4 +599,23 @@ func (t *Target) FSStat(ctx context.Context, cred rpc.Auth, fh []byte) (*FSStat,
 		return nil, fmt.Errorf("FSSTAT: decoding: %w", err)
 	}
 	return &st, nil
+}
+
+// Access runs ACCESS and returns the subset of want the server grants.
+func (t *Target) Access(ctx context.Context, cred rpc.Auth, fh []byte, want uint32) (uint32, error) {
+	r, err := t.call(ctx, "ACCESS", nfsc.NFSProc3Access, cred, &struct {
+		FH     []byte
+		Access uint32
+	}{fh, want})
+	if err != nil {
+		return 0, err
+	}
+	var res struct {
+		Attr   postOpAttr
+		Access uint32
+	}
+	if err := xdr.Read(r, &res); err != nil {
+		return 0, fmt.Errorf("ACCESS: decoding: %w", err)
+	}
+	return res.Access, nil
 }
