@@ -132,8 +132,23 @@ func status(r io.Reader, op string) error {
 	return nil
 }
 
+// idempotent procedures may be sent again after a lost connection, as the
+// kernel client retransmits them; the others (CREATE, REMOVE, RENAME, ...)
+// could then fail spuriously with EEXIST or ENOENT, so they are not.
+var idempotent = map[uint32]bool{
+	nfsc.NFSProc3GetAttr: true, nfsc.NFSProc3SetAttr: true, nfsc.NFSProc3Lookup: true,
+	nfsc.NFSProc3Access: true, nfsc.NFSProc3Readlink: true, nfsc.NFSProc3Read: true,
+	nfsc.NFSProc3Write: true, nfsc.NFSProc3ReadDirPlus: true, procFSStat: true,
+	nfsc.NFSProc3FSInfo: true, nfsc.NFSProc3Commit: true,
+}
+
 func (t *Target) call(ctx context.Context, op string, proc uint32, cred rpc.Auth, args any) (*bytes.Reader, error) {
 	r, err := t.rpc.Call(ctx, nfsc.Nfs3Prog, nfsc.Nfs3Vers, proc, cred, args)
+	// A server restart or an idle-connection close shows up as a lost
+	// connection on the next call: one retry on a fresh connection hides it.
+	if err != nil && errors.Is(err, ErrConnLost) && idempotent[proc] && ctx.Err() == nil {
+		r, err = t.rpc.Call(ctx, nfsc.Nfs3Prog, nfsc.Nfs3Vers, proc, cred, args)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", op, err)
 	}

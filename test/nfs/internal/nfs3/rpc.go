@@ -54,6 +54,10 @@ func (e *RPCError) Error() string {
 // ErrTimeout is returned (wrapped) when a call does not complete before its deadline.
 var ErrTimeout = errors.New("rpc call timed out")
 
+// ErrConnLost is returned (wrapped) when the connection failed before a
+// reply came: the server may or may not have run the call.
+var ErrConnLost = errors.New("rpc connection lost")
+
 // Client is one ONC RPC over TCP client with multiplexed calls.
 type Client struct {
 	addr    string
@@ -231,7 +235,7 @@ func (c *Client) Call(ctx context.Context, prog, vers, proc uint32, cred rpc.Aut
 	if cn.err != nil {
 		err := cn.err
 		cn.mu.Unlock()
-		return nil, fmt.Errorf("connection to %s: %w", c.addr, err)
+		return nil, fmt.Errorf("connection to %s: %w: %w", c.addr, ErrConnLost, err)
 	}
 	cn.pending[xid] = ch
 	cn.mu.Unlock()
@@ -243,7 +247,7 @@ func (c *Client) Call(ctx context.Context, prog, vers, proc uint32, cred rpc.Aut
 	cn.wmu.Unlock()
 	if err != nil {
 		c.dropConn(cn, err)
-		return nil, fmt.Errorf("sending rpc to %s: %w", c.addr, err)
+		return nil, fmt.Errorf("sending rpc to %s: %w: %w", c.addr, ErrConnLost, err)
 	}
 
 	var rep []byte
@@ -253,7 +257,7 @@ func (c *Client) Call(ctx context.Context, prog, vers, proc uint32, cred rpc.Aut
 			cn.mu.Lock()
 			err := cn.err
 			cn.mu.Unlock()
-			return nil, fmt.Errorf("connection to %s lost: %w", c.addr, err)
+			return nil, fmt.Errorf("connection to %s: %w: %w", c.addr, ErrConnLost, err)
 		}
 		rep = r
 	case <-ctx.Done():
