@@ -10,10 +10,12 @@
 //	m := mount.New(helper) // k8s.io/mount-utils
 //	err = m.Mount(srv.Source("sub"), target, "nfs", append([]string{"vers=3"}, srv.MountOptions()...))
 //
-// The server listens on 127.0.0.1 only, on ports picked at start (so several
-// servers and test binaries can run at once); Server.MountOptions gives the
-// port= and mountport= options that make a mount independent of the shared
-// portmapper, whose registrations the last-started server owns.
+// The server listens on 127.0.0.1 only, on ports leased from 20000-31999 at
+// start (so several servers and test binaries can run at once; see
+// leasePort); Server.MountOptions gives the port= and mountport= options
+// that make a mount independent of the shared portmapper, whose
+// registrations the last-started server owns. Kill/Resume, Restart and
+// Pause/Unpause simulate a crashed, restarted and hung server.
 package nfs
 
 import (
