@@ -1,0 +1,262 @@
+package volume
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// resolveBeneath makes the kernel refuse any lookup that would leave the directory it starts
+// from or pass through a symlink (openat2(2)), so a symlink planted inside a volume can never
+// redirect dirpv to a path outside it, however it is raced.
+const resolveBeneath = unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS
+
+// ErrNotDirectory is returned when a path component dirpv would descend into is not a directory,
+// for example a symlink planted where a volume directory was expected.
+var ErrNotDirectory = errors.New("not a directory (symlinks are never followed)")
+
+// Root is an open base directory. Every operation on it resolves beneath it without following
+// symlinks. It is not safe to Close while operations run.
+type Root struct {
+	path string
+	fd   int
+}
+
+// OpenRoot opens the base directory at an absolute path. The base itself may be reached through
+// symlinks (an admin's choice); nothing beneath it is.
+func OpenRoot(path string) (*Root, error) {
+	fd, err := unix.Open(path, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open base directory %s: %w", path, err)
+	}
+	return &Root{path: path, fd: fd}, nil
+}
+
+// Path is the base directory's path as given to OpenRoot.
+func (r *Root) Path() string { return r.path }
+
+// Close releases the base directory.
+func (r *Root) Close() error { return unix.Close(r.fd) }
+
+// openDir opens rel (a clean relative path, or "" for the base itself) as a directory beneath
+// the root.
+func (r *Root) openDir(rel string, flags int) (int, error) {
+	if rel == "" {
+		rel = "."
+	} else if _, err := CleanRelPath(rel); err != nil {
+		return -1, err
+	}
+	fd, err := unix.Openat2(r.fd, rel, &unix.OpenHow{
+		Flags:   uint64(flags | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC),
+		Resolve: resolveBeneath,
+	})
+	if err != nil {
+		return -1, describeResolveError(r.path, rel, err)
+	}
+	return fd, nil
+}
+
+func describeResolveError(base, rel string, err error) error {
+	switch {
+	case errors.Is(err, unix.ELOOP), errors.Is(err, unix.ENOTDIR):
+		return fmt.Errorf("%s in %s: %w", rel, base, ErrNotDirectory)
+	case errors.Is(err, unix.EXDEV):
+		return fmt.Errorf("%s escapes %s: %w", rel, base, err)
+	}
+	return fmt.Errorf("open %s in %s: %w", rel, base, &os.PathError{Op: "openat2", Path: rel, Err: err})
+}
+
+// split returns the parent of rel ("" for the base) and its last component.
+func split(rel string) (string, string) {
+	i := strings.LastIndexByte(rel, '/')
+	if i < 0 {
+		return "", rel
+	}
+	return rel[:i], rel[i+1:]
+}
+
+// Owner is the mode and ownership a new volume directory gets. UID or GID -1 leaves that id as
+// the creating process's.
+type Owner struct {
+	// Mode holds Unix permission bits, setuid, setgid and sticky included (0 to 07777).
+	Mode uint32
+	UID  int
+	GID  int
+}
+
+// MkdirAll creates rel and any missing parents beneath the root. Parents get mode 0755 and the
+// process's ownership; rel itself gets exactly owner.Mode (umask does not apply) and owner's
+// ids. It reports whether rel was created; an existing directory is left as it is.
+func (r *Root) MkdirAll(rel string, owner Owner) (created bool, err error) {
+	if _, err := CleanRelPath(rel); err != nil {
+		return false, err
+	}
+	parentFd, err := r.openDir("", unix.O_PATH)
+	if err != nil {
+		return false, err
+	}
+	defer func() { unix.Close(parentFd) }()
+	components := strings.Split(rel, "/")
+	for i, name := range components {
+		last := i == len(components)-1
+		mode := uint32(0o755)
+		if last {
+			mode = owner.Mode & 0o777
+		}
+		err := unix.Mkdirat(parentFd, name, mode)
+		made := err == nil
+		if err != nil && !errors.Is(err, unix.EEXIST) {
+			return false, fmt.Errorf("mkdir %s in %s: %w", strings.Join(components[:i+1], "/"), r.path, err)
+		}
+		fd, err := unix.Openat2(parentFd, name, &unix.OpenHow{
+			Flags:   uint64(unix.O_RDONLY | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC),
+			Resolve: resolveBeneath,
+		})
+		if err != nil {
+			return false, describeResolveError(r.path, strings.Join(components[:i+1], "/"), err)
+		}
+		unix.Close(parentFd)
+		parentFd = fd
+		if last && made {
+			// chown first: it clears setuid/setgid, and mkdir applied the umask, so the mode is
+			// set exactly afterwards.
+			if err := unix.Fchown(fd, owner.UID, owner.GID); err != nil {
+				return true, fmt.Errorf("chown %s in %s to %d:%d: %w", rel, r.path, owner.UID, owner.GID, err)
+			}
+			if err := unix.Fchmod(fd, owner.Mode&0o7777); err != nil {
+				return true, fmt.Errorf("chmod %s in %s to %o: %w", rel, r.path, owner.Mode, err)
+			}
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+// Stat returns the status of the directory rel beneath the root, without following symlinks.
+// It fails with an error wrapping os.ErrNotExist when rel does not exist.
+func (r *Root) Stat(rel string) (unix.Stat_t, error) {
+	var st unix.Stat_t
+	fd, err := r.openDir(rel, unix.O_PATH)
+	if err != nil {
+		return st, err
+	}
+	defer unix.Close(fd)
+	if err := unix.Fstat(fd, &st); err != nil {
+		return st, fmt.Errorf("stat %s in %s: %w", rel, r.path, err)
+	}
+	return st, nil
+}
+
+// OpenDir opens the directory rel beneath the root as an O_PATH handle, for callers that must
+// act on exactly this directory (bind mount source, statfs) without a second path lookup. A
+// bind mount from /proc/<pid>/fd/<n> only keeps that promise with mount(8)'s
+// --no-canonicalize, which stops mount from turning the link back into a path.
+func (r *Root) OpenDir(rel string) (*os.File, error) {
+	fd, err := r.openDir(rel, unix.O_PATH)
+	if err != nil {
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), r.path+"/"+rel), nil
+}
+
+// RemoveAll removes rel and everything below it. It never follows a symlink (a symlink is
+// removed, its target untouched) and never crosses a mount point, bind mounts of the same file
+// system included: one inside the tree stops the removal with an error, so a still-mounted
+// volume or a mount planted inside it cannot lead to deleting someone else's data. A missing
+// rel is not an error.
+func (r *Root) RemoveAll(rel string) error {
+	if _, err := CleanRelPath(rel); err != nil {
+		return err
+	}
+	parent, name := split(rel)
+	parentFd, err := r.openDir(parent, unix.O_RDONLY)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer unix.Close(parentFd)
+	mnt, err := mountID(parentFd)
+	if err != nil {
+		return fmt.Errorf("%s in %s: %w", parent, r.path, err)
+	}
+	if err := removeAt(parentFd, name, mnt); err != nil {
+		return fmt.Errorf("remove %s in %s: %w", rel, r.path, err)
+	}
+	return nil
+}
+
+// mountID identifies the mount an open file is on; unlike st_dev it tells a bind mount of the
+// same file system apart.
+func mountID(fd int) (uint64, error) {
+	var stx unix.Statx_t
+	if err := unix.Statx(fd, "", unix.AT_EMPTY_PATH, unix.STATX_MNT_ID, &stx); err != nil {
+		return 0, fmt.Errorf("statx: %w", err)
+	}
+	if stx.Mask&unix.STATX_MNT_ID == 0 {
+		return 0, fmt.Errorf("statx: kernel did not report a mount id")
+	}
+	return stx.Mnt_id, nil
+}
+
+func removeAt(parentFd int, name string, mnt uint64) error {
+	err := unix.Unlinkat(parentFd, name, 0)
+	switch {
+	case err == nil, errors.Is(err, unix.ENOENT):
+		return nil
+	case !errors.Is(err, unix.EISDIR):
+		return fmt.Errorf("unlink %s: %w", name, err)
+	}
+	fd, err := unix.Openat(parentFd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ENOENT) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("open %s: %w", name, err)
+	}
+	dir := os.NewFile(uintptr(fd), name)
+	defer dir.Close()
+	if id, err := mountID(fd); err != nil {
+		return fmt.Errorf("%s: %w", name, err)
+	} else if id != mnt {
+		return fmt.Errorf("%s is a mount point, refusing to remove across it", name)
+	}
+	names, err := dir.Readdirnames(-1)
+	if err != nil {
+		return fmt.Errorf("read directory %s: %w", name, err)
+	}
+	for _, child := range names {
+		if err := removeAt(fd, child, mnt); err != nil {
+			return fmt.Errorf("%s/%w", name, err)
+		}
+	}
+	if err := unix.Unlinkat(parentFd, name, unix.AT_REMOVEDIR); err != nil && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("rmdir %s: %w", name, err)
+	}
+	return nil
+}
+
+// Rename moves the directory rel to newName in the same parent directory, failing if newName
+// exists. Only the last component changes, so the volume can never move out of its parent.
+func (r *Root) Rename(rel, newName string) error {
+	if _, err := CleanRelPath(rel); err != nil {
+		return err
+	}
+	if _, err := CleanRelPath(newName); err != nil || strings.Contains(newName, "/") {
+		return fmt.Errorf("new name %q must be a single path component", newName)
+	}
+	parent, name := split(rel)
+	parentFd, err := r.openDir(parent, unix.O_PATH)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(parentFd)
+	if err := unix.Renameat2(parentFd, name, parentFd, newName, unix.RENAME_NOREPLACE); err != nil {
+		return fmt.Errorf("rename %s to %s in %s: %w", rel, newName, r.path, err)
+	}
+	return nil
+}
