@@ -1,0 +1,148 @@
+package provisioner
+
+import (
+	"fmt"
+	"path"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/dirpv/dirpv/volume"
+)
+
+// StorageClass parameter names.
+const (
+	ParamBackend     = "backend"
+	ParamServer      = "server"
+	ParamShare       = "share"
+	ParamBasePath    = "basePath"
+	ParamPathPattern = "pathPattern"
+	ParamOnDelete    = "onDelete"
+	ParamMode        = "mode"
+	ParamUID         = "uid"
+	ParamGID         = "gid"
+)
+
+// DefaultBasePath is where local volumes live when a class names no basePath.
+const DefaultBasePath = "/var/lib/dirpv"
+
+// DefaultMode lets any pod user write to a new volume, as users of dev-cluster provisioners
+// expect; classes that want less say so with mode, uid and gid.
+const DefaultMode = 0o777
+
+// OnDelete says what happens to a volume's directory when its PV is deleted.
+type OnDelete string
+
+const (
+	// OnDeleteDelete removes the directory tree.
+	OnDeleteDelete OnDelete = "delete"
+	// OnDeleteRetain leaves the directory as it is.
+	OnDeleteRetain OnDelete = "retain"
+	// OnDeleteArchive renames the directory to archived-<name>-<time> beside it.
+	OnDeleteArchive OnDelete = "archive"
+)
+
+func parseOnDelete(s string) (OnDelete, error) {
+	switch d := OnDelete(s); d {
+	case OnDeleteDelete, OnDeleteRetain, OnDeleteArchive:
+		return d, nil
+	}
+	return "", fmt.Errorf("%s %q: want %q, %q or %q", ParamOnDelete, s, OnDeleteDelete, OnDeleteRetain, OnDeleteArchive)
+}
+
+// classParams are a StorageClass's parameters, parsed and checked.
+type classParams struct {
+	backend  volume.Backend
+	server   string
+	share    string
+	basePath string
+	pattern  *pattern
+	onDelete OnDelete
+	owner    volume.Owner
+}
+
+// parseParameters checks every parameter, so that a typo is reported on the claim rather than
+// silently ignored.
+func parseParameters(params map[string]string) (*classParams, error) {
+	known := []string{ParamBackend, ParamServer, ParamShare, ParamBasePath, ParamPathPattern, ParamOnDelete, ParamMode, ParamUID, ParamGID}
+	var unknown []string
+	for k := range params {
+		if !slices.Contains(known, k) {
+			unknown = append(unknown, k)
+		}
+	}
+	if len(unknown) > 0 {
+		slices.Sort(unknown)
+		return nil, fmt.Errorf("unknown StorageClass parameters %q; known: %s", unknown, strings.Join(known, ", "))
+	}
+	c := &classParams{
+		backend:  volume.Backend(params[ParamBackend]),
+		onDelete: OnDeleteDelete,
+		owner:    volume.Owner{Mode: DefaultMode, UID: 0, GID: 0},
+	}
+	switch c.backend {
+	case volume.BackendNFS:
+		c.server, c.share = params[ParamServer], params[ParamShare]
+		if c.server == "" || c.share == "" {
+			return nil, fmt.Errorf("backend nfs needs parameters %s and %s", ParamServer, ParamShare)
+		}
+		if _, ok := params[ParamBasePath]; ok {
+			return nil, fmt.Errorf("parameter %s is for backend local, not nfs", ParamBasePath)
+		}
+	case volume.BackendLocal:
+		c.basePath = params[ParamBasePath]
+		if c.basePath == "" {
+			c.basePath = DefaultBasePath
+		}
+		if !path.IsAbs(c.basePath) || path.Clean(c.basePath) != c.basePath || c.basePath == "/" {
+			return nil, fmt.Errorf("%s %q must be a clean absolute path other than /", ParamBasePath, c.basePath)
+		}
+		for _, p := range []string{ParamServer, ParamShare} {
+			if _, ok := params[p]; ok {
+				return nil, fmt.Errorf("parameter %s is for backend nfs, not local", p)
+			}
+		}
+	case "":
+		return nil, fmt.Errorf("parameter %s is required: %q or %q", ParamBackend, volume.BackendNFS, volume.BackendLocal)
+	default:
+		return nil, fmt.Errorf("%s %q: want %q or %q", ParamBackend, c.backend, volume.BackendNFS, volume.BackendLocal)
+	}
+	// The export itself is checked the same way the node plugin will check the PV.
+	probe := volume.Attributes{Backend: c.backend, Server: c.server, Share: c.share, BasePath: c.basePath, Path: "x"}
+	if err := probe.Validate(); err != nil {
+		return nil, err
+	}
+
+	pat := params[ParamPathPattern]
+	if pat == "" {
+		pat = DefaultPathPattern
+	}
+	var err error
+	if c.pattern, err = parsePattern(pat); err != nil {
+		return nil, err
+	}
+	if s, ok := params[ParamOnDelete]; ok {
+		if c.onDelete, err = parseOnDelete(s); err != nil {
+			return nil, err
+		}
+	}
+	if s, ok := params[ParamMode]; ok {
+		m, err := strconv.ParseUint(s, 8, 32)
+		if err != nil || m > 0o7777 {
+			return nil, fmt.Errorf("%s %q: want an octal mode such as 0770 or 2775", ParamMode, s)
+		}
+		c.owner.Mode = uint32(m)
+	}
+	for name, id := range map[string]*int{ParamUID: &c.owner.UID, ParamGID: &c.owner.GID} {
+		s, ok := params[name]
+		if !ok {
+			continue
+		}
+		n, err := strconv.ParseUint(s, 10, 31)
+		if err != nil {
+			return nil, fmt.Errorf("%s %q: want a non-negative number", name, s)
+		}
+		*id = int(n)
+	}
+	return c, nil
+}

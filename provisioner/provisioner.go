@@ -1,0 +1,415 @@
+// Package provisioner is dirpv's sig-storage-lib-external-provisioner Provisioner: it turns a
+// claim into a directory on an NFS export or under a node-local base path, and back.
+//
+// One Provisioner runs in `dirpv controller` (role controller, leader-elected) for NFS classes
+// and in every `dirpv node` (role node, no leader election) for local classes, where it accepts
+// only the claims the scheduler placed on its own node.
+package provisioner
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	storagelisters "k8s.io/client-go/listers/storage/v1"
+	"k8s.io/klog/v2"
+	"k8s.io/mount-utils"
+	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
+
+	"github.com/dirpv/dirpv/volume"
+)
+
+// Annotations dirpv puts on the PVs it makes, so Delete never needs the StorageClass.
+const (
+	// AnnOnDelete holds the class's onDelete policy.
+	AnnOnDelete = "dirpv.io/on-delete"
+	// AnnNode names the node holding a local volume.
+	AnnNode = "dirpv.io/node"
+)
+
+// annSelectedNode is set on a claim by the scheduler for WaitForFirstConsumer classes.
+const annSelectedNode = "volume.kubernetes.io/selected-node"
+
+// Role says which claims a Provisioner serves.
+type Role string
+
+const (
+	// RoleController serves NFS classes, and reports misconfigured local classes.
+	RoleController Role = "controller"
+	// RoleNode serves local classes for claims placed on its own node.
+	RoleNode Role = "node"
+)
+
+// Config configures a Provisioner.
+type Config struct {
+	// DriverName is the CSI driver name written into PVs; also the provisioner name.
+	DriverName string
+	Role       Role
+	// NodeName is this node's name (role node).
+	NodeName string
+	Client   kubernetes.Interface
+	// Classes lists StorageClasses; the Qualifier needs a class's backend.
+	Classes storagelisters.StorageClassLister
+	// Mounter mounts NFS exports (role controller).
+	Mounter mount.Interface
+	// WorkDir holds the controller's NFS mounts.
+	WorkDir string
+	// OperationTimeout bounds each call that touches NFS, mounting included.
+	OperationTimeout time.Duration
+	// IdleUnmount is how long an unused NFS mount stays mounted.
+	IdleUnmount time.Duration
+}
+
+// Provisioner implements controller.Provisioner, Qualifier and DeletionGuard.
+type Provisioner struct {
+	cfg     Config
+	exports *exports
+	locals  localRoots
+
+	hostnameOnce sync.Mutex
+	hostname     string
+}
+
+var (
+	_ controller.Provisioner   = (*Provisioner)(nil)
+	_ controller.Qualifier     = (*Provisioner)(nil)
+	_ controller.DeletionGuard = (*Provisioner)(nil)
+)
+
+// New checks cfg and returns a Provisioner. Call Run to start its housekeeping.
+func New(cfg Config) (*Provisioner, error) {
+	switch cfg.Role {
+	case RoleController:
+		if cfg.WorkDir == "" || cfg.Mounter == nil {
+			return nil, fmt.Errorf("role controller needs a work dir and a mounter")
+		}
+	case RoleNode:
+		if cfg.NodeName == "" {
+			return nil, fmt.Errorf("role node needs the node name")
+		}
+	default:
+		return nil, fmt.Errorf("unknown role %q", cfg.Role)
+	}
+	if cfg.DriverName == "" || cfg.Client == nil || cfg.Classes == nil {
+		return nil, fmt.Errorf("driver name, client and class lister are required")
+	}
+	if cfg.OperationTimeout <= 0 {
+		cfg.OperationTimeout = 30 * time.Second
+	}
+	if cfg.IdleUnmount <= 0 {
+		cfg.IdleUnmount = 5 * time.Minute
+	}
+	p := &Provisioner{cfg: cfg}
+	if cfg.Role == RoleController {
+		p.exports = newExports(cfg.Mounter, cfg.WorkDir, cfg.OperationTimeout)
+	}
+	return p, nil
+}
+
+// Run unmounts idle NFS exports until ctx is done, then releases every mount and directory.
+func (p *Provisioner) Run(ctx context.Context) {
+	defer p.locals.closeAll()
+	if p.exports == nil {
+		<-ctx.Done()
+		return
+	}
+	defer p.exports.closeAll(context.WithoutCancel(ctx))
+	tick := time.NewTicker(p.cfg.IdleUnmount / 2)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+			p.exports.sweep(ctx, p.cfg.IdleUnmount)
+		}
+	}
+}
+
+// ShouldProvision says whether this instance serves the claim. Claims of local classes go to
+// the node the scheduler selected; everything else, broken local classes included, goes to the
+// controller, so that exactly one instance reports a bad class on the claim.
+func (p *Provisioner) ShouldProvision(ctx context.Context, claim *v1.PersistentVolumeClaim) bool {
+	className := ptrValue(claim.Spec.StorageClassName)
+	class, err := p.cfg.Classes.Get(className)
+	if err != nil {
+		// The lib reports a missing class on the claim; let the controller be the one to do so.
+		return p.cfg.Role == RoleController
+	}
+	local := class.Parameters[ParamBackend] == string(volume.BackendLocal)
+	lateBinding := class.VolumeBindingMode != nil && *class.VolumeBindingMode == storagev1.VolumeBindingWaitForFirstConsumer
+	if p.cfg.Role == RoleNode {
+		return local && lateBinding && claim.Annotations[annSelectedNode] == p.cfg.NodeName
+	}
+	return !local || !lateBinding
+}
+
+// ShouldDelete says whether this instance deletes the PV's directory: NFS volumes in the
+// controller, local volumes on their own node.
+func (p *Provisioner) ShouldDelete(ctx context.Context, pv *v1.PersistentVolume) bool {
+	return p.responsibleFor(pv) == ""
+}
+
+// responsibleFor returns why this instance does not handle the PV, or "" if it does.
+func (p *Provisioner) responsibleFor(pv *v1.PersistentVolume) string {
+	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != p.cfg.DriverName {
+		return fmt.Sprintf("PV %s is not a %s volume", pv.Name, p.cfg.DriverName)
+	}
+	backend := volume.Backend(pv.Spec.CSI.VolumeAttributes[volume.AttrBackend])
+	switch {
+	case p.cfg.Role == RoleController && backend == volume.BackendLocal:
+		return fmt.Sprintf("PV %s is a local volume, deleted on its node", pv.Name)
+	case p.cfg.Role == RoleNode && backend != volume.BackendLocal:
+		return fmt.Sprintf("PV %s is not a local volume, deleted by the controller", pv.Name)
+	case p.cfg.Role == RoleNode && pv.Annotations[AnnNode] != p.cfg.NodeName:
+		return fmt.Sprintf("PV %s lives on node %q, not on %q", pv.Name, pv.Annotations[AnnNode], p.cfg.NodeName)
+	}
+	return ""
+}
+
+// Provision creates the claim's directory and returns its PV. Every check runs before anything
+// is created, so a refused claim leaves nothing on disk.
+func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOptions) (*v1.PersistentVolume, controller.ProvisioningState, error) {
+	logger := klog.FromContext(ctx).WithValues("claim", klog.KObj(opts.PVC), "pv", opts.PVName)
+	ctx = klog.NewContext(ctx, logger)
+	params, err := p.checkClaim(opts)
+	if err != nil {
+		return nil, controller.ProvisioningFinished, err
+	}
+	claim := opts.PVC
+	rel, err := params.pattern.expand(pathVars{
+		namespace:   claim.Namespace,
+		pvcName:     claim.Name,
+		pvName:      opts.PVName,
+		labels:      claim.Labels,
+		annotations: claim.Annotations,
+	})
+	if err != nil {
+		return nil, controller.ProvisioningFinished, err
+	}
+	attrs := volume.Attributes{Backend: params.backend, Server: params.server, Share: params.share, BasePath: params.basePath, Path: rel}
+
+	var hostname string
+	if params.backend == volume.BackendLocal {
+		if hostname, err = p.nodeHostname(ctx); err != nil {
+			return nil, controller.ProvisioningNoChange, err
+		}
+	}
+	created := false
+	err = p.onStore(ctx, attrs, opts.StorageClass.MountOptions, func(root *volume.Root) error {
+		var err error
+		created, err = root.MkdirAll(rel, params.owner)
+		return err
+	})
+	if err != nil {
+		// An NFS server that did not answer may still create the directory; retrying finds it.
+		if errors.Is(err, errExportUnresponsive) {
+			return nil, controller.ProvisioningInBackground, fmt.Errorf("create directory %s: %w", rel, err)
+		}
+		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s: %w", rel, err)
+	}
+	if !created && !params.pattern.usesPVName {
+		// Without the PV name in the pattern, an existing directory may belong to another claim
+		// or be left from an earlier one; handing it over silently could expose its data.
+		return nil, controller.ProvisioningFinished, fmt.Errorf(
+			"directory %s already exists in %s; refusing to reuse it for a new volume (include ${pv.metadata.name} in %s, or remove the directory)",
+			rel, storeName(attrs), ParamPathPattern)
+	}
+	logger.Info("Provisioned volume", "path", rel, "backend", attrs.Backend, "created", created)
+	return p.buildPV(opts, params, attrs, hostname), controller.ProvisioningFinished, nil
+}
+
+// checkClaim parses the class and refuses claims it cannot serve.
+func (p *Provisioner) checkClaim(opts controller.ProvisionOptions) (*classParams, error) {
+	class, claim := opts.StorageClass, opts.PVC
+	params, err := parseParameters(class.Parameters)
+	if err != nil {
+		return nil, err
+	}
+	if claim.Spec.VolumeMode != nil && *claim.Spec.VolumeMode == v1.PersistentVolumeBlock {
+		return nil, fmt.Errorf("volumeMode Block is not supported: dirpv volumes are directories (use Filesystem)")
+	}
+	if claim.Spec.DataSource != nil || claim.Spec.DataSourceRef != nil {
+		return nil, fmt.Errorf("dataSource is not supported: dirpv cannot clone or restore volumes")
+	}
+	switch params.backend {
+	case volume.BackendLocal:
+		if class.VolumeBindingMode == nil || *class.VolumeBindingMode != storagev1.VolumeBindingWaitForFirstConsumer {
+			return nil, fmt.Errorf("StorageClass %s has backend local but volumeBindingMode Immediate: "+
+				"a local volume must be created on the node where its pod runs, so set volumeBindingMode: WaitForFirstConsumer", class.Name)
+		}
+		for _, m := range claim.Spec.AccessModes {
+			if m != v1.ReadWriteOnce && m != v1.ReadWriteOncePod {
+				return nil, fmt.Errorf("access mode %s is not supported by backend local, whose volumes live on one node: use ReadWriteOnce or ReadWriteOncePod, or an nfs class", m)
+			}
+		}
+		if len(class.MountOptions) > 0 {
+			return nil, fmt.Errorf("mountOptions %q are not supported by backend local (bind mounts)", class.MountOptions)
+		}
+		if p.cfg.Role != RoleNode {
+			return nil, fmt.Errorf("claim has no selected node: local volumes are created by the dirpv node plugin on the scheduled node")
+		}
+		if opts.SelectedNodeName != p.cfg.NodeName {
+			return nil, fmt.Errorf("claim was placed on node %q, this is %q", opts.SelectedNodeName, p.cfg.NodeName)
+		}
+	case volume.BackendNFS:
+		if p.cfg.Role != RoleController {
+			return nil, fmt.Errorf("NFS volumes are created by dirpv controller, not on a node")
+		}
+	}
+	if len(claim.Spec.AccessModes) == 0 {
+		return nil, fmt.Errorf("claim has no access modes")
+	}
+	if _, ok := claim.Spec.Resources.Requests[v1.ResourceStorage]; !ok {
+		return nil, fmt.Errorf("claim requests no storage size")
+	}
+	return params, nil
+}
+
+// onStore runs fn on the root of the volume's share or base path.
+func (p *Provisioner) onStore(ctx context.Context, attrs volume.Attributes, mountOptions []string, fn func(*volume.Root) error) error {
+	switch attrs.Backend {
+	case volume.BackendNFS:
+		if p.exports == nil {
+			return fmt.Errorf("NFS volumes are handled by dirpv controller, not on a node")
+		}
+		return p.exports.do(ctx, attrs.Server, attrs.Share, mountOptions, fn)
+	case volume.BackendLocal:
+		return p.locals.do(attrs.BasePath, fn)
+	}
+	return fmt.Errorf("unknown backend %q", attrs.Backend)
+}
+
+func storeName(a volume.Attributes) string {
+	if a.Backend == volume.BackendNFS {
+		return "NFS export " + volume.ExportSource(a.Server, a.Share)
+	}
+	return "base path " + a.BasePath
+}
+
+// nodeHostname returns the node's kubernetes.io/hostname label, which PV node affinity must
+// match; it may differ from the node name on some clouds.
+func (p *Provisioner) nodeHostname(ctx context.Context) (string, error) {
+	p.hostnameOnce.Lock()
+	defer p.hostnameOnce.Unlock()
+	if p.hostname != "" {
+		return p.hostname, nil
+	}
+	node, err := p.cfg.Client.CoreV1().Nodes().Get(ctx, p.cfg.NodeName, metav1.GetOptions{})
+	if err != nil {
+		return "", fmt.Errorf("read node %s for its %s label: %w", p.cfg.NodeName, v1.LabelHostname, err)
+	}
+	p.hostname = node.Labels[v1.LabelHostname]
+	if p.hostname == "" {
+		p.hostname = node.Name
+	}
+	return p.hostname, nil
+}
+
+func (p *Provisioner) buildPV(opts controller.ProvisionOptions, params *classParams, attrs volume.Attributes, hostname string) *v1.PersistentVolume {
+	class, claim := opts.StorageClass, opts.PVC
+	reclaim := v1.PersistentVolumeReclaimDelete
+	if class.ReclaimPolicy != nil {
+		reclaim = *class.ReclaimPolicy
+	}
+	fs := v1.PersistentVolumeFilesystem
+	pv := &v1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:        opts.PVName,
+			Annotations: map[string]string{AnnOnDelete: string(params.onDelete)},
+		},
+		Spec: v1.PersistentVolumeSpec{
+			PersistentVolumeReclaimPolicy: reclaim,
+			AccessModes:                   slices.Clone(claim.Spec.AccessModes),
+			VolumeMode:                    &fs,
+			MountOptions:                  slices.Clone(class.MountOptions),
+			Capacity:                      v1.ResourceList{v1.ResourceStorage: claim.Spec.Resources.Requests[v1.ResourceStorage]},
+			PersistentVolumeSource: v1.PersistentVolumeSource{
+				CSI: &v1.CSIPersistentVolumeSource{
+					Driver:           p.cfg.DriverName,
+					VolumeHandle:     string(attrs.Backend) + ":" + opts.PVName,
+					VolumeAttributes: attrs.Map(),
+				},
+			},
+		},
+	}
+	if attrs.Backend == volume.BackendLocal {
+		pv.Annotations[AnnNode] = p.cfg.NodeName
+		pv.Spec.NodeAffinity = &v1.VolumeNodeAffinity{Required: &v1.NodeSelector{
+			NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchExpressions: []v1.NodeSelectorRequirement{{
+				Key: v1.LabelHostname, Operator: v1.NodeSelectorOpIn, Values: []string{hostname},
+			}}}},
+		}}
+	}
+	return pv
+}
+
+// Delete applies the PV's onDelete policy to its directory. A missing directory counts as
+// deleted, so a retried Delete succeeds.
+func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error {
+	if why := p.responsibleFor(pv); why != "" {
+		return &controller.IgnoredError{Reason: why}
+	}
+	logger := klog.FromContext(ctx).WithValues("pv", pv.Name)
+	ctx = klog.NewContext(ctx, logger)
+	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
+	if err != nil {
+		return fmt.Errorf("PV %s: %w", pv.Name, err)
+	}
+	policy := OnDeleteDelete
+	if s, ok := pv.Annotations[AnnOnDelete]; ok {
+		if policy, err = parseOnDelete(s); err != nil {
+			return fmt.Errorf("PV %s annotation %s: %w", pv.Name, AnnOnDelete, err)
+		}
+	}
+	if policy == OnDeleteRetain {
+		logger.Info("Kept volume directory (onDelete retain)", "path", attrs.Path)
+		return nil
+	}
+	err = p.onStore(ctx, attrs, pv.Spec.MountOptions, func(root *volume.Root) error {
+		if policy == OnDeleteDelete {
+			return root.RemoveAll(attrs.Path)
+		}
+		if _, err := root.Stat(attrs.Path); errors.Is(err, volume.ErrNotDirectory) {
+			// Archiving follows no symlink either; the link itself goes, its target stays.
+			return root.RemoveAll(attrs.Path)
+		} else if apierrors.IsNotFound(err) || isNotExist(err) {
+			return nil
+		} else if err != nil {
+			return err
+		}
+		return root.Rename(attrs.Path, archiveName(attrs.Path, time.Now()))
+	})
+	if err != nil {
+		return fmt.Errorf("onDelete %s of %s in %s: %w", policy, attrs.Path, storeName(attrs), err)
+	}
+	logger.Info("Deleted volume directory", "path", attrs.Path, "onDelete", policy)
+	return nil
+}
+
+// archiveName is the name an archived volume directory gets beside the original.
+func archiveName(rel string, now time.Time) string {
+	base := rel[strings.LastIndexByte(rel, '/')+1:]
+	const prefix = "archived-"
+	suffix := "-" + now.UTC().Format("20060102T150405Z")
+	if max := volume.MaxComponentLength - len(prefix) - len(suffix); len(base) > max {
+		base = base[:max]
+	}
+	return prefix + base + suffix
+}
+
+func ptrValue(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}

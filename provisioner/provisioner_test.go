@@ -1,0 +1,381 @@
+package provisioner
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+	v1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
+	storagelisters "k8s.io/client-go/listers/storage/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/mount-utils"
+	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
+
+	"github.com/dirpv/dirpv/volume"
+)
+
+const (
+	testDriver = "dirpv.io"
+	testNode   = "node-a"
+)
+
+type fixture struct {
+	t       *testing.T
+	base    string
+	classes cache.Indexer
+	node    *Provisioner
+	ctrl    *Provisioner
+	mounter *mount.FakeMounter
+	work    string
+}
+
+func newFixture(t *testing.T) *fixture {
+	t.Helper()
+	f := &fixture{t: t, base: t.TempDir(), work: t.TempDir(), mounter: mount.NewFakeMounter(nil)}
+	f.classes = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
+	client := fake.NewClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{
+		Name: testNode, Labels: map[string]string{v1.LabelHostname: "host-a"},
+	}})
+	lister := storagelisters.NewStorageClassLister(f.classes)
+	var err error
+	f.node, err = New(Config{DriverName: testDriver, Role: RoleNode, NodeName: testNode, Client: client, Classes: lister})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.ctrl, err = New(Config{DriverName: testDriver, Role: RoleController, Client: client, Classes: lister,
+		Mounter: f.mounter, WorkDir: f.work, OperationTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	go f.node.Run(ctx)
+	go f.ctrl.Run(ctx)
+	t.Cleanup(cancel)
+	return f
+}
+
+func (f *fixture) localClass(params map[string]string) *storagev1.StorageClass {
+	p := map[string]string{"backend": "local", "basePath": f.base}
+	for k, v := range params {
+		p[k] = v
+	}
+	wffc := storagev1.VolumeBindingWaitForFirstConsumer
+	c := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: "local"}, Provisioner: testDriver, Parameters: p, VolumeBindingMode: &wffc}
+	f.classes.Add(c)
+	return c
+}
+
+func claim(name string, modes ...v1.PersistentVolumeAccessMode) *v1.PersistentVolumeClaim {
+	if len(modes) == 0 {
+		modes = []v1.PersistentVolumeAccessMode{v1.ReadWriteOnce}
+	}
+	return &v1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "ns", UID: types.UID("uid-" + name),
+			Annotations: map[string]string{annSelectedNode: testNode}},
+		Spec: v1.PersistentVolumeClaimSpec{
+			AccessModes: modes,
+			Resources:   v1.VolumeResourceRequirements{Requests: v1.ResourceList{v1.ResourceStorage: resource.MustParse("1Gi")}},
+		},
+	}
+}
+
+func opts(class *storagev1.StorageClass, pvc *v1.PersistentVolumeClaim) controller.ProvisionOptions {
+	pvc.Spec.StorageClassName = &class.Name
+	return controller.ProvisionOptions{StorageClass: class, PVName: "pvc-" + string(pvc.UID), PVC: pvc, SelectedNodeName: pvc.Annotations[annSelectedNode]}
+}
+
+// listTree returns every path under dir, to show that a refused claim changed nothing.
+func listTree(t *testing.T, dir string) []string {
+	t.Helper()
+	var out []string
+	filepath.Walk(dir, func(p string, _ os.FileInfo, err error) error {
+		if err == nil && p != dir {
+			out = append(out, strings.TrimPrefix(p, dir+"/"))
+		}
+		return nil
+	})
+	return out
+}
+
+func TestProvisionLocal(t *testing.T) {
+	f := newFixture(t)
+	class := f.localClass(map[string]string{"mode": "2770", "uid": "1000", "gid": "2000", "pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.labels['app']}-${pv.metadata.name}"})
+	pvc := claim("data")
+	pvc.Labels = map[string]string{"app": "web"}
+	o := opts(class, pvc)
+	if !f.node.ShouldProvision(context.Background(), o.PVC) {
+		t.Fatal("node instance does not accept a claim placed on its node")
+	}
+	if f.ctrl.ShouldProvision(context.Background(), o.PVC) {
+		t.Fatal("controller accepts a claim of a valid local class")
+	}
+	pv, state, err := f.node.Provision(context.Background(), o)
+	if err != nil || state != controller.ProvisioningFinished {
+		t.Fatalf("Provision = %v, %v", state, err)
+	}
+	dir := filepath.Join(f.base, "ns", "web-pvc-uid-data")
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		t.Fatalf("volume directory: %v", err)
+	}
+	if st.Mode&0o7777 != 0o2770 || st.Uid != 1000 || st.Gid != 2000 {
+		t.Errorf("directory mode %o owner %d:%d, want 2770 1000:2000", st.Mode&0o7777, st.Uid, st.Gid)
+	}
+	csi := pv.Spec.CSI
+	if csi == nil || csi.Driver != testDriver || csi.VolumeHandle == "" {
+		t.Fatalf("PV source = %+v", pv.Spec.PersistentVolumeSource)
+	}
+	attrs, err := volume.ParseAttributes(csi.VolumeAttributes)
+	if err != nil || attrs.BasePath != f.base || attrs.Path != "ns/web-pvc-uid-data" {
+		t.Errorf("attributes = %+v, %v", attrs, err)
+	}
+	terms := pv.Spec.NodeAffinity.Required.NodeSelectorTerms
+	if len(terms) != 1 || terms[0].MatchExpressions[0].Key != v1.LabelHostname || terms[0].MatchExpressions[0].Values[0] != "host-a" {
+		t.Errorf("node affinity = %+v, want %s=host-a", terms, v1.LabelHostname)
+	}
+	if pv.Annotations[AnnOnDelete] != "delete" || pv.Annotations[AnnNode] != testNode {
+		t.Errorf("annotations = %v", pv.Annotations)
+	}
+	if got := pv.Spec.Capacity[v1.ResourceStorage]; got.String() != "1Gi" {
+		t.Errorf("capacity = %s", got.String())
+	}
+
+	// A retried Provision (e.g. after a crash before the PV was saved) finds its own directory.
+	if _, _, err := f.node.Provision(context.Background(), o); err != nil {
+		t.Errorf("repeated Provision: %v", err)
+	}
+
+	// Another node's instance ignores the PV; this node's deletes the directory.
+	if !f.node.ShouldDelete(context.Background(), pv) || f.ctrl.ShouldDelete(context.Background(), pv) {
+		t.Error("ShouldDelete: want node yes, controller no")
+	}
+	if err := f.node.Delete(context.Background(), pv); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("directory still there after delete: %v", err)
+	}
+	if err := f.node.Delete(context.Background(), pv); err != nil {
+		t.Errorf("repeated Delete: %v", err)
+	}
+}
+
+func TestOnDeletePolicies(t *testing.T) {
+	for _, policy := range []string{"delete", "retain", "archive"} {
+		t.Run(policy, func(t *testing.T) {
+			f := newFixture(t)
+			class := f.localClass(map[string]string{"onDelete": policy})
+			pv, _, err := f.node.Provision(context.Background(), opts(class, claim("c")))
+			if err != nil {
+				t.Fatal(err)
+			}
+			rel := pv.Spec.CSI.VolumeAttributes["path"]
+			if err := os.WriteFile(filepath.Join(f.base, rel, "file"), []byte("data"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			if err := f.node.Delete(context.Background(), pv); err != nil {
+				t.Fatal(err)
+			}
+			entries := listTree(t, f.base)
+			switch policy {
+			case "delete":
+				if len(entries) != 0 {
+					t.Errorf("left behind: %v", entries)
+				}
+			case "retain":
+				if !slices.Equal(entries, []string{rel, rel + "/file"}) {
+					t.Errorf("after retain: %v", entries)
+				}
+			case "archive":
+				if len(entries) != 2 || !strings.HasPrefix(entries[0], "archived-"+rel+"-") || !strings.HasSuffix(entries[1], "/file") {
+					t.Errorf("after archive: %v", entries)
+				}
+			}
+		})
+	}
+}
+
+func TestRejectionsLeaveNothingOnDisk(t *testing.T) {
+	block := v1.PersistentVolumeBlock
+	for name, tc := range map[string]struct {
+		params map[string]string
+		mutate func(*storagev1.StorageClass, *v1.PersistentVolumeClaim)
+		want   string
+	}{
+		"unknown parameter":   {params: map[string]string{"bsaePath": "/x"}, want: "unknown StorageClass parameters"},
+		"bad template":        {params: map[string]string{"pathPattern": "${pvc.metadata.uid}"}, want: "unknown variable"},
+		"unterminated":        {params: map[string]string{"pathPattern": "${pvc.metadata.name"}, want: "unterminated"},
+		"dotdot template":     {params: map[string]string{"pathPattern": "../${pvc.metadata.name}"}, want: "component"},
+		"absolute template":   {params: map[string]string{"pathPattern": "/etc/${pvc.metadata.name}"}, want: "absolute"},
+		"escaping annotation": {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"}, mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Annotations["dir"] = "../../etc" }, want: "may not appear"},
+		"dotdot annotation":   {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"}, mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Annotations["dir"] = ".." }, want: "not a directory name"},
+		"missing label":       {params: map[string]string{"pathPattern": "${pvc.metadata.labels['team']}"}, want: "does not have"},
+		"unknown onDelete":    {params: map[string]string{"onDelete": "shred"}, want: "onDelete"},
+		"bad mode":            {params: map[string]string{"mode": "rwx"}, want: "octal"},
+		"bad uid":             {params: map[string]string{"uid": "-1"}, want: "uid"},
+		"nfs param on local":  {params: map[string]string{"server": "x"}, want: "for backend nfs"},
+		"relative basePath":   {params: map[string]string{"basePath": "var/lib"}, want: "absolute"},
+		"block mode":          {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Spec.VolumeMode = &block }, want: "Block"},
+		"rwx on local": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
+			c.Spec.AccessModes = []v1.PersistentVolumeAccessMode{v1.ReadWriteMany}
+		}, want: "ReadWriteMany"},
+		"mountOptions local": {mutate: func(s *storagev1.StorageClass, _ *v1.PersistentVolumeClaim) { s.MountOptions = []string{"noatime"} }, want: "mountOptions"},
+		"data source": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
+			c.Spec.DataSource = &v1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: "x"}
+		}, want: "dataSource"},
+		"immediate local": {mutate: func(s *storagev1.StorageClass, _ *v1.PersistentVolumeClaim) { s.VolumeBindingMode = nil }, want: "WaitForFirstConsumer"},
+		"other node's claim": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
+			c.Annotations[annSelectedNode] = "node-b"
+		}, want: "node-b"},
+		"long annotation": {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"}, mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
+			c.Annotations["dir"] = strings.Repeat("x", 300)
+		}, want: "bytes"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			f := newFixture(t)
+			class := f.localClass(tc.params)
+			pvc := claim("c")
+			o := opts(class, pvc)
+			if tc.mutate != nil {
+				tc.mutate(class, pvc)
+				o.SelectedNodeName = pvc.Annotations[annSelectedNode]
+			}
+			_, state, err := f.node.Provision(context.Background(), o)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Provision error = %v, want one mentioning %q", err, tc.want)
+			}
+			if state != controller.ProvisioningFinished {
+				t.Errorf("state = %s, want Finished", state)
+			}
+			if entries := listTree(t, f.base); len(entries) != 0 {
+				t.Errorf("refused claim left %v on disk", entries)
+			}
+		})
+	}
+}
+
+// A bad local class has no selected node, so no node instance sees the claim: the controller
+// takes it and reports why on the claim.
+func TestControllerReportsImmediateLocalClass(t *testing.T) {
+	f := newFixture(t)
+	class := f.localClass(nil)
+	class.VolumeBindingMode = nil
+	pvc := claim("c")
+	delete(pvc.Annotations, annSelectedNode)
+	o := opts(class, pvc)
+	if f.node.ShouldProvision(context.Background(), pvc) || !f.ctrl.ShouldProvision(context.Background(), pvc) {
+		t.Fatal("want the controller, not a node, to take a claim of an Immediate local class")
+	}
+	if _, _, err := f.ctrl.Provision(context.Background(), o); err == nil || !strings.Contains(err.Error(), "WaitForFirstConsumer") {
+		t.Errorf("Provision error = %v", err)
+	}
+}
+
+func TestExistingDirectoryNotHandedToAnotherClaim(t *testing.T) {
+	f := newFixture(t)
+	class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}"})
+	if _, _, err := f.node.Provision(context.Background(), opts(class, claim("db"))); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(f.base, "ns/db/secret"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	// The claim is deleted with onDelete retain... and a new claim of the same name comes.
+	again := claim("db")
+	again.UID = "uid-db-2"
+	if _, _, err := f.node.Provision(context.Background(), opts(class, again)); err == nil || !strings.Contains(err.Error(), "already exists") {
+		t.Errorf("second claim got the first one's directory (err %v)", err)
+	}
+}
+
+func TestProvisionNFSMountsOnceAndEmitsSelfDescribingPV(t *testing.T) {
+	f := newFixture(t)
+	class := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: "nfs"}, Provisioner: testDriver,
+		Parameters:   map[string]string{"backend": "nfs", "server": "127.0.0.1", "share": "/export", "onDelete": "archive"},
+		MountOptions: []string{"vers=4.1", "noatime"}}
+	f.classes.Add(class)
+	pvc := claim("shared", v1.ReadWriteMany)
+	delete(pvc.Annotations, annSelectedNode)
+	if f.node.ShouldProvision(context.Background(), pvc) || !f.ctrl.ShouldProvision(context.Background(), opts(class, pvc).PVC) {
+		t.Fatal("want the controller, not a node, to take NFS claims")
+	}
+	var pvs []*v1.PersistentVolume
+	for _, name := range []string{"a", "b", "c"} {
+		c := claim(name, v1.ReadWriteMany)
+		pv, _, err := f.ctrl.Provision(context.Background(), opts(class, c))
+		if err != nil {
+			t.Fatal(err)
+		}
+		pvs = append(pvs, pv)
+	}
+	mounts := f.mounter.GetLog()
+	if len(mounts) != 1 || mounts[0].Action != mount.FakeActionMount || mounts[0].Source != "127.0.0.1:/export" {
+		t.Fatalf("mount log = %+v, want one mount of 127.0.0.1:/export", mounts)
+	}
+	if !slices.Equal(f.mounter.MountPoints[0].Opts, []string{"vers=4.1", "noatime"}) {
+		t.Errorf("controller mount options = %v", f.mounter.MountPoints[0].Opts)
+	}
+	pv := pvs[0]
+	if pv.Spec.NodeAffinity != nil {
+		t.Error("NFS PV has node affinity")
+	}
+	if !slices.Equal(pv.Spec.MountOptions, class.MountOptions) {
+		t.Errorf("PV mountOptions = %v", pv.Spec.MountOptions)
+	}
+	want := map[string]string{"backend": "nfs", "server": "127.0.0.1", "share": "/export", "path": "ns-a-pvc-uid-a"}
+	for k, v := range want {
+		if pv.Spec.CSI.VolumeAttributes[k] != v {
+			t.Errorf("attribute %s = %q, want %q", k, pv.Spec.CSI.VolumeAttributes[k], v)
+		}
+	}
+	if len(pv.Spec.CSI.VolumeAttributes) != len(want) {
+		t.Errorf("extra attributes: %v", pv.Spec.CSI.VolumeAttributes)
+	}
+	// The fake mounter mounts nothing, so the directories are in the mount point dir itself.
+	exportDir := f.mounter.MountPoints[0].Path
+	if _, err := os.Stat(filepath.Join(exportDir, "ns-a-pvc-uid-a")); err != nil {
+		t.Fatal(err)
+	}
+	// The class may be gone by delete time: the PV says what to do.
+	f.classes.Delete(class)
+	if err := f.ctrl.Delete(context.Background(), pv); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := f.node.Delete(context.Background(), pv).(*controller.IgnoredError); !ok {
+		t.Error("node instance did not ignore an NFS PV")
+	}
+	entries, _ := os.ReadDir(exportDir)
+	var names []string
+	for _, e := range entries {
+		names = append(names, e.Name())
+	}
+	if len(names) != 3 || !slices.ContainsFunc(names, func(n string) bool { return strings.HasPrefix(n, "archived-ns-a-pvc-uid-a-") }) {
+		t.Errorf("export after archive: %v", names)
+	}
+
+	// Idle exports are unmounted.
+	f.ctrl.exports.sweep(context.Background(), -1)
+	if len(f.mounter.MountPoints) != 0 {
+		t.Errorf("still mounted after idle sweep: %+v", f.mounter.MountPoints)
+	}
+}
+
+func TestArchiveNameFits(t *testing.T) {
+	now := time.Date(2026, 11, 29, 12, 0, 0, 0, time.UTC)
+	if got := archiveName("ns/vol", now); got != "archived-vol-20261129T120000Z" {
+		t.Errorf("archiveName = %q", got)
+	}
+	if got := archiveName(strings.Repeat("x", 255), now); len(got) > volume.MaxComponentLength {
+		t.Errorf("archive name of a long directory is %d bytes", len(got))
+	}
+}
