@@ -1,0 +1,135 @@
+// Command dirpv is the dirpv provisioner and CSI node plugin. It only parses flags; the work
+// is done in internal/daemon, provisioner and csinode.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/dirpv/dirpv/internal/daemon"
+)
+
+const usage = `dirpv turns directories on an NFS export or a node-local path into PersistentVolumes.
+
+Usage:
+  dirpv controller [flags]   provision NFS volumes (Deployment, leader-elected)
+  dirpv node [flags]         CSI node plugin + local-volume provisioner for this node (DaemonSet)
+  dirpv version              print the version
+
+Run "dirpv <command> -h" for the command's flags.
+`
+
+func main() {
+	if len(os.Args) < 2 {
+		fmt.Fprint(os.Stderr, usage)
+		os.Exit(2)
+	}
+	cmd, args := os.Args[1], os.Args[2:]
+	fs := flag.NewFlagSet("dirpv "+cmd, flag.ExitOnError)
+	klog.InitFlags(fs)
+	var run func(context.Context) error
+	switch cmd {
+	case "controller":
+		run = controllerFlags(fs)
+	case "node":
+		run = nodeFlags(fs)
+	case "version":
+		fmt.Println(daemon.Version)
+		return
+	case "-h", "-help", "--help", "help":
+		fmt.Print(usage)
+		return
+	default:
+		fmt.Fprintf(os.Stderr, "dirpv: unknown command %q\n\n%s", cmd, usage)
+		os.Exit(2)
+	}
+	fs.Parse(args)
+	if fs.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "dirpv %s: unexpected arguments %q\n", cmd, fs.Args())
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	logger := klog.Background().WithValues("command", cmd)
+	ctx = klog.NewContext(ctx, logger)
+	logger.Info("Starting dirpv", "version", daemon.Version)
+	if err := run(ctx); err != nil {
+		logger.Error(err, "dirpv stopped")
+		klog.FlushAndExit(klog.ExitFlushTimeout, 1)
+	}
+	klog.Flush()
+}
+
+// The API client and worker defaults come from `make bench`: client-go's own default of
+// 5 QPS caps any provisioner at a few claims per second, far below what the cluster's
+// controller-manager can bind. See README "Performance".
+func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfig, *string) {
+	kube := &daemon.KubeConfig{}
+	prov := &daemon.ProvisionerConfig{}
+	fs.StringVar(&kube.Path, "kubeconfig", "", "Path to a kubeconfig file. Empty: in-cluster configuration.")
+	fs.Func("kube-api-qps", "Queries per second to the API server (default 100).", float32Flag(&kube.QPS))
+	kube.QPS = 100
+	fs.IntVar(&kube.Burst, "kube-api-burst", 200, "Burst of queries to the API server.")
+	fs.IntVar(&prov.Workers, "worker-threads", 16, "Claims and volumes handled in parallel.")
+	fs.DurationVar(&prov.OperationTimeout, "operation-timeout", 30*time.Second,
+		"Deadline of each call that can hang on storage: NFS mounts, directory creation and removal on NFS, unmounts.")
+	fs.DurationVar(&prov.Resync, "resync-period", 15*time.Minute, "Informer resync period.")
+	httpAddr := fs.String("http-address", ":9809", "Address for /healthz and /metrics. Empty disables them.")
+	return kube, prov, httpAddr
+}
+
+func float32Flag(p *float32) func(string) error {
+	return func(s string) error {
+		var f float32
+		if _, err := fmt.Sscan(s, &f); err != nil || f <= 0 {
+			return fmt.Errorf("want a positive number")
+		}
+		*p = f
+		return nil
+	}
+}
+
+func controllerFlags(fs *flag.FlagSet) func(context.Context) error {
+	cfg := daemon.ControllerConfig{}
+	kube, prov, httpAddr := commonFlags(fs)
+	fs.StringVar(&cfg.WorkDir, "work-dir", "/var/lib/dirpv-controller", "Directory under which NFS exports are mounted.")
+	fs.StringVar(&cfg.Mounter, "nfs-mount-helper", "", "Program run instead of mount(8) for NFS mounts (tests only). Empty: the system's mount.")
+	fs.DurationVar(&cfg.IdleUnmount, "idle-unmount", 5*time.Minute, "Unmount an NFS export after it has been unused this long.")
+	fs.BoolVar(&cfg.LeaderElection, "leader-election", true, "Elect one active controller among replicas.")
+	fs.StringVar(&cfg.LeaderNamespace, "leader-election-namespace", "", "Namespace of the leader election lease. Empty: the pod's own namespace.")
+	return func(ctx context.Context) error {
+		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress = *kube, *prov, *httpAddr
+		return daemon.RunController(ctx, cfg)
+	}
+}
+
+func nodeFlags(fs *flag.FlagSet) func(context.Context) error {
+	cfg := daemon.NodeConfig{}
+	kube, prov, httpAddr := commonFlags(fs)
+	fs.StringVar(&cfg.NodeName, "node-name", os.Getenv("NODE_NAME"), "This node's name. Default: $NODE_NAME.")
+	kubeletRoot := fs.String("kubelet-root-dir", "/var/lib/kubelet", "kubelet's root directory.")
+	fs.StringVar(&cfg.CSIEndpoint, "csi-endpoint", "", "CSI socket, unix:///path. Default: <kubelet-root-dir>/plugins/dirpv.io/csi.sock.")
+	fs.StringVar(&cfg.RegistrationDir, "plugin-registration-dir", "", "kubelet's plugin registration directory. Default: <kubelet-root-dir>/plugins_registry. \"-\" disables self-registration.")
+	fs.StringVar(&cfg.Mounter, "nfs-mount-helper", "", "Program run instead of mount(8) for NFS mounts (tests only). Empty: the system's mount.")
+	fs.BoolVar(&cfg.LocalProvisioning, "local-provisioning", true, "Provision local-class volumes scheduled to this node.")
+	return func(ctx context.Context) error {
+		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress = *kube, *prov, *httpAddr
+		if cfg.CSIEndpoint == "" {
+			cfg.CSIEndpoint = daemon.DefaultCSIEndpoint(*kubeletRoot)
+		}
+		switch cfg.RegistrationDir {
+		case "":
+			cfg.RegistrationDir = daemon.DefaultRegistrationDir(*kubeletRoot)
+		case "-":
+			cfg.RegistrationDir = ""
+		}
+		return daemon.RunNode(ctx, cfg)
+	}
+}

@@ -1,0 +1,205 @@
+// Package daemon wires dirpv's processes together: Kubernetes clients, the provisioning
+// controller, the CSI node plugin, and the HTTP endpoints for health and metrics. cmd/dirpv
+// only turns flags into the configs here.
+package daemon
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+	"k8s.io/mount-utils"
+	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
+	libmetrics "sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller/metrics"
+
+	"github.com/dirpv/dirpv/provisioner"
+)
+
+// DriverName is both the provisioner name and the CSI driver name.
+const DriverName = "dirpv.io"
+
+// Version is set at build time with -ldflags "-X github.com/dirpv/dirpv/internal/daemon.Version=...".
+var Version = "dev"
+
+// KubeConfig says how to reach the API server.
+type KubeConfig struct {
+	// Path of a kubeconfig file; empty means in-cluster.
+	Path  string
+	QPS   float32
+	Burst int
+}
+
+func (k KubeConfig) client() (kubernetes.Interface, error) {
+	var cfg *rest.Config
+	var err error
+	if k.Path != "" {
+		cfg, err = clientcmd.BuildConfigFromFlags("", k.Path)
+	} else {
+		cfg, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client config: %w", err)
+	}
+	cfg.QPS, cfg.Burst = k.QPS, k.Burst
+	cfg.UserAgent = "dirpv/" + Version
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client: %w", err)
+	}
+	return client, nil
+}
+
+// ProvisionerConfig tunes the provisioning controller in either process.
+type ProvisionerConfig struct {
+	Workers          int
+	OperationTimeout time.Duration
+	// Resync is the informers' resync period; the lib retries failed claims on its own queue.
+	Resync time.Duration
+}
+
+// ControllerConfig configures `dirpv controller`.
+type ControllerConfig struct {
+	Kube        KubeConfig
+	Provisioner ProvisionerConfig
+	// WorkDir holds the controller's mounts of NFS exports.
+	WorkDir string
+	// Mounter is the mount helper for NFS; empty means the system's mount.
+	Mounter         string
+	IdleUnmount     time.Duration
+	LeaderElection  bool
+	LeaderNamespace string
+	HTTPAddress     string
+}
+
+// RunController serves NFS classes until ctx is done.
+func RunController(ctx context.Context, cfg ControllerConfig) error {
+	client, err := cfg.Kube.client()
+	if err != nil {
+		return err
+	}
+	reg := newRegistry()
+	factory := informers.NewSharedInformerFactory(client, cfg.Provisioner.Resync)
+	p, err := provisioner.New(provisioner.Config{
+		DriverName:       DriverName,
+		Role:             provisioner.RoleController,
+		Client:           client,
+		Classes:          factory.Storage().V1().StorageClasses().Lister(),
+		Mounter:          mount.New(cfg.Mounter),
+		WorkDir:          cfg.WorkDir,
+		OperationTimeout: cfg.Provisioner.OperationTimeout,
+		IdleUnmount:      cfg.IdleUnmount,
+	})
+	if err != nil {
+		return err
+	}
+	opts := []func(*controller.ProvisionController) error{
+		controller.LeaderElection(cfg.LeaderElection),
+	}
+	if cfg.LeaderNamespace != "" {
+		opts = append(opts, controller.LeaderElectionNamespace(cfg.LeaderNamespace))
+	}
+	pc := newProvisionController(ctx, client, factory, p, cfg.Provisioner, reg, opts...)
+	return runAll(ctx, cfg.HTTPAddress, reg, nil,
+		func(ctx context.Context) error { p.Run(ctx); return nil },
+		func(ctx context.Context) error { pc.Run(ctx); return nil },
+		func(ctx context.Context) error {
+			factory.Start(ctx.Done())
+			<-ctx.Done()
+			factory.Shutdown()
+			return nil
+		},
+	)
+}
+
+func newProvisionController(ctx context.Context, client kubernetes.Interface, factory informers.SharedInformerFactory,
+	p *provisioner.Provisioner, cfg ProvisionerConfig, reg *prometheus.Registry, extra ...func(*controller.ProvisionController) error,
+) *controller.ProvisionController {
+	m := libmetrics.New("dirpv")
+	reg.MustRegister(
+		m.PersistentVolumeClaimProvisionTotal, m.PersistentVolumeClaimProvisionFailedTotal,
+		m.PersistentVolumeClaimProvisionDurationSeconds, m.PersistentVolumeDeleteTotal,
+		m.PersistentVolumeDeleteFailedTotal, m.PersistentVolumeDeleteDurationSeconds,
+	)
+	opts := append([]func(*controller.ProvisionController) error{
+		controller.Threadiness(cfg.Workers),
+		controller.ResyncPeriod(cfg.Resync),
+		controller.ClassesInformer(factory.Storage().V1().StorageClasses().Informer()),
+		controller.MetricsInstance(m),
+		// The lib's own metrics server would listen on the default mux; ours serves them.
+		controller.MetricsPort(0),
+	}, extra...)
+	return controller.NewProvisionController(ctx, client, DriverName, p, opts...)
+}
+
+func newRegistry() *prometheus.Registry {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return reg
+}
+
+// runAll runs every function until ctx is done or one fails, plus the HTTP server for
+// /healthz (ready reports nil once the process can serve) and /metrics.
+func runAll(ctx context.Context, httpAddress string, reg *prometheus.Registry, ready func() error, fns ...func(context.Context) error) error {
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	errs := make(chan error, len(fns)+1)
+	for _, fn := range fns {
+		go func() { errs <- fn(ctx) }()
+	}
+	running := len(fns)
+	if httpAddress != "" {
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
+			if ready != nil {
+				if err := ready(); err != nil {
+					http.Error(w, err.Error(), http.StatusServiceUnavailable)
+					return
+				}
+			}
+			fmt.Fprintln(w, "ok")
+		})
+		srv := &http.Server{Addr: httpAddress, Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+		ln, err := net.Listen("tcp", httpAddress)
+		if err != nil {
+			return fmt.Errorf("listen for health and metrics on %s: %w", httpAddress, err)
+		}
+		klog.FromContext(ctx).Info("Serving /healthz and /metrics", "address", ln.Addr().String())
+		go func() {
+			<-ctx.Done()
+			shutdown, done := context.WithTimeout(context.Background(), 5*time.Second)
+			defer done()
+			srv.Shutdown(shutdown)
+		}()
+		running++
+		go func() {
+			if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+				errs <- fmt.Errorf("health and metrics server: %w", err)
+				return
+			}
+			errs <- nil
+		}()
+	}
+	var first error
+	for ; running > 0; running-- {
+		if err := <-errs; err != nil && first == nil {
+			first = err
+			cancel(err)
+		} else if first == nil {
+			// One part stopped: stop the rest too.
+			cancel(nil)
+		}
+	}
+	return first
+}

@@ -1,0 +1,93 @@
+package daemon
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+
+	"k8s.io/client-go/informers"
+	"k8s.io/mount-utils"
+	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
+
+	"github.com/dirpv/dirpv/csinode"
+	"github.com/dirpv/dirpv/provisioner"
+)
+
+// NodeConfig configures `dirpv node`.
+type NodeConfig struct {
+	Kube        KubeConfig
+	Provisioner ProvisionerConfig
+	NodeName    string
+	// CSIEndpoint is the CSI socket, unix:///path.
+	CSIEndpoint string
+	// RegistrationDir is kubelet's plugins_registry directory; empty disables self-registration.
+	RegistrationDir string
+	// Mounter is the mount helper for NFS; empty means the system's mount.
+	Mounter string
+	// LocalProvisioning runs the local-class provisioner on this node.
+	LocalProvisioning bool
+	HTTPAddress       string
+}
+
+// RunNode serves the CSI node plugin, and the local-class provisioner for this node, until ctx
+// is done.
+func RunNode(ctx context.Context, cfg NodeConfig) error {
+	if cfg.NodeName == "" {
+		return fmt.Errorf("node name is required (--node-name or NODE_NAME)")
+	}
+	reg := newRegistry()
+	driver, err := csinode.NewDriver(csinode.Options{
+		DriverName:       DriverName,
+		Version:          Version,
+		NodeID:           cfg.NodeName,
+		Endpoint:         cfg.CSIEndpoint,
+		RegistrationDir:  cfg.RegistrationDir,
+		Mounter:          mount.New(cfg.Mounter),
+		OperationTimeout: cfg.Provisioner.OperationTimeout,
+	})
+	if err != nil {
+		return err
+	}
+	fns := []func(context.Context) error{driver.Run}
+	if cfg.LocalProvisioning {
+		client, err := cfg.Kube.client()
+		if err != nil {
+			return err
+		}
+		factory := informers.NewSharedInformerFactory(client, cfg.Provisioner.Resync)
+		p, err := provisioner.New(provisioner.Config{
+			DriverName:       DriverName,
+			Role:             provisioner.RoleNode,
+			NodeName:         cfg.NodeName,
+			Client:           client,
+			Classes:          factory.Storage().V1().StorageClasses().Lister(),
+			OperationTimeout: cfg.Provisioner.OperationTimeout,
+		})
+		if err != nil {
+			return err
+		}
+		// Every node serves its own claims, so there is no leader to elect.
+		pc := newProvisionController(ctx, client, factory, p, cfg.Provisioner, reg, controller.LeaderElection(false))
+		fns = append(fns,
+			func(ctx context.Context) error { p.Run(ctx); return nil },
+			func(ctx context.Context) error { pc.Run(ctx); return nil },
+			func(ctx context.Context) error {
+				factory.Start(ctx.Done())
+				<-ctx.Done()
+				factory.Shutdown()
+				return nil
+			},
+		)
+	}
+	return runAll(ctx, cfg.HTTPAddress, reg, driver.Ready, fns...)
+}
+
+// DefaultRegistrationDir is kubelet's plugin registration directory under its root dir.
+func DefaultRegistrationDir(kubeletRootDir string) string {
+	return filepath.Join(kubeletRootDir, "plugins_registry")
+}
+
+// DefaultCSIEndpoint is where kubelet expects CSI plugin sockets by convention.
+func DefaultCSIEndpoint(kubeletRootDir string) string {
+	return "unix://" + filepath.Join(kubeletRootDir, "plugins", DriverName, "csi.sock")
+}
