@@ -1,0 +1,60 @@
+# dirpv. `make up` runs it on a local cluster built from source; `make test` runs every tier.
+# Everything a tier needs (Kubernetes binaries, apt packages, servers) is installed and started
+# by the tier itself and stopped again.
+
+GO          ?= go
+VERSION     ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+LDFLAGS     := -s -w -X github.com/dirpv/dirpv/internal/daemon.Version=$(VERSION)
+STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
+# Unit, conformance, harness and manifest tests: no cluster needed.
+UNIT_PKGS   := $(shell $(GO) list ./... | grep -v -e /test/integration -e /test/e2e -e /test/cluster)
+FUZZTIME    ?= 10m
+
+.PHONY: all build test test-unit test-integration test-e2e cluster-bins lint fmt up down bench fuzz image-tar clean
+
+all: build
+
+build:
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/dirpv ./cmd/dirpv
+
+## test: lint, then every tier in order: unit + csi-sanity, integration, end to end.
+test: lint cluster-bins
+	@start=$$(date +%s); $(MAKE) --no-print-directory test-unit; \
+	  t1=$$(date +%s); $(MAKE) --no-print-directory test-integration; \
+	  t2=$$(date +%s); $(MAKE) --no-print-directory test-e2e; \
+	  t3=$$(date +%s); \
+	  echo "tier times: unit+sanity $$((t1-start))s, integration $$((t2-t1))s, e2e $$((t3-t2))s"
+
+test-unit:
+	$(GO) test -count=1 -timeout 20m $(UNIT_PKGS)
+
+test-integration: cluster-bins
+	$(GO) test -count=1 -timeout 30m ./test/integration/...
+
+test-e2e: cluster-bins
+	$(GO) test -count=1 -p 1 -timeout 40m ./test/cluster/... ./test/e2e/...
+
+## cluster-bins: build etcd and Kubernetes from the Go module proxy (cold ~15 min, cached).
+cluster-bins:
+	bash test/cluster/build.sh >/dev/null
+
+lint:
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+	$(GO) run $(STATICCHECK) ./...
+
+fmt:
+	gofmt -w $$(git ls-files '*.go')
+
+## up: a local cluster with a node, dirpv running and dirpv-local as the default class.
+up: cluster-bins
+	$(GO) run ./test/cluster/cmd/dirpv-up up
+
+down:
+	$(GO) run ./test/cluster/cmd/dirpv-up down
+
+fuzz:
+	$(GO) test -run '^$$' -fuzz FuzzPathStaysBeneathBase -fuzztime $(FUZZTIME) ./provisioner/
+
+clean:
+	rm -rf bin

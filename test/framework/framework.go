@@ -1,0 +1,204 @@
+// Package framework holds what dirpv's integration, e2e and bench programs share: building the
+// dirpv binary, running it as a real process, and waiting for cluster state with deadlines.
+package framework
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+)
+
+// RepoRoot is the module's root directory, found from this source file.
+func RepoRoot() string {
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Clean(filepath.Join(filepath.Dir(file), "..", ".."))
+}
+
+var (
+	buildOnce sync.Once
+	buildPath string
+	buildErr  error
+)
+
+// BuildDirpv builds cmd/dirpv once per process into dir and returns the binary's path.
+func BuildDirpv(ctx context.Context, dir string) (string, error) {
+	buildOnce.Do(func() {
+		out := filepath.Join(dir, "dirpv")
+		cmd := exec.CommandContext(ctx, "go", "build", "-o", out, "./cmd/dirpv")
+		cmd.Dir = RepoRoot()
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if b, err := cmd.CombinedOutput(); err != nil {
+			buildErr = fmt.Errorf("go build ./cmd/dirpv: %w\n%s", err, b)
+			return
+		}
+		buildPath = out
+	})
+	return buildPath, buildErr
+}
+
+// Process is a dirpv (or other) process started by a test.
+type Process struct {
+	Name string
+	Args []string
+	Log  string
+	cmd  *exec.Cmd
+	done chan struct{}
+	err  error
+}
+
+// Start runs binary with args, logging to logDir/name.log (appended, so a restarted
+// process keeps one log).
+func Start(binary, name, logDir string, args ...string) (*Process, error) {
+	p := &Process{Name: name, Args: args, Log: filepath.Join(logDir, name+".log")}
+	return p, p.start(binary)
+}
+
+func (p *Process) start(binary string) error {
+	f, err := os.OpenFile(p.Log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return fmt.Errorf("open log of %s: %w", p.Name, err)
+	}
+	fmt.Fprintf(f, "=== %s %s %s\n", time.Now().Format(time.RFC3339Nano), binary, strings.Join(p.Args, " "))
+	cmd := exec.Command(binary, p.Args...)
+	cmd.Stdout, cmd.Stderr = f, f
+	// Its own process group, so that a test's Ctrl-C does not race with our shutdown.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		f.Close()
+		return fmt.Errorf("start %s: %w", p.Name, err)
+	}
+	p.cmd, p.done = cmd, make(chan struct{})
+	go func() {
+		p.err = cmd.Wait()
+		f.Close()
+		close(p.done)
+	}()
+	return nil
+}
+
+// Restart starts the process again with the same binary and arguments; it must have exited.
+func (p *Process) Restart() error {
+	select {
+	case <-p.done:
+	default:
+		return fmt.Errorf("%s is still running", p.Name)
+	}
+	return p.start(p.cmd.Path)
+}
+
+// Kill sends SIGKILL, like a crash or an OOM kill, and waits for the process to exit.
+func (p *Process) Kill() {
+	p.cmd.Process.Signal(syscall.SIGKILL)
+	<-p.done
+}
+
+// Stop sends SIGTERM and waits up to timeout before killing it; it reports whether the process
+// exited by itself.
+func (p *Process) Stop(timeout time.Duration) bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+	}
+	p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+		return true
+	case <-time.After(timeout):
+		p.Kill()
+		return false
+	}
+}
+
+// Exited reports whether the process has exited, and its error.
+func (p *Process) Exited() (bool, error) {
+	select {
+	case <-p.done:
+		return true, p.err
+	default:
+		return false, nil
+	}
+}
+
+// Tail returns the last n bytes of the process's log, for failure messages.
+func (p *Process) Tail(n int) string {
+	b, _ := os.ReadFile(p.Log)
+	if len(b) > n {
+		b = b[len(b)-n:]
+	}
+	return string(b)
+}
+
+// Poll calls cond every interval until it returns true or an error, or timeout passes; the
+// returned error then includes cond's last complaint, so a failing test says what it waited for.
+func Poll(ctx context.Context, timeout time.Duration, cond func(ctx context.Context) (bool, error)) error {
+	var last error
+	err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, timeout, true, func(ctx context.Context) (bool, error) {
+		ok, err := cond(ctx)
+		if err != nil {
+			last = err
+		}
+		return ok, nil
+	})
+	if err != nil && last != nil {
+		return fmt.Errorf("%w; last error: %v", err, last)
+	}
+	return err
+}
+
+// WaitForPVCBound waits until the claim is Bound and returns it.
+func WaitForPVCBound(ctx context.Context, c kubernetes.Interface, ns, name string, timeout time.Duration) (*v1.PersistentVolumeClaim, error) {
+	var pvc *v1.PersistentVolumeClaim
+	err := Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		var err error
+		pvc, err = c.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		return pvc.Status.Phase == v1.ClaimBound, fmt.Errorf("claim %s/%s is %s", ns, name, pvc.Status.Phase)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("wait for claim %s/%s to be Bound: %w", ns, name, err)
+	}
+	return pvc, nil
+}
+
+// WaitForEvent waits for an event on the object whose reason is reason and whose message
+// contains substr, and returns it.
+func WaitForEvent(ctx context.Context, c kubernetes.Interface, ns, kind, name, reason, substr string, timeout time.Duration) (*v1.Event, error) {
+	var found *v1.Event
+	sel := fields.Set{"involvedObject.kind": kind, "involvedObject.name": name}.AsSelector().String()
+	err := Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		evs, err := c.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: sel})
+		if err != nil {
+			return false, err
+		}
+		var seen bytes.Buffer
+		for i, e := range evs.Items {
+			if e.Reason == reason && strings.Contains(e.Message, substr) {
+				found = &evs.Items[i]
+				return true, nil
+			}
+			fmt.Fprintf(&seen, "[%s: %s] ", e.Reason, e.Message)
+		}
+		return false, fmt.Errorf("events so far: %s", seen.String())
+	})
+	if err != nil {
+		return nil, fmt.Errorf("wait for %s event mentioning %q on %s %s/%s: %w", reason, substr, kind, ns, name, err)
+	}
+	return found, nil
+}

@@ -1,0 +1,186 @@
+package integration
+
+import (
+	"context"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/dirpv/dirpv/test/framework"
+)
+
+// A user creates a claim and a pod; the real scheduler picks node-a, dirpv's node-a instance
+// creates the directory there with the class's mode and owner, and the claim binds.
+func TestLocalClaimBindsOnScheduledNode(t *testing.T) {
+	ns := newNamespace(t)
+	class, base := localClass(t, map[string]string{"mode": "2770", "uid": "1001", "gid": "2002"})
+	createClaim(t, ns, "data", class.Name)
+	createPod(t, ns, "app", "data", nodeA)
+	pvc, pv := waitBound(t, ns, "data")
+
+	if got := pvc.Annotations["volume.kubernetes.io/selected-node"]; got != nodeA {
+		t.Errorf("selected node = %q, want %q (set by the scheduler)", got, nodeA)
+	}
+	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != "dirpv.io" {
+		t.Fatalf("PV source = %+v, want CSI dirpv.io", pv.Spec.PersistentVolumeSource)
+	}
+	rel := ns + "-data-" + pv.Name
+	attrs := pv.Spec.CSI.VolumeAttributes
+	if attrs["backend"] != "local" || attrs["basePath"] != base || attrs["path"] != rel {
+		t.Errorf("volume attributes = %v", attrs)
+	}
+	terms := pv.Spec.NodeAffinity.Required.NodeSelectorTerms
+	if len(terms) != 1 || !slices.Equal(terms[0].MatchExpressions[0].Values, []string{"host-" + nodeA}) {
+		t.Errorf("node affinity = %+v, want kubernetes.io/hostname=host-node-a", terms)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(filepath.Join(base, rel), &st); err != nil {
+		t.Fatalf("volume directory: %v", err)
+	}
+	if st.Mode&0o7777 != 0o2770 || st.Uid != 1001 || st.Gid != 2002 {
+		t.Errorf("directory mode %o owner %d:%d, want 2770 1001:2002", st.Mode&0o7777, st.Uid, st.Gid)
+	}
+	if pv.Spec.PersistentVolumeReclaimPolicy != v1.PersistentVolumeReclaimDelete {
+		t.Errorf("reclaim policy = %s", pv.Spec.PersistentVolumeReclaimPolicy)
+	}
+}
+
+func TestOnDeleteAndReclaimPolicy(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		onDelete string
+		retain   bool
+	}{
+		{"delete", "delete", false},
+		{"retain", "retain", false},
+		{"archive", "archive", false},
+		{"reclaim-retain", "delete", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ns := newNamespace(t)
+			var opts []classOpt
+			if tc.retain {
+				opts = append(opts, reclaimRetain)
+			}
+			class, base := localClass(t, map[string]string{"onDelete": tc.onDelete}, opts...)
+			createClaim(t, ns, "c", class.Name, onNode(nodeA))
+			_, pv := waitBound(t, ns, "c")
+			rel := pv.Spec.CSI.VolumeAttributes["path"]
+			deleteClaim(t, ns, "c")
+			if tc.retain {
+				// Kubernetes keeps the PV (Released) and never asks dirpv to delete anything.
+				err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
+					pv, err := client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
+					return err == nil && pv.Status.Phase == v1.VolumeReleased, err
+				})
+				if err != nil {
+					t.Fatal(err)
+				}
+				client.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{})
+			} else {
+				waitPVGone(t, pv.Name)
+			}
+			got := entries(t, base)
+			switch {
+			case tc.onDelete == "delete" && !tc.retain:
+				if len(got) != 0 {
+					t.Errorf("base after delete: %v, want empty", got)
+				}
+			case tc.onDelete == "archive":
+				if len(got) != 1 || !strings.HasPrefix(got[0], "archived-"+rel+"-") {
+					t.Errorf("base after archive: %v, want archived-%s-<time>", got, rel)
+				}
+			default:
+				if !slices.Equal(got, []string{rel}) {
+					t.Errorf("base after %s: %v, want the directory kept", tc.name, got)
+				}
+			}
+		})
+	}
+}
+
+// Every refusal shows on the claim as an event, and nothing appears on disk.
+func TestRejectionsAreEventsAndTouchNothing(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		params map[string]string
+		class  []classOpt
+		claim  []claimOpt
+		want   string
+	}{
+		{name: "unknown-parameter", params: map[string]string{"basepath": "/tmp"}, want: "unknown StorageClass parameters"},
+		{name: "bad-template", params: map[string]string{"pathPattern": "${pvc.uid}"}, want: "unknown variable"},
+		{name: "template-outside-base", params: map[string]string{"pathPattern": "../${pvc.metadata.name}"}, want: "component"},
+		{name: "escaping-annotation", params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"},
+			claim: []claimOpt{func(c *v1.PersistentVolumeClaim) { c.Annotations["dir"] = "../../etc" }}, want: "may not appear"},
+		{name: "unknown-ondelete", params: map[string]string{"onDelete": "shred"}, want: "onDelete"},
+		{name: "block-mode", claim: []claimOpt{func(c *v1.PersistentVolumeClaim) {
+			b := v1.PersistentVolumeBlock
+			c.Spec.VolumeMode = &b
+		}}, want: "Block"},
+		{name: "rwx-on-local", claim: []claimOpt{accessModes(v1.ReadWriteMany)}, want: "ReadWriteMany"},
+		{name: "immediate-local", class: []classOpt{immediate}, want: "WaitForFirstConsumer"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ns := newNamespace(t)
+			class, base := localClass(t, tc.params, tc.class...)
+			opts := append([]claimOpt{}, tc.claim...)
+			if class.VolumeBindingMode != nil {
+				opts = append([]claimOpt{onNode(nodeA)}, opts...)
+			} else {
+				opts = append([]claimOpt{func(c *v1.PersistentVolumeClaim) { c.Annotations = map[string]string{} }}, opts...)
+			}
+			createClaim(t, ns, "c", class.Name, opts...)
+			if _, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", tc.want, timeout); err != nil {
+				t.Fatal(err)
+			}
+			if got := entries(t, base); len(got) != 0 {
+				t.Errorf("refused claim left %v in the base", got)
+			}
+		})
+	}
+}
+
+func TestNFSClassWithoutServerIsRefused(t *testing.T) {
+	ns := newNamespace(t)
+	class := createClass(t, "nfs-no-server", map[string]string{"backend": "nfs", "share": "/export"}, immediate)
+	createClaim(t, ns, "c", class.Name, accessModes(v1.ReadWriteMany))
+	if _, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "server and share", timeout); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A claim placed on a node without a dirpv instance is left alone by node-a's instance.
+func TestOtherNodesClaimIsLeftAlone(t *testing.T) {
+	ns := newNamespace(t)
+	class, base := localClass(t, nil)
+	createClaim(t, ns, "elsewhere", class.Name)
+	createPod(t, ns, "elsewhere", "elsewhere", nodeC)
+	createClaim(t, ns, "here", class.Name)
+	createPod(t, ns, "here", "here", nodeA)
+	// Both claims were created before either was placed; once node-a's is bound, node-a's
+	// instance has seen node-c's claim too.
+	_, pv := waitBound(t, ns, "here")
+	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
+		c, err := client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "elsewhere", metav1.GetOptions{})
+		return err == nil && c.Annotations["volume.kubernetes.io/selected-node"] == nodeC, err
+	})
+	if err != nil {
+		t.Fatal("node-c's claim was never placed:", err)
+	}
+	c, err := client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "elsewhere", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Status.Phase != v1.ClaimPending || c.Spec.VolumeName != "" {
+		t.Errorf("claim on node-c: phase %s volume %q, want Pending with no volume", c.Status.Phase, c.Spec.VolumeName)
+	}
+	if got := entries(t, base); !slices.Equal(got, []string{pv.Spec.CSI.VolumeAttributes["path"]}) {
+		t.Errorf("base holds %v, want only node-a's volume", got)
+	}
+}

@@ -1,0 +1,143 @@
+// Package integration runs dirpv's controller and node processes, as built, against a real
+// etcd, kube-apiserver, kube-controller-manager and kube-scheduler (test/cluster). Nodes are
+// Node objects marked Ready without a kubelet: the scheduler places pods and claims on them,
+// which is all provisioning needs.
+package integration
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/klog/v2"
+
+	"github.com/dirpv/dirpv/test/cluster"
+	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/test/nfs"
+)
+
+const (
+	// nodeA runs a dirpv node instance; nodeC is a Ready node with none.
+	nodeA = "node-a"
+	nodeC = "node-c"
+)
+
+var (
+	client      kubernetes.Interface
+	testCluster *cluster.Cluster
+	dirpvBin    string
+	logDir      string
+	// baseRoot holds one base directory per local class.
+	baseRoot string
+	nodeProc *framework.Process
+	ctrlProc *framework.Process
+	// nfsServer is a real NFS-Ganesha; the controller reaches it through the test-only FUSE
+	// mount helper, since this kernel has no NFS client.
+	nfsServer *nfs.Server
+	keepLogs  = flag.Bool("keep-logs", false, "keep the processes' logs after the run")
+)
+
+func TestMain(m *testing.M) {
+	flag.Parse()
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	ctx := context.Background()
+	work, err := os.MkdirTemp("", "dirpv-it-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	logDir = filepath.Join(work, "logs")
+	baseRoot = filepath.Join(work, "bases")
+	os.MkdirAll(logDir, 0o755)
+	os.MkdirAll(baseRoot, 0o755)
+	failed := true
+	defer func() {
+		if failed || *keepLogs {
+			fmt.Fprintf(os.Stderr, "logs kept in %s\n", logDir)
+			return
+		}
+		os.RemoveAll(work)
+	}()
+
+	start := time.Now()
+	// The binding ceiling: kube-controller-manager's own client limit (20 QPS) would otherwise
+	// dominate the bulk tests (see shared notes on the binding ceiling).
+	testCluster, err = cluster.Start(ctx, cluster.Options{
+		ControllerManagerArgs: []string{"--kube-api-qps=200", "--kube-api-burst=400"},
+		Logf:                  klog.Infof,
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "start cluster:", err)
+		return 1
+	}
+	defer testCluster.Stop()
+	if client, err = testCluster.Client(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	for _, n := range []string{nodeA, nodeC} {
+		if err := testCluster.CreateReadyNode(ctx, n, map[string]string{"kubernetes.io/hostname": "host-" + n}); err != nil {
+			fmt.Fprintln(os.Stderr, "create node:", err)
+			return 1
+		}
+	}
+	if dirpvBin, err = framework.BuildDirpv(ctx, work); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	if err := nfs.EnsurePackages(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	mountHelper, err := nfs.BuildMountHelper(ctx)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	// The export dir is ours, so that Kill/Resume of the server keeps it.
+	exportDir := filepath.Join(work, "export")
+	os.MkdirAll(exportDir, 0o777)
+	if nfsServer, err = nfs.Start(ctx, nfs.Options{ExportDir: exportDir, WorkDir: filepath.Join(work, "ganesha")}); err != nil {
+		fmt.Fprintln(os.Stderr, "start NFS server:", err)
+		return 1
+	}
+	defer nfsServer.Stop()
+	common := []string{"--kubeconfig", testCluster.Kubeconfig, "--http-address", "127.0.0.1:0", "--v=2", "--operation-timeout=10s"}
+	ctrlProc, err = framework.Start(dirpvBin, "controller", logDir, append(common,
+		"--work-dir", filepath.Join(work, "controller"),
+		"--nfs-mount-helper", mountHelper,
+		"--leader-election=true", "--leader-election-namespace=kube-system")...)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer ctrlProc.Stop(10 * time.Second)
+	nodeProc, err = framework.Start(dirpvBin, "node-a", logDir, append(common,
+		"--node-name", nodeA,
+		"--csi-endpoint", "unix://"+filepath.Join(work, "csi-a.sock"),
+		"--plugin-registration-dir", "-")...)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	defer nodeProc.Stop(10 * time.Second)
+	fmt.Fprintf(os.Stderr, "integration setup took %s\n", time.Since(start).Round(time.Millisecond))
+
+	code := m.Run()
+	failed = code != 0
+	for _, p := range []*framework.Process{ctrlProc, nodeProc} {
+		if exited, err := p.Exited(); exited {
+			fmt.Fprintf(os.Stderr, "%s exited during the tests: %v\n%s\n", p.Name, err, p.Tail(4000))
+			code = 1
+		}
+	}
+	return code
+}
