@@ -1,0 +1,156 @@
+// Package e2e runs dirpv on a real single-node cluster: kubelet with containerd and runc from
+// test/cluster, dirpv controller and node as built processes on the host, the node plugin
+// registering itself with kubelet, and pods writing real files.
+package e2e
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
+
+	"github.com/dirpv/dirpv/test/cluster"
+	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/test/nfs"
+)
+
+var (
+	client      kubernetes.Interface
+	testCluster *cluster.Cluster
+	logDir      string
+	baseRoot    string
+	nodeProc    *framework.Process
+	ctrlProc    *framework.Process
+	nfsServer   *nfs.Server
+	keepLogs    = flag.Bool("keep-logs", false, "keep the processes' logs after the run")
+)
+
+func TestMain(m *testing.M) {
+	flag.Parse()
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	ctx := context.Background()
+	work, err := os.MkdirTemp("", "dirpv-e2e-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	logDir = filepath.Join(work, "logs")
+	baseRoot = filepath.Join(work, "bases")
+	os.MkdirAll(logDir, 0o755)
+	os.MkdirAll(baseRoot, 0o755)
+	failed := true
+	defer func() {
+		if failed || *keepLogs {
+			fmt.Fprintf(os.Stderr, "logs kept in %s\n", logDir)
+			return
+		}
+		os.RemoveAll(work)
+	}()
+	fail := func(what string, err error) int {
+		fmt.Fprintf(os.Stderr, "%s: %v\n", what, err)
+		return 1
+	}
+
+	start := time.Now()
+	testCluster, err = cluster.Start(ctx, cluster.Options{WithNode: true, Logf: klog.Infof})
+	if err != nil {
+		return fail("start cluster", err)
+	}
+	defer testCluster.Stop()
+	if client, err = testCluster.Client(); err != nil {
+		return fail("client", err)
+	}
+	dirpvBin, err := framework.BuildDirpv(ctx, work)
+	if err != nil {
+		return fail("build dirpv", err)
+	}
+	if err := nfs.EnsurePackages(ctx); err != nil {
+		return fail("NFS packages", err)
+	}
+	mountHelper, err := nfs.BuildMountHelper(ctx)
+	if err != nil {
+		return fail("build NFS mount helper", err)
+	}
+	exportDir := filepath.Join(work, "export")
+	os.MkdirAll(exportDir, 0o777)
+	if nfsServer, err = nfs.Start(ctx, nfs.Options{ExportDir: exportDir, WorkDir: filepath.Join(work, "ganesha")}); err != nil {
+		return fail("start NFS server", err)
+	}
+	defer nfsServer.Stop()
+
+	if err := createCSIDriver(ctx); err != nil {
+		return fail("CSIDriver", err)
+	}
+	common := []string{"--kubeconfig", testCluster.Kubeconfig, "--http-address", "127.0.0.1:0", "--v=2",
+		"--operation-timeout=10s", "--nfs-mount-helper", mountHelper}
+	ctrlProc, err = framework.Start(dirpvBin, "controller", logDir, append(common,
+		"--work-dir", filepath.Join(work, "controller"), "--leader-election=false")...)
+	if err != nil {
+		return fail("start controller", err)
+	}
+	defer ctrlProc.Stop(10 * time.Second)
+	nodeProc, err = framework.Start(dirpvBin, "node", logDir, append(common,
+		"--node-name", testCluster.NodeName, "--kubelet-root-dir", testCluster.KubeletRootDir)...)
+	if err != nil {
+		return fail("start node plugin", err)
+	}
+	defer nodeProc.Stop(10 * time.Second)
+	if err := waitRegistered(ctx); err != nil {
+		return fail("node plugin registration", fmt.Errorf("%w\n%s", err, nodeProc.Tail(3000)))
+	}
+	fmt.Fprintf(os.Stderr, "e2e setup took %s\n", time.Since(start).Round(time.Millisecond))
+
+	code := m.Run()
+	failed = code != 0
+	for _, p := range []*framework.Process{ctrlProc, nodeProc} {
+		if exited, err := p.Exited(); exited {
+			fmt.Fprintf(os.Stderr, "%s exited during the tests: %v\n%s\n", p.Name, err, p.Tail(4000))
+			code = 1
+		}
+	}
+	return code
+}
+
+// createCSIDriver creates the CSIDriver object as deploy/ does: no attach, so kubelet calls
+// NodePublishVolume directly.
+func createCSIDriver(ctx context.Context) error {
+	fsGroup := storagev1.FileFSGroupPolicy
+	d := &storagev1.CSIDriver{
+		ObjectMeta: metav1.ObjectMeta{Name: "dirpv.io"},
+		Spec: storagev1.CSIDriverSpec{
+			AttachRequired:       ptr.To(false),
+			PodInfoOnMount:       ptr.To(true),
+			FSGroupPolicy:        &fsGroup,
+			VolumeLifecycleModes: []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent},
+		},
+	}
+	_, err := client.StorageV1().CSIDrivers().Create(ctx, d, metav1.CreateOptions{})
+	return err
+}
+
+// waitRegistered waits until kubelet lists dirpv.io in the node's CSINode object, which it
+// does only after the plugin answered GetInfo and NodeGetInfo over the registration socket.
+func waitRegistered(ctx context.Context) error {
+	return framework.Poll(ctx, 60*time.Second, func(ctx context.Context) (bool, error) {
+		n, err := client.StorageV1().CSINodes().Get(ctx, testCluster.NodeName, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		return slices.ContainsFunc(n.Spec.Drivers, func(d storagev1.CSINodeDriver) bool {
+			return d.Name == "dirpv.io" && d.NodeID == testCluster.NodeName
+		}), fmt.Errorf("CSINode drivers: %+v", n.Spec.Drivers)
+	})
+}
