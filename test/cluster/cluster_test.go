@@ -42,7 +42,10 @@ func keepLogs(t *testing.T, c *Cluster) {
 }
 
 func TestControlPlaneSchedulesOnFakeNode(t *testing.T) {
-	bin := binDir(t)
+	testControlPlane(t, binDir(t))
+}
+
+func testControlPlane(t *testing.T, bin string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	t0 := time.Now()
