@@ -21,8 +21,8 @@ func TestLocalVolumeKeepsDataAcrossPods(t *testing.T) {
 	createClass(t, "e2e-local", map[string]string{"backend": "local", "basePath": base}, true)
 	createClaim(t, ns, "data", "e2e-local", v1.ReadWriteOnce)
 
-	writer := createPod(t, podSpec(ns, "writer", "data", "echo hello-dirpv > /data/greeting && sync && sleep 3600", false))
-	writer = waitPodPhase(t, ns, "writer", v1.PodRunning)
+	createPod(t, podSpec(ns, "writer", "data", "echo hello-dirpv > /data/greeting && sync && sleep 3600", false))
+	writer := waitPodPhase(t, ns, "writer", v1.PodRunning)
 	pv := boundPV(t, ns, "data")
 	onDisk := filepath.Join(base, pv.Spec.CSI.VolumeAttributes["path"], "greeting")
 	err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
