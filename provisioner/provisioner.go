@@ -21,6 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
+	"k8s.io/client-go/tools/record"
 	"k8s.io/klog/v2"
 	"k8s.io/mount-utils"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
@@ -67,6 +68,9 @@ type Config struct {
 	OperationTimeout time.Duration
 	// IdleUnmount is how long an unused NFS mount stays mounted.
 	IdleUnmount time.Duration
+	// Events records events on PVs beyond those the lib records (role controller: volumes
+	// left on lost nodes). Nil records none.
+	Events record.EventRecorder
 }
 
 // Provisioner implements controller.Provisioner, Qualifier and DeletionGuard.
@@ -154,19 +158,23 @@ func (p *Provisioner) ShouldProvision(ctx context.Context, claim *v1.PersistentV
 }
 
 // ShouldDelete says whether this instance deletes the PV's directory: NFS volumes in the
-// controller, local volumes on their own node.
+// controller, local volumes on their own node, and in the controller also local volumes whose
+// node is gone, so that their claims' deletion completes instead of waiting forever.
 func (p *Provisioner) ShouldDelete(ctx context.Context, pv *v1.PersistentVolume) bool {
-	return p.responsibleFor(pv) == ""
+	return p.responsibleFor(ctx, pv) == ""
 }
 
 // responsibleFor returns why this instance does not handle the PV, or "" if it does.
-func (p *Provisioner) responsibleFor(pv *v1.PersistentVolume) string {
+func (p *Provisioner) responsibleFor(ctx context.Context, pv *v1.PersistentVolume) string {
 	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != p.cfg.DriverName {
 		return fmt.Sprintf("PV %s is not a %s volume", pv.Name, p.cfg.DriverName)
 	}
 	backend := volume.Backend(pv.Spec.CSI.VolumeAttributes[volume.AttrBackend])
 	switch {
 	case p.cfg.Role == RoleController && backend == volume.BackendLocal:
+		if p.nodeLost(ctx, pv) {
+			return ""
+		}
 		return fmt.Sprintf("PV %s is a local volume, deleted on its node", pv.Name)
 	case p.cfg.Role == RoleNode && backend != volume.BackendLocal:
 		return fmt.Sprintf("PV %s is not a local volume, deleted by the controller", pv.Name)
@@ -174,6 +182,19 @@ func (p *Provisioner) responsibleFor(pv *v1.PersistentVolume) string {
 		return fmt.Sprintf("PV %s lives on node %q, not on %q", pv.Name, pv.Annotations[AnnNode], p.cfg.NodeName)
 	}
 	return ""
+}
+
+// nodeLost reports whether a released local PV's node no longer exists. Only released PVs
+// due for deletion are looked up, since the lib asks about every PV it sees.
+func (p *Provisioner) nodeLost(ctx context.Context, pv *v1.PersistentVolume) bool {
+	node := pv.Annotations[AnnNode]
+	if node == "" || pv.Status.Phase != v1.VolumeReleased || pv.Spec.PersistentVolumeReclaimPolicy != v1.PersistentVolumeReclaimDelete {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	_, err := p.cfg.Client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+	return apierrors.IsNotFound(err)
 }
 
 // Provision creates the claim's directory and returns its PV. Every check runs before anything
@@ -356,7 +377,7 @@ func (p *Provisioner) buildPV(opts controller.ProvisionOptions, params *classPar
 // Delete applies the PV's onDelete policy to its directory. A missing directory counts as
 // deleted, so a retried Delete succeeds.
 func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error {
-	if why := p.responsibleFor(pv); why != "" {
+	if why := p.responsibleFor(ctx, pv); why != "" {
 		return &controller.IgnoredError{Reason: why}
 	}
 	logger := klog.FromContext(ctx).WithValues("pv", pv.Name)
@@ -364,6 +385,16 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
 	if err != nil {
 		return fmt.Errorf("PV %s: %w", pv.Name, err)
+	}
+	if p.cfg.Role == RoleController && attrs.Backend == volume.BackendLocal {
+		// Only a lost node's volumes get here: nobody can reach the directory any more.
+		msg := fmt.Sprintf("node %s no longer exists: the PV is deleted, its data (if any) stays in %s/%s on that machine",
+			pv.Annotations[AnnNode], attrs.BasePath, attrs.Path)
+		logger.Info("Deleting PV of a lost node without touching its directory", "node", pv.Annotations[AnnNode])
+		if p.cfg.Events != nil {
+			p.cfg.Events.Event(pv, v1.EventTypeWarning, "VolumeDataOnLostNode", msg)
+		}
+		return nil
 	}
 	policy := OnDeleteDelete
 	if s, ok := pv.Annotations[AnnOnDelete]; ok {

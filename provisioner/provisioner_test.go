@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
 	"k8s.io/mount-utils"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
@@ -377,5 +378,37 @@ func TestArchiveNameFits(t *testing.T) {
 	}
 	if got := archiveName(strings.Repeat("x", 255), now); len(got) > volume.MaxComponentLength {
 		t.Errorf("archive name of a long directory is %d bytes", len(got))
+	}
+}
+
+// A local PV whose node was deleted is handled by the controller: the PV can go, the data is
+// left where it is, and an event says so.
+func TestLostNodesVolumeIsReleasedByController(t *testing.T) {
+	f := newFixture(t)
+	class := f.localClass(nil)
+	pv, _, err := f.node.Provision(context.Background(), opts(class, claim("c")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pv.Status.Phase = v1.VolumeReleased
+	if f.ctrl.ShouldDelete(context.Background(), pv) {
+		t.Fatal("controller takes a local PV whose node exists")
+	}
+	if err := f.ctrl.cfg.Client.CoreV1().Nodes().Delete(context.Background(), testNode, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	events := record.NewFakeRecorder(1)
+	f.ctrl.cfg.Events = events
+	if !f.ctrl.ShouldDelete(context.Background(), pv) {
+		t.Fatal("controller does not take a local PV whose node is gone")
+	}
+	if err := f.ctrl.Delete(context.Background(), pv); err != nil {
+		t.Fatal(err)
+	}
+	if ev := <-events.Events; !strings.Contains(ev, "VolumeDataOnLostNode") || !strings.Contains(ev, testNode) {
+		t.Errorf("event = %q", ev)
+	}
+	if got := listTree(t, f.base); len(got) != 1 {
+		t.Errorf("base = %v: the controller must not touch a lost node's directory", got)
 	}
 }

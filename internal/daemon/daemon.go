@@ -14,10 +14,14 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/record"
 	"k8s.io/klog/v2"
 	"k8s.io/mount-utils"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
@@ -90,7 +94,11 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	}
 	reg := newRegistry()
 	factory := informers.NewSharedInformerFactory(client, cfg.Provisioner.Resync)
+	broadcaster := record.NewBroadcaster(record.WithContext(ctx))
+	broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
+	defer broadcaster.Shutdown()
 	p, err := provisioner.New(provisioner.Config{
+		Events:           broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: DriverName + "-controller"}),
 		DriverName:       DriverName,
 		Role:             provisioner.RoleController,
 		Client:           client,
