@@ -47,7 +47,7 @@ func main() {
 }
 
 func usage() {
-	fmt.Fprintln(os.Stderr, "usage: dirpv-cluster up [--node] [--node-name NAME] [--kcm-arg FLAG]... | down | env")
+	fmt.Fprintln(os.Stderr, "usage: dirpv-cluster up [--node] [--node-name NAME] [--bin-dir DIR] [--kcm-arg FLAG]... | down | env")
 	os.Exit(2)
 }
 
@@ -73,6 +73,7 @@ func up(args []string) error {
 	fs := flag.NewFlagSet("up", flag.ExitOnError)
 	node := fs.Bool("node", false, "also start containerd and a kubelet (root only)")
 	nodeName := fs.String("node-name", "", "node name (default dirpv-node)")
+	binDir := fs.String("bin-dir", "", "directory with etcd and the Kubernetes binaries (default: run build.sh)")
 	var kcmArgs multiFlag
 	fs.Var(&kcmArgs, "kcm-arg", "extra kube-controller-manager flag, repeatable (e.g. --kcm-arg=--kube-api-qps=200)")
 	_ = fs.Parse(args)
@@ -90,6 +91,7 @@ func up(args []string) error {
 	t0 := time.Now()
 	c, err := cluster.Start(ctx, cluster.Options{
 		WorkDir:               workDir,
+		BinDir:                *binDir,
 		WithNode:              *node,
 		NodeName:              *nodeName,
 		ControllerManagerArgs: kcmArgs,
