@@ -10,6 +10,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 )
 
@@ -40,27 +41,37 @@ func (c *Cluster) CreateReadyNode(ctx context.Context, name string, labels map[s
 	if err != nil {
 		return fmt.Errorf("create node %s: %w", name, err)
 	}
-	now := metav1.Now()
-	capacity := corev1.ResourceList{
-		corev1.ResourceCPU:              resource.MustParse("8"),
-		corev1.ResourceMemory:           resource.MustParse("32Gi"),
-		corev1.ResourcePods:             resource.MustParse("110"),
-		corev1.ResourceEphemeralStorage: resource.MustParse("100Gi"),
-	}
-	node.Status = corev1.NodeStatus{
-		Capacity:    capacity,
-		Allocatable: capacity,
-		Phase:       corev1.NodeRunning,
-		Addresses:   []corev1.NodeAddress{{Type: corev1.NodeHostName, Address: name}},
-		NodeInfo:    corev1.NodeSystemInfo{OperatingSystem: "linux", Architecture: "amd64", KubeletVersion: "v1.37.2"},
-	}
-	for _, t := range []corev1.NodeConditionType{corev1.NodeMemoryPressure, corev1.NodeDiskPressure, corev1.NodePIDPressure, corev1.NodeNetworkUnavailable} {
-		node.Status.Conditions = append(node.Status.Conditions, corev1.NodeCondition{Type: t, Status: corev1.ConditionFalse,
-			LastHeartbeatTime: now, LastTransitionTime: now, Reason: "DirpvFakeNode"})
-	}
-	node.Status.Conditions = append(node.Status.Conditions, corev1.NodeCondition{Type: corev1.NodeReady, Status: corev1.ConditionTrue,
-		LastHeartbeatTime: now, LastTransitionTime: now, Reason: "DirpvFakeNode", Message: "fake node created by test/cluster"})
-	if _, err := cs.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
+	// The node lifecycle controller updates new nodes too (taints, annotations): retry on
+	// conflict against the latest version.
+	err = retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		latest, err := cs.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		now := metav1.Now()
+		capacity := corev1.ResourceList{
+			corev1.ResourceCPU:              resource.MustParse("8"),
+			corev1.ResourceMemory:           resource.MustParse("32Gi"),
+			corev1.ResourcePods:             resource.MustParse("110"),
+			corev1.ResourceEphemeralStorage: resource.MustParse("100Gi"),
+		}
+		latest.Status = corev1.NodeStatus{
+			Capacity:    capacity,
+			Allocatable: capacity,
+			Phase:       corev1.NodeRunning,
+			Addresses:   []corev1.NodeAddress{{Type: corev1.NodeHostName, Address: name}},
+			NodeInfo:    corev1.NodeSystemInfo{OperatingSystem: "linux", Architecture: "amd64", KubeletVersion: "v1.37.2"},
+		}
+		for _, t := range []corev1.NodeConditionType{corev1.NodeMemoryPressure, corev1.NodeDiskPressure, corev1.NodePIDPressure, corev1.NodeNetworkUnavailable} {
+			latest.Status.Conditions = append(latest.Status.Conditions, corev1.NodeCondition{Type: t, Status: corev1.ConditionFalse,
+				LastHeartbeatTime: now, LastTransitionTime: now, Reason: "DirpvFakeNode"})
+		}
+		latest.Status.Conditions = append(latest.Status.Conditions, corev1.NodeCondition{Type: corev1.NodeReady, Status: corev1.ConditionTrue,
+			LastHeartbeatTime: now, LastTransitionTime: now, Reason: "DirpvFakeNode", Message: "fake node created by test/cluster"})
+		_, err = cs.CoreV1().Nodes().UpdateStatus(ctx, latest, metav1.UpdateOptions{})
+		return err
+	})
+	if err != nil {
 		return fmt.Errorf("set node %s Ready: %w", name, err)
 	}
 
