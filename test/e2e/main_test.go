@@ -42,34 +42,35 @@ func TestMain(m *testing.M) {
 
 func run(m *testing.M) int {
 	ctx := context.Background()
+	cleanups := framework.NewCleanups()
+	defer cleanups.Run()
+	fail := func(what string, err error) int {
+		fmt.Fprintf(os.Stderr, "%s: %v\n", what, err)
+		return 1
+	}
 	work, err := os.MkdirTemp("", "dirpv-e2e-")
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return fail("work dir", err)
 	}
 	logDir = filepath.Join(work, "logs")
 	baseRoot = filepath.Join(work, "bases")
 	os.MkdirAll(logDir, 0o755)
 	os.MkdirAll(baseRoot, 0o755)
 	failed := true
-	defer func() {
+	cleanups.Add(func() {
 		if failed || *keepLogs {
 			fmt.Fprintf(os.Stderr, "logs kept in %s\n", logDir)
 			return
 		}
 		os.RemoveAll(work)
-	}()
-	fail := func(what string, err error) int {
-		fmt.Fprintf(os.Stderr, "%s: %v\n", what, err)
-		return 1
-	}
+	})
 
 	start := time.Now()
 	testCluster, err = cluster.Start(ctx, cluster.Options{WithNode: true, Logf: klog.Infof})
 	if err != nil {
 		return fail("start cluster", err)
 	}
-	defer testCluster.Stop()
+	cleanups.Add(func() { testCluster.Stop() })
 	if client, err = testCluster.Client(); err != nil {
 		return fail("client", err)
 	}
@@ -89,38 +90,38 @@ func run(m *testing.M) int {
 	if nfsServer, err = nfs.Start(ctx, nfs.Options{ExportDir: exportDir, WorkDir: filepath.Join(work, "ganesha")}); err != nil {
 		return fail("start NFS server", err)
 	}
-	defer nfsServer.Stop()
+	cleanups.Add(func() { nfsServer.Stop() })
 
 	if err := createCSIDriver(ctx); err != nil {
 		return fail("CSIDriver", err)
 	}
-	common := []string{"--kubeconfig", testCluster.Kubeconfig, "--http-address", "127.0.0.1:0", "--v=2",
-		"--operation-timeout=10s", "--nfs-mount-helper", mountHelper}
-	ctrlProc, err = framework.Start(dirpvBin, "controller", logDir, append(common,
+	common := []string{"--kubeconfig", testCluster.Kubeconfig, "--v=2", "--operation-timeout=10s", "--nfs-mount-helper", mountHelper}
+	ctrlProc, err = framework.StartDirpv(ctx, dirpvBin, "controller", logDir, "controller", append(common,
 		"--work-dir", filepath.Join(work, "controller"), "--leader-election=false")...)
 	if err != nil {
 		return fail("start controller", err)
 	}
-	defer ctrlProc.Stop(10 * time.Second)
-	nodeProc, err = framework.Start(dirpvBin, "node", logDir, append(common,
+	cleanups.Add(func() { ctrlProc.Stop(10 * time.Second) })
+	nodeProc, err = framework.StartDirpv(ctx, dirpvBin, "node", logDir, "node", append(common,
 		"--node-name", testCluster.NodeName, "--kubelet-root-dir", testCluster.KubeletRootDir)...)
 	if err != nil {
 		return fail("start node plugin", err)
 	}
-	defer nodeProc.Stop(10 * time.Second)
+	// Before the cluster stops: kubelet must still be there to unpublish what pods used.
+	cleanups.Add(func() { nodeProc.Stop(10 * time.Second) })
 	if err := waitRegistered(ctx); err != nil {
 		return fail("node plugin registration", fmt.Errorf("%w\n%s", err, nodeProc.Tail(3000)))
 	}
 	fmt.Fprintf(os.Stderr, "e2e setup took %s\n", time.Since(start).Round(time.Millisecond))
 
 	code := m.Run()
-	failed = code != 0
 	for _, p := range []*framework.Process{ctrlProc, nodeProc} {
 		if exited, err := p.Exited(); exited {
 			fmt.Fprintf(os.Stderr, "%s exited during the tests: %v\n%s\n", p.Name, err, p.Tail(4000))
 			code = 1
 		}
 	}
+	failed = code != 0
 	return code
 }
 

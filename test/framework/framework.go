@@ -55,9 +55,11 @@ type Process struct {
 	Name string
 	Args []string
 	Log  string
-	cmd  *exec.Cmd
-	done chan struct{}
-	err  error
+	// HTTPAddr is where a dirpv process serves /healthz and /metrics (StartDirpv).
+	HTTPAddr string
+	cmd      *exec.Cmd
+	done     chan struct{}
+	err      error
 }
 
 // Start runs binary with args, logging to logDir/name.log (appended, so a restarted

@@ -49,23 +49,28 @@ func TestMain(m *testing.M) {
 
 func run(m *testing.M) int {
 	ctx := context.Background()
+	cleanups := framework.NewCleanups()
+	defer cleanups.Run()
+	fail := func(what string, err error) int {
+		fmt.Fprintf(os.Stderr, "%s: %v\n", what, err)
+		return 1
+	}
 	work, err := os.MkdirTemp("", "dirpv-it-")
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return fail("work dir", err)
 	}
 	logDir = filepath.Join(work, "logs")
 	baseRoot = filepath.Join(work, "bases")
 	os.MkdirAll(logDir, 0o755)
 	os.MkdirAll(baseRoot, 0o755)
 	failed := true
-	defer func() {
+	cleanups.Add(func() {
 		if failed || *keepLogs {
 			fmt.Fprintf(os.Stderr, "logs kept in %s\n", logDir)
 			return
 		}
 		os.RemoveAll(work)
-	}()
+	})
 
 	start := time.Now()
 	// The binding ceiling: kube-controller-manager's own client limit (20 QPS) would otherwise
@@ -75,69 +80,61 @@ func run(m *testing.M) int {
 		Logf:                  klog.Infof,
 	})
 	if err != nil {
-		fmt.Fprintln(os.Stderr, "start cluster:", err)
-		return 1
+		return fail("start cluster", err)
 	}
-	defer testCluster.Stop()
+	cleanups.Add(func() { testCluster.Stop() })
 	if client, err = testCluster.Client(); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return fail("client", err)
 	}
 	for _, n := range []string{nodeA, nodeC} {
 		if err := testCluster.CreateReadyNode(ctx, n, map[string]string{"kubernetes.io/hostname": "host-" + n}); err != nil {
-			fmt.Fprintln(os.Stderr, "create node:", err)
-			return 1
+			return fail("create node", err)
 		}
 	}
 	if dirpvBin, err = framework.BuildDirpv(ctx, work); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return fail("build dirpv", err)
 	}
 	if err := nfs.EnsurePackages(ctx); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return fail("NFS packages", err)
 	}
 	mountHelper, err := nfs.BuildMountHelper(ctx)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return fail("build NFS mount helper", err)
 	}
 	// The export dir is ours, so that Kill/Resume of the server keeps it.
 	exportDir := filepath.Join(work, "export")
 	os.MkdirAll(exportDir, 0o777)
 	if nfsServer, err = nfs.Start(ctx, nfs.Options{ExportDir: exportDir, WorkDir: filepath.Join(work, "ganesha")}); err != nil {
-		fmt.Fprintln(os.Stderr, "start NFS server:", err)
-		return 1
+		return fail("start NFS server", err)
 	}
-	defer nfsServer.Stop()
-	common := []string{"--kubeconfig", testCluster.Kubeconfig, "--http-address", "127.0.0.1:0", "--v=2", "--operation-timeout=10s"}
-	ctrlProc, err = framework.Start(dirpvBin, "controller", logDir, append(common,
+	cleanups.Add(func() { nfsServer.Stop() })
+
+	common := []string{"--kubeconfig", testCluster.Kubeconfig, "--v=2", "--operation-timeout=10s"}
+	ctrlProc, err = framework.StartDirpv(ctx, dirpvBin, "controller", logDir, "controller", append(common,
 		"--work-dir", filepath.Join(work, "controller"),
 		"--nfs-mount-helper", mountHelper,
 		"--leader-election=true", "--leader-election-namespace=kube-system")...)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return fail("start controller", err)
 	}
-	defer ctrlProc.Stop(10 * time.Second)
-	nodeProc, err = framework.Start(dirpvBin, "node-a", logDir, append(common,
+	cleanups.Add(func() { ctrlProc.Stop(10 * time.Second) })
+	nodeProc, err = framework.StartDirpv(ctx, dirpvBin, "node-a", logDir, "node", append(common,
 		"--node-name", nodeA,
 		"--csi-endpoint", "unix://"+filepath.Join(work, "csi-a.sock"),
 		"--plugin-registration-dir", "-")...)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 1
+		return fail("start node-a", err)
 	}
-	defer nodeProc.Stop(10 * time.Second)
+	cleanups.Add(func() { nodeProc.Stop(10 * time.Second) })
 	fmt.Fprintf(os.Stderr, "integration setup took %s\n", time.Since(start).Round(time.Millisecond))
 
 	code := m.Run()
-	failed = code != 0
 	for _, p := range []*framework.Process{ctrlProc, nodeProc} {
 		if exited, err := p.Exited(); exited {
 			fmt.Fprintf(os.Stderr, "%s exited during the tests: %v\n%s\n", p.Name, err, p.Tail(4000))
 			code = 1
 		}
 	}
+	failed = code != 0
 	return code
 }

@@ -21,8 +21,8 @@ func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 		t.Fatal(err)
 	}
 	work := t.TempDir()
-	proc, err := framework.Start(dirpvBin, "node-b", logDir, "--kubeconfig", testCluster.Kubeconfig,
-		"--http-address", "127.0.0.1:0", "--v=2", "--node-name", nodeB,
+	proc, err := framework.StartDirpv(ctx, dirpvBin, "node-b", logDir, "node", "--kubeconfig", testCluster.Kubeconfig,
+		"--v=2", "--node-name", nodeB,
 		"--csi-endpoint", "unix://"+filepath.Join(work, "csi.sock"), "--plugin-registration-dir", "-")
 	if err != nil {
 		t.Fatal(err)
