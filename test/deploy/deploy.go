@@ -1,0 +1,205 @@
+// Package deploy renders dirpv's manifests under deploy/ the way a user would, with the pinned
+// kustomize and helm that tools.sh builds from the Go module proxy, and decodes the result into
+// objects. Its tests check the kustomize and Helm variants against each other and against
+// dirpv's requirements (least-privilege RBAC, mount propagation, ...); e2e tests use
+// RenderE2ELocal to install dirpv on test/cluster's local cluster.
+package deploy
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+)
+
+// ErrToolMissing is returned by Tool when building is off and the tool is not cached yet.
+var ErrToolMissing = errors.New("tool not built")
+
+// RepoDir returns the root of the dirpv checkout this package was compiled from.
+func RepoDir() (string, error) {
+	_, file, _, ok := runtime.Caller(0)
+	if !ok {
+		return "", errors.New("deploy: cannot locate the source of package deploy")
+	}
+	root := filepath.Join(filepath.Dir(file), "..", "..")
+	if _, err := os.Stat(filepath.Join(root, "deploy", "base", "kustomization.yaml")); err != nil {
+		return "", fmt.Errorf("deploy: %s is not a dirpv checkout: %w", root, err)
+	}
+	return root, nil
+}
+
+// Tool returns the path of the pinned "helm" or "kustomize", building it with tools.sh when it
+// is missing and build is true (minutes when cold). With build false a missing tool gives
+// ErrToolMissing.
+func Tool(ctx context.Context, name string, build bool) (string, error) {
+	root, err := RepoDir()
+	if err != nil {
+		return "", err
+	}
+	args := []string{filepath.Join(root, "test", "deploy", "tools.sh")}
+	if !build {
+		args = append(args, "--check")
+	}
+	cmd := exec.CommandContext(ctx, "bash", append(args, name)...)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		var exit *exec.ExitError
+		if !build && errors.As(err, &exit) && exit.ExitCode() == 2 {
+			return "", fmt.Errorf("%w: %s", ErrToolMissing, strings.TrimSpace(stderr.String()))
+		}
+		return "", fmt.Errorf("deploy: tools.sh %s: %w: %s", name, err, strings.TrimSpace(stderr.String()))
+	}
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	return lines[len(lines)-1], nil
+}
+
+// Kustomize runs `kustomize build dir` with the pinned kustomize at path kustomizeBin.
+func Kustomize(ctx context.Context, kustomizeBin, dir string) ([]byte, error) {
+	return run(ctx, kustomizeBin, "build", dir)
+}
+
+// HelmTemplate runs `helm template dirpv deploy/helm/dirpv --namespace namespace` with the
+// given values files and --set arguments ("key=value").
+func HelmTemplate(ctx context.Context, helmBin, namespace string, valuesFiles []string, set ...string) ([]byte, error) {
+	root, err := RepoDir()
+	if err != nil {
+		return nil, err
+	}
+	args := []string{"template", "dirpv", filepath.Join(root, "deploy", "helm", "dirpv"), "--namespace", namespace}
+	for _, f := range valuesFiles {
+		args = append(args, "--values", f)
+	}
+	for _, s := range set {
+		args = append(args, "--set", s)
+	}
+	// helm writes its cache and config under $HOME unless told otherwise; keep the user's
+	// helm setup out of the render and the render out of it.
+	tmp, err := os.MkdirTemp("", "dirpv-helm-")
+	if err != nil {
+		return nil, fmt.Errorf("deploy: %w", err)
+	}
+	defer os.RemoveAll(tmp)
+	cmd := exec.CommandContext(ctx, helmBin, args...)
+	cmd.Env = append(os.Environ(),
+		"HELM_CACHE_HOME="+filepath.Join(tmp, "cache"),
+		"HELM_CONFIG_HOME="+filepath.Join(tmp, "config"),
+		"HELM_DATA_HOME="+filepath.Join(tmp, "data"))
+	return output(cmd)
+}
+
+// E2ELocalOptions parameterise RenderE2ELocal.
+type E2ELocalOptions struct {
+	// APIServerPort is the port of the apiserver on 127.0.0.1 (required).
+	APIServerPort int
+	// Image replaces ghcr.io/dirpv/dirpv:latest, e.g. the name WriteDirpvTar returned.
+	// Empty keeps it.
+	Image string
+}
+
+// RenderE2ELocal renders deploy/overlays/e2e-local for a cluster whose apiserver listens on
+// 127.0.0.1:APIServerPort, returning multi-document YAML to apply. It writes, in a temporary
+// directory, the kustomization a test would write by hand:
+//
+//	resources: [<relative path to repo>/deploy/overlays/e2e-local]
+//	images: [{name: ghcr.io/dirpv/dirpv, newName: <repo part of Image>, newTag: <tag of Image>}]
+//	patches: one strategic-merge patch per workload setting env KUBERNETES_SERVICE_PORT
+func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptions) ([]byte, error) {
+	if opts.APIServerPort <= 0 || opts.APIServerPort > 65535 {
+		return nil, fmt.Errorf("deploy: e2e-local: APIServerPort %d out of range", opts.APIServerPort)
+	}
+	root, err := RepoDir()
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "dirpv-e2e-overlay-")
+	if err != nil {
+		return nil, fmt.Errorf("deploy: %w", err)
+	}
+	defer os.RemoveAll(dir)
+	port := strconv.Quote(strconv.Itoa(opts.APIServerPort))
+	var k strings.Builder
+	// kustomize refuses an absolute path to another kustomization; a relative one may climb.
+	overlay, err := filepath.Rel(dir, filepath.Join(root, "deploy", "overlays", "e2e-local"))
+	if err != nil {
+		return nil, fmt.Errorf("deploy: %w", err)
+	}
+	fmt.Fprintf(&k, "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - %s\n", overlay)
+	if opts.Image != "" {
+		name, tag := splitImage(opts.Image)
+		fmt.Fprintf(&k, "images:\n  - name: ghcr.io/dirpv/dirpv\n    newName: %s\n    newTag: %q\n", name, tag)
+	}
+	k.WriteString("patches:\n")
+	for _, w := range []struct{ kind, name string }{{"Deployment", "dirpv-controller"}, {"DaemonSet", "dirpv-node"}} {
+		patch := fmt.Sprintf("apiVersion: apps/v1\nkind: %s\nmetadata:\n  name: %s\n  namespace: dirpv\n"+
+			"spec:\n  template:\n    spec:\n      containers:\n        - name: dirpv\n          env:\n"+
+			"            - name: KUBERNETES_SERVICE_PORT\n              value: %s\n", w.kind, w.name, port)
+		file := strings.ToLower(w.kind) + "-port.yaml"
+		if err := os.WriteFile(filepath.Join(dir, file), []byte(patch), 0o644); err != nil {
+			return nil, fmt.Errorf("deploy: %w", err)
+		}
+		fmt.Fprintf(&k, "  - path: %s\n", file)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(k.String()), 0o644); err != nil {
+		return nil, fmt.Errorf("deploy: %w", err)
+	}
+	return Kustomize(ctx, kustomizeBin, dir)
+}
+
+// splitImage splits "repo[:tag]" (the registry may have a port) into repo and tag, "latest"
+// when there is none.
+func splitImage(image string) (string, string) {
+	if i := strings.LastIndex(image, ":"); i > strings.LastIndex(image, "/") {
+		return image[:i], image[i+1:]
+	}
+	return image, "latest"
+}
+
+// Decode splits multi-document YAML into objects, skipping empty documents (helm emits some).
+func Decode(data []byte) ([]*unstructured.Unstructured, error) {
+	r := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
+	var objs []*unstructured.Unstructured
+	for {
+		doc, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			return objs, nil
+		}
+		if err != nil {
+			return nil, fmt.Errorf("deploy: split YAML: %w", err)
+		}
+		var m map[string]any
+		if err := utilyaml.Unmarshal(doc, &m); err != nil {
+			return nil, fmt.Errorf("deploy: decode YAML document: %w\n%s", err, doc)
+		}
+		if len(m) == 0 {
+			continue
+		}
+		objs = append(objs, &unstructured.Unstructured{Object: m})
+	}
+}
+
+func run(ctx context.Context, bin string, args ...string) ([]byte, error) {
+	return output(exec.CommandContext(ctx, bin, args...))
+}
+
+func output(cmd *exec.Cmd) ([]byte, error) {
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("%s %s: %w: %s", filepath.Base(cmd.Path), strings.Join(cmd.Args[1:], " "), err, strings.TrimSpace(stderr.String()))
+	}
+	return out, nil
+}

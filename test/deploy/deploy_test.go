@@ -1,0 +1,622 @@
+package deploy
+
+import (
+	"fmt"
+	"path"
+	"reflect"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+
+	"github.com/dirpv/dirpv/provisioner"
+)
+
+// helmOnlyLabels are the labels the chart adds for Helm's own bookkeeping; everything else must
+// be the same as deploy/base's.
+var helmOnlyLabels = []string{"helm.sh/chart", "app.kubernetes.io/managed-by"}
+
+// TestHelmMatchesKindOverlay: `helm template` with values equivalent to the kind overlay
+// renders exactly the overlay's objects, field for field, but for Helm's own labels. A change
+// to one variant fails here until the other follows.
+func TestHelmMatchesKindOverlay(t *testing.T) {
+	kustomize, helm := tools(t)
+	kind := kustomizeObjs(t, kustomize, "deploy/overlays/kind")
+	chart := helmObjs(t, helm, []string{"testdata/kind-values.yaml"})
+	for _, u := range chart {
+		labels := u.GetLabels()
+		for _, l := range helmOnlyLabels {
+			if _, ok := labels[l]; !ok {
+				t.Errorf("helm %s lacks label %s", key(u), l)
+			}
+			delete(labels, l)
+		}
+		u.SetLabels(labels)
+	}
+	if !reflect.DeepEqual(kind.keys(), chart.keys()) {
+		t.Fatalf("different objects:\nkustomize: %v\nhelm:      %v", kind.keys(), chart.keys())
+	}
+	for _, k := range kind.keys() {
+		if d := diff("", kind[k].Object, chart[k].Object); len(d) > 0 {
+			t.Errorf("%s differs (kustomize != helm):\n  %s", k, strings.Join(d, "\n  "))
+		}
+	}
+}
+
+// variants are every rendering a user can install; each must satisfy the checks below.
+func variants(t *testing.T) map[string]objects {
+	kustomize, helm := tools(t)
+	return map[string]objects{
+		"kustomize kind":      kustomizeObjs(t, kustomize, "deploy/overlays/kind"),
+		"kustomize nfs":       kustomizeObjs(t, kustomize, "deploy/overlays/nfs"),
+		"kustomize e2e-local": kustomizeObjs(t, kustomize, "deploy/overlays/e2e-local"),
+		"helm defaults":       helmObjs(t, helm, nil),
+		"helm custom":         helmObjs(t, helm, []string{"testdata/custom-values.yaml"}),
+	}
+}
+
+// TestObjectsAreValid: every rendered object converts to its API type with no unknown field.
+func TestObjectsAreValid(t *testing.T) {
+	for name, objs := range variants(t) {
+		t.Run(name, func(t *testing.T) {
+			for _, k := range objs.keys() {
+				typed(t, objs[k])
+			}
+			for _, want := range []string{"CSIDriver /dirpv.io", "ServiceAccount dirpv/dirpv-node", "DaemonSet dirpv/dirpv-node",
+				"ServiceAccount dirpv/dirpv-controller", "Deployment dirpv/dirpv-controller"} {
+				if objs[want] == nil {
+					t.Errorf("missing %s", want)
+				}
+			}
+		})
+	}
+}
+
+// The rules each role must have, no more: the verbs sig-storage-lib-external-provisioner v13
+// and dirpv call (see deploy/base/rbac-*.yaml for which call needs which).
+var wantRules = map[string][]rbacv1.PolicyRule{
+	"ClusterRole dirpv-controller": {
+		{APIGroups: []string{""}, Resources: []string{"persistentvolumes"}, Verbs: []string{"get", "list", "watch", "create", "delete", "patch"}},
+		{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims"}, Verbs: []string{"get", "list", "watch", "update"}},
+		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"storageclasses"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
+	},
+	"Role dirpv-controller-leader-election": {
+		{APIGroups: []string{"coordination.k8s.io"}, Resources: []string{"leases"}, Verbs: []string{"create"}},
+		{APIGroups: []string{"coordination.k8s.io"}, Resources: []string{"leases"}, ResourceNames: []string{"dirpv.io"}, Verbs: []string{"get", "update"}},
+	},
+	"ClusterRole dirpv-node": {
+		{APIGroups: []string{""}, Resources: []string{"persistentvolumes"}, Verbs: []string{"get", "list", "watch", "create", "delete", "patch"}},
+		{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims"}, Verbs: []string{"get", "list", "watch", "update"}},
+		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"storageclasses"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get"}},
+		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
+	},
+}
+
+func TestRBACLeastPrivilege(t *testing.T) {
+	for name, objs := range variants(t) {
+		t.Run(name, func(t *testing.T) {
+			roles := map[string]bool{}
+			for _, kind := range []string{"ClusterRole", "Role"} {
+				for _, n := range objs.ofKind(kind) {
+					roles[kind+" "+n] = true
+				}
+			}
+			for role, want := range wantRules {
+				if !roles[role] {
+					t.Errorf("missing %s", role)
+					continue
+				}
+				delete(roles, role)
+				kind, n, _ := strings.Cut(role, " ")
+				got := rulesOf(t, objs, kind, "dirpv", n)
+				var g, w []string
+				for _, r := range got {
+					g = append(g, joinRule(r))
+					for _, s := range append(append(append([]string(nil), r.Verbs...), r.Resources...), r.APIGroups...) {
+						if s == "*" {
+							t.Errorf("%s: wildcard in %s", role, joinRule(r))
+						}
+					}
+					for _, res := range r.Resources {
+						if res == "secrets" || res == "configmaps" || strings.Contains(res, "/") {
+							t.Errorf("%s: needs no %s", role, res)
+						}
+					}
+					for _, v := range r.Verbs {
+						if v == "escalate" || v == "bind" || v == "impersonate" || v == "deletecollection" {
+							t.Errorf("%s: verb %s", role, v)
+						}
+					}
+				}
+				for _, r := range want {
+					w = append(w, joinRule(r))
+				}
+				if !reflect.DeepEqual(g, w) {
+					t.Errorf("%s rules:\n got  %v\n want %v", role, g, w)
+				}
+			}
+			for extra := range roles {
+				t.Errorf("unexpected %s", extra)
+			}
+			// Each binding grants its role to the component's own service account only.
+			binds := map[string]string{
+				"ClusterRoleBinding /dirpv-controller":               "dirpv-controller",
+				"ClusterRoleBinding /dirpv-node":                     "dirpv-node",
+				"RoleBinding dirpv/dirpv-controller-leader-election": "dirpv-controller",
+			}
+			for k, sa := range binds {
+				var subjects []rbacv1.Subject
+				var ref rbacv1.RoleRef
+				if strings.HasPrefix(k, "Cluster") {
+					b := get[*rbacv1.ClusterRoleBinding](t, objs, k)
+					subjects, ref = b.Subjects, b.RoleRef
+				} else {
+					b := get[*rbacv1.RoleBinding](t, objs, k)
+					subjects, ref = b.Subjects, b.RoleRef
+				}
+				want := []rbacv1.Subject{{Kind: "ServiceAccount", Name: sa, Namespace: "dirpv"}}
+				if !reflect.DeepEqual(subjects, want) {
+					t.Errorf("%s subjects %+v, want %+v", k, subjects, want)
+				}
+				if _, name, _ := strings.Cut(k, "/"); ref.Name != name {
+					t.Errorf("%s binds %s", k, ref.Name)
+				}
+			}
+			if sa := deployment(t, objs).Spec.Template.Spec.ServiceAccountName; sa != "dirpv-controller" {
+				t.Errorf("controller runs as %q", sa)
+			}
+			if sa := daemonSet(t, objs).Spec.Template.Spec.ServiceAccountName; sa != "dirpv-node" {
+				t.Errorf("node runs as %q", sa)
+			}
+		})
+	}
+}
+
+func TestCSIDriver(t *testing.T) {
+	for name, objs := range variants(t) {
+		t.Run(name, func(t *testing.T) {
+			d := get[*storagev1.CSIDriver](t, objs, "CSIDriver /dirpv.io")
+			f, tr := false, true
+			file := storagev1.FileFSGroupPolicy
+			want := storagev1.CSIDriverSpec{
+				AttachRequired:       &f,
+				PodInfoOnMount:       &tr,
+				FSGroupPolicy:        &file,
+				VolumeLifecycleModes: []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent},
+				RequiresRepublish:    &f,
+				StorageCapacity:      &f,
+			}
+			if !reflect.DeepEqual(d.Spec, want) {
+				t.Errorf("CSIDriver spec %+v, want %+v", d.Spec, want)
+			}
+		})
+	}
+}
+
+// httpPort checks that both probes hit /healthz on the port the process serves
+// (--http-address) and returns it.
+func checkProbes(t *testing.T, what string, c corev1.Container) {
+	t.Helper()
+	var addr string
+	for _, a := range c.Args {
+		if v, ok := strings.CutPrefix(a, "--http-address="); ok {
+			addr = v
+		}
+	}
+	if addr == "" {
+		t.Errorf("%s: no --http-address in %v", what, c.Args)
+		return
+	}
+	var port int32
+	for _, p := range c.Ports {
+		if p.Name == "http" {
+			port = p.ContainerPort
+		}
+	}
+	if fmt.Sprintf(":%d", port) != addr {
+		t.Errorf("%s: port http %d but --http-address=%s", what, port, addr)
+	}
+	for pname, p := range map[string]*corev1.Probe{"liveness": c.LivenessProbe, "readiness": c.ReadinessProbe} {
+		if p == nil || p.HTTPGet == nil {
+			t.Errorf("%s: no HTTP %s probe", what, pname)
+			continue
+		}
+		if p.HTTPGet.Path != "/healthz" || p.HTTPGet.Port != intstr.FromString("http") {
+			t.Errorf("%s: %s probe %+v", what, pname, p.HTTPGet)
+		}
+	}
+	if c.Resources.Requests.Cpu().IsZero() || c.Resources.Requests.Memory().IsZero() || c.Resources.Limits.Memory().IsZero() {
+		t.Errorf("%s: resources %+v: want cpu and memory requests and a memory limit", what, c.Resources)
+	}
+}
+
+func TestControllerDeployment(t *testing.T) {
+	for name, objs := range variants(t) {
+		t.Run(name, func(t *testing.T) {
+			d := deployment(t, objs)
+			spec := d.Spec.Template.Spec
+			c := container(t, spec)
+			if len(c.Args) == 0 || c.Args[0] != "controller" {
+				t.Errorf("args %v", c.Args)
+			}
+			for _, a := range c.Args {
+				if strings.HasPrefix(a, "--leader-election=false") || strings.HasPrefix(a, "--kubeconfig") {
+					t.Errorf("arg %s: the controller must run in-cluster with leader election", a)
+				}
+			}
+			if e, ok := envValue(c, "POD_NAMESPACE"); !ok || e.ValueFrom == nil || e.ValueFrom.FieldRef == nil || e.ValueFrom.FieldRef.FieldPath != "metadata.namespace" {
+				t.Errorf("POD_NAMESPACE %+v", e)
+			}
+			checkProbes(t, "controller", c)
+			// The controller's NFS mounts live in its own mount namespace: nothing of the host.
+			for _, v := range spec.Volumes {
+				if v.HostPath != nil {
+					t.Errorf("controller has hostPath volume %s (%s)", v.Name, v.HostPath.Path)
+				}
+			}
+			for _, m := range c.VolumeMounts {
+				if m.MountPropagation != nil {
+					t.Errorf("controller mount %s has propagation %s", m.Name, *m.MountPropagation)
+				}
+			}
+			if spec.HostPID || spec.HostIPC {
+				t.Error("controller shares host PID or IPC namespace")
+			}
+			sc := c.SecurityContext
+			if sc == nil || sc.Capabilities == nil {
+				t.Fatal("controller has no securityContext with capabilities")
+			}
+			if sc.Privileged != nil && *sc.Privileged {
+				t.Error("controller is privileged; CAP_SYS_ADMIN is enough for NFS mounts")
+			}
+			if !reflect.DeepEqual(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) {
+				t.Errorf("drop %v, want [ALL]", sc.Capabilities.Drop)
+			}
+			allowed := map[corev1.Capability]bool{"SYS_ADMIN": true, "CHOWN": true, "FOWNER": true, "DAC_OVERRIDE": true, "NET_BIND_SERVICE": true}
+			for _, c := range sc.Capabilities.Add {
+				if !allowed[c] {
+					t.Errorf("controller adds capability %s", c)
+				}
+			}
+			if sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+				t.Error("controller root filesystem is writable")
+			}
+			if sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
+				t.Errorf("seccomp %+v", sc.SeccompProfile)
+			}
+			if !strings.HasPrefix(c.Image, "ghcr.io/dirpv/dirpv:") {
+				t.Errorf("image %s", c.Image)
+			}
+		})
+	}
+}
+
+func TestNodeDaemonSet(t *testing.T) {
+	for name, objs := range variants(t) {
+		t.Run(name, func(t *testing.T) {
+			ds := daemonSet(t, objs)
+			spec := ds.Spec.Template.Spec
+			c := container(t, spec)
+			if len(c.Args) == 0 || c.Args[0] != "node" {
+				t.Fatalf("args %v", c.Args)
+			}
+			root := "/var/lib/kubelet"
+			for _, a := range c.Args {
+				if v, ok := strings.CutPrefix(a, "--kubelet-root-dir="); ok {
+					root = v
+				}
+				if strings.HasPrefix(a, "--csi-endpoint") || strings.HasPrefix(a, "--plugin-registration-dir") {
+					t.Errorf("arg %s: the defaults under --kubelet-root-dir are what the volumes mount", a)
+				}
+			}
+			if e, ok := envValue(c, "NODE_NAME"); !ok || e.ValueFrom == nil || e.ValueFrom.FieldRef == nil || e.ValueFrom.FieldRef.FieldPath != "spec.nodeName" {
+				t.Errorf("NODE_NAME %+v", e)
+			}
+			checkProbes(t, "node", c)
+			if sc := c.SecurityContext; sc == nil || sc.Privileged == nil || !*sc.Privileged {
+				t.Error("node plugin not privileged: Bidirectional propagation needs it")
+			}
+			if !spec.HostNetwork {
+				t.Error("node plugin not on the host network: NFS mounts would lose their network with the pod")
+			}
+			if len(spec.Tolerations) != 1 || spec.Tolerations[0].Operator != corev1.TolerationOpExists || spec.Tolerations[0].Key != "" {
+				t.Errorf("tolerations %+v: want one that tolerates every taint", spec.Tolerations)
+			}
+
+			hostPaths := map[string]string{} // volume name -> host path
+			for _, v := range spec.Volumes {
+				if v.HostPath != nil {
+					hostPaths[v.Name] = v.HostPath.Path
+				}
+			}
+			mounts := map[string]corev1.VolumeMount{} // host path -> mount
+			for _, m := range c.VolumeMounts {
+				hp, ok := hostPaths[m.Name]
+				if !ok {
+					continue
+				}
+				if hp != m.MountPath {
+					t.Errorf("volume %s: host %s mounted at %s; kubelet passes host paths, so they must match", m.Name, hp, m.MountPath)
+				}
+				mounts[hp] = m
+			}
+			propagation := func(p string) corev1.MountPropagationMode {
+				m, ok := mounts[p]
+				if !ok {
+					t.Errorf("%s not mounted (have %v)", p, mounts)
+					return ""
+				}
+				if m.MountPropagation == nil {
+					return corev1.MountPropagationNone
+				}
+				return *m.MountPropagation
+			}
+			if p := propagation(root + "/pods"); p != corev1.MountPropagationBidirectional {
+				t.Errorf("%s/pods propagation %q, want Bidirectional (pods' target paths live there)", root, p)
+			}
+			propagation(root + "/plugins/dirpv.io")
+			propagation(root + "/plugins_registry")
+			// Host mounts must not nest: a mount below a Bidirectional one propagates back to the
+			// host and accumulates there on every restart.
+			for a := range mounts {
+				for b := range mounts {
+					if a != b && strings.HasPrefix(b+"/", a+"/") {
+						t.Errorf("host path %s is mounted inside %s", b, a)
+					}
+				}
+			}
+			// Every local class's basePath must be visible to the node plugin at the same path.
+			for _, sc := range storageClasses(t, objs) {
+				if sc.Parameters["backend"] != "local" {
+					continue
+				}
+				bp := sc.Parameters["basePath"]
+				if bp == "" {
+					bp = "/var/lib/dirpv"
+				}
+				if p := propagation(bp); p == corev1.MountPropagationNone {
+					t.Errorf("class %s basePath %s propagation None: a disk mounted there later would stay hidden", sc.Name, bp)
+				}
+			}
+		})
+	}
+}
+
+func TestStorageClasses(t *testing.T) {
+	for name, objs := range variants(t) {
+		t.Run(name, func(t *testing.T) {
+			defaults := 0
+			for _, sc := range storageClasses(t, objs) {
+				if sc.Provisioner != "dirpv.io" {
+					t.Errorf("%s provisioner %s", sc.Name, sc.Provisioner)
+				}
+				if sc.Annotations["storageclass.kubernetes.io/is-default-class"] == "true" {
+					defaults++
+				}
+				mode := storagev1.VolumeBindingImmediate
+				if sc.VolumeBindingMode != nil {
+					mode = *sc.VolumeBindingMode
+				}
+				switch sc.Parameters["backend"] {
+				case "local":
+					if mode != storagev1.VolumeBindingWaitForFirstConsumer {
+						t.Errorf("local class %s binding %s", sc.Name, mode)
+					}
+				case "nfs":
+					if sc.Parameters["server"] == "" || sc.Parameters["share"] == "" || strings.HasSuffix(sc.Parameters["server"], ".invalid") {
+						t.Errorf("nfs class %s export %s:%s", sc.Name, sc.Parameters["server"], sc.Parameters["share"])
+					}
+				default:
+					t.Errorf("%s backend %q", sc.Name, sc.Parameters["backend"])
+				}
+				checkParameters(t, sc)
+			}
+			if defaults > 1 {
+				t.Errorf("%d default classes", defaults)
+			}
+		})
+	}
+}
+
+// TestKindOverlay pins what the kind overlay promises: dirpv-local, default, on /var/lib/dirpv.
+func TestKindOverlay(t *testing.T) {
+	kustomize, _ := tools(t)
+	objs := kustomizeObjs(t, kustomize, "deploy/overlays/kind")
+	sc := get[*storagev1.StorageClass](t, objs, "StorageClass /dirpv-local")
+	if sc.Annotations["storageclass.kubernetes.io/is-default-class"] != "true" ||
+		sc.Parameters["backend"] != "local" || *sc.VolumeBindingMode != storagev1.VolumeBindingWaitForFirstConsumer {
+		t.Errorf("dirpv-local %+v", sc)
+	}
+	if ns := get[*corev1.Namespace](t, objs, "Namespace /dirpv"); ns.Labels["pod-security.kubernetes.io/enforce"] != "privileged" {
+		t.Errorf("namespace labels %v", ns.Labels)
+	}
+	if r := deployment(t, objs).Spec.Replicas; r == nil || *r != 2 {
+		t.Errorf("controller replicas %v, want 2", r)
+	}
+	for _, c := range []corev1.Container{container(t, deployment(t, objs).Spec.Template.Spec), container(t, daemonSet(t, objs).Spec.Template.Spec)} {
+		if c.Image != "ghcr.io/dirpv/dirpv:latest" || c.ImagePullPolicy != corev1.PullIfNotPresent {
+			t.Errorf("image %s pull %s: want ghcr.io/dirpv/dirpv:latest, IfNotPresent (kind load image-archive)", c.Image, c.ImagePullPolicy)
+		}
+	}
+}
+
+func TestNFSOverlay(t *testing.T) {
+	kustomize, _ := tools(t)
+	objs := kustomizeObjs(t, kustomize, "deploy/overlays/nfs")
+	sc := get[*storagev1.StorageClass](t, objs, "StorageClass /dirpv-nfs")
+	if sc.Parameters["server"] != "nfs.example.com" || sc.Parameters["share"] != "/srv/nfs/dirpv" {
+		t.Errorf("export not patched: %v", sc.Parameters)
+	}
+	if *sc.VolumeBindingMode != storagev1.VolumeBindingImmediate || sc.Annotations["storageclass.kubernetes.io/is-default-class"] == "true" {
+		t.Errorf("dirpv-nfs %+v", sc)
+	}
+}
+
+// TestRenderE2ELocal: what an e2e test on test/cluster gets.
+func TestRenderE2ELocal(t *testing.T) {
+	kustomize, _ := tools(t)
+	out, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: "ghcr.io/dirpv/dirpv:e2e-1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs := decode(t, out)
+	if objs["StorageClass /dirpv-local"] == nil {
+		t.Error("no dirpv-local class")
+	}
+	d, ds := deployment(t, objs), daemonSet(t, objs)
+	if *d.Spec.Replicas != 1 {
+		t.Errorf("controller replicas %d: two on one host network collide on the port", *d.Spec.Replicas)
+	}
+	for name, spec := range map[string]corev1.PodSpec{"controller": d.Spec.Template.Spec, "node": ds.Spec.Template.Spec} {
+		if !spec.HostNetwork || spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
+			t.Errorf("%s: hostNetwork %v dnsPolicy %s", name, spec.HostNetwork, spec.DNSPolicy)
+		}
+		c := container(t, spec)
+		if c.Image != "ghcr.io/dirpv/dirpv:e2e-1" || c.ImagePullPolicy != corev1.PullNever {
+			t.Errorf("%s: image %s pull %s", name, c.Image, c.ImagePullPolicy)
+		}
+		host, _ := envValue(c, "KUBERNETES_SERVICE_HOST")
+		port, _ := envValue(c, "KUBERNETES_SERVICE_PORT")
+		if host.Value != "127.0.0.1" || port.Value != "36443" {
+			t.Errorf("%s: apiserver %s:%s", name, host.Value, port.Value)
+		}
+		seen := map[string]bool{}
+		for _, e := range c.Env {
+			if seen[e.Name] {
+				t.Errorf("%s: env %s twice", name, e.Name)
+			}
+			seen[e.Name] = true
+		}
+	}
+	if _, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{}); err == nil {
+		t.Error("no error without a port")
+	}
+}
+
+// TestHelmCustomValues: the values kind does not exercise reach the right fields.
+func TestHelmCustomValues(t *testing.T) {
+	_, helm := tools(t)
+	objs := helmObjs(t, helm, []string{"testdata/custom-values.yaml"})
+	if objs["Namespace /dirpv"] != nil {
+		t.Error("Namespace rendered although namespace.create is false")
+	}
+	classes := storageClasses(t, objs)
+	if got := objs.ofKind("StorageClass"); !reflect.DeepEqual(got, []string{"bulk", "fast", "shared"}) {
+		t.Fatalf("classes %v", got)
+	}
+	wantParams := map[string]map[string]string{
+		"fast":   {"backend": "local", "basePath": "/mnt/ssd/dirpv", "onDelete": "archive", "mode": "0770", "uid": "1000", "gid": "1000"},
+		"bulk":   {"backend": "local", "basePath": "/srv/dirpv", "pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}"},
+		"shared": {"backend": "nfs", "server": "nfs.example.com", "share": "/srv/nfs", "onDelete": "retain"},
+	}
+	for name, want := range wantParams {
+		if !reflect.DeepEqual(classes[name].Parameters, want) {
+			t.Errorf("%s parameters %v, want %v", name, classes[name].Parameters, want)
+		}
+	}
+	if !reflect.DeepEqual(classes["shared"].MountOptions, []string{"nfsvers=4.1", "hard"}) || *classes["shared"].VolumeBindingMode != storagev1.VolumeBindingImmediate {
+		t.Errorf("shared %+v", classes["shared"])
+	}
+	if classes["fast"].Annotations["storageclass.kubernetes.io/is-default-class"] != "true" || classes["bulk"].Annotations != nil {
+		t.Error("default class annotation on the wrong class")
+	}
+	d := deployment(t, objs)
+	if *d.Spec.Replicas != 3 || !d.Spec.Template.Spec.HostNetwork {
+		t.Errorf("controller replicas %d hostNetwork %v", *d.Spec.Replicas, d.Spec.Template.Spec.HostNetwork)
+	}
+	if e, _ := envValue(container(t, d.Spec.Template.Spec), "KUBERNETES_SERVICE_HOST"); e.Value != "127.0.0.1" {
+		t.Errorf("extraEnv not applied: %+v", e)
+	}
+	c := container(t, daemonSet(t, objs).Spec.Template.Spec)
+	if !contains(c.Args, "--kubelet-root-dir=/data/kubelet") {
+		t.Errorf("node args %v", c.Args)
+	}
+	var paths []string
+	for _, m := range c.VolumeMounts {
+		paths = append(paths, m.MountPath)
+	}
+	for _, want := range []string{"/data/kubelet/pods", "/data/kubelet/plugins/dirpv.io", "/data/kubelet/plugins_registry", "/srv/dirpv", "/mnt/ssd/dirpv"} {
+		if !contains(paths, want) {
+			t.Errorf("node mounts %v lack %s", paths, want)
+		}
+	}
+}
+
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
+// TestHelmRejects: values that would give a class dirpv refuses fail at render time instead.
+func TestHelmRejects(t *testing.T) {
+	_, helm := tools(t)
+	cases := map[string]struct {
+		set  []string
+		want string
+	}{
+		"local Immediate": {[]string{"storageClasses[0].name=x", "storageClasses[0].volumeBindingMode=Immediate"}, "WaitForFirstConsumer"},
+		"nfs no share":    {[]string{"nfs.exports[0].name=n", "nfs.exports[0].server=s"}, "needs server and share"},
+		"nfs no ctrl":     {[]string{"nfs.exports[0].name=n", "nfs.exports[0].server=s", "nfs.exports[0].share=/x", "controller.enabled=false"}, "controller.enabled"},
+		"bad backend":     {[]string{"storageClasses[0].name=x", "storageClasses[0].backend=ceph"}, "want local or nfs"},
+		// --set on a list index replaces the whole default list: this entry has no name.
+		"no name": {[]string{"storageClasses[0].backend=local"}, "needs a name"},
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			_, err := HelmTemplate(t.Context(), helm, "dirpv", nil, tc.set...)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("err %v, want one containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// checkParameters mirrors provisioner's parameter rules for the values a manifest can get wrong
+// without any cluster noticing until a claim fails.
+func checkParameters(t *testing.T, sc *storagev1.StorageClass) {
+	t.Helper()
+	known := map[string]bool{}
+	for _, p := range []string{provisioner.ParamBackend, provisioner.ParamServer, provisioner.ParamShare, provisioner.ParamBasePath,
+		provisioner.ParamPathPattern, provisioner.ParamOnDelete, provisioner.ParamMode, provisioner.ParamUID, provisioner.ParamGID} {
+		known[p] = true
+	}
+	for k, v := range sc.Parameters {
+		if !known[k] {
+			t.Errorf("class %s: unknown parameter %s", sc.Name, k)
+		}
+		switch k {
+		case "onDelete":
+			if v != "delete" && v != "retain" && v != "archive" {
+				t.Errorf("class %s: onDelete %q", sc.Name, v)
+			}
+		case "basePath", "share":
+			if !path.IsAbs(v) || path.Clean(v) != v {
+				t.Errorf("class %s: %s %q not a clean absolute path", sc.Name, k, v)
+			}
+		case "mode":
+			var m uint32
+			if _, err := fmt.Sscanf(v, "%o", &m); err != nil || m > 0o7777 || !hasPrefixAny(v, "0", "1", "2", "3", "4", "5", "6", "7") {
+				t.Errorf("class %s: mode %q", sc.Name, v)
+			}
+		case "uid", "gid":
+			var n int
+			if _, err := fmt.Sscanf(v, "%d", &n); err != nil || n < 0 || fmt.Sprint(n) != v {
+				t.Errorf("class %s: %s %q", sc.Name, k, v)
+			}
+		}
+	}
+	if sc.Parameters["backend"] == "local" {
+		if _, ok := sc.Parameters["server"]; ok {
+			t.Errorf("class %s: server on a local class", sc.Name)
+		}
+	}
+}

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Builds the pinned helm and kustomize CLIs that render deploy/ from the Go module proxy into a
+# cache outside the repo, keyed by version, and reuses what is already there. Each tool is built in
+# its own scratch module so that neither lands in the project's go.mod (helm alone drags in most of
+# k8s.io). A cold build takes minutes on 2 cores, a warm one prints the path at once.
+#
+# Usage: tools.sh helm|kustomize           -> builds when missing, prints the binary's path
+#        tools.sh --check helm|kustomize   -> builds nothing: prints the path, or exits 2 when missing
+#        tools.sh all                      -> builds both, prints both paths
+# Env:   DIRPV_CACHE (default ${XDG_CACHE_HOME:-$HOME/.cache}/dirpv)
+#        HELM_VERSION (default v3.22.0), KUSTOMIZE_VERSION (default v5.8.2: v5.8.3 needs Go 1.27)
+set -euo pipefail
+
+HELM_VERSION=${HELM_VERSION:-v3.22.0}
+KUSTOMIZE_VERSION=${KUSTOMIZE_VERSION:-v5.8.2}
+CACHE=${DIRPV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dirpv}
+# The Go toolchain on the machine is the one pinned by go.mod; never download another.
+export GOTOOLCHAIN=${GOTOOLCHAIN:-local}
+
+log() { echo "tools.sh: $*" >&2; }
+
+check=false
+if [ "${1:-}" = "--check" ]; then
+  check=true
+  shift
+fi
+
+# build NAME VERSION MODULE PACKAGE LDFLAGS (MODULE documents where PACKAGE comes from)
+build() {
+  local name=$1 version=$2 pkg=$4 ldflags=$5
+  local dir="$CACHE/tools/$name-$version"
+  local bin="$dir/$name"
+  if [ -x "$bin" ]; then
+    echo "$bin"
+    return 0
+  fi
+  if $check; then
+    log "$name $version not built yet (run test/deploy/tools.sh $name)"
+    return 2
+  fi
+  local src="$dir/src"
+  mkdir -p "$src"
+  # A concurrent `go test` and `make` may both get here; the lock makes the second wait and
+  # then find the binary instead of racing on the same output file.
+  exec {lock}>"$dir/.lock"
+  flock "$lock"
+  if [ -x "$bin" ]; then
+    echo "$bin"
+    return 0
+  fi
+  cd "$src"
+  if [ ! -f go.sum ]; then
+    log "resolving $pkg $version (module proxy)"
+    printf 'module dirpv.local/%sbuild\n\ngo 1.26\n' "$name" > go.mod
+    # Get the package, not the module: go.sum then covers every module the package imports.
+    go get "$pkg@$version" >&2
+  fi
+  log "building $name $version (cold: a few minutes)"
+  local start
+  start=$(date +%s)
+  CGO_ENABLED=0 go build -trimpath -ldflags "-s -w $ldflags" -o "$bin.tmp" "$pkg" >&2
+  mv "$bin.tmp" "$bin"
+  log "built $name in $(( $(date +%s) - start ))s"
+  exec {lock}>&-
+  echo "$bin"
+}
+
+helm() {
+  # Helm's release Makefile stamps the Kubernetes version that `helm template` assumes (else
+  # v1.20, which fails the chart's kubeVersion); it is the minor of helm's client-go (v0.37).
+  build helm "$HELM_VERSION" helm.sh/helm/v3 helm.sh/helm/v3/cmd/helm \
+    "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean
+     -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=37"
+}
+
+kustomize() {
+  build kustomize "$KUSTOMIZE_VERSION" sigs.k8s.io/kustomize/kustomize/v5 sigs.k8s.io/kustomize/kustomize/v5 \
+    "-X sigs.k8s.io/kustomize/api/provenance.version=kustomize/$KUSTOMIZE_VERSION"
+}
+
+case "${1:-}" in
+  helm) helm ;;
+  kustomize) kustomize ;;
+  all) helm && kustomize ;;
+  *) echo "usage: $0 [--check] helm|kustomize|all" >&2; exit 2 ;;
+esac
