@@ -1,0 +1,249 @@
+package image
+
+import (
+	"archive/tar"
+	"bytes"
+	"compress/gzip"
+	"encoding/json"
+	"errors"
+	"io"
+	"os"
+	"os/exec"
+	"path"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+)
+
+func TestParseLdd(t *testing.T) {
+	out := `	linux-vdso.so.1 (0x00007ffd5b9f2000)
+	libmount.so.1 => /lib/x86_64-linux-gnu/libmount.so.1 (0x00007f691e4ae000)
+	libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f691e29e000)
+	/lib64/ld-linux-x86-64.so.2 (0x00007f691e533000)
+`
+	got, err := parseLdd(out, "/bin/mount")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"/lib/x86_64-linux-gnu/libmount.so.1", "/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2"}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("got %v, want %v", got, want)
+	}
+	if _, err := parseLdd("\tlibfoo.so.1 => not found\n", "/bin/x"); err == nil || !strings.Contains(err.Error(), "libfoo.so.1") {
+		t.Errorf("missing library: err %v", err)
+	}
+}
+
+// layer is the single layer of an image tar: headers and file contents by path without "/".
+type layer struct {
+	hdr  map[string]*tar.Header
+	data map[string][]byte
+}
+
+// resolve follows symlinks inside the layer, as the container's kernel would.
+func (l layer) resolve(t *testing.T, p string) string {
+	t.Helper()
+	cur := ""
+	comps := strings.Split(strings.Trim(path.Clean(p), "/"), "/")
+	for hops := 0; len(comps) > 0; {
+		next := path.Join(cur, comps[0])
+		comps = comps[1:]
+		h := l.hdr[next]
+		if h == nil {
+			h = l.hdr[next+"/"]
+		}
+		if h == nil {
+			t.Errorf("image lacks %s (resolving %s)", next, p)
+			return ""
+		}
+		if h.Typeflag != tar.TypeSymlink {
+			cur = next
+			continue
+		}
+		if hops++; hops > 40 {
+			t.Fatalf("symlink loop at %s", p)
+		}
+		target := h.Linkname
+		if !path.IsAbs(target) {
+			target = path.Join("/", cur, target)
+		}
+		comps = append(strings.Split(strings.Trim(path.Clean(target), "/"), "/"), comps...)
+		cur = ""
+	}
+	return cur
+}
+
+func readImage(t *testing.T, tarPath string) (annotations map[string]string, config map[string]any, l layer) {
+	t.Helper()
+	blobs := map[string][]byte{}
+	f, err := os.Open(tarPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	tr := tar.NewReader(f)
+	for {
+		h, err := tr.Next()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := io.ReadAll(tr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		blobs[h.Name] = b
+	}
+	var index struct {
+		Manifests []struct {
+			Digest      string            `json:"digest"`
+			Annotations map[string]string `json:"annotations"`
+		} `json:"manifests"`
+	}
+	if err := json.Unmarshal(blobs["index.json"], &index); err != nil || len(index.Manifests) != 1 {
+		t.Fatalf("index.json: %v %s", err, blobs["index.json"])
+	}
+	blob := func(digest string) []byte {
+		b, ok := blobs["blobs/"+strings.Replace(digest, ":", "/", 1)]
+		if !ok {
+			t.Fatalf("no blob %s", digest)
+		}
+		return b
+	}
+	var manifest struct {
+		Config struct{ Digest string }
+		Layers []struct{ Digest string }
+	}
+	if err := json.Unmarshal(blob(index.Manifests[0].Digest), &manifest); err != nil || len(manifest.Layers) != 1 {
+		t.Fatalf("manifest: %v %+v", err, manifest)
+	}
+	if err := json.Unmarshal(blob(manifest.Config.Digest), &config); err != nil {
+		t.Fatal(err)
+	}
+	l = layer{hdr: map[string]*tar.Header{}, data: map[string][]byte{}}
+	var lrd io.Reader = bytes.NewReader(blob(manifest.Layers[0].Digest))
+	if b := blob(manifest.Layers[0].Digest); len(b) > 2 && b[0] == 0x1f && b[1] == 0x8b {
+		gz, err := gzip.NewReader(lrd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lrd = gz
+	}
+	lr := tar.NewReader(lrd)
+	for {
+		h, err := lr.Next()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := io.ReadAll(lr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.hdr[h.Name], l.data[h.Name] = h, b
+	}
+	return index.Manifests[0].Annotations, config, l
+}
+
+// TestWriteDirpvTar builds the real image: the binary with the Dockerfile's flags, the host's
+// mount tools with every library they load, and the name containerd imports it under. As root
+// it also runs the tools from the unpacked layer in a chroot, which is what the node plugin
+// does in its container.
+func TestWriteDirpvTar(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: builds dirpv")
+	}
+	if _, err := exec.LookPath("ldd"); err != nil {
+		t.Skip("no ldd on this host")
+	}
+	const version = "v0.0.0-imagetest"
+	out := filepath.Join(t.TempDir(), "dirpv.tar")
+	got, name, err := WriteDirpvTar(t.Context(), DirpvOptions{Tag: "test", Version: version, Output: out})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got != out || name != "ghcr.io/dirpv/dirpv:test" {
+		t.Errorf("WriteDirpvTar = %s, %s", got, name)
+	}
+	annotations, config, l := readImage(t, out)
+	if annotations["io.containerd.image.name"] != "ghcr.io/dirpv/dirpv:test" {
+		t.Errorf("annotations %v", annotations)
+	}
+	cfg, _ := config["config"].(map[string]any)
+	if ep, _ := json.Marshal(cfg["Entrypoint"]); string(ep) != `["/usr/local/bin/dirpv"]` {
+		t.Errorf("entrypoint %s", ep)
+	}
+	if labels, _ := cfg["Labels"].(map[string]any); labels["org.opencontainers.image.version"] != version {
+		t.Errorf("labels %v", cfg["Labels"])
+	}
+
+	if h := l.hdr["usr/local/bin/dirpv"]; h == nil || h.Mode&0o111 == 0 {
+		t.Fatalf("no executable usr/local/bin/dirpv: %+v", h)
+	}
+	tools := []string{"/bin/mount", "/bin/umount"}
+	if _, err := os.Stat("/sbin/mount.nfs"); err == nil {
+		tools = append(tools, "/sbin/mount.nfs", "/sbin/mount.nfs4", "/sbin/umount.nfs")
+	}
+	for _, tool := range tools {
+		real := l.resolve(t, tool)
+		if real == "" {
+			continue
+		}
+		if h := l.hdr[real]; h.Typeflag != tar.TypeReg || h.Mode&0o111 == 0 {
+			t.Errorf("%s -> %s: not an executable file", tool, real)
+		}
+		libs, err := lddPaths(t.Context(), tool)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(libs) == 0 {
+			continue // a static build of the tool
+		}
+		for _, lib := range libs {
+			if r := l.resolve(t, lib); r != "" && l.hdr[r].Typeflag != tar.TypeReg {
+				t.Errorf("%s: %s -> %s is not a file", tool, lib, r)
+			}
+		}
+	}
+
+	if os.Geteuid() != 0 {
+		t.Log("not root: skipping the chroot run")
+		return
+	}
+	root := t.TempDir()
+	for name, h := range l.hdr {
+		dst := filepath.Join(root, name)
+		var err error
+		switch h.Typeflag {
+		case tar.TypeDir:
+			err = os.MkdirAll(dst, 0o755)
+		case tar.TypeSymlink:
+			if err = os.MkdirAll(filepath.Dir(dst), 0o755); err == nil {
+				err = os.Symlink(h.Linkname, dst)
+			}
+		case tar.TypeReg:
+			if err = os.MkdirAll(filepath.Dir(dst), 0o755); err == nil {
+				err = os.WriteFile(dst, l.data[name], os.FileMode(h.Mode).Perm())
+			}
+		}
+		if err != nil && !errors.Is(err, os.ErrExist) {
+			t.Fatal(err)
+		}
+	}
+	for _, argv := range [][]string{{"/usr/local/bin/dirpv", "version"}, {"/bin/mount", "--version"}, {"/bin/umount", "--version"}} {
+		cmd := exec.CommandContext(t.Context(), "chroot", append([]string{root}, argv...)...)
+		b, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Errorf("chroot %s: %v: %s", strings.Join(argv, " "), err, b)
+			continue
+		}
+		if argv[1] == "version" && strings.TrimSpace(string(b)) != version {
+			t.Errorf("dirpv version %q, want %s (ldflags)", b, version)
+		}
+	}
+}
