@@ -122,7 +122,7 @@ func TestRejectionsAreEventsAndTouchNothing(t *testing.T) {
 		{name: "block-mode", claim: []claimOpt{func(c *v1.PersistentVolumeClaim) {
 			b := v1.PersistentVolumeBlock
 			c.Spec.VolumeMode = &b
-		}}, want: "Block"},
+		}}, want: "block volume"},
 		{name: "rwx-on-local", claim: []claimOpt{accessModes(v1.ReadWriteMany)}, want: "ReadWriteMany"},
 		{name: "immediate-local", class: []classOpt{immediate}, want: "WaitForFirstConsumer"},
 	} {
