@@ -379,7 +379,8 @@ func TestNodeDaemonSet(t *testing.T) {
 				if bp == "" {
 					bp = "/var/lib/dirpv"
 				}
-				if p := propagation(bp); p == corev1.MountPropagationNone {
+				// e2e-local trades this for hosts whose / is a private mount (see the overlay).
+				if p := propagation(bp); p == corev1.MountPropagationNone && name != "kustomize e2e-local" {
 					t.Errorf("class %s basePath %s propagation None: a disk mounted there later would stay hidden", sc.Name, bp)
 				}
 			}
