@@ -203,6 +203,12 @@ func mountID(fd int) (uint64, error) {
 	return stx.Mnt_id, nil
 }
 
+// removeAt removes name in parentFd and everything below it. It walks the tree holding one
+// directory open at a time, whatever its depth: a tenant decides how deep its volume is, and
+// one descriptor per level would let it exhaust the process's descriptors (failing this
+// removal forever and starving everything else the process does meanwhile). Going back up
+// uses "..", checked against the device and inode recorded on the way down, so a directory
+// moved during the walk stops it instead of leading it elsewhere.
 func removeAt(parentFd int, name string, mnt uint64) error {
 	err := unix.Unlinkat(parentFd, name, 0)
 	switch {
@@ -211,33 +217,121 @@ func removeAt(parentFd int, name string, mnt uint64) error {
 	case !errors.Is(err, unix.EISDIR):
 		return fmt.Errorf("unlink %s: %w", name, err)
 	}
-	fd, err := unix.Openat(parentFd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if errors.Is(err, unix.ENOENT) {
-		return nil
+	type level struct {
+		name     string
+		dev, ino uint64
+		// children still to remove.
+		children []string
 	}
-	if err != nil {
-		return fmt.Errorf("open %s: %w", name, err)
+	var stack []level
+	where := func(child string) string {
+		var b strings.Builder
+		for _, l := range stack {
+			b.WriteString(l.name)
+			b.WriteByte('/')
+		}
+		b.WriteString(child)
+		return b.String()
 	}
-	dir := os.NewFile(uintptr(fd), name)
-	defer dir.Close()
-	if id, err := mountID(fd); err != nil {
-		return fmt.Errorf("%s: %w", name, err)
-	} else if id != mnt {
-		return fmt.Errorf("%s is a mount point, refusing to remove across it", name)
+	// descend opens the directory child of fd, checks it is on the same mount, lists it and
+	// makes it the current level. It reports false if child is gone.
+	descend := func(fd int, child string) (int, bool, error) {
+		cfd, err := unix.Openat(fd, child, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if errors.Is(err, unix.ENOENT) {
+			return -1, false, nil
+		}
+		if err != nil {
+			return -1, false, fmt.Errorf("open %s: %w", where(child), err)
+		}
+		fail := func(err error) (int, bool, error) {
+			unix.Close(cfd)
+			return -1, false, err
+		}
+		if id, err := mountID(cfd); err != nil {
+			return fail(fmt.Errorf("%s: %w", where(child), err))
+		} else if id != mnt {
+			return fail(fmt.Errorf("%s is a mount point, refusing to remove across it", where(child)))
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(cfd, &st); err != nil {
+			return fail(fmt.Errorf("stat %s: %w", where(child), err))
+		}
+		names, err := readDirNames(cfd)
+		if err != nil {
+			return fail(fmt.Errorf("read directory %s: %w", where(child), err))
+		}
+		stack = append(stack, level{name: child, dev: st.Dev, ino: st.Ino, children: names})
+		return cfd, true, nil
 	}
-	names, err := dir.Readdirnames(-1)
-	if err != nil {
-		return fmt.Errorf("read directory %s: %w", name, err)
+	cur, ok, err := descend(parentFd, name)
+	if err != nil || !ok {
+		return err
 	}
-	for _, child := range names {
-		if err := removeAt(fd, child, mnt); err != nil {
-			return fmt.Errorf("%s/%w", name, err)
+	defer func() {
+		if cur >= 0 {
+			unix.Close(cur)
+		}
+	}()
+	for len(stack) > 0 {
+		top := &stack[len(stack)-1]
+		if n := len(top.children); n > 0 {
+			child := top.children[n-1]
+			top.children = top.children[:n-1]
+			err := unix.Unlinkat(cur, child, 0)
+			switch {
+			case err == nil, errors.Is(err, unix.ENOENT):
+				continue
+			case !errors.Is(err, unix.EISDIR):
+				return fmt.Errorf("unlink %s: %w", where(child), err)
+			}
+			cfd, ok, err := descend(cur, child)
+			if err != nil {
+				return err
+			}
+			if ok {
+				unix.Close(cur)
+				cur = cfd
+			}
+			continue
+		}
+		// The current directory is empty: go back to its parent and remove it there.
+		done := stack[len(stack)-1]
+		stack = stack[:len(stack)-1]
+		if len(stack) == 0 {
+			if err := unix.Unlinkat(parentFd, done.name, unix.AT_REMOVEDIR); err != nil && !errors.Is(err, unix.ENOENT) {
+				return fmt.Errorf("rmdir %s: %w", done.name, err)
+			}
+			return nil
+		}
+		pfd, err := unix.Openat(cur, "..", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("open %s: %w", where(""), err)
+		}
+		unix.Close(cur)
+		cur = pfd
+		var st unix.Stat_t
+		if err := unix.Fstat(cur, &st); err != nil {
+			return fmt.Errorf("stat %s: %w", where(""), err)
+		}
+		if parent := stack[len(stack)-1]; st.Dev != parent.dev || st.Ino != parent.ino {
+			return fmt.Errorf("%s was moved while it was being removed, stopping", where(done.name))
+		}
+		if err := unix.Unlinkat(cur, done.name, unix.AT_REMOVEDIR); err != nil && !errors.Is(err, unix.ENOENT) {
+			return fmt.Errorf("rmdir %s: %w", where(done.name), err)
 		}
 	}
-	if err := unix.Unlinkat(parentFd, name, unix.AT_REMOVEDIR); err != nil && !errors.Is(err, unix.ENOENT) {
-		return fmt.Errorf("rmdir %s: %w", name, err)
-	}
 	return nil
+}
+
+// readDirNames lists the directory open at fd, without closing fd.
+func readDirNames(fd int) ([]string, error) {
+	dup, err := unix.Openat(fd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	dir := os.NewFile(uintptr(dup), ".")
+	defer dir.Close()
+	return dir.Readdirnames(-1)
 }
 
 // Rename moves the directory rel to newName in the same parent directory, failing if newName

@@ -1,0 +1,76 @@
+package volume
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// A tenant controls what is inside its volume, depth included. RemoveAll must not need one
+// open file per level: a tree deeper than the process's file limit would otherwise make
+// Delete fail forever and, while it runs, starve every other operation of the node plugin or
+// controller of file descriptors.
+func TestRemoveAllDeepTreeUsesBoundedDescriptors(t *testing.T) {
+	r, base := newRoot(t)
+	const depth = 1200
+	// Build the tree with relative mkdirs, as a pod would, so no path grows past PATH_MAX.
+	fd, err := unix.Open(base, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mkdirat(fd, "vol", 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < depth; i++ {
+		next, err := unix.Openat(fd, map[bool]string{true: "vol", false: "d"}[i == 0], unix.O_RDONLY|unix.O_DIRECTORY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		unix.Close(fd)
+		fd = next
+		if err := unix.Mkdirat(fd, "d", 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if i%100 == 0 {
+			if err := os.WriteFile("/proc/self/fd/"+itoa(fd)+"/f", []byte("x"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	unix.Close(fd)
+
+	var old unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &old); err != nil {
+		t.Fatal(err)
+	}
+	lim := old
+	lim.Cur = 256
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	err = r.RemoveAll("vol")
+	if rerr := unix.Setrlimit(unix.RLIMIT_NOFILE, &old); rerr != nil {
+		t.Fatal(rerr)
+	}
+	if err != nil {
+		msg := strings.ReplaceAll(err.Error(), "d/", "")
+		t.Fatalf("RemoveAll of a %d-deep tree with 256 descriptors: %s", depth, msg[:min(300, len(msg))])
+	}
+	if _, err := os.Lstat(filepath.Join(base, "vol")); !os.IsNotExist(err) {
+		t.Fatalf("vol still exists: %v", err)
+	}
+}
+
+func itoa(n int) string {
+	if n == 0 {
+		return "0"
+	}
+	var b []byte
+	for ; n > 0; n /= 10 {
+		b = append([]byte{byte('0' + n%10)}, b...)
+	}
+	return string(b)
+}
