@@ -48,10 +48,11 @@ fmt:
 
 ## up: a local cluster with a node, dirpv running and dirpv-local as the default class.
 up: cluster-bins
-	$(GO) run ./test/cluster/cmd/dirpv-up up
+	$(GO) run ./test/cluster/cmd/dirpv-cluster up --node
+	$(GO) run ./test/up
 
 down:
-	$(GO) run ./test/cluster/cmd/dirpv-up down
+	$(GO) run ./test/cluster/cmd/dirpv-cluster down
 
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzPathStaysBeneathBase -fuzztime $(FUZZTIME) ./provisioner/

@@ -1,12 +1,9 @@
 package e2e
 
 import (
-	"bufio"
 	"context"
 	"fmt"
-	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
@@ -162,23 +159,14 @@ func volumeTarget(pod *v1.Pod, pvName string) string {
 	return filepath.Join(testCluster.KubeletRootDir, "pods", string(pod.UID), "volumes", "kubernetes.io~csi", pvName, "mount")
 }
 
-// mountsUnder lists mount points at or below dir, from this host's mount table.
+// mountsUnder lists mount points at or below dir.
 func mountsUnder(t *testing.T, dir string) []string {
 	t.Helper()
-	f, err := os.Open("/proc/self/mountinfo")
+	m, err := framework.MountsUnder(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
-	var out []string
-	s := bufio.NewScanner(f)
-	for s.Scan() {
-		fields := strings.Fields(s.Text())
-		if len(fields) > 4 && (fields[4] == dir || strings.HasPrefix(fields[4], dir+"/")) {
-			out = append(out, fields[4])
-		}
-	}
-	return out
+	return m
 }
 
 // waitNoMountsUnder waits until nothing is mounted at or below dir: kubelet unpublishes

@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"testing"
 	"time"
 
@@ -57,6 +56,8 @@ func run(m *testing.M) int {
 	os.MkdirAll(logDir, 0o755)
 	os.MkdirAll(baseRoot, 0o755)
 	failed := true
+	// Runs after every process is stopped: a SIGKILLed dirpv leaves its mounts behind.
+	cleanups.Add(func() { framework.DetachMountsUnder(work) })
 	cleanups.Add(func() {
 		if failed || *keepLogs {
 			fmt.Fprintf(os.Stderr, "logs kept in %s\n", logDir)
@@ -142,16 +143,7 @@ func createCSIDriver(ctx context.Context) error {
 	return err
 }
 
-// waitRegistered waits until kubelet lists dirpv.io in the node's CSINode object, which it
-// does only after the plugin answered GetInfo and NodeGetInfo over the registration socket.
+// waitRegistered waits until kubelet lists dirpv.io in the node's CSINode object.
 func waitRegistered(ctx context.Context) error {
-	return framework.Poll(ctx, 60*time.Second, func(ctx context.Context) (bool, error) {
-		n, err := client.StorageV1().CSINodes().Get(ctx, testCluster.NodeName, metav1.GetOptions{})
-		if err != nil {
-			return false, err
-		}
-		return slices.ContainsFunc(n.Spec.Drivers, func(d storagev1.CSINodeDriver) bool {
-			return d.Name == "dirpv.io" && d.NodeID == testCluster.NodeName
-		}), fmt.Errorf("CSINode drivers: %+v", n.Spec.Drivers)
-	})
+	return framework.WaitForDriverRegistered(ctx, client, testCluster.NodeName, 60*time.Second)
 }

@@ -64,6 +64,8 @@ func run(m *testing.M) int {
 	os.MkdirAll(logDir, 0o755)
 	os.MkdirAll(baseRoot, 0o755)
 	failed := true
+	// Runs after every process is stopped: a SIGKILLed dirpv leaves its mounts behind.
+	cleanups.Add(func() { framework.DetachMountsUnder(work) })
 	cleanups.Add(func() {
 		if failed || *keepLogs {
 			fmt.Fprintf(os.Stderr, "logs kept in %s\n", logDir)

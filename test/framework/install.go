@@ -1,0 +1,162 @@
+package framework
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/discovery/cached/memory"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/restmapper"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/dirpv/dirpv/test/cluster"
+	"github.com/dirpv/dirpv/test/deploy"
+	"github.com/dirpv/dirpv/test/image"
+)
+
+// Installation is dirpv installed into a test/cluster node cluster from deploy/, as a user
+// would: the image imported into containerd, deploy/overlays/e2e-local applied.
+type Installation struct {
+	Objects []*unstructured.Unstructured
+	dyn     dynamic.Interface
+	mapper  *restmapper.DeferredDiscoveryRESTMapper
+}
+
+// Install builds the dirpv image, imports it into the cluster's containerd, renders
+// deploy/overlays/e2e-local for the cluster's apiserver port and applies it, then waits for
+// the node plugin to register with kubelet.
+func Install(ctx context.Context, c *cluster.Cluster, logf func(string, ...any)) (*Installation, error) {
+	start := time.Now()
+	tarPath, imageName, err := image.WriteDirpvTar(ctx, image.DirpvOptions{Tag: "local", ModuleDir: RepoRoot()})
+	if err != nil {
+		return nil, fmt.Errorf("build dirpv image: %w", err)
+	}
+	if err := c.ImportImage(ctx, tarPath); err != nil {
+		return nil, err
+	}
+	logf("image %s built and imported in %s", imageName, time.Since(start).Round(time.Millisecond))
+	kustomize, err := deploy.Tool(ctx, "kustomize", true)
+	if err != nil {
+		return nil, err
+	}
+	manifests, err := deploy.RenderE2ELocal(ctx, kustomize, deploy.E2ELocalOptions{APIServerPort: c.APIServerPort, Image: imageName})
+	if err != nil {
+		return nil, err
+	}
+	objs, err := deploy.Decode(manifests)
+	if err != nil {
+		return nil, err
+	}
+	cfg, err := clientcmd.BuildConfigFromFlags("", c.Kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	inst := &Installation{Objects: objs}
+	if inst.dyn, err = dynamic.NewForConfig(cfg); err != nil {
+		return nil, err
+	}
+	dc, err := discovery.NewDiscoveryClientForConfig(cfg)
+	if err != nil {
+		return nil, err
+	}
+	inst.mapper = restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(dc))
+	for _, o := range objs {
+		if err := inst.apply(ctx, o); err != nil {
+			return nil, err
+		}
+	}
+	client, err := c.Client()
+	if err != nil {
+		return nil, err
+	}
+	if err := WaitForDriverRegistered(ctx, client, c.NodeName, 2*time.Minute); err != nil {
+		return nil, err
+	}
+	logf("dirpv installed from deploy/overlays/e2e-local in %s", time.Since(start).Round(time.Millisecond))
+	return inst, nil
+}
+
+func (inst *Installation) resource(o *unstructured.Unstructured) (dynamic.ResourceInterface, error) {
+	gvk := o.GroupVersionKind()
+	m, err := inst.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+	if err != nil {
+		return nil, fmt.Errorf("map %s: %w", gvk, err)
+	}
+	if m.Scope.Name() == "namespace" {
+		return inst.dyn.Resource(m.Resource).Namespace(o.GetNamespace()), nil
+	}
+	return inst.dyn.Resource(m.Resource), nil
+}
+
+// apply server-side applies one object, as `kubectl apply --server-side` would.
+func (inst *Installation) apply(ctx context.Context, o *unstructured.Unstructured) error {
+	r, err := inst.resource(o)
+	if err != nil {
+		return err
+	}
+	data, err := o.MarshalJSON()
+	if err != nil {
+		return err
+	}
+	if _, err := r.Patch(ctx, o.GetName(), types.ApplyPatchType, data, metav1.PatchOptions{FieldManager: "dirpv-test", Force: ptrTrue()}); err != nil {
+		return fmt.Errorf("apply %s %s: %w", o.GetKind(), o.GetName(), err)
+	}
+	return nil
+}
+
+func ptrTrue() *bool { b := true; return &b }
+
+// Uninstall deletes what Install applied, in reverse order, and waits until it is gone.
+func (inst *Installation) Uninstall(ctx context.Context) error {
+	objs := slices.Clone(inst.Objects)
+	slices.Reverse(objs)
+	fg := metav1.DeletePropagationForeground
+	for _, o := range objs {
+		r, err := inst.resource(o)
+		if err != nil {
+			return err
+		}
+		if err := r.Delete(ctx, o.GetName(), metav1.DeleteOptions{PropagationPolicy: &fg}); err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("delete %s %s: %w", o.GetKind(), o.GetName(), err)
+		}
+	}
+	return Poll(ctx, 2*time.Minute, func(ctx context.Context) (bool, error) {
+		for _, o := range objs {
+			r, err := inst.resource(o)
+			if err != nil {
+				return false, err
+			}
+			if _, err := r.Get(ctx, o.GetName(), metav1.GetOptions{}); err == nil {
+				return false, fmt.Errorf("%s %s still exists", o.GetKind(), o.GetName())
+			}
+		}
+		return true, nil
+	})
+}
+
+// WaitForDriverRegistered waits until kubelet lists dirpv.io in the node's CSINode object,
+// which it does only after the plugin answered over its registration socket.
+func WaitForDriverRegistered(ctx context.Context, client kubernetes.Interface, node string, timeout time.Duration) error {
+	err := Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		n, err := client.StorageV1().CSINodes().Get(ctx, node, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		return slices.ContainsFunc(n.Spec.Drivers, func(d storagev1.CSINodeDriver) bool {
+			return d.Name == "dirpv.io" && d.NodeID == node
+		}), fmt.Errorf("CSINode drivers: %+v", n.Spec.Drivers)
+	})
+	if err != nil {
+		return fmt.Errorf("dirpv.io not registered with kubelet on %s: %w", node, err)
+	}
+	return nil
+}
