@@ -1,0 +1,354 @@
+// Package install tests dirpv installed the way users install it: the image imported into
+// containerd and deploy/overlays/e2e-local applied to a real single-node cluster (test/cluster),
+// so the controller and node plugin run as pods with the manifests' RBAC, probes and mounts.
+package install
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
+
+	"github.com/dirpv/dirpv/test/cluster"
+	"github.com/dirpv/dirpv/test/framework"
+)
+
+const (
+	timeout  = 2 * time.Minute
+	basePath = "/var/lib/dirpv" // the kind overlay's dirpv-local class
+	nodeSel  = "app.kubernetes.io/name=dirpv,app.kubernetes.io/component=node"
+)
+
+var (
+	testCluster *cluster.Cluster
+	client      kubernetes.Interface
+	inst        *framework.Installation
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	ctx := context.Background()
+	cleanups := framework.NewCleanups()
+	defer cleanups.Run()
+	fail := func(what string, err error) int {
+		fmt.Fprintf(os.Stderr, "%s: %v\n", what, err)
+		return 1
+	}
+	// Volumes of this suite's namespaces live in the host's /var/lib/dirpv, as for a user;
+	// remove them once the cluster is gone (cleanups run last first), and the base too if this suite created it.
+	_, baseErr := os.Stat(basePath)
+	cleanups.Add(func() {
+		leftovers, _ := filepath.Glob(filepath.Join(basePath, "install-*"))
+		for _, d := range leftovers {
+			os.RemoveAll(d)
+		}
+		if os.IsNotExist(baseErr) {
+			os.Remove(basePath)
+		}
+	})
+	var err error
+	testCluster, err = cluster.Start(ctx, cluster.Options{WithNode: true, Logf: klog.Infof})
+	if err != nil {
+		return fail("start cluster", err)
+	}
+	cleanups.Add(func() { testCluster.Stop() })
+	if client, err = testCluster.Client(); err != nil {
+		return fail("client", err)
+	}
+	if inst, err = framework.Install(ctx, testCluster, klog.Infof); err != nil {
+		return fail("install dirpv", err)
+	}
+	return m.Run()
+}
+
+func newNamespace(t *testing.T) string {
+	t.Helper()
+	ns, err := client.CoreV1().Namespaces().Create(context.Background(),
+		&v1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "install-"}}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.CoreV1().Namespaces().Delete(context.Background(), ns.Name, metav1.DeleteOptions{}) })
+	return ns.Name
+}
+
+// claim has no storageClassName: the default class is what a user gets.
+func claim(ns, name string, annotations map[string]string) *v1.PersistentVolumeClaim {
+	return &v1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Annotations: annotations},
+		Spec: v1.PersistentVolumeClaimSpec{
+			AccessModes: []v1.PersistentVolumeAccessMode{v1.ReadWriteOnce},
+			Resources:   v1.VolumeResourceRequirements{Requests: v1.ResourceList{v1.ResourceStorage: resource.MustParse("1Gi")}},
+		},
+	}
+}
+
+func pod(ns, name, claim, script string) *v1.Pod {
+	return &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		Spec: v1.PodSpec{
+			RestartPolicy:                 v1.RestartPolicyNever,
+			TerminationGracePeriodSeconds: ptr.To[int64](1),
+			Containers: []v1.Container{{
+				Name: "c", Image: testCluster.BusyboxImage, ImagePullPolicy: v1.PullNever,
+				Command:      []string{"sh", "-c", script},
+				VolumeMounts: []v1.VolumeMount{{Name: "data", MountPath: "/data"}},
+			}},
+			Volumes: []v1.Volume{{Name: "data", VolumeSource: v1.VolumeSource{
+				PersistentVolumeClaim: &v1.PersistentVolumeClaimVolumeSource{ClaimName: claim},
+			}}},
+		},
+	}
+}
+
+// volumeDir returns the host directory of a bound claim.
+func volumeDir(t *testing.T, ns, name string) string {
+	t.Helper()
+	pvc, err := framework.WaitForPVCBound(context.Background(), client, ns, name, timeout)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pv, err := client.CoreV1().PersistentVolumes().Get(context.Background(), pvc.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := pv.Spec.CSI.VolumeAttributes
+	return filepath.Join(a["basePath"], a["path"])
+}
+
+func waitRunning(t *testing.T, ns, name string) {
+	t.Helper()
+	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
+		p, err := client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		return p.Status.Phase == v1.PodRunning, fmt.Errorf("pod %s is %s", name, p.Status.Phase)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// readGrows waits until the file's size exceeds from, i.e. the pod is still writing through
+// its mount.
+func readGrows(t *testing.T, path string, from int64) int64 {
+	t.Helper()
+	var size int64
+	err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
+		st, err := os.Stat(path)
+		if err != nil {
+			return false, err
+		}
+		size = st.Size()
+		return size > from, fmt.Errorf("%s has %d bytes", path, size)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return size
+}
+
+func TestDefaultClassIsDirpvLocal(t *testing.T) {
+	ctx := context.Background()
+	classes, err := client.StorageV1().StorageClasses().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var defaults []string
+	for _, c := range classes.Items {
+		if c.Annotations["storageclass.kubernetes.io/is-default-class"] == "true" {
+			defaults = append(defaults, c.Name)
+		}
+	}
+	if !slices.Equal(defaults, []string{"dirpv-local"}) {
+		t.Errorf("default classes = %v, want [dirpv-local]", defaults)
+	}
+	ns := newNamespace(t)
+	if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim(ns, "data", nil), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.CoreV1().Pods(ns).Create(ctx, pod(ns, "w", "data", "echo installed > /data/f"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	dir := volumeDir(t, ns, "data")
+	if !strings.HasPrefix(dir, basePath+"/") {
+		t.Errorf("volume dir %s is not under %s", dir, basePath)
+	}
+	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
+		b, err := os.ReadFile(filepath.Join(dir, "f"))
+		return string(b) == "installed\n", err
+	})
+	if err != nil {
+		t.Fatalf("the pod's file is not on the host: %v", err)
+	}
+}
+
+// Replacing the node plugin pod (an upgrade, a crash) must not take running pods' volumes.
+func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim(ns, "data", nil), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.CoreV1().Pods(ns).Create(ctx, pod(ns, "writer", "data", "while true; do date >> /data/log; sleep 1; done"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitRunning(t, ns, "writer")
+	logFile := filepath.Join(volumeDir(t, ns, "data"), "log")
+	size := readGrows(t, logFile, 0)
+
+	old, err := client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
+	if err != nil || len(old.Items) != 1 {
+		t.Fatalf("node plugin pods: %v, %v", old, err)
+	}
+	if err := client.CoreV1().Pods("dirpv").Delete(ctx, old.Items[0].Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		pods, err := client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
+		if err != nil {
+			return false, err
+		}
+		for _, p := range pods.Items {
+			if p.UID != old.Items[0].UID && p.Status.Phase == v1.PodRunning && len(p.Status.ContainerStatuses) == 1 && p.Status.ContainerStatuses[0].Ready {
+				return true, nil
+			}
+		}
+		return false, fmt.Errorf("no new ready node plugin pod yet")
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := framework.WaitForDriverRegistered(ctx, client, testCluster.NodeName, timeout); err != nil {
+		t.Fatal(err)
+	}
+	readGrows(t, logFile, size)
+	// The workload keeps writing, and a new pod on the same claim still reads its data.
+	if _, err := client.CoreV1().Pods(ns).Create(ctx, pod(ns, "reader", "data", "test -s /data/log"), metav1.CreateOptions{}); err == nil {
+		// The claim is RWO on one node: a second pod on the same node may use it.
+		err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+			p, err := client.CoreV1().Pods(ns).Get(ctx, "reader", metav1.GetOptions{})
+			if err != nil {
+				return false, err
+			}
+			if p.Status.Phase == v1.PodFailed {
+				return false, fmt.Errorf("reader failed")
+			}
+			return p.Status.Phase == v1.PodSucceeded, fmt.Errorf("reader is %s", p.Status.Phase)
+		})
+		if err != nil {
+			t.Errorf("a new pod could not use the claim after the node plugin restarted: %v", err)
+		}
+	} else {
+		t.Fatal(err)
+	}
+}
+
+// The node plugin pod, which provisions local volumes, is killed while 50 claims are being
+// provisioned: every claim still binds, each with one PV and one directory.
+func TestNodePluginKilledDuringProvisioning(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	const n = 50
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c := claim(ns, fmt.Sprintf("c-%02d", i), map[string]string{"volume.kubernetes.io/selected-node": testCluster.NodeName})
+			if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, c, metav1.CreateOptions{}); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	pods, err := client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
+	if err != nil || len(pods.Items) == 0 {
+		t.Fatalf("node plugin pods: %v", err)
+	}
+	if err := client.CoreV1().Pods("dirpv").Delete(ctx, pods.Items[0].Name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
+		t.Fatal(err)
+	}
+	err = framework.Poll(ctx, 3*time.Minute, func(ctx context.Context) (bool, error) {
+		claims, err := client.CoreV1().PersistentVolumeClaims(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		bound := 0
+		for _, c := range claims.Items {
+			if c.Status.Phase == v1.ClaimBound {
+				bound++
+			}
+		}
+		return bound == n, fmt.Errorf("%d of %d Bound", bound, n)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pvs, err := client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	perClaim := map[string]int{}
+	for _, pv := range pvs.Items {
+		if pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == ns {
+			perClaim[pv.Spec.ClaimRef.Name]++
+			dir := filepath.Join(pv.Spec.CSI.VolumeAttributes["basePath"], pv.Spec.CSI.VolumeAttributes["path"])
+			if _, err := os.Stat(dir); err != nil {
+				t.Errorf("PV %s: %v", pv.Name, err)
+			}
+		}
+	}
+	for name, count := range perClaim {
+		if count != 1 {
+			t.Errorf("claim %s has %d PVs", name, count)
+		}
+	}
+	if len(perClaim) != n {
+		t.Errorf("%d claims have PVs, want %d", len(perClaim), n)
+	}
+	entries, _ := filepath.Glob(filepath.Join(basePath, ns+"-*"))
+	if len(entries) != n {
+		t.Errorf("%d directories for namespace %s, want %d", len(entries), ns, n)
+	}
+}
+
+// Runs last (go test runs tests in file order): uninstalling leaves kubelet with no dirpv.io
+// plugin registered.
+func TestUninstallUnregistersFromKubelet(t *testing.T) {
+	ctx := context.Background()
+	if err := inst.Uninstall(ctx); err != nil {
+		t.Fatal(err)
+	}
+	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		n, err := client.StorageV1().CSINodes().Get(ctx, testCluster.NodeName, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		return !slices.ContainsFunc(n.Spec.Drivers, func(d storagev1.CSINodeDriver) bool { return d.Name == "dirpv.io" }),
+			fmt.Errorf("CSINode still lists %+v", n.Spec.Drivers)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(testCluster.PluginRegistryDir, "dirpv.io-reg.sock")); !os.IsNotExist(err) {
+		t.Errorf("registration socket still there: %v", err)
+	}
+}
