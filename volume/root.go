@@ -78,6 +78,29 @@ func split(rel string) (string, string) {
 	return rel[:i], rel[i+1:]
 }
 
+// ErrInsideVolume is returned by MkdirAll when a directory it would descend into is itself a
+// volume: one volume is never created inside another.
+var ErrInsideVolume = errors.New("is another volume's directory; a volume is never created inside another")
+
+// volumeMarker is the extended attribute MkdirAll puts on each volume directory it creates. It
+// is in the trusted namespace, which needs CAP_SYS_ADMIN to read or write: a pod can neither
+// forge it on a directory of its own nor strip it from its volume. File systems without
+// trusted attributes (NFS) go unmarked.
+const volumeMarker = "trusted.dirpv.volume"
+
+// isVolume reports whether the open directory carries the volume marker.
+func isVolume(fd int) bool {
+	_, err := unix.Fgetxattr(fd, volumeMarker, nil)
+	return err == nil
+}
+
+// markVolume puts the volume marker on the open directory. It is best effort: where the file
+// system has no trusted attributes (NFS) or the process lacks CAP_SYS_ADMIN, the volume goes
+// unmarked rather than failing after the directory exists.
+func markVolume(fd int) {
+	_ = unix.Fsetxattr(fd, volumeMarker, []byte("1"), 0)
+}
+
 // Owner is the mode and ownership a new volume directory gets. UID or GID -1 leaves that id as
 // the creating process's.
 type Owner struct {
@@ -87,9 +110,12 @@ type Owner struct {
 	GID  int
 }
 
-// MkdirAll creates rel and any missing parents beneath the root. Parents get mode 0755 and the
-// process's ownership; rel itself gets exactly owner.Mode (umask does not apply) and owner's
-// ids. It reports whether rel was created; an existing directory is left as it is.
+// MkdirAll creates the volume directory rel and any missing parents beneath the root. Parents
+// get mode 0755 and the process's ownership; rel itself gets exactly owner.Mode (umask does not
+// apply) and owner's ids, and is marked as a volume. It reports whether rel was created; an
+// existing directory is left as it is. It refuses (ErrInsideVolume) to descend into a
+// directory marked as a volume, so that classes sharing a base with patterns of different
+// depths cannot put one tenant's volume inside another's.
 func (r *Root) MkdirAll(rel string, owner Owner) (created bool, err error) {
 	if _, err := CleanRelPath(rel); err != nil {
 		return false, err
@@ -120,6 +146,9 @@ func (r *Root) MkdirAll(rel string, owner Owner) (created bool, err error) {
 		}
 		unix.Close(parentFd)
 		parentFd = fd
+		if !last && isVolume(fd) {
+			return false, fmt.Errorf("%s in %s %w", strings.Join(components[:i+1], "/"), r.path, ErrInsideVolume)
+		}
 		if last && made {
 			// chown first: it clears setuid/setgid, and mkdir applied the umask, so the mode is
 			// set exactly afterwards.
@@ -129,6 +158,7 @@ func (r *Root) MkdirAll(rel string, owner Owner) (created bool, err error) {
 			if err := unix.Fchmod(fd, owner.Mode&0o7777); err != nil {
 				return true, fmt.Errorf("chmod %s in %s to %o: %w", rel, r.path, owner.Mode, err)
 			}
+			markVolume(fd)
 			return true, nil
 		}
 	}
