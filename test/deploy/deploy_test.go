@@ -567,7 +567,10 @@ func TestHelmRejects(t *testing.T) {
 		"local Immediate": {[]string{"storageClasses[0].name=x", "storageClasses[0].volumeBindingMode=Immediate"}, "WaitForFirstConsumer"},
 		"nfs no share":    {[]string{"nfs.exports[0].name=n", "nfs.exports[0].server=s"}, "needs server and share"},
 		"nfs no ctrl":     {[]string{"nfs.exports[0].name=n", "nfs.exports[0].server=s", "nfs.exports[0].share=/x", "controller.enabled=false"}, "controller.enabled"},
-		"bad backend":     {[]string{"storageClasses[0].name=x", "storageClasses[0].backend=ceph"}, "want local or nfs"},
+		// values.schema.json catches these before the templates do.
+		"bad backend":  {[]string{"storageClasses[0].name=x", "storageClasses[0].backend=ceph"}, "'local', 'nfs'"},
+		"typo":         {[]string{"controller.replicaz=3"}, "replicaz"},
+		"bad onDelete": {[]string{"storageClasses[0].name=x", "storageClasses[0].onDelete=trash"}, "onDelete"},
 		// --set on a list index replaces the whole default list: this entry has no name.
 		"no name": {[]string{"storageClasses[0].backend=local"}, "needs a name"},
 	}
