@@ -82,6 +82,8 @@ var wantRules = map[string][]rbacv1.PolicyRule{
 		{APIGroups: []string{""}, Resources: []string{"persistentvolumes"}, Verbs: []string{"get", "list", "watch", "create", "delete", "patch"}},
 		{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims"}, Verbs: []string{"get", "list", "watch", "update"}},
 		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"storageclasses"}, Verbs: []string{"get", "list", "watch"}},
+		// Provisioner.nodeLost: is a released local PV's node gone?
+		{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get"}},
 		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
 	},
 	"Role dirpv-controller-leader-election": {
