@@ -1,0 +1,898 @@
+// Command bench measures dirpv against the ceiling the cluster itself sets, on a real control
+// plane from test/cluster (no kubelet) with dirpv's controller and node as real processes and a
+// real NFS-Ganesha server:
+//
+//	go run ./test/bench [-n 500] [-json out.json] [-kcm fast|stock]
+//
+// It needs root (bind mounts, NFS server). Every dirpv figure is printed with its ratio to its
+// ceiling: binding without any provisioner (PVs made up front), an ideal external provisioner
+// (the bench itself creates each PV the instant kube-controller-manager hands it the claim), a
+// bare bind mount, and for memory the goal itself. The machine is shared, so the ratios matter
+// more than the absolute figures: ceiling and dirpv run back to back on the same cluster.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/dirpv/dirpv/test/cluster"
+	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/test/nfs"
+)
+
+const (
+	nodeName      = "bench-node"
+	driverName    = "dirpv.io"
+	noProvisioner = "kubernetes.io/no-provisioner"
+	idealName     = "bench.invalid/ideal"
+)
+
+var (
+	flagN        = flag.Int("n", 500, "claims per bulk run (create->Bound, deletion)")
+	flagLatN     = flag.Int("latency-n", 30, "sequential claims for single-claim latency")
+	flagPubN     = flag.Int("publish-n", 200, "NodePublish+NodeUnpublish iterations (and as many bare bind mounts)")
+	flagRSSN     = flag.Int("rss-n", 1000, "claims bound before reading peak RSS")
+	flagJSON     = flag.String("json", "", "write the results as JSON to this file")
+	flagKCM      = flag.String("kcm", "fast", `kube-controller-manager client limits: "fast" (--kube-api-qps=200 --kube-api-burst=400) or "stock" (its defaults, 20/30)`)
+	flagNFS      = flag.Bool("nfs", true, "run the NFS backend phase (needs NFS-Ganesha; installed if missing)")
+	flagKeepLogs = flag.Bool("keep-logs", false, "keep the work dir with all logs")
+	flagDirpv    = flag.String("dirpv-args", "", "extra flags for both dirpv processes, space-separated (e.g. \"--kube-api-qps=50\")")
+	flagEnv      = flag.String("dirpv-env", "", "extra environment for both dirpv processes, space-separated (e.g. \"GOGC=50\")")
+	flagTimeout  = flag.Duration("phase-timeout", 10*time.Minute, "deadline of each phase")
+	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,nfs,publish,rss); empty: all. ceiling is always run")
+)
+
+// Row is one measured figure with its reference.
+type Row struct {
+	Name     string  `json:"name"`
+	Value    float64 `json:"value"`
+	Unit     string  `json:"unit"`
+	Ref      string  `json:"ref,omitempty"`
+	RefValue float64 `json:"refValue,omitempty"`
+	Ratio    float64 `json:"ratio,omitempty"`
+	Note     string  `json:"note,omitempty"`
+}
+
+// Goal is one of the issue's targets.
+type Goal struct {
+	What   string  `json:"what"`
+	Target string  `json:"target"`
+	Actual float64 `json:"actual"`
+	Met    bool    `json:"met"`
+}
+
+// Report is the JSON output.
+type Report struct {
+	Started   time.Time                     `json:"started"`
+	N         int                           `json:"n"`
+	LatencyN  int                           `json:"latencyN"`
+	PublishN  int                           `json:"publishN"`
+	RSSN      int                           `json:"rssN"`
+	KCM       string                        `json:"kcm"`
+	KCMArgs   []string                      `json:"kcmArgs"`
+	DirpvArgs []string                      `json:"dirpvArgs"`
+	DirpvEnv  []string                      `json:"dirpvEnv,omitempty"`
+	CPUs      int                           `json:"cpus"`
+	LoadAvg   string                        `json:"loadAvg"`
+	Rows      []Row                         `json:"rows"`
+	Goals     []Goal                        `json:"goals"`
+	CPU       map[string]map[string]float64 `json:"cpuSecondsByPhase"`
+	Phases    []string                      `json:"phases"`
+}
+
+type bench struct {
+	ctx      context.Context
+	cl       *cluster.Cluster
+	client   kubernetes.Interface
+	work     string
+	logDir   string
+	dirpvBin string
+	common   []string
+	node     *framework.Process
+	ctrl     *framework.Process
+	nfs      *nfs.Server
+	helper   string
+	cleanups *framework.Cleanups
+	report   Report
+	ms       map[string]float64 // named figures for goals
+	only     map[string]bool
+}
+
+func main() {
+	flag.Parse()
+	if err := run(); err != nil {
+		fmt.Fprintf(os.Stderr, "bench: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+func run() (err error) {
+	if os.Geteuid() != 0 {
+		return errors.New("needs root (bind mounts, NFS server)")
+	}
+	b := &bench{ctx: context.Background(), ms: map[string]float64{}, only: map[string]bool{}, cleanups: framework.NewCleanups()}
+	defer b.cleanups.Run()
+	b.report = Report{Started: time.Now(), N: *flagN, LatencyN: *flagLatN, PublishN: *flagPubN, RSSN: *flagRSSN,
+		KCM: *flagKCM, CPUs: runtime.NumCPU(), CPU: map[string]map[string]float64{}}
+	if la, err := os.ReadFile("/proc/loadavg"); err == nil {
+		b.report.LoadAvg = strings.TrimSpace(string(la))
+	}
+	switch *flagKCM {
+	case "fast":
+		b.report.KCMArgs = []string{"--kube-api-qps=200", "--kube-api-burst=400"}
+	case "stock":
+	default:
+		return fmt.Errorf("-kcm %q: want fast or stock", *flagKCM)
+	}
+	for _, g := range strings.Split(*flagOnly, ",") {
+		if g != "" {
+			b.only[g] = true
+		}
+	}
+	if err := b.setup(); err != nil {
+		return err
+	}
+	defer func() {
+		if err != nil {
+			for _, p := range []*framework.Process{b.node, b.ctrl} {
+				if p != nil {
+					fmt.Fprintf(os.Stderr, "--- %s log tail:\n%s\n", p.Name, p.Tail(3000))
+				}
+			}
+		}
+	}()
+	steps := []struct {
+		group, name string
+		fn          func() error
+	}{
+		{"ceiling", "ceiling bulk", b.ceilingBulk},
+		{"ceiling", "ceiling latency", b.ceilingLatency},
+		{"ideal", "ideal external provisioner", b.idealExternal},
+		{"ceiling", "ceiling deletion", b.ceilingDeletion},
+		{"ceiling", "start dirpv", b.startDirpv},
+		{"local", "dirpv local bulk", b.localBulk},
+		{"local", "dirpv local latency", b.localLatency},
+		{"local", "dirpv local deletion", b.localDeletion},
+		{"nfs", "dirpv nfs bulk+deletion", b.nfsBulk},
+		{"publish", "publish", b.publish},
+		{"rss", "rss", b.rss},
+	}
+	only := b.only
+	for _, s := range steps {
+		wanted := len(only) == 0 || s.group == "ceiling" || only[s.group] || (s.group == "ideal" && (only["local"] || only["nfs"]))
+		if (s.group == "nfs" && !*flagNFS) || !wanted {
+			continue
+		}
+		if s.group == "publish" && !only["local"] && len(only) > 0 {
+			// publish needs a local claim from the latency phase
+			if err := b.localClass("bench-local-lat", filepath.Join(b.work, "base-lat")); err != nil {
+				return err
+			}
+			if _, err := b.latency("local-lat", "bench-local-lat", nodeName, 1, nil); err != nil {
+				return err
+			}
+		}
+		fmt.Printf("== %s\n", s.name)
+		before := b.cpuSnapshot()
+		if err := s.fn(); err != nil {
+			return fmt.Errorf("%s: %w", s.name, err)
+		}
+		after := b.cpuSnapshot()
+		cpu := map[string]float64{}
+		for k, v := range after {
+			cpu[k] = (v - before[k]).Seconds()
+		}
+		b.report.CPU[s.name] = cpu
+		b.report.Phases = append(b.report.Phases, s.name)
+	}
+	b.goals()
+	b.print()
+	if *flagJSON != "" {
+		out, _ := json.MarshalIndent(b.report, "", "  ")
+		if err := os.WriteFile(*flagJSON, append(out, '\n'), 0o644); err != nil {
+			return err
+		}
+		fmt.Printf("wrote %s\n", *flagJSON)
+	}
+	return nil
+}
+
+func (b *bench) setup() error {
+	work, err := os.MkdirTemp("", "dirpv-bench-")
+	if err != nil {
+		return err
+	}
+	b.work = work
+	b.logDir = filepath.Join(work, "logs")
+	os.MkdirAll(b.logDir, 0o755)
+	os.MkdirAll(filepath.Join(work, "targets"), 0o755)
+	ok := false
+	b.cleanups.Add(func() {
+		unmountUnder(filepath.Join(work, "targets"))
+		if *flagKeepLogs || !ok {
+			fmt.Fprintf(os.Stderr, "work dir and logs kept in %s\n", work)
+			return
+		}
+		os.RemoveAll(work)
+	})
+	defer func() { ok = err == nil }()
+	t0 := time.Now()
+	b.cl, err = cluster.Start(b.ctx, cluster.Options{
+		WorkDir:               filepath.Join(work, "c"),
+		ControllerManagerArgs: b.report.KCMArgs,
+		Logf:                  func(string, ...any) {},
+	})
+	if err != nil {
+		return fmt.Errorf("start cluster: %w", err)
+	}
+	b.cleanups.Add(func() { b.cl.Stop() })
+	cfg, err := clientcmd.BuildConfigFromFlags("", b.cl.Kubeconfig)
+	if err != nil {
+		return err
+	}
+	// The bench's own client must never be what limits a run.
+	cfg.QPS, cfg.Burst = 5000, 10000
+	cfg.UserAgent = "dirpv-bench"
+	if b.client, err = kubernetes.NewForConfig(cfg); err != nil {
+		return err
+	}
+	if err := b.cl.CreateReadyNode(b.ctx, nodeName, nil); err != nil {
+		return err
+	}
+	if b.dirpvBin, err = framework.BuildDirpv(b.ctx, work); err != nil {
+		return err
+	}
+	b.common = []string{"--kubeconfig", b.cl.Kubeconfig, "--v=2"}
+	b.common = append(b.common, strings.Fields(*flagDirpv)...)
+	b.report.DirpvArgs = strings.Fields(*flagDirpv)
+	b.report.DirpvEnv = strings.Fields(*flagEnv)
+	if *flagNFS && (len(b.only) == 0 || b.only["nfs"]) {
+		if b.helper, err = nfs.BuildMountHelper(b.ctx); err != nil {
+			return err
+		}
+		exportDir := filepath.Join(work, "export")
+		os.MkdirAll(exportDir, 0o777)
+		if b.nfs, err = nfs.Start(b.ctx, nfs.Options{ExportDir: exportDir, WorkDir: filepath.Join(work, "ganesha")}); err != nil {
+			return fmt.Errorf("start NFS server: %w", err)
+		}
+		b.cleanups.Add(func() { b.nfs.Stop() })
+	}
+	fmt.Printf("setup %s: cluster (kube-controller-manager %s %v), node %s, dirpv built, work dir %s\n",
+		time.Since(t0).Round(time.Millisecond), *flagKCM, b.report.KCMArgs, nodeName, work)
+	return nil
+}
+
+// cpuSnapshot reads the CPU time used so far by the cluster's and dirpv's processes.
+func (b *bench) cpuSnapshot() map[string]time.Duration {
+	out := map[string]time.Duration{}
+	for _, p := range b.cl.Procs {
+		out[p.Name] += cpuTime(p.PID)
+	}
+	for _, p := range []*framework.Process{b.node, b.ctrl} {
+		if p == nil {
+			continue
+		}
+		if pid, err := findPID("--http-address", p.HTTPAddr); err == nil {
+			out["dirpv "+p.Args[0]] += cpuTime(pid)
+		}
+	}
+	out["bench"] = cpuTime(os.Getpid())
+	return out
+}
+
+func (b *bench) add(r Row) {
+	if r.RefValue > 0 {
+		r.Ratio = r.Value / r.RefValue
+	}
+	b.report.Rows = append(b.report.Rows, r)
+	ratio := ""
+	if r.Ratio > 0 {
+		ratio = fmt.Sprintf("  (%.2fx %s)", r.Ratio, r.Ref)
+	}
+	fmt.Printf("   %-48s %10.2f %-5s%s\n", r.Name, r.Value, r.Unit, ratio)
+}
+
+// createClaims creates n claims in parallel and returns when the first create was sent.
+func (b *bench) createClaims(ns, prefix, class, node string, n int) (time.Time, error) {
+	t0 := time.Now()
+	err := parallel(n, func(i int) error {
+		_, err := b.client.CoreV1().PersistentVolumeClaims(ns).Create(b.ctx, newClaim(ns, fmt.Sprintf("%s-%04d", prefix, i), class, node), metav1.CreateOptions{})
+		return err
+	})
+	return t0, err
+}
+
+// bulk creates n claims and waits until all are Bound; it returns the time from the first
+// create to the last Bound.
+func (b *bench) bulk(ns, class, node string, n int) (time.Duration, error) {
+	if err := createNamespace(b.ctx, b.client, ns); err != nil {
+		return 0, err
+	}
+	w, err := watchClaims(b.ctx, b.client, ns)
+	if err != nil {
+		return 0, err
+	}
+	defer w.Stop()
+	t0, err := b.createClaims(ns, "c", class, node, n)
+	if err != nil {
+		return 0, err
+	}
+	if err := w.waitBound(b.ctx, n, *flagTimeout); err != nil {
+		return 0, err
+	}
+	if h := w.lastHanded(); !h.IsZero() {
+		fmt.Printf("   (%s: all %d claims handed to the provisioner by kube-controller-manager after %.2fs; all Bound after %.2fs; mean hand-over->Bound %.0f ms)\n",
+			class, n, h.Sub(t0).Seconds(), w.lastBound().Sub(t0).Seconds(), ms(w.meanHandedToBound()))
+	}
+	return w.lastBound().Sub(t0), nil
+}
+
+// latency creates claims one at a time, each after the previous one is Bound, and returns
+// each one's create->Bound time. before, if set, runs before each claim is created (untimed).
+func (b *bench) latency(ns, class, node string, n int, before func(name string) error) ([]time.Duration, error) {
+	if err := createNamespace(b.ctx, b.client, ns); err != nil {
+		return nil, err
+	}
+	w, err := watchClaims(b.ctx, b.client, ns)
+	if err != nil {
+		return nil, err
+	}
+	defer w.Stop()
+	var out []time.Duration
+	for i := 0; i < n; i++ {
+		name := fmt.Sprintf("l-%04d", i)
+		if before != nil {
+			if err := before(name); err != nil {
+				return nil, err
+			}
+		}
+		t0 := time.Now()
+		if _, err := b.client.CoreV1().PersistentVolumeClaims(ns).Create(b.ctx, newClaim(ns, name, class, node), metav1.CreateOptions{}); err != nil {
+			return nil, err
+		}
+		at, err := w.waitOne(b.ctx, name, time.Minute)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, at.Sub(t0))
+	}
+	return out, nil
+}
+
+// deleteAll deletes the claims of ns in parallel and waits until every PV of class is gone and
+// done() (e.g. the base directory is empty) holds. It returns the time from the first delete.
+func (b *bench) deleteAll(ns, class string, idealDeleter bool, done func() (bool, string)) (time.Duration, error) {
+	pw, err := watchPVs(b.ctx, b.client, class, ns, idealDeleter)
+	if err != nil {
+		return 0, err
+	}
+	defer pw.Stop()
+	claims, err := b.client.CoreV1().PersistentVolumeClaims(ns).List(b.ctx, metav1.ListOptions{})
+	if err != nil {
+		return 0, err
+	}
+	t0 := time.Now()
+	err = parallel(len(claims.Items), func(i int) error {
+		return b.client.CoreV1().PersistentVolumeClaims(ns).Delete(b.ctx, claims.Items[i].Name, metav1.DeleteOptions{})
+	})
+	if err != nil {
+		return 0, err
+	}
+	err = waitFor(b.ctx, pw.changed, *flagTimeout, func() (bool, string) {
+		left := pw.count()
+		if left > 0 {
+			return false, fmt.Sprintf("%d PVs of class %s for claims in %s left", left, class, ns)
+		}
+		if done != nil {
+			return done()
+		}
+		return true, ""
+	})
+	return time.Since(t0), err
+}
+
+// ---- ceilings ----
+
+func (b *bench) ceilingBulk() error {
+	n := *flagN
+	if err := createClass(b.ctx, b.client, "bench-static", noProvisioner, nil, false, nil); err != nil {
+		return err
+	}
+	const ns = "ceil-bulk"
+	// PVs first, pre-bound to the claims to come, and wait until kube-controller-manager has
+	// seen them all (Available), so the timed part is the binding alone.
+	pw, err := watchPVs(b.ctx, b.client, "bench-static", ns, false)
+	if err != nil {
+		return err
+	}
+	err = parallel(n, func(i int) error {
+		pv := staticPV(fmt.Sprintf("ceil-%04d", i), "bench-static", ns, fmt.Sprintf("c-%04d", i), v1.PersistentVolumeReclaimRetain)
+		_, err := b.client.CoreV1().PersistentVolumes().Create(b.ctx, pv, metav1.CreateOptions{})
+		return err
+	})
+	if err == nil {
+		err = waitFor(b.ctx, pw.changed, *flagTimeout, func() (bool, string) {
+			pw.mu.Lock()
+			defer pw.mu.Unlock()
+			avail := 0
+			for _, ph := range pw.pvs {
+				if ph == v1.VolumeAvailable {
+					avail++
+				}
+			}
+			return avail == n, fmt.Sprintf("%d of %d PVs Available", avail, n)
+		})
+	}
+	pw.Stop()
+	if err != nil {
+		return err
+	}
+	d, err := b.bulk(ns, "bench-static", "", n)
+	if err != nil {
+		return err
+	}
+	b.ms["ceil.bulk"] = d.Seconds()
+	b.add(Row{Name: fmt.Sprintf("ceiling: %d pre-made PVs, create->all Bound", n), Value: d.Seconds(), Unit: "s",
+		Note: fmt.Sprintf("%.1f bindings/s", float64(n)/d.Seconds())})
+	return nil
+}
+
+func (b *bench) ceilingLatency() error {
+	if err := createClass(b.ctx, b.client, "bench-static-lat", noProvisioner, nil, false, nil); err != nil {
+		return err
+	}
+	const ns = "ceil-lat"
+	ds, err := b.latency(ns, "bench-static-lat", "", *flagLatN, func(name string) error {
+		pv := staticPV("ceil-lat-"+name, "bench-static-lat", ns, name, v1.PersistentVolumeReclaimRetain)
+		if _, err := b.client.CoreV1().PersistentVolumes().Create(b.ctx, pv, metav1.CreateOptions{}); err != nil {
+			return err
+		}
+		return framework.Poll(b.ctx, 30*time.Second, func(ctx context.Context) (bool, error) {
+			got, err := b.client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
+			if err != nil {
+				return false, err
+			}
+			return got.Status.Phase == v1.VolumeAvailable, fmt.Errorf("PV %s is %q", pv.Name, got.Status.Phase)
+		})
+	})
+	if err != nil {
+		return err
+	}
+	b.ms["ceil.p50"], b.ms["ceil.p95"] = ms(percentile(ds, 50)), ms(percentile(ds, 95))
+	b.add(Row{Name: "ceiling: single claim create->Bound p50", Value: b.ms["ceil.p50"], Unit: "ms"})
+	b.add(Row{Name: "ceiling: single claim create->Bound p95", Value: b.ms["ceil.p95"], Unit: "ms"})
+	return nil
+}
+
+// idealExternal measures external provisioning with a provisioner that takes no time at all:
+// what any external provisioner, dirpv included, can at best reach. The gap to the ceiling is
+// kube-controller-manager's extra step (it annotates the claim for the provisioner first).
+func (b *bench) idealExternal() error {
+	if err := createClass(b.ctx, b.client, "bench-ideal", idealName, nil, true, nil); err != nil {
+		return err
+	}
+	if err := createClass(b.ctx, b.client, "bench-ideal-imm", idealName, nil, false, nil); err != nil {
+		return err
+	}
+	ip, err := startIdealProvisioner(b.ctx, b.client, idealName)
+	if err != nil {
+		return err
+	}
+	defer ip.Stop()
+	// WaitForFirstConsumer with the selected node set, exactly like dirpv's local claims.
+	d, err := b.bulk("ideal-bulk", "bench-ideal", nodeName, *flagN)
+	if err != nil {
+		return err
+	}
+	b.ms["ideal.bulk"] = d.Seconds()
+	b.add(Row{Name: fmt.Sprintf("ideal external provisioner, WFFC: %d claims", *flagN), Value: d.Seconds(), Unit: "s",
+		Ref: "ceiling", RefValue: b.ms["ceil.bulk"]})
+	ds, err := b.latency("ideal-lat", "bench-ideal", nodeName, *flagLatN, nil)
+	if err != nil {
+		return err
+	}
+	b.ms["ideal.p50"], b.ms["ideal.p95"] = ms(percentile(ds, 50)), ms(percentile(ds, 95))
+	b.add(Row{Name: "ideal external provisioner, WFFC: single claim p50", Value: b.ms["ideal.p50"], Unit: "ms", Ref: "ceiling", RefValue: b.ms["ceil.p50"]})
+	b.add(Row{Name: "ideal external provisioner, WFFC: single claim p95", Value: b.ms["ideal.p95"], Unit: "ms", Ref: "ceiling", RefValue: b.ms["ceil.p95"]})
+	if *flagNFS && (len(b.only) == 0 || b.only["nfs"]) {
+		// Immediate binding, like dirpv's NFS claims.
+		d, err := b.bulk("ideal-imm", "bench-ideal-imm", "", *flagN)
+		if err != nil {
+			return err
+		}
+		b.ms["ideal.imm.bulk"] = d.Seconds()
+		b.add(Row{Name: fmt.Sprintf("ideal external provisioner, Immediate: %d claims", *flagN), Value: d.Seconds(), Unit: "s",
+			Ref: "ceiling", RefValue: b.ms["ceil.bulk"]})
+		if _, err := b.deleteAll("ideal-imm", "bench-ideal-imm", true, nil); err != nil {
+			return fmt.Errorf("clean up: %w", err)
+		}
+	}
+	// Clean up untimed, so later phases run on a cluster as small as the ceiling's was.
+	for _, ns := range []string{"ideal-bulk", "ideal-lat"} {
+		if _, err := b.deleteAll(ns, "bench-ideal", true, nil); err != nil {
+			return fmt.Errorf("clean up %s: %w", ns, err)
+		}
+	}
+	return nil
+}
+
+func (b *bench) ceilingDeletion() error {
+	d, err := b.deleteAll("ceil-bulk", "bench-static", true, nil)
+	if err != nil {
+		return err
+	}
+	b.ms["ceil.delete"] = d.Seconds()
+	b.add(Row{Name: fmt.Sprintf("ceiling: delete %d claims, ideal deleter", *flagN), Value: d.Seconds(), Unit: "s"})
+	return nil
+}
+
+// ---- dirpv ----
+
+func (b *bench) startDirpv() error {
+	var err error
+	b.node, b.ctrl, err = b.startProcesses("")
+	return err
+}
+
+func (b *bench) startProcesses(suffix string) (node, ctrl *framework.Process, err error) {
+	// The framework starts processes with this process's environment; only the dirpv
+	// processes get the extra variables (the cluster is running already).
+	for _, kv := range strings.Fields(*flagEnv) {
+		k, v, _ := strings.Cut(kv, "=")
+		os.Setenv(k, v)
+		defer os.Unsetenv(k)
+	}
+	node, err = framework.StartDirpv(b.ctx, b.dirpvBin, "node"+suffix, b.logDir, "node", append([]string{
+		"--node-name", nodeName,
+		"--csi-endpoint", "unix://" + b.csiSocket(),
+		"--plugin-registration-dir", "-"}, b.common...)...)
+	if err != nil {
+		return nil, nil, err
+	}
+	b.cleanups.Add(func() { node.Stop(10 * time.Second) })
+	args := []string{"--work-dir", filepath.Join(b.work, "controller"), "--leader-election=false"}
+	if b.helper != "" {
+		args = append(args, "--nfs-mount-helper", b.helper)
+	}
+	ctrl, err = framework.StartDirpv(b.ctx, b.dirpvBin, "controller"+suffix, b.logDir, "controller", append(args, b.common...)...)
+	if err != nil {
+		return node, nil, err
+	}
+	b.cleanups.Add(func() { ctrl.Stop(10 * time.Second) })
+	return node, ctrl, nil
+}
+
+func (b *bench) csiSocket() string { return filepath.Join(b.work, "csi.sock") }
+
+func (b *bench) localClass(name, base string) error {
+	return createClass(b.ctx, b.client, name, driverName, map[string]string{"backend": "local", "basePath": base}, true, nil)
+}
+
+func (b *bench) localBulk() error {
+	base := filepath.Join(b.work, "base-bulk")
+	if err := b.localClass("bench-local", base); err != nil {
+		return err
+	}
+	before := b.provisionStats()
+	d, err := b.bulk("local-bulk", "bench-local", nodeName, *flagN)
+	if err != nil {
+		return err
+	}
+	after := b.provisionStats()
+	if ents, _ := os.ReadDir(base); len(ents) != *flagN {
+		return fmt.Errorf("%d directories in %s for %d claims", len(ents), base, *flagN)
+	}
+	b.ms["local.bulk"] = d.Seconds()
+	b.add(Row{Name: fmt.Sprintf("dirpv local: %d claims create->all Bound", *flagN), Value: d.Seconds(), Unit: "s",
+		Ref: "ceiling", RefValue: b.ms["ceil.bulk"],
+		Note: fmt.Sprintf("%.2fx ideal external; mean lib provisioning op %.1f ms", d.Seconds()/b.ms["ideal.bulk"], meanMS(before, after))})
+	fmt.Printf("   (%.2fx the ideal external provisioner; mean lib provisioning op (event+Provision+PV create) %.1f ms; %d client-side throttling waits logged)\n",
+		d.Seconds()/b.ms["ideal.bulk"], meanMS(before, after), throttled(b.node))
+	return nil
+}
+
+func (b *bench) localLatency() error {
+	if err := b.localClass("bench-local-lat", filepath.Join(b.work, "base-lat")); err != nil {
+		return err
+	}
+	ds, err := b.latency("local-lat", "bench-local-lat", nodeName, *flagLatN, nil)
+	if err != nil {
+		return err
+	}
+	b.ms["local.p50"], b.ms["local.p95"] = ms(percentile(ds, 50)), ms(percentile(ds, 95))
+	b.add(Row{Name: "dirpv local: single claim create->Bound p50", Value: b.ms["local.p50"], Unit: "ms", Ref: "ceiling", RefValue: b.ms["ceil.p50"],
+		Note: fmt.Sprintf("%.2fx ideal external", b.ms["local.p50"]/b.ms["ideal.p50"])})
+	b.add(Row{Name: "dirpv local: single claim create->Bound p95", Value: b.ms["local.p95"], Unit: "ms", Ref: "ceiling", RefValue: b.ms["ceil.p95"],
+		Note: fmt.Sprintf("%.2fx ideal external", b.ms["local.p95"]/b.ms["ideal.p95"])})
+	return nil
+}
+
+func (b *bench) localDeletion() error {
+	base := filepath.Join(b.work, "base-bulk")
+	d, err := b.deleteAll("local-bulk", "bench-local", false, func() (bool, string) {
+		ents, err := os.ReadDir(base)
+		return err == nil && len(ents) == 0, fmt.Sprintf("%d directories left in %s", len(ents), base)
+	})
+	if err != nil {
+		return err
+	}
+	b.ms["local.delete"] = d.Seconds()
+	b.add(Row{Name: fmt.Sprintf("dirpv local: delete %d claims, PVs+dirs gone", *flagN), Value: d.Seconds(), Unit: "s",
+		Ref: "ceiling", RefValue: b.ms["ceil.delete"]})
+	return nil
+}
+
+func (b *bench) nfsBulk() error {
+	params := map[string]string{"backend": "nfs", "server": b.nfs.Addr, "share": b.nfs.Share}
+	if err := createClass(b.ctx, b.client, "bench-nfs", driverName, params, false, b.nfs.MountOptions()); err != nil {
+		return err
+	}
+	before := b.provisionStats()
+	d, err := b.bulk("nfs-bulk", "bench-nfs", "", *flagN)
+	if err != nil {
+		return err
+	}
+	after := b.provisionStats()
+	b.ms["nfs.bulk"] = d.Seconds()
+	b.add(Row{Name: fmt.Sprintf("dirpv nfs: %d claims create->all Bound", *flagN), Value: d.Seconds(), Unit: "s",
+		Ref: "ceiling", RefValue: b.ms["ceil.bulk"],
+		Note: fmt.Sprintf("%.2fx ideal external; mean lib provisioning op %.1f ms", d.Seconds()/b.ms["ideal.imm.bulk"], meanMS(before, after))})
+	fmt.Printf("   (%.2fx the ideal external provisioner; mean lib provisioning op (event+Provision+PV create) %.1f ms)\n", d.Seconds()/b.ms["ideal.imm.bulk"], meanMS(before, after))
+	d, err = b.deleteAll("nfs-bulk", "bench-nfs", false, func() (bool, string) {
+		ents, err := os.ReadDir(b.nfs.ExportDir)
+		return err == nil && len(ents) == 0, fmt.Sprintf("%d directories left in the export", len(ents))
+	})
+	if err != nil {
+		return err
+	}
+	b.ms["nfs.delete"] = d.Seconds()
+	b.add(Row{Name: fmt.Sprintf("dirpv nfs: delete %d claims, PVs+dirs gone", *flagN), Value: d.Seconds(), Unit: "s",
+		Ref: "ceiling", RefValue: b.ms["ceil.delete"]})
+	return nil
+}
+
+// provisionStats sums the lib's provision duration histogram over both dirpv processes.
+func (b *bench) provisionStats() [2]float64 {
+	var out [2]float64
+	for _, p := range []*framework.Process{b.node, b.ctrl} {
+		m, err := scrape("http://"+p.HTTPAddr+"/metrics",
+			"dirpv_persistentvolumeclaim_provision_duration_seconds_sum",
+			"dirpv_persistentvolumeclaim_provision_duration_seconds_count")
+		if err != nil {
+			continue
+		}
+		out[0] += m["dirpv_persistentvolumeclaim_provision_duration_seconds_sum"]
+		out[1] += m["dirpv_persistentvolumeclaim_provision_duration_seconds_count"]
+	}
+	return out
+}
+
+// throttled counts client-go's "client-side throttling" log lines of a process so far.
+func throttled(p *framework.Process) int {
+	log, _ := os.ReadFile(p.Log)
+	return strings.Count(string(log), "client-side throttling")
+}
+
+func meanMS(before, after [2]float64) float64 {
+	if after[1] == before[1] {
+		return 0
+	}
+	return (after[0] - before[0]) / (after[1] - before[1]) * 1000
+}
+
+func (b *bench) publish() error {
+	pvcs, err := b.client.CoreV1().PersistentVolumeClaims("local-lat").List(b.ctx, metav1.ListOptions{})
+	if err != nil || len(pvcs.Items) == 0 {
+		return fmt.Errorf("no local claim to publish: %v", err)
+	}
+	pv, err := b.client.CoreV1().PersistentVolumes().Get(b.ctx, pvcs.Items[0].Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		return err
+	}
+	attrs := pv.Spec.CSI.VolumeAttributes
+	src := filepath.Join(attrs["basePath"], attrs["path"])
+	targets := filepath.Join(b.work, "targets")
+	// Interleaved rounds, so that load from other users of the machine hits all three alike.
+	const rounds = 5
+	per := max(1, *flagPubN/rounds)
+	var dirpv, sys, mu []time.Duration
+	for r := 0; r < rounds; r++ {
+		d, err := publishBench(b.ctx, b.csiSocket(), pv.Spec.CSI.VolumeHandle, attrs, targets, per)
+		if err != nil {
+			return err
+		}
+		s, err := bareBindSyscall(src, targets, per)
+		if err != nil {
+			return err
+		}
+		m, err := bareBindMountUtils(src, targets, per)
+		if err != nil {
+			return err
+		}
+		dirpv, sys, mu = append(dirpv, d...), append(sys, s...), append(mu, m...)
+	}
+	for _, p := range []float64{50, 95} {
+		k := fmt.Sprintf("p%.0f", p)
+		b.ms["pub."+k], b.ms["sys."+k], b.ms["mu."+k] = ms(percentile(dirpv, p)), ms(percentile(sys, p)), ms(percentile(mu, p))
+		b.add(Row{Name: "bare bind mount+umount, mount(2) syscalls " + k, Value: b.ms["sys."+k], Unit: "ms"})
+		b.add(Row{Name: "bare bind mount+umount, mount-utils (mount(8)) " + k, Value: b.ms["mu."+k], Unit: "ms"})
+		b.add(Row{Name: "dirpv NodePublish+NodeUnpublish (gRPC) " + k, Value: b.ms["pub."+k], Unit: "ms",
+			Ref: "mount-utils bind", RefValue: b.ms["mu."+k],
+			Note: fmt.Sprintf("%.1fx mount(2) syscalls", b.ms["pub."+k]/b.ms["sys."+k])})
+		fmt.Printf("   (%.1fx the bare mount(2) syscalls)\n", b.ms["pub."+k]/b.ms["sys."+k])
+	}
+	return nil
+}
+
+// rss restarts both dirpv processes, so their peak covers this phase only, binds rssN local
+// claims through them, and reads their peak RSS; then restarts them once more over the rssN
+// existing PVs and PVCs (the informers' initial list) and reads it again.
+func (b *bench) rss() error {
+	b.node.Stop(10 * time.Second)
+	b.ctrl.Stop(10 * time.Second)
+	var err error
+	if b.node, b.ctrl, err = b.startProcesses("-rss"); err != nil {
+		return err
+	}
+	if err := b.localClass("bench-rss", filepath.Join(b.work, "base-rss")); err != nil {
+		return err
+	}
+	if _, err := b.bulk("rss", "bench-rss", nodeName, *flagRSSN); err != nil {
+		return err
+	}
+	read := func(what string) error {
+		// Both processes have seen every object once they go idle after the last binding.
+		for _, p := range []*framework.Process{b.node, b.ctrl} {
+			pid, err := findPID("--http-address", p.HTTPAddr)
+			if err != nil {
+				return err
+			}
+			waitIdle(pid, 30*time.Second)
+			hwm, err := procStatusKB(pid, "VmHWM")
+			if err != nil {
+				return err
+			}
+			rss, _ := procStatusKB(pid, "VmRSS")
+			anon, _ := procStatusKB(pid, "RssAnon")
+			file, _ := procStatusKB(pid, "RssFile")
+			m, _ := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_heap_inuse_bytes")
+			key := "rss." + p.Args[0] + "." + what
+			b.ms[key] = float64(hwm) / 1024
+			goal := 50.0
+			if p.Args[0] == "node" {
+				goal = 30
+			}
+			b.add(Row{Name: fmt.Sprintf("dirpv %s peak RSS (VmHWM), %s", p.Args[0], what), Value: float64(hwm) / 1024, Unit: "MiB",
+				Ref: "goal", RefValue: goal,
+				Note: fmt.Sprintf("now %.1f MiB RSS = %.1f anon + %.1f file-backed (the binary); Go heap in use %.1f MiB",
+					float64(rss)/1024, float64(anon)/1024, float64(file)/1024, m["go_memstats_heap_inuse_bytes"]/(1<<20))})
+			fmt.Printf("   (%s now: %.1f MiB RSS = %.1f MiB anonymous + %.1f MiB file-backed; Go heap in use %.1f MiB)\n",
+				p.Args[0], float64(rss)/1024, float64(anon)/1024, float64(file)/1024, m["go_memstats_heap_inuse_bytes"]/(1<<20))
+		}
+		return nil
+	}
+	if err := read(fmt.Sprintf("provisioning %d", *flagRSSN)); err != nil {
+		return err
+	}
+	b.node.Stop(10 * time.Second)
+	b.ctrl.Stop(10 * time.Second)
+	if b.node, b.ctrl, err = b.startProcesses("-rss2"); err != nil {
+		return err
+	}
+	return read(fmt.Sprintf("restarted over %d", *flagRSSN))
+}
+
+// waitIdle waits until the process used less than 20 ms of CPU in a second.
+func waitIdle(pid int, timeout time.Duration) {
+	deadline := time.Now().Add(timeout)
+	last := cpuTime(pid)
+	time.Sleep(2 * time.Second)
+	for time.Now().Before(deadline) {
+		time.Sleep(time.Second)
+		now := cpuTime(pid)
+		if now-last < 20*time.Millisecond {
+			return
+		}
+		last = now
+	}
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+func (b *bench) goals() {
+	g := func(what, target string, actual float64, met bool) {
+		if actual == 0 || actual != actual {
+			return // not measured in this run
+		}
+		b.report.Goals = append(b.report.Goals, Goal{What: what, Target: target, Actual: actual, Met: met})
+	}
+	r := b.ms["local.bulk"] / b.ms["ceil.bulk"]
+	g(fmt.Sprintf("%d local claims create->Bound vs ceiling", *flagN), "<= 1.2x", r, r <= 1.2)
+	{
+		r = b.ms["nfs.bulk"] / b.ms["ceil.bulk"]
+		g(fmt.Sprintf("%d NFS claims create->Bound vs ceiling", *flagN), "<= 1.2x", r, r <= 1.2)
+	}
+	r = b.ms["local.p50"] / b.ms["ceil.p50"]
+	g("single local claim p50 vs ceiling", "<= 1.2x", r, r <= 1.2)
+	r = b.ms["pub.p50"] / b.ms["mu.p50"]
+	g("publish+unpublish p50 vs bare bind mount (mount-utils)", "<= 3x", r, r <= 3)
+	r = b.ms["pub.p50"] / b.ms["sys.p50"]
+	g("publish+unpublish p50 vs bare bind mount (mount(2))", "<= 3x", r, r <= 3)
+	var c, n float64
+	for k, v := range b.ms {
+		if strings.HasPrefix(k, "rss.controller.") {
+			c = max(c, v)
+		}
+		if strings.HasPrefix(k, "rss.node.") {
+			n = max(n, v)
+		}
+	}
+	g(fmt.Sprintf("controller peak RSS with %d PVs (MiB)", *flagRSSN), "< 50", c, c < 50)
+	g(fmt.Sprintf("node peak RSS with %d PVs (MiB)", *flagRSSN), "< 30", n, n < 30)
+}
+
+func (b *bench) print() {
+	rp := b.report
+	fmt.Printf("\ndirpv bench: n=%d, latency-n=%d, publish-n=%d, rss-n=%d; kube-controller-manager %s %v; dirpv flags: defaults %v env %v; %d CPUs, load %s\n\n",
+		rp.N, rp.LatencyN, rp.PublishN, rp.RSSN, rp.KCM, rp.KCMArgs, rp.DirpvArgs, rp.DirpvEnv, rp.CPUs, rp.LoadAvg)
+	fmt.Printf("| %-52s | %10s | %-26s |\n", "measurement", "value", "ratio")
+	fmt.Printf("|%s|%s|%s|\n", strings.Repeat("-", 54), strings.Repeat("-", 12), strings.Repeat("-", 28))
+	for _, r := range rp.Rows {
+		ratio := ""
+		if r.Ratio > 0 {
+			ratio = fmt.Sprintf("%.2fx %s", r.Ratio, r.Ref)
+		}
+		fmt.Printf("| %-52s | %6.1f %-3s | %-26s |\n", r.Name, r.Value, r.Unit, ratio)
+	}
+	fmt.Println()
+	for _, g := range rp.Goals {
+		met := "MET"
+		if !g.Met {
+			met = "MISSED"
+		}
+		fmt.Printf("goal %-55s %-7s actual %6.2f  %s\n", g.What, g.Target, g.Actual, met)
+	}
+	fmt.Println("\nCPU seconds by phase:")
+	var names []string
+	for k := range rp.CPU[rp.Phases[0]] {
+		names = append(names, k)
+	}
+	for _, ph := range rp.Phases {
+		for k := range rp.CPU[ph] {
+			if !contains(names, k) {
+				names = append(names, k)
+			}
+		}
+	}
+	for _, ph := range rp.Phases {
+		var parts []string
+		for _, k := range names {
+			if v := rp.CPU[ph][k]; v >= 0.05 {
+				parts = append(parts, fmt.Sprintf("%s %.1f", k, v))
+			}
+		}
+		fmt.Printf("  %-28s %s\n", ph, strings.Join(parts, ", "))
+	}
+}
+
+func contains(ss []string, s string) bool {
+	for _, x := range ss {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}

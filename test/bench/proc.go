@@ -1,0 +1,128 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// findPID returns the PID of the process whose command line has all of args (in any position).
+// The framework does not expose the PIDs of the dirpv processes it starts; each has a unique
+// --http-address, which is what callers pass.
+func findPID(args ...string) (int, error) {
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0, err
+	}
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err != nil {
+			continue
+		}
+		fields := strings.Split(string(bytes.TrimRight(b, "\x00")), "\x00")
+		all := true
+		for _, a := range args {
+			found := false
+			for _, f := range fields {
+				if f == a {
+					found = true
+					break
+				}
+			}
+			if !found {
+				all = false
+				break
+			}
+		}
+		if all {
+			return pid, nil
+		}
+	}
+	return 0, fmt.Errorf("no process with arguments %q", args)
+}
+
+// procStatusKB reads a "<key>: <n> kB" line of /proc/<pid>/status (VmHWM, VmRSS).
+func procStatusKB(pid int, key string) (int64, error) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	s := bufio.NewScanner(f)
+	for s.Scan() {
+		line := s.Text()
+		if rest, ok := strings.CutPrefix(line, key+":"); ok {
+			fs := strings.Fields(rest)
+			if len(fs) == 0 {
+				break
+			}
+			return strconv.ParseInt(fs[0], 10, 64)
+		}
+	}
+	return 0, fmt.Errorf("/proc/%d/status has no %s", pid, key)
+}
+
+// cpuTime is the user+system CPU time a process used so far.
+func cpuTime(pid int) time.Duration {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	// Fields after the command name, which is in parentheses and may hold spaces.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0
+	}
+	fs := strings.Fields(string(b[i+1:]))
+	if len(fs) < 13 {
+		return 0
+	}
+	ut, _ := strconv.ParseInt(fs[11], 10, 64)
+	st, _ := strconv.ParseInt(fs[12], 10, 64)
+	const ticksPerSecond = 100 // USER_HZ on Linux
+	return time.Duration(ut+st) * time.Second / ticksPerSecond
+}
+
+// scrape returns the values of the metric samples at url whose line starts with one of names
+// (name with labels, e.g. `go_memstats_heap_inuse_bytes` or `x_count{a="b"}`), summed by name.
+func scrape(url string, names ...string) (map[string]float64, error) {
+	hc := &http.Client{Timeout: 5 * time.Second}
+	resp, err := hc.Get(url)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]float64{}
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(line, "#") {
+			continue
+		}
+		for _, n := range names {
+			rest, ok := strings.CutPrefix(line, n)
+			if !ok || (rest != "" && rest[0] != ' ' && rest[0] != '{') {
+				continue
+			}
+			fs := strings.Fields(line)
+			v, err := strconv.ParseFloat(fs[len(fs)-1], 64)
+			if err == nil {
+				out[n] += v
+			}
+		}
+	}
+	return out, nil
+}
