@@ -10,7 +10,7 @@ STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
 UNIT_PKGS   := $(shell $(GO) list ./... | grep -v -e /test/integration -e /test/e2e -e /test/cluster)
 FUZZTIME    ?= 10m
 
-.PHONY: all build test test-unit test-integration test-e2e cluster-bins lint fmt up down bench fuzz image-tar clean
+.PHONY: all build test test-unit test-integration test-e2e cluster-bins deploy-tools lint fmt up down bench fuzz image-tar clean
 
 all: build
 
@@ -18,25 +18,33 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/dirpv ./cmd/dirpv
 
 ## test: lint, then every tier in order: unit + csi-sanity, integration, end to end.
-test: lint cluster-bins
+test: lint cluster-bins deploy-tools
 	@start=$$(date +%s); $(MAKE) --no-print-directory test-unit; \
 	  t1=$$(date +%s); $(MAKE) --no-print-directory test-integration; \
 	  t2=$$(date +%s); $(MAKE) --no-print-directory test-e2e; \
 	  t3=$$(date +%s); \
 	  echo "tier times: unit+sanity $$((t1-start))s, integration $$((t2-t1))s, e2e $$((t3-t2))s"
 
-test-unit:
+test-unit: deploy-tools
 	$(GO) test -count=1 -timeout 20m $(UNIT_PKGS)
 
 test-integration: cluster-bins
 	$(GO) test -count=1 -timeout 30m ./test/integration/...
 
-test-e2e: cluster-bins
+test-e2e: cluster-bins deploy-tools
 	$(GO) test -count=1 -p 1 -timeout 40m ./test/cluster/... ./test/e2e/...
 
 ## cluster-bins: build etcd and Kubernetes from the Go module proxy (cold ~15 min, cached).
 cluster-bins:
 	bash test/cluster/build.sh >/dev/null
+
+## deploy-tools: pinned helm v3.22.0 + kustomize v5.8.2 from the Go module proxy (cold ~10 min, cached).
+deploy-tools:
+	bash test/deploy/tools.sh all >/dev/null
+
+## image-tar: the dirpv image as an OCI tar (no Docker engine needed): bin/dirpv-image.tar
+image-tar:
+	$(GO) run ./test/image/cmd/image-tar -version $(VERSION)
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
