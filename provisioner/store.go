@@ -120,7 +120,9 @@ func (e *exports) do(ctx context.Context, server, share string, options []string
 	err = bounded(ctx, ex.sem, "NFS "+ex.source, func() error { return fn(root) })
 	if isBrokenMount(err) {
 		klog.FromContext(ctx).Info("Dropping NFS mount after error; the next call mounts again", "export", ex.source, "err", err)
-		e.unmount(context.WithoutCancel(ctx), ex, root)
+		// In the background: unmounting from a hung server takes up to another timeout, and
+		// the caller's deadline has passed already. The next mount waits for it on ex.lock.
+		go e.unmount(context.WithoutCancel(ctx), ex, root)
 	}
 	return err
 }
@@ -137,14 +139,32 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) (*volume.Root, er
 	case <-ctx.Done():
 		return nil, fmt.Errorf("waiting to mount NFS %s: %w (%w)", ex.source, errExportUnresponsive, ctx.Err())
 	}
-	defer func() { <-ex.lock }()
 	if ex.root != nil {
-		return ex.root, nil
+		root := ex.root
+		<-ex.lock
+		return root, nil
 	}
 	logger := klog.FromContext(ctx)
-	// Only read once bounded returned without error, i.e. after fn finished.
-	var root *volume.Root
+	// The mount runs in bounded's goroutine, which may outlive our deadline. Once started, it
+	// keeps ex.lock until it is done and stores the root itself, so that a mount finishing
+	// after we gave up is adopted by the next call. Left with nobody owning its open root,
+	// it would make every later unmount of ex.dir fail ("target is busy") and the export
+	// could not be mounted again; and no second mount can start on ex.dir meanwhile.
+	var (
+		mu               sync.Mutex
+		started, gaveUp  bool
+		root             *volume.Root
+		errGaveUpEarlier = errors.New("caller gave up before the mount started")
+	)
 	err := bounded(ctx, ex.sem, "mount NFS "+ex.source, func() error {
+		mu.Lock()
+		if gaveUp {
+			mu.Unlock()
+			return errGaveUpEarlier
+		}
+		started = true
+		mu.Unlock()
+		defer func() { <-ex.lock }()
 		if err := os.MkdirAll(ex.dir, 0o700); err != nil {
 			return fmt.Errorf("create mount point: %w", err)
 		}
@@ -163,14 +183,19 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) (*volume.Root, er
 		if err != nil {
 			return err
 		}
-		root = r
+		root, ex.root = r, r
 		logger.Info("Mounted NFS export", "export", ex.source, "options", ex.options, "dir", ex.dir, "duration", time.Since(start))
 		return nil
 	})
 	if err != nil {
+		mu.Lock()
+		gaveUp = true
+		if !started {
+			<-ex.lock
+		}
+		mu.Unlock()
 		return nil, err
 	}
-	ex.root = root
 	return root, nil
 }
 
