@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -229,6 +230,19 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 	err = p.onStore(ctx, attrs, opts.StorageClass.MountOptions, func(root *volume.Root) error {
 		var err error
 		created, err = root.MkdirAll(rel, params.owner)
+		if err != nil && created {
+			// mkdir worked but chown or chmod did not. Left behind, the directory would be
+			// found by the retry and handed over with the wrong owner or mode; remove it so
+			// that every attempt starts over and fails the same clear way.
+			if rerr := root.RemoveAll(rel); rerr != nil {
+				err = errors.Join(err, fmt.Errorf("remove the half-made directory: %w", rerr))
+			}
+			if errors.Is(err, unix.EPERM) && attrs.Backend == volume.BackendNFS {
+				err = fmt.Errorf("%w: the NFS server refused to give the directory to %d:%d; it may squash root (root_squash): "+
+					"export %s with no_root_squash, or drop %s and %s from the StorageClass",
+					err, params.owner.UID, params.owner.GID, volume.ExportSource(attrs.Server, attrs.Share), ParamUID, ParamGID)
+			}
+		}
 		return err
 	})
 	if err != nil {
