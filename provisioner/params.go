@@ -78,7 +78,9 @@ func parseParameters(params map[string]string) (*classParams, error) {
 	c := &classParams{
 		backend:  volume.Backend(params[ParamBackend]),
 		onDelete: OnDeleteDelete,
-		owner:    volume.Owner{Mode: DefaultMode, UID: 0, GID: 0},
+		// Without uid/gid the directory keeps the owner it was created with: chowning it to
+		// root would fail on NFS exports that squash root.
+		owner: volume.Owner{Mode: DefaultMode, UID: -1, GID: -1},
 	}
 	switch c.backend {
 	case volume.BackendNFS:

@@ -379,7 +379,22 @@ func (r *Root) Rename(rel, newName string) error {
 		return err
 	}
 	defer unix.Close(parentFd)
-	if err := unix.Renameat2(parentFd, name, parentFd, newName, unix.RENAME_NOREPLACE); err != nil {
+	err = unix.Renameat2(parentFd, name, parentFd, newName, unix.RENAME_NOREPLACE)
+	if errors.Is(err, unix.EINVAL) {
+		// NFS (the kernel client, and so the test helper) has no RENAME_NOREPLACE. Check,
+		// then rename: newName is dirpv's own, unique per volume and second, so the race
+		// between the two is only with another dirpv archiving the same volume.
+		var st unix.Stat_t
+		switch serr := unix.Fstatat(parentFd, newName, &st, unix.AT_SYMLINK_NOFOLLOW); {
+		case serr == nil:
+			err = unix.EEXIST
+		case errors.Is(serr, unix.ENOENT):
+			err = unix.Renameat(parentFd, name, parentFd, newName)
+		default:
+			err = serr
+		}
+	}
+	if err != nil {
 		return fmt.Errorf("rename %s to %s in %s: %w", rel, newName, r.path, err)
 	}
 	return nil
