@@ -151,7 +151,9 @@ func Poll(ctx context.Context, timeout time.Duration, cond func(ctx context.Cont
 	var last error
 	err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, timeout, true, func(ctx context.Context) (bool, error) {
 		ok, err := cond(ctx)
-		if err != nil {
+		// A call cut short by the deadline says nothing about what we waited for: keep the
+		// complaint from before.
+		if err != nil && ctx.Err() == nil {
 			last = err
 		}
 		return ok, nil

@@ -12,6 +12,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -167,8 +168,11 @@ func waitPVGone(t *testing.T, name string) {
 	t.Helper()
 	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
 		pv, err := client.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
+		if apierrors.IsNotFound(err) {
 			return true, nil
+		}
+		if err != nil {
+			return false, err
 		}
 		return false, fmt.Errorf("PV %s is %s", name, pv.Status.Phase)
 	})
