@@ -117,22 +117,14 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	if cfg.LeaderNamespace != "" {
 		opts = append(opts, controller.LeaderElectionNamespace(cfg.LeaderNamespace))
 	}
-	pc := newProvisionController(ctx, client, factory, p, cfg.Provisioner, reg, opts...)
-	return runAll(ctx, cfg.HTTPAddress, reg, nil,
-		func(ctx context.Context) error { p.Run(ctx); return nil },
-		func(ctx context.Context) error { pc.Run(ctx); return nil },
-		func(ctx context.Context) error {
-			factory.Start(ctx.Done())
-			<-ctx.Done()
-			factory.Shutdown()
-			return nil
-		},
-	)
+	return runAll(ctx, cfg.HTTPAddress, reg, nil, provisioning(ctx, client, factory, p, cfg.Provisioner, reg, opts...)...)
 }
 
-func newProvisionController(ctx context.Context, client kubernetes.Interface, factory informers.SharedInformerFactory,
+// provisioning returns what runs the lib's ProvisionController around p: the controller, p's
+// housekeeping and the informers, which register the lib's metrics on reg.
+func provisioning(ctx context.Context, client kubernetes.Interface, factory informers.SharedInformerFactory,
 	p *provisioner.Provisioner, cfg ProvisionerConfig, reg *prometheus.Registry, extra ...func(*controller.ProvisionController) error,
-) *controller.ProvisionController {
+) []func(context.Context) error {
 	m := libmetrics.New("dirpv")
 	reg.MustRegister(
 		m.PersistentVolumeClaimProvisionTotal, m.PersistentVolumeClaimProvisionFailedTotal,
@@ -147,7 +139,17 @@ func newProvisionController(ctx context.Context, client kubernetes.Interface, fa
 		// The lib's own metrics server would listen on the default mux; ours serves them.
 		controller.MetricsPort(0),
 	}, extra...)
-	return controller.NewProvisionController(ctx, client, DriverName, p, opts...)
+	pc := controller.NewProvisionController(ctx, client, DriverName, p, opts...)
+	return []func(context.Context) error{
+		func(ctx context.Context) error { p.Run(ctx); return nil },
+		func(ctx context.Context) error { pc.Run(ctx); return nil },
+		func(ctx context.Context) error {
+			factory.Start(ctx.Done())
+			<-ctx.Done()
+			factory.Shutdown()
+			return nil
+		},
+	}
 }
 
 func newRegistry() *prometheus.Registry {

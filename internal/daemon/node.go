@@ -67,17 +67,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			return err
 		}
 		// Every node serves its own claims, so there is no leader to elect.
-		pc := newProvisionController(ctx, client, factory, p, cfg.Provisioner, reg, controller.LeaderElection(false))
-		fns = append(fns,
-			func(ctx context.Context) error { p.Run(ctx); return nil },
-			func(ctx context.Context) error { pc.Run(ctx); return nil },
-			func(ctx context.Context) error {
-				factory.Start(ctx.Done())
-				<-ctx.Done()
-				factory.Shutdown()
-				return nil
-			},
-		)
+		fns = append(fns, provisioning(ctx, client, factory, p, cfg.Provisioner, reg, controller.LeaderElection(false))...)
 	}
 	return runAll(ctx, cfg.HTTPAddress, reg, driver.Ready, fns...)
 }
