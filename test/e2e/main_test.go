@@ -47,24 +47,11 @@ func run(m *testing.M) int {
 		fmt.Fprintf(os.Stderr, "%s: %v\n", what, err)
 		return 1
 	}
-	work, err := os.MkdirTemp("", "dirpv-e2e-")
+	work, err := framework.NewWorkspace("dirpv-e2e-", cleanups, *keepLogs)
 	if err != nil {
-		return fail("work dir", err)
+		return fail("workspace", err)
 	}
-	logDir = filepath.Join(work, "logs")
-	baseRoot = filepath.Join(work, "bases")
-	os.MkdirAll(logDir, 0o755)
-	os.MkdirAll(baseRoot, 0o755)
-	failed := true
-	// Runs after every process is stopped: a SIGKILLed dirpv leaves its mounts behind.
-	cleanups.Add(func() { framework.DetachMountsUnder(work) })
-	cleanups.Add(func() {
-		if failed || *keepLogs {
-			fmt.Fprintf(os.Stderr, "logs kept in %s\n", logDir)
-			return
-		}
-		os.RemoveAll(work)
-	})
+	logDir, baseRoot = work.LogDir, work.BaseRoot
 
 	start := time.Now()
 	testCluster, err = cluster.Start(ctx, cluster.Options{WithNode: true, Logf: klog.Infof})
@@ -75,30 +62,22 @@ func run(m *testing.M) int {
 	if client, err = testCluster.Client(); err != nil {
 		return fail("client", err)
 	}
-	dirpvBin, err := framework.BuildDirpv(ctx, work)
+	dirpvBin, err := framework.BuildDirpv(ctx, work.Dir)
 	if err != nil {
 		return fail("build dirpv", err)
 	}
-	if err := nfs.EnsurePackages(ctx); err != nil {
-		return fail("NFS packages", err)
-	}
-	mountHelper, err := nfs.BuildMountHelper(ctx)
+	var mountHelper string
+	nfsServer, mountHelper, err = framework.StartNFS(ctx, work, cleanups)
 	if err != nil {
-		return fail("build NFS mount helper", err)
+		return fail("NFS", err)
 	}
-	exportDir := filepath.Join(work, "export")
-	os.MkdirAll(exportDir, 0o777)
-	if nfsServer, err = nfs.Start(ctx, nfs.Options{ExportDir: exportDir, WorkDir: filepath.Join(work, "ganesha")}); err != nil {
-		return fail("start NFS server", err)
-	}
-	cleanups.Add(func() { nfsServer.Stop() })
 
 	if err := createCSIDriver(ctx); err != nil {
 		return fail("CSIDriver", err)
 	}
 	common := []string{"--kubeconfig", testCluster.Kubeconfig, "--v=2", "--operation-timeout=10s", "--nfs-mount-helper", mountHelper}
 	ctrlProc, err = framework.StartDirpv(ctx, dirpvBin, "controller", logDir, "controller", append(common,
-		"--work-dir", filepath.Join(work, "controller"), "--leader-election=false")...)
+		"--work-dir", filepath.Join(work.Dir, "controller"), "--leader-election=false")...)
 	if err != nil {
 		return fail("start controller", err)
 	}
@@ -122,7 +101,9 @@ func run(m *testing.M) int {
 			code = 1
 		}
 	}
-	failed = code != 0
+	if code == 0 {
+		work.Succeeded()
+	}
 	return code
 }
 

@@ -121,12 +121,12 @@ func TestNFSTwoPodsShareOneVolume(t *testing.T) {
 	path := pv.Spec.CSI.VolumeAttributes["path"]
 
 	// The writer renames into place so that the reader never sees a half-written file.
-	writer := createPod(t, podSpec(ns, "writer", "shared",
+	createPod(t, podSpec(ns, "writer", "shared",
 		`head -c 1048576 /dev/urandom > /data/.blob && mv /data/.blob /data/blob && sha256sum /data/blob && sleep 3600`, false))
-	reader := createPod(t, podSpec(ns, "reader", "shared",
+	createPod(t, podSpec(ns, "reader", "shared",
 		`until [ -f /data/blob ]; do sleep 0.2; done; sha256sum /data/blob; sleep 3600`, false))
-	writer = waitPodPhase(t, ns, "writer", v1.PodRunning)
-	reader = waitPodPhase(t, ns, "reader", v1.PodRunning)
+	writer := waitPodPhase(t, ns, "writer", v1.PodRunning)
+	reader := waitPodPhase(t, ns, "reader", v1.PodRunning)
 
 	wrote := waitLogLine(t, ns, "writer", sumLine)[1]
 	read := waitLogLine(t, ns, "reader", sumLine)[1]
@@ -170,9 +170,9 @@ func TestNFSReadOnlyPodCannotWrite(t *testing.T) {
 	path := pv.Spec.CSI.VolumeAttributes["path"]
 
 	// The pod reports what the write did, then stays up so its mount can be inspected.
-	pod := createPod(t, podSpec(ns, "ro", "data",
+	createPod(t, podSpec(ns, "ro", "data",
 		`if out=$(touch /data/x 2>&1); then echo "write: allowed"; else echo "write: refused: $out"; fi; sleep 3600`, true))
-	pod = waitPodPhase(t, ns, "ro", v1.PodRunning)
+	pod := waitPodPhase(t, ns, "ro", v1.PodRunning)
 	line := waitLogLine(t, ns, "ro", regexp.MustCompile(`write: (.*)`))[1]
 	if !strings.Contains(line, "Read-only file system") {
 		t.Errorf("write in a read-only pod: %q, want refused with EROFS (Read-only file system)", line)

@@ -55,24 +55,11 @@ func run(m *testing.M) int {
 		fmt.Fprintf(os.Stderr, "%s: %v\n", what, err)
 		return 1
 	}
-	work, err := os.MkdirTemp("", "dirpv-it-")
+	work, err := framework.NewWorkspace("dirpv-it-", cleanups, *keepLogs)
 	if err != nil {
-		return fail("work dir", err)
+		return fail("workspace", err)
 	}
-	logDir = filepath.Join(work, "logs")
-	baseRoot = filepath.Join(work, "bases")
-	os.MkdirAll(logDir, 0o755)
-	os.MkdirAll(baseRoot, 0o755)
-	failed := true
-	// Runs after every process is stopped: a SIGKILLed dirpv leaves its mounts behind.
-	cleanups.Add(func() { framework.DetachMountsUnder(work) })
-	cleanups.Add(func() {
-		if failed || *keepLogs {
-			fmt.Fprintf(os.Stderr, "logs kept in %s\n", logDir)
-			return
-		}
-		os.RemoveAll(work)
-	})
+	logDir, baseRoot = work.LogDir, work.BaseRoot
 
 	start := time.Now()
 	// The binding ceiling: kube-controller-manager's own client limit (20 QPS) would otherwise
@@ -93,27 +80,18 @@ func run(m *testing.M) int {
 			return fail("create node", err)
 		}
 	}
-	if dirpvBin, err = framework.BuildDirpv(ctx, work); err != nil {
+	if dirpvBin, err = framework.BuildDirpv(ctx, work.Dir); err != nil {
 		return fail("build dirpv", err)
 	}
-	if err := nfs.EnsurePackages(ctx); err != nil {
-		return fail("NFS packages", err)
-	}
-	mountHelper, err := nfs.BuildMountHelper(ctx)
+	var mountHelper string
+	nfsServer, mountHelper, err = framework.StartNFS(ctx, work, cleanups)
 	if err != nil {
-		return fail("build NFS mount helper", err)
+		return fail("NFS", err)
 	}
-	// The export dir is ours, so that Kill/Resume of the server keeps it.
-	exportDir := filepath.Join(work, "export")
-	os.MkdirAll(exportDir, 0o777)
-	if nfsServer, err = nfs.Start(ctx, nfs.Options{ExportDir: exportDir, WorkDir: filepath.Join(work, "ganesha")}); err != nil {
-		return fail("start NFS server", err)
-	}
-	cleanups.Add(func() { nfsServer.Stop() })
 
 	common := []string{"--kubeconfig", testCluster.Kubeconfig, "--v=2", "--operation-timeout=10s"}
 	ctrlProc, err = framework.StartDirpv(ctx, dirpvBin, "controller", logDir, "controller", append(common,
-		"--work-dir", filepath.Join(work, "controller"),
+		"--work-dir", filepath.Join(work.Dir, "controller"),
 		"--nfs-mount-helper", mountHelper,
 		"--leader-election=true", "--leader-election-namespace=kube-system")...)
 	if err != nil {
@@ -122,7 +100,7 @@ func run(m *testing.M) int {
 	cleanups.Add(func() { ctrlProc.Stop(10 * time.Second) })
 	nodeProc, err = framework.StartDirpv(ctx, dirpvBin, "node-a", logDir, "node", append(common,
 		"--node-name", nodeA,
-		"--csi-endpoint", "unix://"+filepath.Join(work, "csi-a.sock"),
+		"--csi-endpoint", "unix://"+filepath.Join(work.Dir, "csi-a.sock"),
 		"--plugin-registration-dir", "-")...)
 	if err != nil {
 		return fail("start node-a", err)
@@ -137,6 +115,8 @@ func run(m *testing.M) int {
 			code = 1
 		}
 	}
-	failed = code != 0
+	if code == 0 {
+		work.Succeeded()
+	}
 	return code
 }
