@@ -122,8 +122,8 @@ func parallel(n int, fn func(i int) error) error {
 
 // claimWatch records, from a watch, when each claim of a namespace was first seen Bound.
 type claimWatch struct {
-	mu      sync.Mutex
-	bound   map[string]time.Time
+	mu    sync.Mutex
+	bound map[string]time.Time
 	// handed is when kube-controller-manager handed the claim to an external provisioner
 	// (the storage-provisioner annotation).
 	handed  map[string]time.Time
@@ -361,10 +361,10 @@ func startIdealProvisioner(ctx context.Context, c kubernetes.Interface, provisio
 		}
 		mu.Lock()
 		defer mu.Unlock()
-		if done[pvc.Name] {
+		if done[pvc.Namespace+"/"+pvc.Name] {
 			return
 		}
-		done[pvc.Name] = true
+		done[pvc.Namespace+"/"+pvc.Name] = true
 		todo <- pvc
 	}
 	inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: see, UpdateFunc: func(_, n any) { see(n) }})
