@@ -62,6 +62,13 @@ up: cluster-bins
 down:
 	$(GO) run ./test/cluster/cmd/dirpv-cluster down
 
+## bench: dirpv against the binding ceiling on a real control plane (root; ~15 min). BENCH_N=500.
+BENCH_N ?= 500
+bench: cluster-bins
+	@mkdir -p bin
+	$(GO) run ./test/bench -n $(BENCH_N) -json bin/bench.json
+	$(GO) test -run '^$$' -bench . -benchmem ./provisioner
+
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzPathStaysBeneathBase -fuzztime $(FUZZTIME) ./provisioner/
 
