@@ -528,8 +528,16 @@ func TestHostileSecretsNeverLogged(t *testing.T) {
 	if err := os.Mkdir(filepath.Join(layout.base, "vol"), 0o777); err != nil {
 		t.Fatal(err)
 	}
-	sock := filepath.Join(filepath.Dir(logDir), "csi-a.sock")
-	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	endpoint := ""
+	for i, a := range nodeProc.Args {
+		if a == "--csi-endpoint" && i+1 < len(nodeProc.Args) {
+			endpoint = nodeProc.Args[i+1]
+		}
+	}
+	if !strings.HasPrefix(endpoint, "unix://") {
+		t.Fatalf("node-a's CSI endpoint not found in its arguments %q", nodeProc.Args)
+	}
+	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
