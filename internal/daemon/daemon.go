@@ -140,9 +140,25 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 		controller.MetricsPort(0),
 	}, extra...)
 	pc := controller.NewProvisionController(ctx, client, DriverName, p, opts...)
+	released := make(chan struct{})
 	return []func(context.Context) error{
-		func(ctx context.Context) error { p.Run(ctx); return nil },
-		func(ctx context.Context) error { pc.Run(ctx); return nil },
+		func(ctx context.Context) error {
+			defer close(released)
+			p.Run(ctx)
+			return nil
+		},
+		func(ctx context.Context) error {
+			// With leader election the lib exits the process as soon as its context ends, so it
+			// is stopped only after p.Run has released the NFS mounts.
+			libCtx, stop := context.WithCancel(context.WithoutCancel(ctx))
+			defer stop()
+			go func() {
+				<-released
+				stop()
+			}()
+			pc.Run(libCtx)
+			return nil
+		},
 		func(ctx context.Context) error {
 			factory.Start(ctx.Done())
 			<-ctx.Done()
