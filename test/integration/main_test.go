@@ -39,7 +39,9 @@ var (
 	// nfsServer is a real NFS-Ganesha; the controller reaches it through the test-only FUSE
 	// mount helper, since this kernel has no NFS client.
 	nfsServer *nfs.Server
-	keepLogs  = flag.Bool("keep-logs", false, "keep the processes' logs after the run")
+	// mountHelper is the test-only NFS client handed to dirpv with --nfs-mount-helper.
+	mountHelper string
+	keepLogs    = flag.Bool("keep-logs", false, "keep the processes' logs after the run")
 )
 
 func TestMain(m *testing.M) {
@@ -83,7 +85,6 @@ func run(m *testing.M) int {
 	if dirpvBin, err = framework.BuildDirpv(ctx, work.Dir); err != nil {
 		return fail("build dirpv", err)
 	}
-	var mountHelper string
 	nfsServer, mountHelper, err = framework.StartNFS(ctx, work, cleanups)
 	if err != nil {
 		return fail("NFS", err)

@@ -1,0 +1,126 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/dirpv/dirpv/test/framework"
+)
+
+const leaseAcquired = "successfully acquired lease"
+
+// acquisitions counts how often a dirpv controller logged taking the leader lease (client-go
+// logs "Successfully acquired lease").
+func acquisitions(p *framework.Process) int {
+	b, _ := os.ReadFile(p.Log)
+	return strings.Count(strings.ToLower(string(b)), leaseAcquired)
+}
+
+// Two controller replicas elect a leader, as the Deployment's two replicas do. The leader is
+// SIGKILLed while 50 NFS claims are being provisioned: the standby takes over and every claim
+// binds, each with exactly one PV and one directory on the server.
+func TestControllerLeaderKilledMidway(t *testing.T) {
+	ctx := context.Background()
+	workDir := filepath.Join(t.TempDir(), "controller")
+	standby, err := framework.StartDirpv(ctx, dirpvBin, "controller-standby", logDir, "controller",
+		"--kubeconfig", testCluster.Kubeconfig, "--v=2", "--operation-timeout=10s",
+		"--work-dir", workDir, "--nfs-mount-helper", mountHelper,
+		"--leader-election=true", "--leader-election-namespace=kube-system")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { standby.Stop(10 * time.Second) })
+	leader, other := ctrlProc, standby
+	if acquisitions(ctrlProc) == 0 {
+		t.Fatalf("the suite's controller never became leader:\n%s", ctrlProc.Tail(2000))
+	}
+
+	ns := newNamespace(t)
+	class := nfsClass(t, nfsServer, []string{"actimeo=2"}, nil)
+	const n = 50
+	for i := 0; i < n; i++ {
+		createClaim(t, ns, fmt.Sprintf("c-%02d", i), class.Name, accessModes(v1.ReadWriteMany))
+	}
+	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		got := len(claimsOnServer(t, nfsServer, ns))
+		return got >= 5, fmt.Errorf("%d directories so far", got)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	leader.Kill()
+	t.Logf("killed the leader with %d of %d directories made", len(claimsOnServer(t, nfsServer, ns)), n)
+	// The suite's controller must stand by again for later tests; the standby leads now.
+	if err := leader.Restart(); err != nil {
+		t.Fatal(err)
+	}
+
+	err = framework.Poll(ctx, 3*time.Minute, func(ctx context.Context) (bool, error) {
+		claims, err := client.CoreV1().PersistentVolumeClaims(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		bound := 0
+		for _, c := range claims.Items {
+			if c.Status.Phase == v1.ClaimBound {
+				bound++
+			}
+		}
+		return bound == n, fmt.Errorf("%d of %d Bound", bound, n)
+	})
+	if err != nil {
+		t.Fatalf("%v\n--- standby log tail:\n%s", err, other.Tail(3000))
+	}
+	pvs, err := client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	perClaim := map[string]int{}
+	paths := map[string]bool{}
+	for _, pv := range pvs.Items {
+		if pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == ns {
+			perClaim[pv.Spec.ClaimRef.Name]++
+			paths[pv.Spec.CSI.VolumeAttributes["path"]] = true
+		}
+	}
+	for c, count := range perClaim {
+		if count != 1 {
+			t.Errorf("claim %s has %d PVs", c, count)
+		}
+	}
+	dirs := claimsOnServer(t, nfsServer, ns)
+	if len(perClaim) != n || len(dirs) != n {
+		t.Errorf("%d claims with PVs and %d directories on the server, want %d of each", len(perClaim), len(dirs), n)
+	}
+	for _, d := range dirs {
+		if !paths[d] {
+			t.Errorf("orphan directory %s on the server", d)
+		}
+	}
+
+	// Hand leadership back to the suite's controller before later tests: stop the standby and
+	// wait until the restarted one has taken the lease. A controller that stops releases its
+	// NFS mounts.
+	before := acquisitions(leader)
+	if !standby.Stop(20 * time.Second) {
+		t.Error("the standby did not stop on SIGTERM")
+	}
+	if m, _ := framework.MountsUnder(workDir); len(m) != 0 {
+		t.Errorf("the stopped controller left mounts behind: %v", m)
+		framework.DetachMountsUnder(workDir)
+	}
+	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
+		return acquisitions(leader) > before, fmt.Errorf("suite controller has not retaken the lease")
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
