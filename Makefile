@@ -19,11 +19,12 @@ build:
 
 ## test: lint, then every tier in order: unit + csi-sanity, integration, end to end.
 test: lint cluster-bins deploy-tools
-	@start=$$(date +%s); $(MAKE) --no-print-directory test-unit; \
-	  t1=$$(date +%s); $(MAKE) --no-print-directory test-integration; \
-	  t2=$$(date +%s); $(MAKE) --no-print-directory test-e2e; \
-	  t3=$$(date +%s); \
-	  echo "tier times: unit+sanity $$((t1-start))s, integration $$((t2-t1))s, e2e $$((t3-t2))s"
+	@rc=0; start=$$(date +%s); \
+	  $(MAKE) --no-print-directory test-unit || rc=1; t1=$$(date +%s); \
+	  $(MAKE) --no-print-directory test-integration || rc=1; t2=$$(date +%s); \
+	  $(MAKE) --no-print-directory test-e2e || rc=1; t3=$$(date +%s); \
+	  echo "tier times: unit+sanity $$((t1-start))s, integration $$((t2-t1))s, e2e $$((t3-t2))s"; \
+	  if [ $$rc -ne 0 ]; then echo "make test: a tier failed (see above)"; fi; exit $$rc
 
 test-unit: deploy-tools
 	$(GO) test -count=1 -timeout 20m $(UNIT_PKGS)

@@ -8,16 +8,10 @@ package e2e
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
-	"io"
-	"io/fs"
 	"os"
 	"path/filepath"
-	"sort"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -129,8 +123,8 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 	check := func(when string) {
 		t.Helper()
 		for what, d := range map[string][]string{
-			"/etc":                         snapshotHostDiff(etcBefore, snapshotHostTree(t, "/etc", nil)),
-			top + " (base, victim, decoy)": snapshotHostDiff(topBefore, snapshotHostTree(t, top, skipAttackers)),
+			"/etc":                         framework.DiffSnapshots(etcBefore, snapshotHostTree(t, "/etc", nil)),
+			top + " (base, victim, decoy)": framework.DiffSnapshots(topBefore, snapshotHostTree(t, top, skipAttackers)),
 		} {
 			if len(d) > 0 {
 				t.Errorf("%s changed %s:\n%s", when, what, strings.Join(d, "\n"))
@@ -220,85 +214,12 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 	}
 }
 
-// snapshotHostTree describes every entry under root (names, types, modes, owners, file
-// contents and symlink targets) without following symlinks; skip leaves entries out by their
-// path relative to root. Sockets and FIFOs are described, never opened.
+// snapshotHostTree snapshots root with framework.SnapshotTree, failing the test on error.
 func snapshotHostTree(t *testing.T, root string, skip func(rel string) bool) map[string]string {
 	t.Helper()
-	out := map[string]string{}
-	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			if os.IsNotExist(err) && p != root {
-				return nil // vanished between listing and visiting: shows up as removed
-			}
-			return err
-		}
-		rel, _ := filepath.Rel(root, p)
-		if skip != nil && skip(rel) {
-			if d.IsDir() {
-				return filepath.SkipDir
-			}
-			return nil
-		}
-		fi, err := os.Lstat(p)
-		if err != nil {
-			return err
-		}
-		desc := fi.Mode().String()
-		if st, ok := sysOwner(fi); ok {
-			desc += " " + st
-		}
-		switch {
-		case fi.Mode()&fs.ModeSymlink != 0:
-			target, err := os.Readlink(p)
-			if err != nil {
-				return err
-			}
-			desc += " -> " + target
-		case fi.Mode().IsRegular():
-			f, err := os.Open(p)
-			if err != nil {
-				return err
-			}
-			h := sha256.New()
-			_, err = io.Copy(h, f)
-			f.Close()
-			if err != nil {
-				return err
-			}
-			desc += " " + hex.EncodeToString(h.Sum(nil))
-		}
-		out[rel] = desc
-		return nil
-	})
+	s, err := framework.SnapshotTree(root, skip)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return out
-}
-
-func snapshotHostDiff(before, after map[string]string) []string {
-	var diffs []string
-	for k, v := range before {
-		if w, ok := after[k]; !ok {
-			diffs = append(diffs, "removed "+k)
-		} else if w != v {
-			diffs = append(diffs, fmt.Sprintf("changed %s: %s -> %s", k, v, w))
-		}
-	}
-	for k := range after {
-		if _, ok := before[k]; !ok {
-			diffs = append(diffs, "added "+k)
-		}
-	}
-	sort.Strings(diffs)
-	return diffs
-}
-
-func sysOwner(fi fs.FileInfo) (string, bool) {
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	if !ok {
-		return "", false
-	}
-	return fmt.Sprintf("%d:%d", st.Uid, st.Gid), true
+	return s
 }

@@ -8,15 +8,10 @@ package integration
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"fmt"
-	"io"
-	"io/fs"
 	"os"
 	"path/filepath"
 	"slices"
-	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -64,75 +59,6 @@ func newHostileLayout(t *testing.T) hostileLayout {
 func (l hostileLayout) outside(t *testing.T) map[string]string {
 	t.Helper()
 	return snapshotTree(t, l.top, func(rel string) bool { return strings.HasPrefix(rel, "parent/base/") })
-}
-
-// snapshotTree describes every entry under root (names, types, modes, owners, file contents and
-// symlink targets), without following symlinks. skip leaves out entries by their path
-// relative to root.
-func snapshotTree(t *testing.T, root string, skip func(rel string) bool) map[string]string {
-	t.Helper()
-	out := map[string]string{}
-	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, _ := filepath.Rel(root, p)
-		if skip != nil && skip(rel) {
-			if d.IsDir() {
-				return filepath.SkipDir
-			}
-			return nil
-		}
-		fi, err := os.Lstat(p)
-		if err != nil {
-			return err
-		}
-		desc := fmt.Sprintf("%v", fi.Mode())
-		switch {
-		case fi.Mode()&fs.ModeSymlink != 0:
-			target, err := os.Readlink(p)
-			if err != nil {
-				return err
-			}
-			desc += " -> " + target
-		case fi.Mode().IsRegular():
-			f, err := os.Open(p)
-			if err != nil {
-				return err
-			}
-			h := sha256.New()
-			_, err = io.Copy(h, f)
-			f.Close()
-			if err != nil {
-				return err
-			}
-			desc += " " + hex.EncodeToString(h.Sum(nil))
-		}
-		out[rel] = desc
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return out
-}
-
-func snapshotDiff(before, after map[string]string) []string {
-	var diffs []string
-	for k, v := range before {
-		if w, ok := after[k]; !ok {
-			diffs = append(diffs, "removed "+k)
-		} else if w != v {
-			diffs = append(diffs, fmt.Sprintf("changed %s: %s -> %s", k, v, w))
-		}
-	}
-	for k := range after {
-		if _, ok := before[k]; !ok {
-			diffs = append(diffs, "added "+k)
-		}
-	}
-	sort.Strings(diffs)
-	return diffs
 }
 
 func withAnnotation(k, v string) claimOpt {
@@ -320,7 +246,7 @@ func TestHostileMetadataValues(t *testing.T) {
 		}
 	}
 	checkBaseChildren(t, layout.base, harmless)
-	if d := snapshotDiff(before, layout.outside(t)); len(d) > 0 {
+	if d := framework.DiffSnapshots(before, layout.outside(t)); len(d) > 0 {
 		t.Errorf("hostile claims changed things outside the base:\n%s", strings.Join(d, "\n"))
 	}
 
@@ -337,7 +263,7 @@ func TestHostileMetadataValues(t *testing.T) {
 	if err != nil {
 		t.Error(err)
 	}
-	if d := snapshotDiff(before, layout.outside(t)); len(d) > 0 {
+	if d := framework.DiffSnapshots(before, layout.outside(t)); len(d) > 0 {
 		t.Errorf("deleting the claims changed things outside the base:\n%s", strings.Join(d, "\n"))
 	}
 	if _, err := os.Stat(layout.base); err != nil {
@@ -438,7 +364,7 @@ func TestHostileCollidingClaims(t *testing.T) {
 		}
 	})
 
-	if d := snapshotDiff(before, layout.outside(t)); len(d) > 0 {
+	if d := framework.DiffSnapshots(before, layout.outside(t)); len(d) > 0 {
 		t.Errorf("colliding claims changed things outside the base:\n%s", strings.Join(d, "\n"))
 	}
 }
@@ -495,7 +421,7 @@ func TestHostileDeleteStaysAtTheLeaf(t *testing.T) {
 					t.Errorf("namespace directory after archive holds %q, want archived-gone-<time> and sibling", nsEntries)
 				}
 			}
-			if d := snapshotDiff(sibBefore, snapshotTree(t, filepath.Join(layout.base, ns, "sibling"), nil)); len(d) > 0 {
+			if d := framework.DiffSnapshots(sibBefore, snapshotTree(t, filepath.Join(layout.base, ns, "sibling"), nil)); len(d) > 0 {
 				t.Errorf("sibling volume changed:\n%s", strings.Join(d, "\n"))
 			}
 			if got := entries(t, layout.base); !slices.Equal(got, []string{ns}) {
@@ -511,7 +437,7 @@ func TestHostileDeleteStaysAtTheLeaf(t *testing.T) {
 			if fi, err := os.Stat(layout.base); err != nil || !fi.IsDir() {
 				t.Errorf("base after the last delete: %v", err)
 			}
-			if d := snapshotDiff(before, layout.outside(t)); len(d) > 0 {
+			if d := framework.DiffSnapshots(before, layout.outside(t)); len(d) > 0 {
 				t.Errorf("deletes changed things outside the base:\n%s", strings.Join(d, "\n"))
 			}
 		})
@@ -662,7 +588,17 @@ func TestHostileVolumeInsideAnotherVolume(t *testing.T) {
 	if got := entries(t, filepath.Join(layout.base, "ops")); !slices.Equal(got, []string{filepath.Base(pv.Spec.CSI.VolumeAttributes["path"])}) {
 		t.Errorf("ops holds %q", got)
 	}
-	if d := snapshotDiff(before, layout.outside(t)); len(d) > 0 {
+	if d := framework.DiffSnapshots(before, layout.outside(t)); len(d) > 0 {
 		t.Errorf("changed things outside the base:\n%s", strings.Join(d, "\n"))
 	}
+}
+
+// snapshotTree snapshots root with framework.SnapshotTree, failing the test on error.
+func snapshotTree(t *testing.T, root string, skip func(rel string) bool) map[string]string {
+	t.Helper()
+	s, err := framework.SnapshotTree(root, skip)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
 }

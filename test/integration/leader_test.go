@@ -38,7 +38,7 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { standby.Stop(10 * time.Second) })
-	leader, other := ctrlProc, standby
+	leader := ctrlProc
 	if acquisitions(ctrlProc) == 0 {
 		t.Fatalf("the suite's controller never became leader:\n%s", ctrlProc.Tail(2000))
 	}
@@ -57,10 +57,18 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 		t.Fatal(err)
 	}
 	leader.Kill()
+	// Later tests need the suite's controller, even if this one fails half-way.
+	t.Cleanup(func() {
+		if exited, _ := leader.Exited(); exited {
+			leader.Restart()
+		}
+	})
 	t.Logf("killed the leader with %d of %d directories made", len(claimsOnServer(t, nfsServer, ns)), n)
-	// The suite's controller must stand by again for later tests; the standby leads now.
-	if err := leader.Restart(); err != nil {
-		t.Fatal(err)
+	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
+		return acquisitions(standby) > 0, fmt.Errorf("the standby has not taken the lease")
+	})
+	if err != nil {
+		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
 	}
 
 	err = framework.Poll(ctx, 3*time.Minute, func(ctx context.Context) (bool, error) {
@@ -77,7 +85,7 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 		return bound == n, fmt.Errorf("%d of %d Bound", bound, n)
 	})
 	if err != nil {
-		t.Fatalf("%v\n--- standby log tail:\n%s", err, other.Tail(3000))
+		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
 	}
 	pvs, err := client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
 	if err != nil {
@@ -106,10 +114,13 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 		}
 	}
 
-	// Hand leadership back to the suite's controller before later tests: stop the standby and
-	// wait until the restarted one has taken the lease. A controller that stops releases its
-	// NFS mounts.
+	// Hand leadership back to the suite's controller before later tests: start it again, stop
+	// the standby and wait until the suite's controller has taken the lease. A controller that
+	// stops releases its NFS mounts.
 	before := acquisitions(leader)
+	if err := leader.Restart(); err != nil {
+		t.Fatal(err)
+	}
 	if !standby.Stop(20 * time.Second) {
 		t.Error("the standby did not stop on SIGTERM")
 	}
