@@ -33,6 +33,8 @@ const (
 )
 
 var (
+	// auditLog records every request of dirpv's ServiceAccounts, for the RBAC test.
+	auditLog    string
 	testCluster *cluster.Cluster
 	client      kubernetes.Interface
 	inst        *framework.Installation
@@ -62,8 +64,16 @@ func run(m *testing.M) int {
 			os.Remove(basePath)
 		}
 	})
-	var err error
-	testCluster, err = cluster.Start(ctx, cluster.Options{WithNode: true, Logf: klog.Infof})
+	auditDir, err := os.MkdirTemp("", "dirpv-audit-")
+	if err != nil {
+		return fail("audit dir", err)
+	}
+	cleanups.Add(func() { os.RemoveAll(auditDir) })
+	auditArgs, err := auditPolicy(auditDir)
+	if err != nil {
+		return fail("audit policy", err)
+	}
+	testCluster, err = cluster.Start(ctx, cluster.Options{WithNode: true, Logf: klog.Infof, APIServerArgs: auditArgs})
 	if err != nil {
 		return fail("start cluster", err)
 	}
