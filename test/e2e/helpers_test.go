@@ -143,11 +143,7 @@ func deletePod(t *testing.T, ns, name string) {
 
 func boundPV(t *testing.T, ns, claim string) *v1.PersistentVolume {
 	t.Helper()
-	pvc, err := framework.WaitForPVCBound(context.Background(), client, ns, claim, timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pv, err := client.CoreV1().PersistentVolumes().Get(context.Background(), pvc.Spec.VolumeName, metav1.GetOptions{})
+	pv, err := framework.WaitForBoundPV(context.Background(), client, ns, claim, timeout)
 	if err != nil {
 		t.Fatal(err)
 	}

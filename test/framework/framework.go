@@ -206,3 +206,33 @@ func WaitForEvent(ctx context.Context, c kubernetes.Interface, ns, kind, name, r
 	}
 	return found, nil
 }
+
+// WaitForBoundPV waits until the claim is Bound and returns its PV.
+func WaitForBoundPV(ctx context.Context, c kubernetes.Interface, ns, name string, timeout time.Duration) (*v1.PersistentVolume, error) {
+	pvc, err := WaitForPVCBound(ctx, c, ns, name, timeout)
+	if err != nil {
+		return nil, err
+	}
+	pv, err := c.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("PV of claim %s/%s: %w", ns, name, err)
+	}
+	return pv, nil
+}
+
+// WaitForClaimsBound waits until n claims in the namespace are Bound.
+func WaitForClaimsBound(ctx context.Context, c kubernetes.Interface, ns string, n int, timeout time.Duration) error {
+	return Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		claims, err := c.CoreV1().PersistentVolumeClaims(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		bound := 0
+		for _, cl := range claims.Items {
+			if cl.Status.Phase == v1.ClaimBound {
+				bound++
+			}
+		}
+		return bound == n, fmt.Errorf("%d of %d claims in %s Bound", bound, n, ns)
+	})
+}

@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/dirpv/dirpv/test/framework"
@@ -42,20 +41,7 @@ func createClaims(t *testing.T, ns, class string, n int) {
 // its own PV, every PV its own directory, and the base holds nothing else.
 func checkOneDirectoryPerPV(t *testing.T, ns, base string, n int, wait time.Duration) {
 	t.Helper()
-	var claims *v1.PersistentVolumeClaimList
-	err := framework.Poll(context.Background(), wait, func(ctx context.Context) (bool, error) {
-		var err error
-		if claims, err = client.CoreV1().PersistentVolumeClaims(ns).List(ctx, metav1.ListOptions{}); err != nil {
-			return false, err
-		}
-		bound := 0
-		for _, c := range claims.Items {
-			if c.Status.Phase == v1.ClaimBound {
-				bound++
-			}
-		}
-		return bound == n, fmt.Errorf("%d of %d claims Bound", bound, n)
-	})
+	err := framework.WaitForClaimsBound(context.Background(), client, ns, n, wait)
 	if err != nil {
 		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
 	}

@@ -71,19 +71,7 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
 	}
 
-	err = framework.Poll(ctx, 3*time.Minute, func(ctx context.Context) (bool, error) {
-		claims, err := client.CoreV1().PersistentVolumeClaims(ns).List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return false, err
-		}
-		bound := 0
-		for _, c := range claims.Items {
-			if c.Status.Phase == v1.ClaimBound {
-				bound++
-			}
-		}
-		return bound == n, fmt.Errorf("%d of %d Bound", bound, n)
-	})
+	err = framework.WaitForClaimsBound(ctx, client, ns, n, 3*time.Minute)
 	if err != nil {
 		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
 	}

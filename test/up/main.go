@@ -87,11 +87,7 @@ func run(ctx context.Context) error {
 	if _, err := client.CoreV1().Pods(ns).Create(ctx, p, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
-	bound, err := framework.WaitForPVCBound(ctx, client, ns, claim, 2*time.Minute)
-	if err != nil {
-		return err
-	}
-	pv, err := client.CoreV1().PersistentVolumes().Get(ctx, bound.Spec.VolumeName, metav1.GetOptions{})
+	pv, err := framework.WaitForBoundPV(ctx, client, ns, claim, 2*time.Minute)
 	if err != nil {
 		return err
 	}

@@ -130,11 +130,7 @@ func pod(ns, name, claim, script string) *v1.Pod {
 // volumeDir returns the host directory of a bound claim.
 func volumeDir(t *testing.T, ns, name string) string {
 	t.Helper()
-	pvc, err := framework.WaitForPVCBound(context.Background(), client, ns, name, timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pv, err := client.CoreV1().PersistentVolumes().Get(context.Background(), pvc.Spec.VolumeName, metav1.GetOptions{})
+	pv, err := framework.WaitForBoundPV(context.Background(), client, ns, name, timeout)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -296,19 +292,7 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	if err := client.CoreV1().Pods("dirpv").Delete(ctx, pods.Items[0].Name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
 		t.Fatal(err)
 	}
-	err = framework.Poll(ctx, 3*time.Minute, func(ctx context.Context) (bool, error) {
-		claims, err := client.CoreV1().PersistentVolumeClaims(ns).List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return false, err
-		}
-		bound := 0
-		for _, c := range claims.Items {
-			if c.Status.Phase == v1.ClaimBound {
-				bound++
-			}
-		}
-		return bound == n, fmt.Errorf("%d of %d Bound", bound, n)
-	})
+	err = framework.WaitForClaimsBound(ctx, client, ns, n, 3*time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
