@@ -6,6 +6,7 @@ import (
 	"slices"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -115,10 +116,30 @@ func (inst *Installation) apply(ctx context.Context, o *unstructured.Unstructure
 
 func ptrTrue() *bool { b := true; return &b }
 
-// Uninstall deletes what Install applied, in reverse order, and waits until it is gone.
+// Uninstall stops dirpv's pods, then deletes the rest of what Install applied, in reverse
+// order, and waits until it is gone. The workloads go first, and their pods must be gone
+// before their RBAC is deleted: a pod still shutting down would otherwise make calls that
+// RBAC refuses, which is what a user would see in its logs, and what the RBAC audit would
+// rightly count against deploy/.
 func (inst *Installation) Uninstall(ctx context.Context) error {
 	objs := slices.Clone(inst.Objects)
 	slices.Reverse(objs)
+	isWorkload := func(o *unstructured.Unstructured) bool {
+		return o.GetKind() == "Deployment" || o.GetKind() == "DaemonSet" || o.GetKind() == "StatefulSet"
+	}
+	workloads := slices.DeleteFunc(slices.Clone(objs), func(o *unstructured.Unstructured) bool { return !isWorkload(o) })
+	if err := inst.deleteAndWait(ctx, workloads); err != nil {
+		return err
+	}
+	if err := inst.waitPodsGone(ctx, workloads); err != nil {
+		return err
+	}
+	return inst.deleteAndWait(ctx, slices.DeleteFunc(objs, isWorkload))
+}
+
+// deleteAndWait deletes objs with foreground propagation, so that a workload is gone only
+// once its pods are, and waits until none of them exists.
+func (inst *Installation) deleteAndWait(ctx context.Context, objs []*unstructured.Unstructured) error {
 	fg := metav1.DeletePropagationForeground
 	for _, o := range objs {
 		r, err := inst.resource(o)
@@ -135,8 +156,34 @@ func (inst *Installation) Uninstall(ctx context.Context) error {
 			if err != nil {
 				return false, err
 			}
-			if _, err := r.Get(ctx, o.GetName(), metav1.GetOptions{}); err == nil {
+			_, err = r.Get(ctx, o.GetName(), metav1.GetOptions{})
+			switch {
+			case err == nil:
 				return false, fmt.Errorf("%s %s still exists", o.GetKind(), o.GetName())
+			case !apierrors.IsNotFound(err):
+				return false, fmt.Errorf("get %s %s: %w", o.GetKind(), o.GetName(), err)
+			}
+		}
+		return true, nil
+	})
+}
+
+// waitPodsGone waits until no pod is left in the workloads' namespaces. A pod object is
+// removed only once kubelet has seen its containers exit, so after this no dirpv process runs.
+func (inst *Installation) waitPodsGone(ctx context.Context, workloads []*unstructured.Unstructured) error {
+	pods := inst.dyn.Resource(corev1.SchemeGroupVersion.WithResource("pods"))
+	namespaces := map[string]bool{}
+	for _, o := range workloads {
+		namespaces[o.GetNamespace()] = true
+	}
+	return Poll(ctx, 2*time.Minute, func(ctx context.Context) (bool, error) {
+		for ns := range namespaces {
+			list, err := pods.Namespace(ns).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false, fmt.Errorf("list pods in %s: %w", ns, err)
+			}
+			if len(list.Items) > 0 {
+				return false, fmt.Errorf("%d pods still in namespace %s, e.g. %s", len(list.Items), ns, list.Items[0].GetName())
 			}
 		}
 		return true, nil
