@@ -19,6 +19,8 @@ import (
 	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
+	"k8s.io/klog/v2"
+	"k8s.io/klog/v2/ktesting"
 	"k8s.io/mount-utils"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
@@ -282,6 +284,50 @@ func TestControllerReportsImmediateLocalClass(t *testing.T) {
 	}
 }
 
+// logContext returns a context whose logger keeps what it logs, for tests to read back.
+func logContext(t *testing.T) (context.Context, func() string) {
+	logger := ktesting.NewLogger(t, ktesting.NewConfig(ktesting.BufferLogs(true)))
+	return klog.NewContext(context.Background(), logger), func() string {
+		return logger.GetSink().(ktesting.Underlier).GetBuffer().String()
+	}
+}
+
+// A crash between mkdir and saving the PV: the lib calls Provision again for the same claim.
+// With a pattern that does not contain the PV name the directory is found by name alone; it
+// is the claim's own, so it is adopted as it is, data, mode and owner included.
+func TestRetryAfterCrashAdoptsOwnDirectory(t *testing.T) {
+	f := newFixture(t)
+	class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}",
+		"mode": "2770", "uid": "1000", "gid": "2000"})
+	o := opts(class, claim("db"))
+	if _, _, err := f.node.Provision(context.Background(), o); err != nil {
+		t.Fatal(err)
+	}
+	// The PV is lost; the tenant never saw the volume, but make sure nothing is replaced.
+	dir := filepath.Join(f.base, "ns/db")
+	if err := os.WriteFile(filepath.Join(dir, "data"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx, logs := logContext(t)
+	pv, state, err := f.node.Provision(ctx, o)
+	if err != nil || state != controller.ProvisioningFinished {
+		t.Fatalf("retried Provision = %v, %v; want the claim's own directory adopted", state, err)
+	}
+	if got := pv.Spec.CSI.VolumeAttributes["path"]; got != "ns/db" {
+		t.Errorf("adopted PV's path %q, want ns/db", got)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil || st.Mode&0o7777 != 0o2770 || st.Uid != 1000 || st.Gid != 2000 {
+		t.Errorf("adopted directory mode %o owner %d:%d (%v), want 2770 1000:2000", st.Mode&0o7777, st.Uid, st.Gid, err)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "data")); err != nil || string(b) != "x" {
+		t.Errorf("adopted directory's file: %q %v", b, err)
+	}
+	if !strings.Contains(logs(), "adopted existing directory") {
+		t.Errorf("adoption not logged:\n%s", logs())
+	}
+}
+
 func TestExistingDirectoryNotHandedToAnotherClaim(t *testing.T) {
 	f := newFixture(t)
 	class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}"})
@@ -291,11 +337,39 @@ func TestExistingDirectoryNotHandedToAnotherClaim(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(f.base, "ns/db/secret"), []byte("x"), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	before := listTree(t, f.base)
+	var st unix.Stat_t
+	if err := unix.Stat(filepath.Join(f.base, "ns/db"), &st); err != nil {
+		t.Fatal(err)
+	}
 	// The claim is deleted with onDelete retain... and a new claim of the same name comes.
 	again := claim("db")
 	again.UID = "uid-db-2"
-	if _, _, err := f.node.Provision(context.Background(), opts(class, again)); err == nil || !strings.Contains(err.Error(), "already exists") {
+	_, state, err := f.node.Provision(context.Background(), opts(class, again))
+	if err == nil || !strings.Contains(err.Error(), "directory ns/db already exists") || !strings.Contains(err.Error(), "belongs to another claim") {
 		t.Errorf("second claim got the first one's directory (err %v)", err)
+	}
+	if state != controller.ProvisioningFinished {
+		t.Errorf("state %s, want Finished", state)
+	}
+	if after := listTree(t, f.base); !slices.Equal(before, after) {
+		t.Errorf("the refusal changed the base: %v, was %v", after, before)
+	}
+	var after unix.Stat_t
+	if err := unix.Stat(filepath.Join(f.base, "ns/db"), &after); err != nil || after.Mode != st.Mode || after.Uid != st.Uid || after.Mtim != st.Mtim {
+		t.Errorf("the refused directory changed: %+v, was %+v (%v)", after, st, err)
+	}
+	if b, err := os.ReadFile(filepath.Join(f.base, "ns/db/secret")); err != nil || string(b) != "x" {
+		t.Errorf("first claim's data: %q %v", b, err)
+	}
+
+	// A directory dirpv did not make is refused too, whatever the claim.
+	if err := os.Mkdir(filepath.Join(f.base, "ns/manual"), 0o777); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err = f.node.Provision(context.Background(), opts(class, claim("manual")))
+	if err == nil || !strings.Contains(err.Error(), "is not a volume dirpv made") {
+		t.Errorf("a directory dirpv did not make was handed over (err %v)", err)
 	}
 }
 
