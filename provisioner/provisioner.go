@@ -419,6 +419,9 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 		return nil
 	}
 	err = p.onStore(ctx, attrs, pv.Spec.MountOptions, func(root *volume.Root) error {
+		if err := checkOwnedBy(root, attrs.Path, pv); err != nil {
+			return err
+		}
 		if policy == OnDeleteDelete {
 			return root.RemoveAll(attrs.Path)
 		}
@@ -436,6 +439,28 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 		return fmt.Errorf("onDelete %s of %s in %s: %w", policy, attrs.Path, storeName(attrs), err)
 	}
 	logger.Info("Deleted volume directory", "path", attrs.Path, "onDelete", policy)
+	return nil
+}
+
+// checkOwnedBy refuses to delete or archive a directory whose marker names another claim than
+// the PV's: a stale PV's Delete, retried after its directory was removed and made anew for
+// another claim of a pattern without ${pv.metadata.name}, must not destroy that claim's data.
+// Directories that name no claim (made before markers recorded owners) are the PV's.
+func checkOwnedBy(root *volume.Root, rel string, pv *v1.PersistentVolume) error {
+	owner, _, err := root.VolumeOwner(rel)
+	if isNotExist(err) || errors.Is(err, volume.ErrNotDirectory) {
+		return nil // handled by the policy: nothing to do, or the link itself goes
+	}
+	if err != nil {
+		return err
+	}
+	mine := owner.PVName == pv.Name
+	if ref := pv.Spec.ClaimRef; ref != nil && ref.UID != "" {
+		mine = owner.UID == string(ref.UID)
+	}
+	if owner.UID != "" && !mine {
+		return fmt.Errorf("directory %s now belongs to another claim's volume, not to this PV's claim; leaving it alone", rel)
+	}
 	return nil
 }
 

@@ -373,6 +373,65 @@ func TestExistingDirectoryNotHandedToAnotherClaim(t *testing.T) {
 	}
 }
 
+// A PV's Delete can come again after its directory is gone (a crash after the removal, before
+// the PV was deleted), and with a pattern without ${pv.metadata.name} the name may by then be
+// another claim's volume. That volume is left alone, whichever onDelete the stale PV has.
+func TestStaleDeleteLeavesAnotherClaimsDirectory(t *testing.T) {
+	for _, policy := range []string{"delete", "archive"} {
+		t.Run(policy, func(t *testing.T) {
+			f := newFixture(t)
+			class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}", "onDelete": policy})
+			first := claim("db")
+			stale, _, err := f.node.Provision(context.Background(), opts(class, first))
+			if err != nil {
+				t.Fatal(err)
+			}
+			// As the lib binds it.
+			stale.Spec.ClaimRef = &v1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: first.Namespace, Name: first.Name, UID: first.UID}
+			if err := f.node.Delete(context.Background(), stale); err != nil {
+				t.Fatal(err)
+			}
+			second := claim("db")
+			second.UID = "uid-db-2"
+			pv, _, err := f.node.Provision(context.Background(), opts(class, second))
+			if err != nil {
+				t.Fatalf("the name is free again, but the new claim was refused: %v", err)
+			}
+			data := filepath.Join(f.base, "ns/db/data")
+			if err := os.WriteFile(data, []byte("second's"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			before := listTree(t, f.base)
+			err = f.node.Delete(context.Background(), stale)
+			if err == nil || !strings.Contains(err.Error(), "belongs to another claim") {
+				t.Fatalf("stale PV's Delete = %v, want a refusal", err)
+			}
+			// Without a claimRef (never bound), the PV name decides.
+			stale.Spec.ClaimRef = nil
+			if err := f.node.Delete(context.Background(), stale); err == nil {
+				t.Fatal("stale unbound PV's Delete succeeded")
+			}
+			if after := listTree(t, f.base); !slices.Equal(before, after) {
+				t.Errorf("refused Delete changed the base: %v, was %v", after, before)
+			}
+			if b, err := os.ReadFile(data); err != nil || string(b) != "second's" {
+				t.Errorf("second claim's data: %q %v", b, err)
+			}
+			if policy == "archive" {
+				return // a second archive within the same second would clash with the first
+			}
+			// The owner's own Delete still works.
+			pv.Spec.ClaimRef = &v1.ObjectReference{UID: second.UID}
+			if err := f.node.Delete(context.Background(), pv); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := os.Stat(filepath.Join(f.base, "ns/db")); !os.IsNotExist(err) {
+				t.Errorf("owner's Delete left ns/db: %v", err)
+			}
+		})
+	}
+}
+
 func TestProvisionNFSMountsOnceAndEmitsSelfDescribingPV(t *testing.T) {
 	f := newFixture(t)
 	class := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: "nfs"}, Provisioner: testDriver,
