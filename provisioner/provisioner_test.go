@@ -222,13 +222,16 @@ func TestRejectionsLeaveNothingOnDisk(t *testing.T) {
 		"absolute template":   {params: map[string]string{"pathPattern": "/etc/${pvc.metadata.name}"}, want: "absolute"},
 		"escaping annotation": {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"}, mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Annotations["dir"] = "../../etc" }, want: "may not appear"},
 		"dotdot annotation":   {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"}, mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Annotations["dir"] = ".." }, want: "not a directory name"},
-		"missing label":       {params: map[string]string{"pathPattern": "${pvc.metadata.labels['team']}"}, want: "does not have"},
-		"unknown onDelete":    {params: map[string]string{"onDelete": "shred"}, want: "onDelete"},
-		"bad mode":            {params: map[string]string{"mode": "rwx"}, want: "octal"},
-		"bad uid":             {params: map[string]string{"uid": "-1"}, want: "uid"},
-		"nfs param on local":  {params: map[string]string{"server": "x"}, want: "for backend nfs"},
-		"relative basePath":   {params: map[string]string{"basePath": "var/lib"}, want: "absolute"},
-		"block mode":          {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Spec.VolumeMode = &block }, want: "Block"},
+		"reserved name": {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"}, mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
+			c.Annotations["dir"] = volume.ReservedPrefix + "vol-2"
+		}, want: "reserves"},
+		"missing label":      {params: map[string]string{"pathPattern": "${pvc.metadata.labels['team']}"}, want: "does not have"},
+		"unknown onDelete":   {params: map[string]string{"onDelete": "shred"}, want: "onDelete"},
+		"bad mode":           {params: map[string]string{"mode": "rwx"}, want: "octal"},
+		"bad uid":            {params: map[string]string{"uid": "-1"}, want: "uid"},
+		"nfs param on local": {params: map[string]string{"server": "x"}, want: "for backend nfs"},
+		"relative basePath":  {params: map[string]string{"basePath": "var/lib"}, want: "absolute"},
+		"block mode":         {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Spec.VolumeMode = &block }, want: "Block"},
 		"rwx on local": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
 			c.Spec.AccessModes = []v1.PersistentVolumeAccessMode{v1.ReadWriteMany}
 		}, want: "ReadWriteMany"},
