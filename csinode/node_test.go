@@ -48,7 +48,7 @@ func localVolume(t *testing.T, rel string) (base string, attrs volume.Attributes
 		t.Fatal(err)
 	}
 	defer root.Close()
-	if _, err := root.MkdirAll(rel, volume.Owner{Mode: 0o777, UID: -1, GID: -1}); err != nil {
+	if _, err := root.MkdirAll(rel, volume.Owner{Mode: 0o777, UID: -1, GID: -1}, volume.Claim{UID: "uid-test", PVName: "pv-test"}); err != nil {
 		t.Fatal(err)
 	}
 	return base, volume.Attributes{Backend: volume.BackendLocal, BasePath: base, Path: rel}

@@ -57,7 +57,7 @@ func FuzzPathStaysBeneathBase(f *testing.F) {
 		if _, err := volume.CleanRelPath(rel); err != nil {
 			t.Fatalf("expansion %q is not a clean relative path: %v", rel, err)
 		}
-		_, mkErr := root.MkdirAll(rel, volume.Owner{Mode: 0o755, UID: -1, GID: -1})
+		_, mkErr := root.MkdirAll(rel, volume.Owner{Mode: 0o755, UID: -1, GID: -1}, volume.Claim{UID: "uid-1", PVName: "pvc-1"})
 		if strings.HasPrefix(rel, "link/") && !errors.Is(mkErr, volume.ErrNotDirectory) {
 			t.Fatalf("MkdirAll(%q) through the planted symlink: err %v", rel, mkErr)
 		}

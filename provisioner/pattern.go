@@ -16,8 +16,6 @@ const DefaultPathPattern = "${pvc.metadata.namespace}-${pvc.metadata.name}-${pv.
 // can never add or remove a component.
 type pattern struct {
 	components [][]token
-	// usesPVName says whether every expansion is unique to its PV.
-	usesPVName bool
 }
 
 // token is literal text or a variable reference.
@@ -60,11 +58,6 @@ func parsePattern(s string) (*pattern, error) {
 		toks, err := parseComponent(comp)
 		if err != nil {
 			return nil, fmt.Errorf("pathPattern %q: %w", s, err)
-		}
-		for _, t := range toks {
-			if t.variable == varPVName {
-				p.usesPVName = true
-			}
 		}
 		p.components = append(p.components, toks)
 	}

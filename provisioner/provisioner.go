@@ -226,40 +226,38 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 			return nil, controller.ProvisioningNoChange, err
 		}
 	}
+	owner := volume.Claim{UID: string(claim.UID), PVName: opts.PVName}
 	created := false
 	err = p.onStore(ctx, attrs, opts.StorageClass.MountOptions, func(root *volume.Root) error {
 		var err error
-		created, err = root.MkdirAll(rel, params.owner)
-		if err != nil && created {
-			// mkdir worked but chown or chmod did not. Left behind, the directory would be
-			// found by the retry and handed over with the wrong owner or mode; remove it so
-			// that every attempt starts over and fails the same clear way.
-			if rerr := root.RemoveAll(rel); rerr != nil {
-				err = errors.Join(err, fmt.Errorf("remove the half-made directory: %w", rerr))
-			}
-			if errors.Is(err, unix.EPERM) && attrs.Backend == volume.BackendNFS {
-				err = fmt.Errorf("%w: the NFS server refused to give the directory to %d:%d; it may squash root (root_squash): "+
-					"export %s with no_root_squash, or drop %s and %s from the StorageClass",
-					err, params.owner.UID, params.owner.GID, volume.ExportSource(attrs.Server, attrs.Share), ParamUID, ParamGID)
-			}
-		}
+		created, err = root.MkdirAll(rel, params.owner, owner)
 		return err
 	})
-	if err != nil {
-		// An NFS server that did not answer may still create the directory; retrying finds it.
-		if errors.Is(err, errExportUnresponsive) {
-			return nil, controller.ProvisioningInBackground, fmt.Errorf("create directory %s: %w", rel, err)
-		}
+	var exists *volume.ExistsError
+	switch {
+	case errors.As(err, &exists):
+		// Handing over a directory that another claim's data may be in, or one dirpv did not
+		// make, could expose that data.
+		return nil, controller.ProvisioningFinished, fmt.Errorf(
+			"directory %s already exists in %s and %s; refusing to reuse it for a new volume "+
+				"(include ${pv.metadata.name} in %s, or remove the directory)",
+			rel, storeName(attrs), exists.Reason(), ParamPathPattern)
+	case errors.Is(err, unix.EPERM) && attrs.Backend == volume.BackendNFS:
+		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s: %w: the NFS server refused to give the directory to %d:%d; "+
+			"it may squash root (root_squash): export %s with no_root_squash, or drop %s and %s from the StorageClass",
+			rel, err, params.owner.UID, params.owner.GID, volume.ExportSource(attrs.Server, attrs.Share), ParamUID, ParamGID)
+	case errors.Is(err, errExportUnresponsive):
+		// An NFS server that did not answer may still create the directory; retrying adopts it.
+		return nil, controller.ProvisioningInBackground, fmt.Errorf("create directory %s: %w", rel, err)
+	case err != nil:
 		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s: %w", rel, err)
 	}
-	if !created && !params.pattern.usesPVName {
-		// Without the PV name in the pattern, an existing directory may belong to another claim
-		// or be left from an earlier one; handing it over silently could expose its data.
-		return nil, controller.ProvisioningFinished, fmt.Errorf(
-			"directory %s already exists in %s; refusing to reuse it for a new volume (include ${pv.metadata.name} in %s, or remove the directory)",
-			rel, storeName(attrs), ParamPathPattern)
+	if created {
+		logger.Info("Provisioned volume", "path", rel, "backend", attrs.Backend)
+	} else {
+		// A retry after the PV of an earlier attempt was never saved (a crash, a lost leader).
+		logger.Info("adopted existing directory", "path", rel, "backend", attrs.Backend)
 	}
-	logger.Info("Provisioned volume", "path", rel, "backend", attrs.Backend, "created", created)
 	return p.buildPV(opts, params, attrs, hostname), controller.ProvisioningFinished, nil
 }
 
@@ -421,6 +419,9 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 		return nil
 	}
 	err = p.onStore(ctx, attrs, pv.Spec.MountOptions, func(root *volume.Root) error {
+		if err := checkOwnedBy(root, attrs.Path, pv); err != nil {
+			return err
+		}
 		if policy == OnDeleteDelete {
 			return root.RemoveAll(attrs.Path)
 		}
@@ -438,6 +439,28 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 		return fmt.Errorf("onDelete %s of %s in %s: %w", policy, attrs.Path, storeName(attrs), err)
 	}
 	logger.Info("Deleted volume directory", "path", attrs.Path, "onDelete", policy)
+	return nil
+}
+
+// checkOwnedBy refuses to delete or archive a directory whose marker names another claim than
+// the PV's: a stale PV's Delete, retried after its directory was removed and made anew for
+// another claim of a pattern without ${pv.metadata.name}, must not destroy that claim's data.
+// Directories that name no claim (made before markers recorded owners) are the PV's.
+func checkOwnedBy(root *volume.Root, rel string, pv *v1.PersistentVolume) error {
+	owner, _, err := root.VolumeOwner(rel)
+	if isNotExist(err) || errors.Is(err, volume.ErrNotDirectory) {
+		return nil // handled by the policy: nothing to do, or the link itself goes
+	}
+	if err != nil {
+		return err
+	}
+	mine := owner.PVName == pv.Name
+	if ref := pv.Spec.ClaimRef; ref != nil && ref.UID != "" {
+		mine = owner.UID == string(ref.UID)
+	}
+	if owner.UID != "" && !mine {
+		return fmt.Errorf("directory %s now belongs to another claim's volume, not to this PV's claim; leaving it alone", rel)
+	}
 	return nil
 }
 

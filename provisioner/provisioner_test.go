@@ -19,6 +19,8 @@ import (
 	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
+	"k8s.io/klog/v2"
+	"k8s.io/klog/v2/ktesting"
 	"k8s.io/mount-utils"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
@@ -220,13 +222,16 @@ func TestRejectionsLeaveNothingOnDisk(t *testing.T) {
 		"absolute template":   {params: map[string]string{"pathPattern": "/etc/${pvc.metadata.name}"}, want: "absolute"},
 		"escaping annotation": {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"}, mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Annotations["dir"] = "../../etc" }, want: "may not appear"},
 		"dotdot annotation":   {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"}, mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Annotations["dir"] = ".." }, want: "not a directory name"},
-		"missing label":       {params: map[string]string{"pathPattern": "${pvc.metadata.labels['team']}"}, want: "does not have"},
-		"unknown onDelete":    {params: map[string]string{"onDelete": "shred"}, want: "onDelete"},
-		"bad mode":            {params: map[string]string{"mode": "rwx"}, want: "octal"},
-		"bad uid":             {params: map[string]string{"uid": "-1"}, want: "uid"},
-		"nfs param on local":  {params: map[string]string{"server": "x"}, want: "for backend nfs"},
-		"relative basePath":   {params: map[string]string{"basePath": "var/lib"}, want: "absolute"},
-		"block mode":          {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Spec.VolumeMode = &block }, want: "Block"},
+		"reserved name": {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"}, mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
+			c.Annotations["dir"] = volume.ReservedPrefix + "vol-2"
+		}, want: "reserves"},
+		"missing label":      {params: map[string]string{"pathPattern": "${pvc.metadata.labels['team']}"}, want: "does not have"},
+		"unknown onDelete":   {params: map[string]string{"onDelete": "shred"}, want: "onDelete"},
+		"bad mode":           {params: map[string]string{"mode": "rwx"}, want: "octal"},
+		"bad uid":            {params: map[string]string{"uid": "-1"}, want: "uid"},
+		"nfs param on local": {params: map[string]string{"server": "x"}, want: "for backend nfs"},
+		"relative basePath":  {params: map[string]string{"basePath": "var/lib"}, want: "absolute"},
+		"block mode":         {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Spec.VolumeMode = &block }, want: "Block"},
 		"rwx on local": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
 			c.Spec.AccessModes = []v1.PersistentVolumeAccessMode{v1.ReadWriteMany}
 		}, want: "ReadWriteMany"},
@@ -282,6 +287,50 @@ func TestControllerReportsImmediateLocalClass(t *testing.T) {
 	}
 }
 
+// logContext returns a context whose logger keeps what it logs, for tests to read back.
+func logContext(t *testing.T) (context.Context, func() string) {
+	logger := ktesting.NewLogger(t, ktesting.NewConfig(ktesting.BufferLogs(true)))
+	return klog.NewContext(context.Background(), logger), func() string {
+		return logger.GetSink().(ktesting.Underlier).GetBuffer().String()
+	}
+}
+
+// A crash between mkdir and saving the PV: the lib calls Provision again for the same claim.
+// With a pattern that does not contain the PV name the directory is found by name alone; it
+// is the claim's own, so it is adopted as it is, data, mode and owner included.
+func TestRetryAfterCrashAdoptsOwnDirectory(t *testing.T) {
+	f := newFixture(t)
+	class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}",
+		"mode": "2770", "uid": "1000", "gid": "2000"})
+	o := opts(class, claim("db"))
+	if _, _, err := f.node.Provision(context.Background(), o); err != nil {
+		t.Fatal(err)
+	}
+	// The PV is lost; the tenant never saw the volume, but make sure nothing is replaced.
+	dir := filepath.Join(f.base, "ns/db")
+	if err := os.WriteFile(filepath.Join(dir, "data"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx, logs := logContext(t)
+	pv, state, err := f.node.Provision(ctx, o)
+	if err != nil || state != controller.ProvisioningFinished {
+		t.Fatalf("retried Provision = %v, %v; want the claim's own directory adopted", state, err)
+	}
+	if got := pv.Spec.CSI.VolumeAttributes["path"]; got != "ns/db" {
+		t.Errorf("adopted PV's path %q, want ns/db", got)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil || st.Mode&0o7777 != 0o2770 || st.Uid != 1000 || st.Gid != 2000 {
+		t.Errorf("adopted directory mode %o owner %d:%d (%v), want 2770 1000:2000", st.Mode&0o7777, st.Uid, st.Gid, err)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "data")); err != nil || string(b) != "x" {
+		t.Errorf("adopted directory's file: %q %v", b, err)
+	}
+	if !strings.Contains(logs(), "adopted existing directory") {
+		t.Errorf("adoption not logged:\n%s", logs())
+	}
+}
+
 func TestExistingDirectoryNotHandedToAnotherClaim(t *testing.T) {
 	f := newFixture(t)
 	class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}"})
@@ -291,11 +340,98 @@ func TestExistingDirectoryNotHandedToAnotherClaim(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(f.base, "ns/db/secret"), []byte("x"), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	before := listTree(t, f.base)
+	var st unix.Stat_t
+	if err := unix.Stat(filepath.Join(f.base, "ns/db"), &st); err != nil {
+		t.Fatal(err)
+	}
 	// The claim is deleted with onDelete retain... and a new claim of the same name comes.
 	again := claim("db")
 	again.UID = "uid-db-2"
-	if _, _, err := f.node.Provision(context.Background(), opts(class, again)); err == nil || !strings.Contains(err.Error(), "already exists") {
+	_, state, err := f.node.Provision(context.Background(), opts(class, again))
+	if err == nil || !strings.Contains(err.Error(), "directory ns/db already exists") || !strings.Contains(err.Error(), "belongs to another claim") {
 		t.Errorf("second claim got the first one's directory (err %v)", err)
+	}
+	if state != controller.ProvisioningFinished {
+		t.Errorf("state %s, want Finished", state)
+	}
+	if after := listTree(t, f.base); !slices.Equal(before, after) {
+		t.Errorf("the refusal changed the base: %v, was %v", after, before)
+	}
+	var after unix.Stat_t
+	if err := unix.Stat(filepath.Join(f.base, "ns/db"), &after); err != nil || after.Mode != st.Mode || after.Uid != st.Uid || after.Mtim != st.Mtim {
+		t.Errorf("the refused directory changed: %+v, was %+v (%v)", after, st, err)
+	}
+	if b, err := os.ReadFile(filepath.Join(f.base, "ns/db/secret")); err != nil || string(b) != "x" {
+		t.Errorf("first claim's data: %q %v", b, err)
+	}
+
+	// A directory dirpv did not make is refused too, whatever the claim.
+	if err := os.Mkdir(filepath.Join(f.base, "ns/manual"), 0o777); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err = f.node.Provision(context.Background(), opts(class, claim("manual")))
+	if err == nil || !strings.Contains(err.Error(), "is not a volume dirpv made") {
+		t.Errorf("a directory dirpv did not make was handed over (err %v)", err)
+	}
+}
+
+// A PV's Delete can come again after its directory is gone (a crash after the removal, before
+// the PV was deleted), and with a pattern without ${pv.metadata.name} the name may by then be
+// another claim's volume. That volume is left alone, whichever onDelete the stale PV has.
+func TestStaleDeleteLeavesAnotherClaimsDirectory(t *testing.T) {
+	for _, policy := range []string{"delete", "archive"} {
+		t.Run(policy, func(t *testing.T) {
+			f := newFixture(t)
+			class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}", "onDelete": policy})
+			first := claim("db")
+			stale, _, err := f.node.Provision(context.Background(), opts(class, first))
+			if err != nil {
+				t.Fatal(err)
+			}
+			// As the lib binds it.
+			stale.Spec.ClaimRef = &v1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: first.Namespace, Name: first.Name, UID: first.UID}
+			if err := f.node.Delete(context.Background(), stale); err != nil {
+				t.Fatal(err)
+			}
+			second := claim("db")
+			second.UID = "uid-db-2"
+			pv, _, err := f.node.Provision(context.Background(), opts(class, second))
+			if err != nil {
+				t.Fatalf("the name is free again, but the new claim was refused: %v", err)
+			}
+			data := filepath.Join(f.base, "ns/db/data")
+			if err := os.WriteFile(data, []byte("second's"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			before := listTree(t, f.base)
+			err = f.node.Delete(context.Background(), stale)
+			if err == nil || !strings.Contains(err.Error(), "belongs to another claim") {
+				t.Fatalf("stale PV's Delete = %v, want a refusal", err)
+			}
+			// Without a claimRef (never bound), the PV name decides.
+			stale.Spec.ClaimRef = nil
+			if err := f.node.Delete(context.Background(), stale); err == nil {
+				t.Fatal("stale unbound PV's Delete succeeded")
+			}
+			if after := listTree(t, f.base); !slices.Equal(before, after) {
+				t.Errorf("refused Delete changed the base: %v, was %v", after, before)
+			}
+			if b, err := os.ReadFile(data); err != nil || string(b) != "second's" {
+				t.Errorf("second claim's data: %q %v", b, err)
+			}
+			if policy == "archive" {
+				return // a second archive within the same second would clash with the first
+			}
+			// The owner's own Delete still works.
+			pv.Spec.ClaimRef = &v1.ObjectReference{UID: second.UID}
+			if err := f.node.Delete(context.Background(), pv); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := os.Stat(filepath.Join(f.base, "ns/db")); !os.IsNotExist(err) {
+				t.Errorf("owner's Delete left ns/db: %v", err)
+			}
+		})
 	}
 }
 

@@ -2,12 +2,53 @@ package volume
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
 )
+
+var (
+	claimA = Claim{UID: "uid-a", PVName: "pvc-uid-a"}
+	claimB = Claim{UID: "uid-b", PVName: "pvc-uid-b"}
+)
+
+// forEachMarker runs test once with the trusted attribute local bases get and once with the
+// record files of file systems without trusted attributes (NFS): an attribute namespace the
+// kernel does not know fails with EOPNOTSUPP, as trusted.* does on NFS.
+func forEachMarker(t *testing.T, test func(t *testing.T, r *Root, base string)) {
+	for _, kind := range []string{"xattr", "record"} {
+		t.Run(kind, func(t *testing.T) {
+			r, base := newRoot(t)
+			if kind == "record" {
+				r.xattr = "dirpv.no-such-namespace"
+				if err := unix.Setxattr(base, r.xattr, []byte("x"), 0); !errors.Is(err, unix.EOPNOTSUPP) {
+					t.Fatalf("setxattr %s = %v, want EOPNOTSUPP", r.xattr, err)
+				}
+			}
+			test(t, r, base)
+		})
+	}
+}
+
+// records lists the owner record files in dir.
+func records(t *testing.T, dir string) []string {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), recordPrefix) {
+			out = append(out, e.Name())
+		}
+	}
+	return out
+}
 
 // Two classes may share a base with patterns of different depths, say ${annotations['dir']}
 // and ${labels['team']}/${pvc.metadata.name}. A tenant of the first then owns a volume
@@ -15,39 +56,269 @@ import (
 // volume, where the first tenant could read and change it and where deleting the first
 // volume would delete it.
 func TestMkdirAllRefusesToNestInsideAnotherVolume(t *testing.T) {
-	r, base := newRoot(t)
-	owner := Owner{Mode: 0o777, UID: -1, GID: -1}
-	if created, err := r.MkdirAll("finance", owner); err != nil || !created {
-		t.Fatalf("first volume: %v %v", created, err)
-	}
-	_, err := r.MkdirAll("finance/victim", owner)
-	if !errors.Is(err, ErrInsideVolume) {
-		t.Fatalf("volume inside another volume: err %v, want ErrInsideVolume", err)
-	}
-	if _, err := os.Lstat(filepath.Join(base, "finance/victim")); !os.IsNotExist(err) {
-		t.Errorf("finance/victim exists after the refusal: %v", err)
-	}
-	_, err = r.MkdirAll("finance/a/b/victim", owner)
-	if !errors.Is(err, ErrInsideVolume) {
-		t.Fatalf("volume deep inside another volume: err %v, want ErrInsideVolume", err)
-	}
+	forEachMarker(t, func(t *testing.T, r *Root, base string) {
+		owner := Owner{Mode: 0o777, UID: -1, GID: -1}
+		if created, err := r.MkdirAll("finance", owner, claimA); err != nil || !created {
+			t.Fatalf("first volume: %v %v", created, err)
+		}
+		_, err := r.MkdirAll("finance/victim", owner, claimB)
+		if !errors.Is(err, ErrInsideVolume) {
+			t.Fatalf("volume inside another volume: err %v, want ErrInsideVolume", err)
+		}
+		if _, err := os.Lstat(filepath.Join(base, "finance/victim")); !os.IsNotExist(err) {
+			t.Errorf("finance/victim exists after the refusal: %v", err)
+		}
+		_, err = r.MkdirAll("finance/a/b/victim", owner, claimB)
+		if !errors.Is(err, ErrInsideVolume) {
+			t.Fatalf("volume deep inside another volume: err %v, want ErrInsideVolume", err)
+		}
 
-	// Intermediate directories dirpv made are not volumes: siblings share them.
-	for _, rel := range []string{"ns/a", "ns/b"} {
-		if created, err := r.MkdirAll(rel, owner); err != nil || !created {
-			t.Fatalf("%s: %v %v", rel, created, err)
+		// Intermediate directories dirpv made are not volumes: siblings share them.
+		if created, err := r.MkdirAll("ns/a", owner, claimA); err != nil || !created {
+			t.Fatalf("ns/a: %v %v", created, err)
+		}
+		if created, err := r.MkdirAll("ns/b", owner, claimB); err != nil || !created {
+			t.Fatalf("ns/b: %v %v", created, err)
+		}
+		if owner, marked, err := r.VolumeOwner("ns/a"); err != nil || !marked || owner != claimA {
+			t.Errorf("VolumeOwner(ns/a) = %+v %v %v, want %+v", owner, marked, err, claimA)
+		}
+		if _, marked, err := r.VolumeOwner("ns"); err != nil || marked {
+			t.Errorf("intermediate ns is marked as a volume (err %v)", err)
+		}
+		if r.xattr == volumeMarker {
+			// A trusted.* attribute: a pod (without CAP_SYS_ADMIN) can neither forge it nor
+			// strip it, and it lives on the directory, so it survives a restart of dirpv.
+			if _, err := unix.Lgetxattr(filepath.Join(base, "ns/a"), volumeMarker, make([]byte, 64)); err != nil {
+				t.Errorf("volume ns/a has no %s: %v", volumeMarker, err)
+			}
+			if got := records(t, filepath.Join(base, "ns")); len(got) != 0 {
+				t.Errorf("record files %v beside volumes that carry the attribute", got)
+			}
+		} else if got := records(t, filepath.Join(base, "ns")); len(got) != 2 {
+			t.Errorf("record files in ns: %v, want one per volume", got)
+		}
+	})
+}
+
+type treeEntry struct {
+	mode     os.FileMode
+	uid, gid uint32
+	data     string
+}
+
+// tree records everything under dir (names, modes, owners, file contents), to show that a
+// refusal changed nothing.
+func tree(t *testing.T, dir string) map[string]treeEntry {
+	t.Helper()
+	out := map[string]treeEntry{}
+	err := filepath.Walk(dir, func(p string, fi os.FileInfo, err error) error {
+		if err != nil {
+			return err
+		}
+		e := treeEntry{mode: fi.Mode()}
+		var s unix.Stat_t
+		if err := unix.Lstat(p, &s); err != nil {
+			return err
+		}
+		e.uid, e.gid = s.Uid, s.Gid
+		if fi.Mode().IsRegular() {
+			b, err := os.ReadFile(p)
+			if err != nil {
+				return err
+			}
+			e.data = string(b)
+		}
+		out[strings.TrimPrefix(p, dir)] = e
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func sameTree(t *testing.T, what string, before, after map[string]treeEntry) {
+	t.Helper()
+	for p, e := range before {
+		if a, ok := after[p]; !ok || a != e {
+			t.Errorf("%s: %q was %+v, is %+v (present %v)", what, p, e, a, ok)
 		}
 	}
-	// An existing volume is found again (a retried Provision), not refused.
-	if created, err := r.MkdirAll("ns/a", owner); err != nil || created {
-		t.Fatalf("existing volume: %v %v", created, err)
+	for p := range after {
+		if _, ok := before[p]; !ok {
+			t.Errorf("%s: %q appeared", what, p)
+		}
 	}
-	// The marker is a trusted.* attribute: a pod (without CAP_SYS_ADMIN) can neither forge it
-	// nor strip it, and it lives on the directory, so it survives a restart of dirpv.
-	if _, err := unix.Lgetxattr(filepath.Join(base, "ns/a"), volumeMarker, make([]byte, 8)); err != nil {
-		t.Errorf("volume ns/a has no %s: %v", volumeMarker, err)
-	}
-	if _, err := unix.Lgetxattr(filepath.Join(base, "ns"), volumeMarker, make([]byte, 8)); err == nil {
-		t.Errorf("intermediate ns is marked as a volume")
-	}
+}
+
+// A pattern without ${pv.metadata.name} maps claims to directories by name alone. The claim a
+// directory was made for gets it back when it asks again (its PV was never saved); any other
+// claim is refused and nothing on disk changes.
+func TestMkdirAllAdoptsOnlyItsOwnClaimsDirectory(t *testing.T) {
+	forEachMarker(t, func(t *testing.T, r *Root, base string) {
+		owner := Owner{Mode: 0o2770, UID: 1234, GID: 5678}
+		if created, err := r.MkdirAll("ns/db", owner, claimA); err != nil || !created {
+			t.Fatalf("MkdirAll = %v %v", created, err)
+		}
+		if err := os.WriteFile(filepath.Join(base, "ns/db/data"), []byte("a's data"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		before := tree(t, base)
+
+		created, err := r.MkdirAll("ns/db", Owner{Mode: 0o700, UID: 1, GID: 1}, claimA)
+		if err != nil || created {
+			t.Fatalf("same claim again: created %v err %v, want adopted", created, err)
+		}
+		sameTree(t, "after adoption", before, tree(t, base))
+
+		_, err = r.MkdirAll("ns/db", owner, claimB)
+		var exists *ExistsError
+		if !errors.As(err, &exists) || !exists.Marked || exists.Owner != claimA {
+			t.Fatalf("other claim: err %v, want an ExistsError naming %+v", err, claimA)
+		}
+		sameTree(t, "after another claim's refusal", before, tree(t, base))
+
+		// A directory dirpv did not make (no marker) is nobody's to adopt.
+		if err := os.Mkdir(filepath.Join(base, "ns/manual"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		before = tree(t, base)
+		_, err = r.MkdirAll("ns/manual", owner, claimA)
+		if !errors.As(err, &exists) || exists.Marked {
+			t.Fatalf("unmarked directory: err %v, want an ExistsError without a marker", err)
+		}
+		sameTree(t, "after refusing an unmarked directory", before, tree(t, base))
+	})
+}
+
+// A volume is marked before it appears under its name, so a volume asked for inside it as
+// soon as the name shows up is refused every time: there is no moment at which the directory
+// is there but not yet known to be a volume.
+func TestNoVolumeInsideOneBeingMade(t *testing.T) {
+	forEachMarker(t, func(t *testing.T, r *Root, base string) {
+		owner := Owner{Mode: 0o777, UID: -1, GID: -1}
+		// Before volumes were made under a temporary name, 300 rounds here put a volume inside
+		// a fresh one 87 times.
+		for i := 0; i < 150; i++ {
+			name := fmt.Sprintf("v%d", i)
+			done := make(chan error, 1)
+			go func() {
+				_, err := r.MkdirAll(name, owner, claimA)
+				done <- err
+			}()
+			var outerErr error
+			finished := false
+			for !finished {
+				select {
+				case outerErr = <-done:
+					finished = true
+				default:
+				}
+				if _, err := os.Lstat(filepath.Join(base, name)); err != nil {
+					continue
+				}
+				_, err := r.MkdirAll(name+"/inner", owner, claimB)
+				if !errors.Is(err, ErrInsideVolume) {
+					t.Fatalf("%s appeared and a volume inside it got %v, want ErrInsideVolume", name, err)
+				}
+				break
+			}
+			if !finished {
+				outerErr = <-done
+			}
+			if outerErr != nil {
+				t.Fatalf("%s: %v", name, outerErr)
+			}
+			if _, err := os.Lstat(filepath.Join(base, name, "inner")); !os.IsNotExist(err) {
+				t.Fatalf("%s/inner exists: %v", name, err)
+			}
+		}
+	})
+}
+
+// What a crash leaves between mkdir and the rename into place sits under a reserved name:
+// no pattern can name it, the same claim's next attempt removes it, other claims ignore it.
+func TestCrashLeftoversAreNotVolumes(t *testing.T) {
+	forEachMarker(t, func(t *testing.T, r *Root, base string) {
+		owner := Owner{Mode: 0o750, UID: -1, GID: -1}
+		if err := os.Mkdir(filepath.Join(base, "ns"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		ns, err := r.openDir("ns", unix.O_PATH)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer unix.Close(ns)
+		// The crash: claim A's volume is made and marked under its temporary name, not renamed.
+		leftover := tempName(claimA, "db")
+		if err := r.makeMarked(ns, leftover, owner, claimA); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(base, "ns", leftover, "half"), nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if !strings.HasPrefix(leftover, ReservedPrefix) {
+			t.Fatalf("temporary name %q is not reserved", leftover)
+		}
+		for _, rel := range []string{"ns/" + leftover, "ns/" + leftover + "/x", ReservedPrefix + "x"} {
+			if _, err := r.MkdirAll(rel, owner, claimB); !errors.Is(err, ErrReservedName) {
+				t.Errorf("MkdirAll(%q) = %v, want ErrReservedName", rel, err)
+			}
+		}
+		// Another claim's volume beside it is made as usual and leaves it alone.
+		if created, err := r.MkdirAll("ns/other", owner, claimB); err != nil || !created {
+			t.Fatalf("other claim: %v %v", created, err)
+		}
+		if _, err := os.Stat(filepath.Join(base, "ns", leftover, "half")); err != nil {
+			t.Errorf("another claim's attempt touched the leftover: %v", err)
+		}
+		// The same claim's retry replaces it with a fresh volume.
+		if created, err := r.MkdirAll("ns/db", owner, claimA); err != nil || !created {
+			t.Fatalf("retry: %v %v", created, err)
+		}
+		if _, err := os.Lstat(filepath.Join(base, "ns", leftover)); !os.IsNotExist(err) {
+			t.Errorf("leftover still there after the retry: %v", err)
+		}
+		if entries, err := os.ReadDir(filepath.Join(base, "ns/db")); err != nil || len(entries) != 0 {
+			t.Errorf("retried volume holds %v (%v), want it empty", entries, err)
+		}
+		var st unix.Stat_t
+		if err := unix.Stat(filepath.Join(base, "ns/db"), &st); err != nil || st.Mode&0o7777 != 0o750 {
+			t.Errorf("retried volume mode %o (%v), want 750", st.Mode&0o7777, err)
+		}
+		if owner, _, err := r.VolumeOwner("ns/db"); err != nil || owner != claimA {
+			t.Errorf("retried volume's owner %+v (%v)", owner, err)
+		}
+	})
+}
+
+// Archiving renames a volume and deleting removes it; the marker goes with the directory and
+// no record is left behind.
+func TestMarkerFollowsRenameAndRemove(t *testing.T) {
+	forEachMarker(t, func(t *testing.T, r *Root, base string) {
+		owner := Owner{Mode: 0o755, UID: -1, GID: -1}
+		for _, rel := range []string{"ns/a", "ns/b"} {
+			if _, err := r.MkdirAll(rel, owner, claimA); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := r.Rename("ns/a", "archived-a"); err != nil {
+			t.Fatal(err)
+		}
+		if got, marked, err := r.VolumeOwner("ns/archived-a"); err != nil || !marked || got != claimA {
+			t.Errorf("archived volume's owner %+v marked %v (%v)", got, marked, err)
+		}
+		if _, err := r.MkdirAll("ns/archived-a/x", owner, claimB); !errors.Is(err, ErrInsideVolume) {
+			t.Errorf("volume inside an archived one: %v, want ErrInsideVolume", err)
+		}
+		for _, rel := range []string{"ns/archived-a", "ns/b"} {
+			if err := r.RemoveAll(rel); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if entries, err := os.ReadDir(filepath.Join(base, "ns")); err != nil || len(entries) != 0 {
+			t.Errorf("ns holds %v (%v) after both volumes were removed", entries, err)
+		}
+	})
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"sync"
 
 	"golang.org/x/sys/unix"
 )
@@ -23,6 +24,13 @@ var ErrNotDirectory = errors.New("not a directory (symlinks are never followed)"
 type Root struct {
 	path string
 	fd   int
+	// xattr is the volume marker's attribute name; tests point it at an unsupported namespace
+	// to exercise the record files NFS gets.
+	xattr string
+	// renameMu serialises check-then-rename where the file system has no RENAME_NOREPLACE
+	// (NFS), so that two of this process's workers cannot both find a name free; a rename
+	// onto an empty directory would otherwise replace it.
+	renameMu sync.Mutex
 }
 
 // OpenRoot opens the base directory at an absolute path. The base itself may be reached through
@@ -32,7 +40,7 @@ func OpenRoot(path string) (*Root, error) {
 	if err != nil {
 		return nil, fmt.Errorf("open base directory %s: %w", path, err)
 	}
-	return &Root{path: path, fd: fd}, nil
+	return &Root{path: path, fd: fd, xattr: volumeMarker}, nil
 }
 
 // Path is the base directory's path as given to OpenRoot.
@@ -82,25 +90,6 @@ func split(rel string) (string, string) {
 // volume: one volume is never created inside another.
 var ErrInsideVolume = errors.New("is another volume's directory; a volume is never created inside another")
 
-// volumeMarker is the extended attribute MkdirAll puts on each volume directory it creates. It
-// is in the trusted namespace, which needs CAP_SYS_ADMIN to read or write: a pod can neither
-// forge it on a directory of its own nor strip it from its volume. File systems without
-// trusted attributes (NFS) go unmarked.
-const volumeMarker = "trusted.dirpv.volume"
-
-// isVolume reports whether the open directory carries the volume marker.
-func isVolume(fd int) bool {
-	_, err := unix.Fgetxattr(fd, volumeMarker, nil)
-	return err == nil
-}
-
-// markVolume puts the volume marker on the open directory. It is best effort: where the file
-// system has no trusted attributes (NFS) or the process lacks CAP_SYS_ADMIN, the volume goes
-// unmarked rather than failing after the directory exists.
-func markVolume(fd int) {
-	_ = unix.Fsetxattr(fd, volumeMarker, []byte("1"), 0)
-}
-
 // Owner is the mode and ownership a new volume directory gets. UID or GID -1 leaves that id as
 // the creating process's.
 type Owner struct {
@@ -110,15 +99,31 @@ type Owner struct {
 	GID  int
 }
 
-// MkdirAll creates the volume directory rel and any missing parents beneath the root. Parents
-// get mode 0755 and the process's ownership; rel itself gets exactly owner.Mode (umask does not
-// apply) and owner's ids, and is marked as a volume. It reports whether rel was created; an
-// existing directory is left as it is. It refuses (ErrInsideVolume) to descend into a
-// directory marked as a volume, so that classes sharing a base with patterns of different
-// depths cannot put one tenant's volume inside another's.
-func (r *Root) MkdirAll(rel string, owner Owner) (created bool, err error) {
+// MkdirAll creates the volume directory rel for claim, and any missing parents, beneath the
+// root. Parents get mode 0755 and the process's ownership; rel itself gets exactly owner.Mode
+// (umask does not apply) and owner's ids, and a marker naming claim.
+//
+// The volume is made under a temporary reserved name, given its mode, owner and marker there,
+// and only then renamed into place without replacing anything, so whatever crashes, rel is
+// either absent or a complete, marked volume, and no volume can be created inside one that is
+// still being made. What a crash leaves under the temporary name is removed by the next
+// attempt for the same claim.
+//
+// It reports whether it created rel. If rel exists and its marker names claim (a retried
+// Provision whose PV was never saved), it is adopted: left as it is, created false, no error.
+// Otherwise it fails with an *ExistsError and changes nothing. It refuses (ErrInsideVolume) to
+// descend into a directory marked as a volume, so that classes sharing a base with patterns of
+// different depths cannot put one tenant's volume inside another's, and (ErrReservedName) paths
+// through names dirpv keeps for itself.
+func (r *Root) MkdirAll(rel string, owner Owner, claim Claim) (created bool, err error) {
 	if _, err := CleanRelPath(rel); err != nil {
 		return false, err
+	}
+	if err := checkReserved(rel); err != nil {
+		return false, err
+	}
+	if claim.UID == "" {
+		return false, fmt.Errorf("volume %s: the owning claim's UID is required", rel)
 	}
 	parentFd, err := r.openDir("", unix.O_PATH)
 	if err != nil {
@@ -126,43 +131,147 @@ func (r *Root) MkdirAll(rel string, owner Owner) (created bool, err error) {
 	}
 	defer func() { unix.Close(parentFd) }()
 	components := strings.Split(rel, "/")
-	for i, name := range components {
-		last := i == len(components)-1
-		mode := uint32(0o755)
-		if last {
-			mode = owner.Mode & 0o777
-		}
-		err := unix.Mkdirat(parentFd, name, mode)
+	for i, name := range components[:len(components)-1] {
+		where := strings.Join(components[:i+1], "/")
+		err := unix.Mkdirat(parentFd, name, 0o755)
 		made := err == nil
 		if err != nil && !errors.Is(err, unix.EEXIST) {
-			return false, fmt.Errorf("mkdir %s in %s: %w", strings.Join(components[:i+1], "/"), r.path, err)
+			return false, fmt.Errorf("mkdir %s in %s: %w", where, r.path, err)
 		}
-		fd, err := unix.Openat2(parentFd, name, &unix.OpenHow{
-			Flags:   uint64(unix.O_RDONLY | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC),
-			Resolve: resolveBeneath,
-		})
+		fd, err := r.openChild(parentFd, name, where)
 		if err != nil {
-			return false, describeResolveError(r.path, strings.Join(components[:i+1], "/"), err)
+			return false, err
+		}
+		if made {
+			// A fresh directory's inode may be a deleted volume's, whose record was left by a
+			// crash; it names a volume that is gone.
+			err = dropRecord(parentFd, fd)
+		} else if m, merr := r.readMarker(parentFd, fd); merr != nil {
+			err = merr
+		} else if m.marked {
+			err = ErrInsideVolume
 		}
 		unix.Close(parentFd)
 		parentFd = fd
-		if !last && isVolume(fd) {
-			return false, fmt.Errorf("%s in %s %w", strings.Join(components[:i+1], "/"), r.path, ErrInsideVolume)
-		}
-		if last && made {
-			// chown first: it clears setuid/setgid, and mkdir applied the umask, so the mode is
-			// set exactly afterwards.
-			if err := unix.Fchown(fd, owner.UID, owner.GID); err != nil {
-				return true, fmt.Errorf("chown %s in %s to %d:%d: %w", rel, r.path, owner.UID, owner.GID, err)
-			}
-			if err := unix.Fchmod(fd, owner.Mode&0o7777); err != nil {
-				return true, fmt.Errorf("chmod %s in %s to %o: %w", rel, r.path, owner.Mode, err)
-			}
-			markVolume(fd)
-			return true, nil
+		if errors.Is(err, ErrInsideVolume) {
+			return false, fmt.Errorf("%s in %s %w", where, r.path, err)
+		} else if err != nil {
+			return false, fmt.Errorf("%s in %s: %w", where, r.path, err)
 		}
 	}
-	return false, nil
+	return r.createVolume(parentFd, components[len(components)-1], rel, owner, claim)
+}
+
+// openChild opens the directory name in parentFd for reading, refusing symlinks.
+func (r *Root) openChild(parentFd int, name, where string) (int, error) {
+	fd, err := unix.Openat2(parentFd, name, &unix.OpenHow{
+		Flags:   uint64(unix.O_RDONLY | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC),
+		Resolve: resolveBeneath,
+	})
+	if err != nil {
+		return -1, describeResolveError(r.path, where, err)
+	}
+	return fd, nil
+}
+
+// createVolume makes the volume name in parentFd for claim, or adopts it if it is claim's.
+func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim Claim) (bool, error) {
+	// An existing volume is judged before anything is made, so a refusal changes nothing.
+	if err := r.adopt(parentFd, name, rel, claim); !errors.Is(err, os.ErrNotExist) {
+		return false, err
+	}
+	mnt, err := mountID(parentFd)
+	if err != nil {
+		return false, fmt.Errorf("%s in %s: %w", rel, r.path, err)
+	}
+	tmp := tempName(claim, name)
+	if err := removeVolumeAt(parentFd, tmp, mnt); err != nil {
+		return false, fmt.Errorf("remove what an earlier attempt left of %s in %s: %w", rel, r.path, err)
+	}
+	if err := r.makeMarked(parentFd, tmp, owner, claim); err != nil {
+		err = fmt.Errorf("%s in %s: %w", rel, r.path, err)
+		if rerr := removeVolumeAt(parentFd, tmp, mnt); rerr != nil {
+			err = errors.Join(err, fmt.Errorf("remove the half-made directory: %w", rerr))
+		}
+		return false, err
+	}
+	err = r.renameNoReplace(parentFd, tmp, name)
+	if err == nil {
+		return true, nil
+	}
+	if rerr := removeVolumeAt(parentFd, tmp, mnt); rerr != nil {
+		err = errors.Join(err, fmt.Errorf("remove the unused new directory: %w", rerr))
+	}
+	if errors.Is(err, unix.EEXIST) || errors.Is(err, unix.ENOTEMPTY) {
+		// Another worker made it meanwhile: the same judgement as above applies.
+		return false, r.adopt(parentFd, name, rel, claim)
+	}
+	return false, fmt.Errorf("rename new volume into place as %s in %s: %w", rel, r.path, err)
+}
+
+// adopt returns nil if the directory name in parentFd is claim's volume, an error wrapping
+// os.ErrNotExist if there is none, and an *ExistsError if it is not claim's.
+func (r *Root) adopt(parentFd int, name, rel string, claim Claim) error {
+	fd, err := r.openChild(parentFd, name, rel)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	m, err := r.readMarker(parentFd, fd)
+	if err != nil {
+		return fmt.Errorf("%s in %s: %w", rel, r.path, err)
+	}
+	if !m.marked || m.owner.UID != claim.UID {
+		return &ExistsError{Path: rel, Marked: m.marked, Owner: m.owner}
+	}
+	return nil
+}
+
+// makeMarked makes the directory name in parentFd with exactly owner's mode and ids, marked
+// as claim's volume.
+func (r *Root) makeMarked(parentFd int, name string, owner Owner, claim Claim) error {
+	if err := unix.Mkdirat(parentFd, name, owner.Mode&0o777); err != nil {
+		return fmt.Errorf("mkdir: %w", err)
+	}
+	fd, err := r.openChild(parentFd, name, name)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	// chown first: it clears setuid/setgid, and mkdir applied the umask, so the mode is set
+	// exactly afterwards.
+	if err := unix.Fchown(fd, owner.UID, owner.GID); err != nil {
+		return fmt.Errorf("chown to %d:%d: %w", owner.UID, owner.GID, err)
+	}
+	if err := unix.Fchmod(fd, owner.Mode&0o7777); err != nil {
+		return fmt.Errorf("chmod to %o: %w", owner.Mode, err)
+	}
+	return r.writeMarker(parentFd, fd, claim)
+}
+
+// VolumeOwner returns the claim the marker of the volume directory rel names. marked is false
+// if rel carries no marker; owner is empty if the marker names no claim (a volume made before
+// dirpv recorded owners). It fails with an error wrapping os.ErrNotExist if rel does not exist.
+func (r *Root) VolumeOwner(rel string) (owner Claim, marked bool, err error) {
+	if _, err := CleanRelPath(rel); err != nil {
+		return Claim{}, false, err
+	}
+	parent, name := split(rel)
+	parentFd, err := r.openDir(parent, unix.O_PATH)
+	if err != nil {
+		return Claim{}, false, err
+	}
+	defer unix.Close(parentFd)
+	fd, err := r.openChild(parentFd, name, rel)
+	if err != nil {
+		return Claim{}, false, err
+	}
+	defer unix.Close(fd)
+	m, err := r.readMarker(parentFd, fd)
+	if err != nil {
+		return Claim{}, false, fmt.Errorf("%s in %s: %w", rel, r.path, err)
+	}
+	return m.owner, m.marked, nil
 }
 
 // Stat returns the status of the directory rel beneath the root, without following symlinks.
@@ -214,10 +323,32 @@ func (r *Root) RemoveAll(rel string) error {
 	if err != nil {
 		return fmt.Errorf("%s in %s: %w", parent, r.path, err)
 	}
-	if err := removeAt(parentFd, name, mnt); err != nil {
+	if err := removeVolumeAt(parentFd, name, mnt); err != nil {
 		return fmt.Errorf("remove %s in %s: %w", rel, r.path, err)
 	}
 	return nil
+}
+
+// removeVolumeAt removes name in parentFd as removeAt does, then its record file if it has one:
+// afterwards, so that a volume whose removal fails stays marked. A crash in between leaves a
+// record naming an inode that is gone; a directory made later with that inode drops or
+// overwrites it.
+func removeVolumeAt(parentFd int, name string, mnt uint64) error {
+	var st unix.Stat_t
+	err := unix.Fstatat(parentFd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
+	if errors.Is(err, unix.ENOENT) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("stat %s: %w", name, err)
+	}
+	if err := removeAt(parentFd, name, mnt); err != nil {
+		return err
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
+		return nil
+	}
+	return dropRecordOf(parentFd, st.Ino)
 }
 
 // mountID identifies the mount an open file is on; unlike st_dev it tells a bind mount of the
@@ -379,23 +510,32 @@ func (r *Root) Rename(rel, newName string) error {
 		return err
 	}
 	defer unix.Close(parentFd)
-	err = unix.Renameat2(parentFd, name, parentFd, newName, unix.RENAME_NOREPLACE)
-	if errors.Is(err, unix.EINVAL) {
-		// NFS (the kernel client, and so the test helper) has no RENAME_NOREPLACE. Check,
-		// then rename: newName is dirpv's own, unique per volume and second, so the race
-		// between the two is only with another dirpv archiving the same volume.
-		var st unix.Stat_t
-		switch serr := unix.Fstatat(parentFd, newName, &st, unix.AT_SYMLINK_NOFOLLOW); {
-		case serr == nil:
-			err = unix.EEXIST
-		case errors.Is(serr, unix.ENOENT):
-			err = unix.Renameat(parentFd, name, parentFd, newName)
-		default:
-			err = serr
-		}
-	}
-	if err != nil {
+	if err := r.renameNoReplace(parentFd, name, newName); err != nil {
 		return fmt.Errorf("rename %s to %s in %s: %w", rel, newName, r.path, err)
 	}
 	return nil
+}
+
+// renameNoReplace renames name to newName in parentFd, failing with EEXIST if newName exists.
+// The volume's marker goes with it: the attribute is on the directory, a record file is named
+// after its inode in the same parent.
+func (r *Root) renameNoReplace(parentFd int, name, newName string) error {
+	err := unix.Renameat2(parentFd, name, parentFd, newName, unix.RENAME_NOREPLACE)
+	if !errors.Is(err, unix.EINVAL) {
+		return err
+	}
+	// NFS (the kernel client, and so the test helper) has no RENAME_NOREPLACE. Check, then
+	// rename, one at a time in this process; dirpv's NFS volumes are all made by the one
+	// leader, so the race left is with a process outside dirpv writing the export.
+	r.renameMu.Lock()
+	defer r.renameMu.Unlock()
+	var st unix.Stat_t
+	switch serr := unix.Fstatat(parentFd, newName, &st, unix.AT_SYMLINK_NOFOLLOW); {
+	case serr == nil:
+		return unix.EEXIST
+	case errors.Is(serr, unix.ENOENT):
+		return unix.Renameat(parentFd, name, parentFd, newName)
+	default:
+		return serr
+	}
 }

@@ -25,7 +25,7 @@ func TestMkdirAllSetsExactModeAndOwner(t *testing.T) {
 	old := unix.Umask(0o077)
 	defer unix.Umask(old)
 
-	created, err := r.MkdirAll("ns/vol", Owner{Mode: 0o2770, UID: 1234, GID: 5678})
+	created, err := r.MkdirAll("ns/vol", Owner{Mode: 0o2770, UID: 1234, GID: 5678}, claimA)
 	if err != nil || !created {
 		t.Fatalf("MkdirAll = %v, %v; want created", created, err)
 	}
@@ -46,7 +46,7 @@ func TestMkdirAllSetsExactModeAndOwner(t *testing.T) {
 		t.Errorf("parent owner = %d, want root: only the volume itself belongs to the class's uid", st.Uid)
 	}
 
-	created, err = r.MkdirAll("ns/vol", Owner{Mode: 0o700})
+	created, err = r.MkdirAll("ns/vol", Owner{Mode: 0o700}, claimA)
 	if err != nil || created {
 		t.Fatalf("second MkdirAll = %v, %v; want existing directory, no error", created, err)
 	}
@@ -58,7 +58,7 @@ func TestMkdirAllSetsExactModeAndOwner(t *testing.T) {
 func TestRefusesBadRelativePaths(t *testing.T) {
 	r, _ := newRoot(t)
 	for _, rel := range []string{"", "/etc", "..", "a/../../b", "a//b", "./a", "a/.", "a\x00b", string(make([]byte, 256))} {
-		if _, err := r.MkdirAll(rel, Owner{Mode: 0o755}); err == nil {
+		if _, err := r.MkdirAll(rel, Owner{Mode: 0o755}, claimA); err == nil {
 			t.Errorf("MkdirAll(%q) succeeded", rel)
 		}
 		if err := r.RemoveAll(rel); err == nil {
@@ -79,7 +79,7 @@ func TestSymlinksAreNeverFollowed(t *testing.T) {
 	if err := os.Symlink(outside, filepath.Join(base, "ns")); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755}); !errors.Is(err, ErrNotDirectory) {
+	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755}, claimA); !errors.Is(err, ErrNotDirectory) {
 		t.Errorf("MkdirAll through a symlink: err = %v, want ErrNotDirectory", err)
 	}
 	if _, err := os.Stat(filepath.Join(outside, "vol")); !os.IsNotExist(err) {
@@ -96,7 +96,7 @@ func TestSymlinksAreNeverFollowed(t *testing.T) {
 	}
 
 	// Removing a volume that contains links removes the links, not their targets.
-	if _, err := r.MkdirAll("vol", Owner{Mode: 0o755}); err != nil {
+	if _, err := r.MkdirAll("vol", Owner{Mode: 0o755}, claimA); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.Symlink(outside, filepath.Join(base, "vol/dirlink")); err != nil {
@@ -121,7 +121,7 @@ func TestSymlinksAreNeverFollowed(t *testing.T) {
 
 func TestRemoveAllDeepTree(t *testing.T) {
 	r, base := newRoot(t)
-	if _, err := r.MkdirAll("vol", Owner{Mode: 0o755}); err != nil {
+	if _, err := r.MkdirAll("vol", Owner{Mode: 0o755}, claimA); err != nil {
 		t.Fatal(err)
 	}
 	dir := filepath.Join(base, "vol")
@@ -149,7 +149,7 @@ func TestRemoveAllDeepTree(t *testing.T) {
 // crossing it could delete data that is not the volume's.
 func TestRemoveAllStopsAtMountPoints(t *testing.T) {
 	r, base := newRoot(t)
-	if _, err := r.MkdirAll("vol/mnt", Owner{Mode: 0o755}); err != nil {
+	if _, err := r.MkdirAll("vol/mnt", Owner{Mode: 0o755}, claimA); err != nil {
 		t.Fatal(err)
 	}
 	other := t.TempDir()
@@ -175,7 +175,7 @@ func TestRemoveAllStopsAtMountPoints(t *testing.T) {
 	if err := unix.Unmount(mnt, 0); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.MkdirAll("other", Owner{Mode: 0o755}); err != nil {
+	if _, err := r.MkdirAll("other", Owner{Mode: 0o755}, claimA); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.WriteFile(filepath.Join(base, "other/keep"), []byte("x"), 0o644); err != nil {
@@ -194,7 +194,7 @@ func TestRemoveAllStopsAtMountPoints(t *testing.T) {
 
 func TestRenameStaysInParent(t *testing.T) {
 	r, base := newRoot(t)
-	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755}); err != nil {
+	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755}, claimA); err != nil {
 		t.Fatal(err)
 	}
 	for _, bad := range []string{"../x", "a/b", "..", ""} {
@@ -202,7 +202,7 @@ func TestRenameStaysInParent(t *testing.T) {
 			t.Errorf("Rename to %q succeeded", bad)
 		}
 	}
-	if _, err := r.MkdirAll("ns/taken", Owner{Mode: 0o755}); err != nil {
+	if _, err := r.MkdirAll("ns/taken", Owner{Mode: 0o755}, claimA); err != nil {
 		t.Fatal(err)
 	}
 	if err := r.Rename("ns/vol", "taken"); err == nil {

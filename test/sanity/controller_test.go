@@ -69,7 +69,8 @@ func (c *testController) CreateVolume(_ context.Context, req *csi.CreateVolumeRe
 	if err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "name: %v", err)
 	}
-	if _, err := c.root.MkdirAll(rel, volume.Owner{Mode: 0o777, UID: -1, GID: -1}); err != nil {
+	// The volume's name stands in for a claim: CreateVolume of the same name adopts it.
+	if _, err := c.root.MkdirAll(rel, volume.Owner{Mode: 0o777, UID: -1, GID: -1}, volume.Claim{UID: rel, PVName: rel}); err != nil {
 		return nil, status.Errorf(codes.Internal, "create volume directory: %v", err)
 	}
 	attrs := volume.Attributes{Backend: volume.BackendLocal, BasePath: c.root.Path(), Path: rel}

@@ -1,0 +1,281 @@
+package integration
+
+// Ownership of existing directories: a volume's marker names the claim it was made for, so a
+// claim whose PV was never saved gets its own directory back after a crash, and a PV that is
+// not that claim's cannot delete it.
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	admissionv1 "k8s.io/api/admissionregistration/v1"
+	v1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/dirpv/dirpv/test/framework"
+)
+
+// denyPVsFor makes the apiserver refuse to create PVs bound to claims in ns until the returned
+// func is called, and waits until it does.
+func denyPVsFor(t *testing.T, ns string) (allow func()) {
+	t.Helper()
+	ctx := context.Background()
+	name := "dirpv-test-deny-pvs-" + ns
+	fail := admissionv1.Fail
+	policy := &admissionv1.ValidatingAdmissionPolicy{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec: admissionv1.ValidatingAdmissionPolicySpec{
+			FailurePolicy: &fail,
+			MatchConstraints: &admissionv1.MatchResources{ResourceRules: []admissionv1.NamedRuleWithOperations{{
+				RuleWithOperations: admissionv1.RuleWithOperations{
+					Operations: []admissionv1.OperationType{admissionv1.Create},
+					Rule:       admissionv1.Rule{APIGroups: []string{""}, APIVersions: []string{"v1"}, Resources: []string{"persistentvolumes"}},
+				},
+			}}},
+			Validations: []admissionv1.Validation{{
+				Expression: fmt.Sprintf("!has(object.spec.claimRef) || object.spec.claimRef.namespace != '%s'", ns),
+				Message:    "test: PVs of this namespace are refused",
+			}},
+		},
+	}
+	binding := &admissionv1.ValidatingAdmissionPolicyBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec: admissionv1.ValidatingAdmissionPolicyBindingSpec{
+			PolicyName: name, ValidationActions: []admissionv1.ValidationAction{admissionv1.Deny},
+		},
+	}
+	vap := client.AdmissionregistrationV1()
+	if _, err := vap.ValidatingAdmissionPolicies().Create(ctx, policy, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := vap.ValidatingAdmissionPolicyBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	allow = func() {
+		vap.ValidatingAdmissionPolicyBindings().Delete(ctx, name, metav1.DeleteOptions{})
+		vap.ValidatingAdmissionPolicies().Delete(ctx, name, metav1.DeleteOptions{})
+	}
+	t.Cleanup(allow)
+	// The policy takes effect once the apiserver has seen it: probe with a dry run.
+	probe := &v1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: "dirpv-test-probe"},
+		Spec: v1.PersistentVolumeSpec{
+			Capacity:               v1.ResourceList{v1.ResourceStorage: resource.MustParse("1Gi")},
+			AccessModes:            []v1.PersistentVolumeAccessMode{v1.ReadWriteOnce},
+			ClaimRef:               &v1.ObjectReference{Namespace: ns, Name: "probe"},
+			PersistentVolumeSource: v1.PersistentVolumeSource{HostPath: &v1.HostPathVolumeSource{Path: "/nonexistent"}},
+		},
+	}
+	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		_, err := client.CoreV1().PersistentVolumes().Create(ctx, probe, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		return err != nil && strings.Contains(err.Error(), "PVs of this namespace are refused"), fmt.Errorf("dry-run PV create: %v", err)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return allow
+}
+
+// waitForLog waits until the log file, from offset on, holds a line containing every one of
+// substrs, and returns that line.
+func waitForLog(t *testing.T, log string, offset int64, substrs ...string) string {
+	t.Helper()
+	var found string
+	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
+		b, err := os.ReadFile(log)
+		if err != nil {
+			return false, err
+		}
+		if int64(len(b)) < offset {
+			offset = 0
+		}
+		for _, line := range strings.Split(string(b[offset:]), "\n") {
+			if !slices.ContainsFunc(substrs, func(s string) bool { return !strings.Contains(line, s) }) {
+				found = line
+				return true, nil
+			}
+		}
+		return false, fmt.Errorf("no line in %s with all of %q", log, substrs)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return found
+}
+
+func logSize(t *testing.T, log string) int64 {
+	t.Helper()
+	fi, err := os.Stat(log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fi.Size()
+}
+
+// dirpv dies after making a claim's directory and before its PV is saved (here the apiserver
+// refuses the PV until dirpv is killed). The pattern has no ${pv.metadata.name}, so the
+// restarted dirpv finds the directory by name alone: it is the claim's own, so it is adopted,
+// data, mode and owner as they were, and the claim binds with exactly that one directory.
+func TestCrashBeforePVIsSavedAdoptsDirectory(t *testing.T) {
+	ns := newNamespace(t)
+	class, base := localClass(t, map[string]string{
+		"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}", "mode": "2750", "uid": "1234", "gid": "5678",
+	})
+	allow := denyPVsFor(t, ns)
+	offset := logSize(t, nodeProc.Log)
+	c := createClaim(t, ns, "crashy", class.Name, onNode(nodeA))
+	pvName := "pvc-" + string(c.UID)
+	waitForLog(t, nodeProc.Log, offset, "Failed to save persistentvolume", pvName)
+	dir := filepath.Join(base, ns+"-crashy")
+	if err := os.WriteFile(filepath.Join(dir, "before-crash"), []byte("kept"), 0o600); err != nil {
+		t.Fatalf("the claim's directory was not made before its PV: %v", err)
+	}
+	nodeProc.Kill()
+	allow()
+	offset = logSize(t, nodeProc.Log)
+	if err := nodeProc.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	_, pv := waitBound(t, ns, "crashy")
+	line := waitForLog(t, nodeProc.Log, offset, "adopted existing directory", ns+"-crashy")
+	t.Logf("restarted node-a: %s", line)
+	if got := pv.Spec.CSI.VolumeAttributes["path"]; got != ns+"-crashy" {
+		t.Errorf("PV path %q, want %s-crashy", got, ns)
+	}
+	if got := entries(t, base); !slices.Equal(got, []string{ns + "-crashy"}) {
+		t.Errorf("base holds %q, want only the adopted directory", got)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "before-crash")); err != nil || string(b) != "kept" {
+		t.Errorf("adopted directory's file: %q %v", b, err)
+	}
+	fi, err := os.Stat(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := fi.Sys().(*syscall.Stat_t)
+	if fi.Mode()&os.ModePerm != 0o750 || fi.Mode()&os.ModeSetgid == 0 || st.Uid != 1234 || st.Gid != 5678 {
+		t.Errorf("adopted directory mode %v owner %d:%d, want 2750 1234:5678", fi.Mode(), st.Uid, st.Gid)
+	}
+	pvs, err := client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, p := range pvs.Items {
+		if p.Spec.ClaimRef != nil && p.Spec.ClaimRef.UID == c.UID {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Errorf("%d PVs for claim %s, want 1", n, c.UID)
+	}
+}
+
+// A PV written by hand that names another claim's volume (or a stale PV whose directory was
+// made anew for another claim) is released: its Delete is refused with an event, and the
+// volume and its data stay.
+func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
+	ns := newNamespace(t)
+	class, base := localClass(t, map[string]string{"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}"})
+	createClaim(t, ns, "owner", class.Name, onNode(nodeA))
+	_, owned := waitBound(t, ns, "owner")
+	data := filepath.Join(base, owned.Spec.CSI.VolumeAttributes["path"], "data")
+	if err := os.WriteFile(data, []byte("owner's data"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	stale := owned.DeepCopy()
+	stale.ObjectMeta = metav1.ObjectMeta{Name: "stale-" + ns, Annotations: owned.Annotations}
+	stale.Spec.CSI.VolumeHandle = "local:stale-" + ns
+	stale.Spec.ClaimRef = &v1.ObjectReference{Namespace: ns, Name: "stale"}
+	stale.Status = v1.PersistentVolumeStatus{}
+	if _, err := client.CoreV1().PersistentVolumes().Create(context.Background(), stale, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx := context.Background()
+		patch := []byte(`{"metadata":{"finalizers":null},"spec":{"persistentVolumeReclaimPolicy":"Retain"}}`)
+		client.CoreV1().PersistentVolumes().Patch(ctx, stale.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+		client.CoreV1().PersistentVolumes().Delete(ctx, stale.Name, metav1.DeleteOptions{})
+	})
+	claim := newClaim(ns, "stale", class.Name, onNode(nodeA))
+	claim.Spec.VolumeName = stale.Name
+	if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), claim, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitBound(t, ns, "stale")
+	deleteClaim(t, ns, "stale")
+	ev, err := framework.WaitForEvent(context.Background(), client, "", "PersistentVolume", stale.Name, "VolumeFailedDelete",
+		"belongs to another claim", timeout)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("stale PV's Delete refused: %s", ev.Message)
+	if b, err := os.ReadFile(data); err != nil || string(b) != "owner's data" {
+		t.Errorf("owner's data after the refused Delete: %q %v", b, err)
+	}
+	if _, err := client.CoreV1().PersistentVolumes().Get(context.Background(), stale.Name, metav1.GetOptions{}); err != nil {
+		t.Errorf("the refused PV: %v, want it kept", err)
+	}
+}
+
+// ownerRecords returns the volume record files in dir (where NFS volumes' markers live, since
+// NFS has no trusted attributes) that name claim uid.
+func ownerRecords(t *testing.T, dir string, uid types.UID) []string {
+	t.Helper()
+	var out []string
+	for _, n := range entries(t, dir) {
+		if !strings.HasPrefix(n, ".dirpv-vol-") {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(dir, n))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(string(b), string(uid)) {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// On NFS too, no volume is made inside another, though NFS has no trusted attributes: the
+// marker is a record file beside the volume on the server, which no tenant can reach. It goes
+// when the volume is deleted.
+func TestNFSVolumeInsideAnotherVolume(t *testing.T) {
+	ns := newNamespace(t)
+	shallow := nfsClass(t, nfsServer, []string{"nolock"}, map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"})
+	deep := createClass(t, nfsClassName(t)+"-deep", map[string]string{
+		"backend": "nfs", "server": nfsServer.Addr, "share": nfsServer.Share,
+		"pathPattern": "${pvc.metadata.labels['team']}/${pvc.metadata.namespace}-${pvc.metadata.name}",
+	}, immediate, func(c *storagev1.StorageClass) { c.MountOptions = append(nfsServer.MountOptions(), "nolock") })
+	team := ns + "-finance"
+	squatter := createClaim(t, ns, "squatter", shallow.Name, accessModes(v1.ReadWriteMany), withAnnotation("dir", team))
+	_, pv := waitNFSBound(t, ns, "squatter")
+	if got := ownerRecords(t, nfsServer.ExportDir, squatter.UID); len(got) != 1 {
+		t.Errorf("records naming the squatter on the server: %q, want one", got)
+	}
+	createClaim(t, ns, "victim", deep.Name, accessModes(v1.ReadWriteMany), withLabel("team", team))
+	ev := waitClaimEvent(t, ns, "victim", "another volume's directory", timeout)
+	t.Logf("victim refused: %s", ev.Message)
+	noPVFor(t, ns, "victim", 2*time.Second)
+	if got := entries(t, filepath.Join(nfsServer.ExportDir, pv.Spec.CSI.VolumeAttributes["path"])); len(got) != 0 {
+		t.Errorf("squatter's volume holds %q: a volume was created inside it, or its marker is visible to it", got)
+	}
+	deleteClaim(t, ns, "victim")
+	deleteClaim(t, ns, "squatter")
+	nfsWaitPVGone(t, pv.Name)
+	if got := ownerRecords(t, nfsServer.ExportDir, squatter.UID); len(got) != 0 {
+		t.Errorf("records naming the deleted squatter are left: %q", got)
+	}
+}
