@@ -10,7 +10,7 @@ STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
 UNIT_PKGS   := $(shell $(GO) list ./... | grep -v -e /test/integration -e /test/e2e -e /test/cluster)
 FUZZTIME    ?= 10m
 
-.PHONY: all build test test-unit test-integration test-e2e cluster-bins deploy-tools lint fmt up down bench fuzz image-tar clean
+.PHONY: all build test test-unit test-integration test-e2e cluster-bins deploy-tools image-debs lint fmt up down bench fuzz image-tar clean
 
 all: build
 
@@ -26,13 +26,13 @@ test: lint cluster-bins deploy-tools
 	  echo "tier times: unit+sanity $$((t1-start))s, integration $$((t2-t1))s, e2e $$((t3-t2))s"; \
 	  if [ $$rc -ne 0 ]; then echo "make test: a tier failed (see above)"; fi; exit $$rc
 
-test-unit: deploy-tools
+test-unit: deploy-tools image-debs
 	$(GO) test -count=1 -timeout 20m $(UNIT_PKGS)
 
 test-integration: cluster-bins
 	$(GO) test -count=1 -timeout 30m ./test/integration/...
 
-test-e2e: cluster-bins deploy-tools
+test-e2e: cluster-bins deploy-tools image-debs
 	$(GO) test -count=1 -p 1 -timeout 40m ./test/cluster/... ./test/e2e/...
 
 ## cluster-bins: build etcd and Kubernetes from the Go module proxy (cold ~15 min, cached).
@@ -43,7 +43,18 @@ cluster-bins:
 deploy-tools:
 	bash test/deploy/tools.sh all >/dev/null
 
-## image-tar: the dirpv image as an OCI tar (no Docker engine needed): bin/dirpv-image.tar
+## image-debs: the Debian packages whose tools the image copies from the host (mount, mount.nfs).
+## The tiers that build the image and `make up` install them; `make image-tar` alone refuses
+## without them and says which to install.
+IMAGE_DEBS := mount nfs-common
+image-debs:
+	@if [ ! -x /bin/mount ] || [ ! -x /bin/umount ] || [ ! -x /sbin/mount.nfs ] || [ ! -e /etc/netconfig ]; then \
+	  apt-get -qq -oDPkg::Lock::Timeout=600 update && \
+	  DEBIAN_FRONTEND=noninteractive apt-get -qq -oDPkg::Lock::Timeout=600 install -y --no-install-recommends $(IMAGE_DEBS); \
+	fi
+
+## image-tar: the dirpv image as an OCI tar (no Docker engine needed): bin/dirpv-image.tar, named
+## ghcr.io/dirpv/dirpv:$(VERSION) (git describe), never :latest.
 image-tar:
 	$(GO) run ./test/image/cmd/image-tar -version $(VERSION)
 
@@ -56,7 +67,7 @@ fmt:
 	gofmt -w $$(git ls-files '*.go')
 
 ## up: a local cluster with a node, dirpv running and dirpv-local as the default class.
-up: cluster-bins
+up: cluster-bins image-debs
 	$(GO) run ./test/cluster/cmd/dirpv-cluster up --node
 	$(GO) run ./test/up
 
