@@ -441,9 +441,11 @@ func TestKindOverlay(t *testing.T) {
 	if r := deployment(t, objs).Spec.Replicas; r == nil || *r != 2 {
 		t.Errorf("controller replicas %v, want 2", r)
 	}
+	// kubectl apply -k gets the release the chart installs by default.
+	want := "ghcr.io/dirpv/dirpv:" + chartAppVersion(t)
 	for _, c := range []corev1.Container{container(t, deployment(t, objs).Spec.Template.Spec), container(t, daemonSet(t, objs).Spec.Template.Spec)} {
-		if c.Image != "ghcr.io/dirpv/dirpv:latest" || c.ImagePullPolicy != corev1.PullIfNotPresent {
-			t.Errorf("image %s pull %s: want ghcr.io/dirpv/dirpv:latest, IfNotPresent (kind load image-archive)", c.Image, c.ImagePullPolicy)
+		if c.Image != want || c.ImagePullPolicy != corev1.PullIfNotPresent {
+			t.Errorf("image %s pull %s: want %s, IfNotPresent (kind load image-archive)", c.Image, c.ImagePullPolicy, want)
 		}
 	}
 }
@@ -499,6 +501,99 @@ func TestRenderE2ELocal(t *testing.T) {
 	if _, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{}); err == nil {
 		t.Error("no error without a port")
 	}
+	// A digest pins the image too; no tag or latest does not.
+	const digest = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+	out, err = RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: "registry.local:5000/dirpv@" + digest})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := container(t, deployment(t, decode(t, out)).Spec.Template.Spec); c.Image != "registry.local:5000/dirpv@"+digest {
+		t.Errorf("image %s", c.Image)
+	}
+	for _, img := range []string{"registry.local:5000/dirpv", "ghcr.io/dirpv/dirpv:latest"} {
+		if _, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: img}); err == nil || !strings.Contains(err.Error(), "version tag or a digest") {
+			t.Errorf("image %s: err %v", img, err)
+		}
+	}
+}
+
+// TestImagesArePinned: no variant a user installs, nor the e2e install, runs an image by
+// "latest" or without a tag (which means latest): a node that already has an image under such
+// a name keeps running it, whatever was released since.
+func TestImagesArePinned(t *testing.T) {
+	all := variants(t)
+	kustomize, _ := tools(t)
+	out, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: "ghcr.io/dirpv/dirpv:local"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	all["e2e install"] = decode(t, out)
+	for name, objs := range all {
+		t.Run(name, func(t *testing.T) {
+			n := 0
+			for _, k := range objs.keys() {
+				for _, img := range images(objs[k].Object) {
+					n++
+					if err := pinnedImage(img); err != nil {
+						t.Errorf("%s: %v", k, err)
+					}
+				}
+			}
+			if n < 2 {
+				t.Errorf("found %d images, want at least the controller's and the node's", n)
+			}
+		})
+	}
+	// The check itself refuses what it must.
+	for _, img := range []string{"ghcr.io/dirpv/dirpv", "ghcr.io/dirpv/dirpv:latest", "registry:5000/dirpv", ""} {
+		if pinnedImage(img) == nil {
+			t.Errorf("pinnedImage(%q) accepted", img)
+		}
+	}
+	for _, img := range []string{"ghcr.io/dirpv/dirpv:v0.1.0", "registry:5000/dirpv@sha256:abc"} {
+		if err := pinnedImage(img); err != nil {
+			t.Errorf("pinnedImage(%q): %v", img, err)
+		}
+	}
+}
+
+// images returns the image of every container, init container and ephemeral container found
+// anywhere in obj, so that any workload kind is covered.
+func images(obj any) []string {
+	var out []string
+	switch v := obj.(type) {
+	case map[string]any:
+		for k, child := range v {
+			if list, ok := child.([]any); ok && (k == "containers" || k == "initContainers" || k == "ephemeralContainers") {
+				for _, c := range list {
+					if m, ok := c.(map[string]any); ok {
+						img, _ := m["image"].(string)
+						out = append(out, img)
+					}
+				}
+			}
+			out = append(out, images(child)...)
+		}
+	case []any:
+		for _, child := range v {
+			out = append(out, images(child)...)
+		}
+	}
+	return out
+}
+
+func pinnedImage(img string) error {
+	if _, _, ok := strings.Cut(img, "@"); ok {
+		return nil
+	}
+	i := strings.LastIndex(img, ":")
+	if i <= strings.LastIndex(img, "/") {
+		return fmt.Errorf("image %q has no tag (means latest)", img)
+	}
+	if img[i+1:] == "latest" {
+		return fmt.Errorf("image %q: latest", img)
+	}
+	return nil
 }
 
 // TestHelmCustomValues: the values kind does not exercise reach the right fields.
@@ -574,7 +669,9 @@ func TestHelmRejects(t *testing.T) {
 		"typo":         {[]string{"controller.replicaz=3"}, "replicaz"},
 		"bad onDelete": {[]string{"storageClasses[0].name=x", "storageClasses[0].onDelete=trash"}, "onDelete"},
 		// --set on a list index replaces the whole default list: this entry has no name.
-		"no name": {[]string{"storageClasses[0].backend=local"}, "needs a name"},
+		"no name":    {[]string{"storageClasses[0].backend=local"}, "needs a name"},
+		"latest tag": {[]string{"image.tag=latest"}, "latest refused"},
+		"bad tag":    {[]string{"image.tag=v1/x"}, "does not match pattern"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
