@@ -8,8 +8,12 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/dirpv/dirpv/provisioner"
@@ -721,5 +725,53 @@ func checkParameters(t *testing.T, sc *storagev1.StorageClass) {
 		if _, ok := sc.Parameters["server"]; ok {
 			t.Errorf("class %s: server on a local class", sc.Name)
 		}
+	}
+}
+
+// TestControllerPDB: drains take at most one controller replica at a time, the budget covers
+// exactly the controller's pods, and neither one replica nor a wedged replica blocks a drain.
+func TestControllerPDB(t *testing.T) {
+	one := intstr.FromInt32(1)
+	alwaysAllow := policyv1.AlwaysAllow
+	for name, objs := range variants(t) {
+		t.Run(name, func(t *testing.T) {
+			pdb := get[*policyv1.PodDisruptionBudget](t, objs, "PodDisruptionBudget dirpv/dirpv-controller")
+			want := policyv1.PodDisruptionBudgetSpec{
+				MaxUnavailable:             &one,
+				UnhealthyPodEvictionPolicy: &alwaysAllow,
+				Selector: &metav1.LabelSelector{MatchLabels: map[string]string{
+					"app.kubernetes.io/name": "dirpv", "app.kubernetes.io/component": "controller"}},
+			}
+			if !reflect.DeepEqual(pdb.Spec, want) {
+				t.Errorf("spec %+v, want %+v", pdb.Spec, want)
+			}
+			sel, err := metav1.LabelSelectorAsSelector(pdb.Spec.Selector)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, k := range objs.keys() {
+				u := objs[k]
+				if u.GetKind() != "Deployment" && u.GetKind() != "DaemonSet" {
+					continue
+				}
+				lbls, _, _ := unstructured.NestedStringMap(u.Object, "spec", "template", "metadata", "labels")
+				if covers := sel.Matches(labels.Set(lbls)); covers != (k == "Deployment dirpv/dirpv-controller") {
+					t.Errorf("budget covers %s's pods: %v", k, covers)
+				}
+			}
+		})
+	}
+	_, helm := tools(t)
+	for _, set := range [][]string{{"controller.podDisruptionBudget.enabled=false"}, {"controller.enabled=false"}} {
+		if objs := helmObjs(t, helm, nil, set...); len(objs.ofKind("PodDisruptionBudget")) != 0 {
+			t.Errorf("--set %v: budgets %v", set, objs.ofKind("PodDisruptionBudget"))
+		}
+	}
+	objs := helmObjs(t, helm, nil, "controller.podDisruptionBudget.maxUnavailable=50%")
+	if got := get[*policyv1.PodDisruptionBudget](t, objs, "PodDisruptionBudget dirpv/dirpv-controller").Spec.MaxUnavailable; got == nil || *got != intstr.FromString("50%") {
+		t.Errorf("maxUnavailable %v, want 50%%", got)
+	}
+	if _, err := HelmTemplate(t.Context(), helm, "dirpv", nil, "controller.podDisruptionBudget.maxUnavailable=0"); err == nil {
+		t.Error("maxUnavailable 0 accepted: it blocks every drain")
 	}
 }
