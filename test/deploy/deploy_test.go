@@ -28,8 +28,13 @@ var helmOnlyLabels = []string{"helm.sh/chart", "app.kubernetes.io/managed-by"}
 // to one variant fails here until the other follows.
 func TestHelmMatchesKindOverlay(t *testing.T) {
 	kustomize, helm := tools(t)
-	kind := kustomizeObjs(t, kustomize, "deploy/overlays/kind")
-	chart := helmObjs(t, helm, []string{"testdata/kind-values.yaml"})
+	sameObjects(t, kustomizeObjs(t, kustomize, "deploy/overlays/kind"), helmObjs(t, helm, []string{"testdata/kind-values.yaml"}))
+}
+
+// sameObjects fails unless kustomize's and helm's renders are the same objects, field for
+// field, but for Helm's own labels (which it removes from chart).
+func sameObjects(t *testing.T, kind, chart objects) {
+	t.Helper()
 	for _, u := range chart {
 		labels := u.GetLabels()
 		for _, l := range helmOnlyLabels {
@@ -47,6 +52,51 @@ func TestHelmMatchesKindOverlay(t *testing.T) {
 		if d := diff("", kind[k].Object, chart[k].Object); len(d) > 0 {
 			t.Errorf("%s differs (kustomize != helm):\n  %s", k, strings.Join(d, "\n  "))
 		}
+	}
+}
+
+// TestControllerHostNetwork: the option for NFS exports restricted to node addresses puts the
+// controller on the node's network with cluster DNS, on a port that is not the node plugin's,
+// and changes nothing else; kustomize's component and the chart's value give the same objects.
+func TestControllerHostNetwork(t *testing.T) {
+	kustomize, helm := tools(t)
+	// An overlay as deploy/README.md tells a user to write: kind plus the component.
+	withComponent := kustomizeObjs(t, kustomize, "test/deploy/testdata/controller-host-network")
+	sameObjects(t, withComponent, helmObjs(t, helm, []string{"testdata/kind-values.yaml"}, "controller.hostNetwork=true"))
+
+	kind := kustomizeObjs(t, kustomize, "deploy/overlays/kind")
+	if spec := deployment(t, kind).Spec.Template.Spec; spec.HostNetwork || spec.DNSPolicy != "" {
+		t.Errorf("default: hostNetwork %v dnsPolicy %q, want the pod network", spec.HostNetwork, spec.DNSPolicy)
+	}
+	spec := deployment(t, withComponent).Spec.Template.Spec
+	if !spec.HostNetwork || spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
+		t.Errorf("hostNetwork %v dnsPolicy %q, want true, ClusterFirstWithHostNet", spec.HostNetwork, spec.DNSPolicy)
+	}
+	port := func(spec corev1.PodSpec) int32 {
+		for _, p := range container(t, spec).Ports {
+			if p.Name == "http" {
+				return p.ContainerPort
+			}
+		}
+		t.Fatal("no http port")
+		return 0
+	}
+	if c, n := port(spec), port(daemonSet(t, withComponent).Spec.Template.Spec); c == n {
+		t.Errorf("controller and node plugin both on the host network's :%d", c)
+	}
+	// Only the two fields differ from the kind overlay.
+	if d := diff("", kind["Deployment dirpv/dirpv-controller"].Object, withComponent["Deployment dirpv/dirpv-controller"].Object); !reflect.DeepEqual(d, []string{
+		".spec.template.spec.dnsPolicy: <nil> != ClusterFirstWithHostNet", ".spec.template.spec.hostNetwork: <nil> != true"}) {
+		t.Errorf("component changes:\n  %s", strings.Join(d, "\n  "))
+	}
+	delete(kind, "Deployment dirpv/dirpv-controller")
+	delete(withComponent, "Deployment dirpv/dirpv-controller")
+	if !reflect.DeepEqual(kind, withComponent) {
+		t.Error("the component changes objects other than the controller Deployment")
+	}
+	_, err := HelmTemplate(t.Context(), helm, "dirpv", nil, "controller.hostNetwork=true", "node.httpPort=9809")
+	if err == nil || !strings.Contains(err.Error(), "would collide") {
+		t.Errorf("same ports on the host network: err %v", err)
 	}
 }
 
