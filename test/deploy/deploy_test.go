@@ -825,3 +825,130 @@ func TestControllerPDB(t *testing.T) {
 		t.Error("maxUnavailable 0 accepted: it blocks every drain")
 	}
 }
+
+// TestMetricsServices: each component has a headless Service whose http-metrics port reaches
+// the port its pods serve /metrics on, and that selects that component's pods only.
+func TestMetricsServices(t *testing.T) {
+	for name, objs := range variants(t) {
+		t.Run(name, func(t *testing.T) {
+			workloads := map[string]string{"controller": "Deployment dirpv/dirpv-controller", "node": "DaemonSet dirpv/dirpv-node"}
+			if got := objs.ofKind("Service"); !reflect.DeepEqual(got, []string{"dirpv-controller-metrics", "dirpv-node-metrics"}) {
+				t.Fatalf("services %v", got)
+			}
+			for component, workload := range workloads {
+				svc := get[*corev1.Service](t, objs, "Service dirpv/dirpv-"+component+"-metrics")
+				if svc.Spec.ClusterIP != corev1.ClusterIPNone || svc.Spec.Type != "" {
+					t.Errorf("%s: clusterIP %q type %q, want headless", svc.Name, svc.Spec.ClusterIP, svc.Spec.Type)
+				}
+				if svc.Labels["app.kubernetes.io/component"] != component {
+					t.Errorf("%s labels %v", svc.Name, svc.Labels)
+				}
+				for _, k := range objs.keys() {
+					u := objs[k]
+					if u.GetKind() != "Deployment" && u.GetKind() != "DaemonSet" {
+						continue
+					}
+					lbls, _, _ := unstructured.NestedStringMap(u.Object, "spec", "template", "metadata", "labels")
+					if selects := labels.SelectorFromSet(svc.Spec.Selector).Matches(labels.Set(lbls)); selects != (k == workload) {
+						t.Errorf("%s selects %s's pods: %v", svc.Name, k, selects)
+					}
+				}
+				var spec corev1.PodSpec
+				if component == "controller" {
+					spec = deployment(t, objs).Spec.Template.Spec
+				} else {
+					spec = daemonSet(t, objs).Spec.Template.Spec
+				}
+				c := container(t, spec)
+				var served int32
+				for _, p := range c.Ports {
+					if p.Name == "http" {
+						served = p.ContainerPort
+					}
+				}
+				want := []corev1.ServicePort{{Name: "http-metrics", Port: served, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP}}
+				if !reflect.DeepEqual(svc.Spec.Ports, want) || !contains(c.Args, fmt.Sprintf("--http-address=:%d", served)) {
+					t.Errorf("%s ports %+v, want %+v (args %v)", svc.Name, svc.Spec.Ports, want, c.Args)
+				}
+			}
+		})
+	}
+	_, helm := tools(t)
+	objs := helmObjs(t, helm, nil, "controller.httpPort=9999")
+	if p := get[*corev1.Service](t, objs, "Service dirpv/dirpv-controller-metrics").Spec.Ports[0].Port; p != 9999 {
+		t.Errorf("controller.httpPort=9999: service port %d", p)
+	}
+	if got := helmObjs(t, helm, nil, "metrics.service.enabled=false").ofKind("Service"); len(got) != 0 {
+		t.Errorf("metrics.service.enabled=false: %v", got)
+	}
+	if got := helmObjs(t, helm, nil, "controller.enabled=false").ofKind("Service"); !reflect.DeepEqual(got, []string{"dirpv-node-metrics"}) {
+		t.Errorf("controller.enabled=false: %v", got)
+	}
+}
+
+// TestServiceMonitor: off by default; when on, one ServiceMonitor that scrapes /metrics on
+// http-metrics of exactly the metrics Services, carrying the labels a Prometheus selects by.
+func TestServiceMonitor(t *testing.T) {
+	for name, objs := range variants(t) {
+		if got := objs.ofKind("ServiceMonitor"); len(got) != 0 {
+			t.Errorf("%s: ServiceMonitor %v by default", name, got)
+		}
+	}
+	_, helm := tools(t)
+	objs := helmObjs(t, helm, nil, "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom",
+		"metrics.serviceMonitor.interval=30s")
+	sm := objs["ServiceMonitor dirpv/dirpv"]
+	if sm == nil {
+		t.Fatalf("no ServiceMonitor among %v", objs.keys())
+	}
+	want := map[string]any{
+		"apiVersion": "monitoring.coreos.com/v1",
+		"kind":       "ServiceMonitor",
+		"metadata": map[string]any{
+			"name":      "dirpv",
+			"namespace": "dirpv",
+			"labels": map[string]any{
+				"app.kubernetes.io/name": "dirpv", "app.kubernetes.io/part-of": "dirpv",
+				"app.kubernetes.io/managed-by": "Helm", "helm.sh/chart": "dirpv-0.1.0", "release": "prom",
+			},
+		},
+		"spec": map[string]any{
+			"selector":          map[string]any{"matchLabels": map[string]any{"app.kubernetes.io/name": "dirpv", "app.kubernetes.io/part-of": "dirpv"}},
+			"namespaceSelector": map[string]any{"matchNames": []any{"dirpv"}},
+			"endpoints": []any{map[string]any{
+				"port": "http-metrics", "path": "/metrics", "interval": "30s",
+				"relabelings": []any{map[string]any{"sourceLabels": []any{"__meta_kubernetes_pod_node_name"}, "targetLabel": "node"}},
+			}},
+		},
+	}
+	if d := diff("", want, sm.Object); len(d) > 0 {
+		t.Errorf("ServiceMonitor differs (want != got):\n  %s", strings.Join(d, "\n  "))
+	}
+	// Its selector picks exactly the metrics Services.
+	var selected []string
+	for _, n := range objs.ofKind("Service") {
+		svc := get[*corev1.Service](t, objs, "Service dirpv/"+n)
+		if labels.SelectorFromSet(labels.Set{"app.kubernetes.io/name": "dirpv", "app.kubernetes.io/part-of": "dirpv"}).Matches(labels.Set(svc.Labels)) {
+			selected = append(selected, n)
+		}
+	}
+	if !reflect.DeepEqual(selected, []string{"dirpv-controller-metrics", "dirpv-node-metrics"}) {
+		t.Errorf("selects %v", selected)
+	}
+	if _, err := HelmTemplate(t.Context(), helm, "dirpv", nil, "metrics.serviceMonitor.enabled=true", "metrics.service.enabled=false"); err == nil ||
+		!strings.Contains(err.Error(), "needs metrics.service.enabled") {
+		t.Errorf("ServiceMonitor without Services: err %v", err)
+	}
+	// No interval: the Prometheus's own default applies.
+	sm = helmObjs(t, helm, nil, "metrics.serviceMonitor.enabled=true")["ServiceMonitor dirpv/dirpv"]
+	if sm == nil {
+		t.Fatal("no ServiceMonitor")
+	}
+	endpoints, _, _ := unstructured.NestedSlice(sm.Object, "spec", "endpoints")
+	if len(endpoints) != 1 {
+		t.Fatalf("endpoints %v", endpoints)
+	}
+	if ep, _ := endpoints[0].(map[string]any); ep == nil || ep["interval"] != nil || ep["port"] != "http-metrics" {
+		t.Errorf("endpoint %v: want port http-metrics and no interval", endpoints[0])
+	}
+}
