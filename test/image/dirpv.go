@@ -106,9 +106,12 @@ func checkHost(tools []HostTool, exists func(string) error) error {
 	if len(missing) == 0 {
 		return nil
 	}
-	return fmt.Errorf("dirpv image: this host lacks %s, which the image copies from it "+
-		"(without them dirpv's mounts fail in the cluster): install the Debian packages %s "+
-		"(apt-get install %s)", strings.Join(missing, ", "), strings.Join(pkgs, ", "), strings.Join(pkgs, " "))
+	err := fmt.Sprintf("dirpv image: this host lacks %s, which the image copies from it "+
+		"(without them dirpv's mounts fail in the cluster)", strings.Join(missing, ", "))
+	if len(pkgs) > 0 {
+		err += fmt.Sprintf(": install the Debian packages %s (apt-get install %s)", strings.Join(pkgs, ", "), strings.Join(pkgs, " "))
+	}
+	return errors.New(err)
 }
 
 // WriteDirpvTar builds the dirpv binary with the Dockerfile's flags and writes an OCI image tar
