@@ -10,7 +10,7 @@ STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
 UNIT_PKGS   := $(shell $(GO) list ./... | grep -v -e /test/integration -e /test/e2e -e /test/cluster)
 FUZZTIME    ?= 10m
 
-.PHONY: all build test test-unit test-integration test-e2e cluster-bins deploy-tools image-debs lint fmt up down bench fuzz image-tar clean
+.PHONY: all build test test-unit test-integration test-e2e cluster-bins deploy-tools lint fmt up down bench fuzz image-tar clean
 
 all: build
 
@@ -26,13 +26,13 @@ test: lint cluster-bins deploy-tools
 	  echo "tier times: unit+sanity $$((t1-start))s, integration $$((t2-t1))s, e2e $$((t3-t2))s"; \
 	  if [ $$rc -ne 0 ]; then echo "make test: a tier failed (see above)"; fi; exit $$rc
 
-test-unit: deploy-tools image-debs
+test-unit: deploy-tools
 	$(GO) test -count=1 -timeout 20m $(UNIT_PKGS)
 
 test-integration: cluster-bins
 	$(GO) test -count=1 -timeout 30m ./test/integration/...
 
-test-e2e: cluster-bins deploy-tools image-debs
+test-e2e: cluster-bins deploy-tools
 	$(GO) test -count=1 -p 1 -timeout 40m ./test/cluster/... ./test/e2e/...
 
 ## cluster-bins: build etcd and Kubernetes from the Go module proxy (cold ~15 min, cached).
@@ -47,6 +47,8 @@ deploy-tools:
 ## The tiers that build the image and `make up` install them; `make image-tar` alone refuses
 ## without them and says which to install.
 IMAGE_DEBS := mount nfs-common
+.PHONY: image-debs
+test-unit test-e2e up: image-debs
 image-debs:
 	@if [ ! -x /bin/mount ] || [ ! -x /bin/umount ] || [ ! -x /sbin/mount.nfs ] || [ ! -e /etc/netconfig ]; then \
 	  apt-get -qq -oDPkg::Lock::Timeout=600 update && \
@@ -67,7 +69,7 @@ fmt:
 	gofmt -w $$(git ls-files '*.go')
 
 ## up: a local cluster with a node, dirpv running and dirpv-local as the default class.
-up: cluster-bins image-debs
+up: cluster-bins
 	$(GO) run ./test/cluster/cmd/dirpv-cluster up --node
 	$(GO) run ./test/up
 
