@@ -1,8 +1,11 @@
 # syntax=docker/dockerfile:1
 # dirpv: one image for both `dirpv controller` and `dirpv node`.
 #
+#   V=$(git describe --tags --always --dirty)
 #   docker buildx build --platform linux/amd64,linux/arm64 \
-#     --build-arg VERSION=$(git describe --tags --always --dirty) -t ghcr.io/dirpv/dirpv:TAG .
+#     --build-arg VERSION=$V -t ghcr.io/dirpv/dirpv:$V .
+#
+# Tag with the version, never latest: deploy/ names the release's tag (deploy/README.md).
 #
 # Without a Docker engine (tests, kind): `go run ./test/image/cmd/image-tar` writes an OCI tar
 # with the same binary (same build flags) and the same mount tools, taken from the host.

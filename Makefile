@@ -43,7 +43,20 @@ cluster-bins:
 deploy-tools:
 	bash test/deploy/tools.sh all >/dev/null
 
-## image-tar: the dirpv image as an OCI tar (no Docker engine needed): bin/dirpv-image.tar
+## image-debs: the Debian packages whose tools the image copies from the host (mount, mount.nfs).
+## The tiers that build the image and `make up` install them; `make image-tar` alone refuses
+## without them and says which to install.
+IMAGE_DEBS := mount nfs-common
+.PHONY: image-debs
+test-unit test-e2e up: image-debs
+image-debs:
+	@if [ ! -x /bin/mount ] || [ ! -x /bin/umount ] || [ ! -x /sbin/mount.nfs ] || [ ! -e /etc/netconfig ]; then \
+	  apt-get -qq -oDPkg::Lock::Timeout=600 update && \
+	  DEBIAN_FRONTEND=noninteractive apt-get -qq -oDPkg::Lock::Timeout=600 install -y --no-install-recommends $(IMAGE_DEBS); \
+	fi
+
+## image-tar: the dirpv image as an OCI tar (no Docker engine needed): bin/dirpv-image.tar, named
+## ghcr.io/dirpv/dirpv:$(VERSION) (git describe), never :latest.
 image-tar:
 	$(GO) run ./test/image/cmd/image-tar -version $(VERSION)
 

@@ -104,8 +104,8 @@ func HelmTemplate(ctx context.Context, helmBin, namespace string, valuesFiles []
 type E2ELocalOptions struct {
 	// APIServerPort is the port of the apiserver on 127.0.0.1 (required).
 	APIServerPort int
-	// Image replaces ghcr.io/dirpv/dirpv:latest, e.g. the name WriteDirpvTar returned.
-	// Empty keeps it.
+	// Image replaces deploy/base's ghcr.io/dirpv/dirpv:<release>, e.g. with the name
+	// WriteDirpvTar returned; it must have a tag or a digest. Empty keeps the release's.
 	Image string
 }
 
@@ -115,6 +115,7 @@ type E2ELocalOptions struct {
 //
 //	resources: [<relative path to repo>/deploy/overlays/e2e-local]
 //	images: [{name: ghcr.io/dirpv/dirpv, newName: <repo part of Image>, newTag: <tag of Image>}]
+//	        (or digest: instead of newTag for repo@sha256:...)
 //	patches: one strategic-merge patch per workload setting env KUBERNETES_SERVICE_PORT
 func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptions) ([]byte, error) {
 	if opts.APIServerPort <= 0 || opts.APIServerPort > 65535 {
@@ -138,8 +139,11 @@ func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptio
 	}
 	fmt.Fprintf(&k, "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - %s\n", overlay)
 	if opts.Image != "" {
-		name, tag := splitImage(opts.Image)
-		fmt.Fprintf(&k, "images:\n  - name: ghcr.io/dirpv/dirpv\n    newName: %s\n    newTag: %q\n", name, tag)
+		name, field, ref, err := splitImage(opts.Image)
+		if err != nil {
+			return nil, err
+		}
+		fmt.Fprintf(&k, "images:\n  - name: ghcr.io/dirpv/dirpv\n    newName: %s\n    %s: %q\n", name, field, ref)
 	}
 	k.WriteString("patches:\n")
 	for _, w := range []struct{ kind, name string }{{"Deployment", "dirpv-controller"}, {"DaemonSet", "dirpv-node"}} {
@@ -158,13 +162,22 @@ func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptio
 	return Kustomize(ctx, kustomizeBin, dir)
 }
 
-// splitImage splits "repo[:tag]" (the registry may have a port) into repo and tag, "latest"
-// when there is none.
-func splitImage(image string) (string, string) {
-	if i := strings.LastIndex(image, ":"); i > strings.LastIndex(image, "/") {
-		return image[:i], image[i+1:]
+// splitImage splits "repo:tag" or "repo@digest" (the registry may have a port) into the repo
+// and the kustomize images field that pins it ("newTag" or "digest") with its value. An image
+// with neither is refused: it would mean whatever "latest" is on the node.
+func splitImage(image string) (name, field, ref string, err error) {
+	repo, digest, hasDigest := strings.Cut(image, "@")
+	tag := ""
+	if i := strings.LastIndex(repo, ":"); i > strings.LastIndex(repo, "/") {
+		repo, tag = repo[:i], repo[i+1:]
 	}
-	return image, "latest"
+	switch {
+	case hasDigest:
+		return repo, "digest", digest, nil // a tag next to a digest means nothing to the runtime
+	case tag != "" && tag != "latest":
+		return repo, "newTag", tag, nil
+	}
+	return "", "", "", fmt.Errorf("deploy: image %q: want a version tag or a digest, not latest or none", image)
 }
 
 // Decode splits multi-document YAML into objects, skipping empty documents (helm emits some).

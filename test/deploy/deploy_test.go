@@ -8,8 +8,12 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/dirpv/dirpv/provisioner"
@@ -24,8 +28,13 @@ var helmOnlyLabels = []string{"helm.sh/chart", "app.kubernetes.io/managed-by"}
 // to one variant fails here until the other follows.
 func TestHelmMatchesKindOverlay(t *testing.T) {
 	kustomize, helm := tools(t)
-	kind := kustomizeObjs(t, kustomize, "deploy/overlays/kind")
-	chart := helmObjs(t, helm, []string{"testdata/kind-values.yaml"})
+	sameObjects(t, kustomizeObjs(t, kustomize, "deploy/overlays/kind"), helmObjs(t, helm, []string{"testdata/kind-values.yaml"}))
+}
+
+// sameObjects fails unless kustomize's and helm's renders are the same objects, field for
+// field, but for Helm's own labels (which it removes from chart).
+func sameObjects(t *testing.T, kind, chart objects) {
+	t.Helper()
 	for _, u := range chart {
 		labels := u.GetLabels()
 		for _, l := range helmOnlyLabels {
@@ -43,6 +52,51 @@ func TestHelmMatchesKindOverlay(t *testing.T) {
 		if d := diff("", kind[k].Object, chart[k].Object); len(d) > 0 {
 			t.Errorf("%s differs (kustomize != helm):\n  %s", k, strings.Join(d, "\n  "))
 		}
+	}
+}
+
+// TestControllerHostNetwork: the option for NFS exports restricted to node addresses puts the
+// controller on the node's network with cluster DNS, on a port that is not the node plugin's,
+// and changes nothing else; kustomize's component and the chart's value give the same objects.
+func TestControllerHostNetwork(t *testing.T) {
+	kustomize, helm := tools(t)
+	// An overlay as deploy/README.md tells a user to write: kind plus the component.
+	withComponent := kustomizeObjs(t, kustomize, "test/deploy/testdata/controller-host-network")
+	sameObjects(t, withComponent, helmObjs(t, helm, []string{"testdata/kind-values.yaml"}, "controller.hostNetwork=true"))
+
+	kind := kustomizeObjs(t, kustomize, "deploy/overlays/kind")
+	if spec := deployment(t, kind).Spec.Template.Spec; spec.HostNetwork || spec.DNSPolicy != "" {
+		t.Errorf("default: hostNetwork %v dnsPolicy %q, want the pod network", spec.HostNetwork, spec.DNSPolicy)
+	}
+	spec := deployment(t, withComponent).Spec.Template.Spec
+	if !spec.HostNetwork || spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
+		t.Errorf("hostNetwork %v dnsPolicy %q, want true, ClusterFirstWithHostNet", spec.HostNetwork, spec.DNSPolicy)
+	}
+	port := func(spec corev1.PodSpec) int32 {
+		for _, p := range container(t, spec).Ports {
+			if p.Name == "http" {
+				return p.ContainerPort
+			}
+		}
+		t.Fatal("no http port")
+		return 0
+	}
+	if c, n := port(spec), port(daemonSet(t, withComponent).Spec.Template.Spec); c == n {
+		t.Errorf("controller and node plugin both on the host network's :%d", c)
+	}
+	// Only the two fields differ from the kind overlay.
+	if d := diff("", kind["Deployment dirpv/dirpv-controller"].Object, withComponent["Deployment dirpv/dirpv-controller"].Object); !reflect.DeepEqual(d, []string{
+		".spec.template.spec.dnsPolicy: <nil> != ClusterFirstWithHostNet", ".spec.template.spec.hostNetwork: <nil> != true"}) {
+		t.Errorf("component changes:\n  %s", strings.Join(d, "\n  "))
+	}
+	delete(kind, "Deployment dirpv/dirpv-controller")
+	delete(withComponent, "Deployment dirpv/dirpv-controller")
+	if !reflect.DeepEqual(kind, withComponent) {
+		t.Error("the component changes objects other than the controller Deployment")
+	}
+	_, err := HelmTemplate(t.Context(), helm, "dirpv", nil, "controller.hostNetwork=true", "node.httpPort=9809")
+	if err == nil || !strings.Contains(err.Error(), "would collide") {
+		t.Errorf("same ports on the host network: err %v", err)
 	}
 }
 
@@ -441,9 +495,11 @@ func TestKindOverlay(t *testing.T) {
 	if r := deployment(t, objs).Spec.Replicas; r == nil || *r != 2 {
 		t.Errorf("controller replicas %v, want 2", r)
 	}
+	// kubectl apply -k gets the release the chart installs by default.
+	want := "ghcr.io/dirpv/dirpv:" + chartAppVersion(t)
 	for _, c := range []corev1.Container{container(t, deployment(t, objs).Spec.Template.Spec), container(t, daemonSet(t, objs).Spec.Template.Spec)} {
-		if c.Image != "ghcr.io/dirpv/dirpv:latest" || c.ImagePullPolicy != corev1.PullIfNotPresent {
-			t.Errorf("image %s pull %s: want ghcr.io/dirpv/dirpv:latest, IfNotPresent (kind load image-archive)", c.Image, c.ImagePullPolicy)
+		if c.Image != want || c.ImagePullPolicy != corev1.PullIfNotPresent {
+			t.Errorf("image %s pull %s: want %s, IfNotPresent (kind load image-archive)", c.Image, c.ImagePullPolicy, want)
 		}
 	}
 }
@@ -499,6 +555,99 @@ func TestRenderE2ELocal(t *testing.T) {
 	if _, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{}); err == nil {
 		t.Error("no error without a port")
 	}
+	// A digest pins the image too; no tag or latest does not.
+	const digest = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+	out, err = RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: "registry.local:5000/dirpv@" + digest})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := container(t, deployment(t, decode(t, out)).Spec.Template.Spec); c.Image != "registry.local:5000/dirpv@"+digest {
+		t.Errorf("image %s", c.Image)
+	}
+	for _, img := range []string{"registry.local:5000/dirpv", "ghcr.io/dirpv/dirpv:latest"} {
+		if _, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: img}); err == nil || !strings.Contains(err.Error(), "version tag or a digest") {
+			t.Errorf("image %s: err %v", img, err)
+		}
+	}
+}
+
+// TestImagesArePinned: no variant a user installs, nor the e2e install, runs an image by
+// "latest" or without a tag (which means latest): a node that already has an image under such
+// a name keeps running it, whatever was released since.
+func TestImagesArePinned(t *testing.T) {
+	all := variants(t)
+	kustomize, _ := tools(t)
+	out, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: "ghcr.io/dirpv/dirpv:local"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	all["e2e install"] = decode(t, out)
+	for name, objs := range all {
+		t.Run(name, func(t *testing.T) {
+			n := 0
+			for _, k := range objs.keys() {
+				for _, img := range images(objs[k].Object) {
+					n++
+					if err := pinnedImage(img); err != nil {
+						t.Errorf("%s: %v", k, err)
+					}
+				}
+			}
+			if n < 2 {
+				t.Errorf("found %d images, want at least the controller's and the node's", n)
+			}
+		})
+	}
+	// The check itself refuses what it must.
+	for _, img := range []string{"ghcr.io/dirpv/dirpv", "ghcr.io/dirpv/dirpv:latest", "registry:5000/dirpv", ""} {
+		if pinnedImage(img) == nil {
+			t.Errorf("pinnedImage(%q) accepted", img)
+		}
+	}
+	for _, img := range []string{"ghcr.io/dirpv/dirpv:v0.1.0", "registry:5000/dirpv@sha256:abc"} {
+		if err := pinnedImage(img); err != nil {
+			t.Errorf("pinnedImage(%q): %v", img, err)
+		}
+	}
+}
+
+// images returns the image of every container, init container and ephemeral container found
+// anywhere in obj, so that any workload kind is covered.
+func images(obj any) []string {
+	var out []string
+	switch v := obj.(type) {
+	case map[string]any:
+		for k, child := range v {
+			if list, ok := child.([]any); ok && (k == "containers" || k == "initContainers" || k == "ephemeralContainers") {
+				for _, c := range list {
+					if m, ok := c.(map[string]any); ok {
+						img, _ := m["image"].(string)
+						out = append(out, img)
+					}
+				}
+			}
+			out = append(out, images(child)...)
+		}
+	case []any:
+		for _, child := range v {
+			out = append(out, images(child)...)
+		}
+	}
+	return out
+}
+
+func pinnedImage(img string) error {
+	if _, _, ok := strings.Cut(img, "@"); ok {
+		return nil
+	}
+	i := strings.LastIndex(img, ":")
+	if i <= strings.LastIndex(img, "/") {
+		return fmt.Errorf("image %q has no tag (means latest)", img)
+	}
+	if img[i+1:] == "latest" {
+		return fmt.Errorf("image %q: latest", img)
+	}
+	return nil
 }
 
 // TestHelmCustomValues: the values kind does not exercise reach the right fields.
@@ -574,7 +723,9 @@ func TestHelmRejects(t *testing.T) {
 		"typo":         {[]string{"controller.replicaz=3"}, "replicaz"},
 		"bad onDelete": {[]string{"storageClasses[0].name=x", "storageClasses[0].onDelete=trash"}, "onDelete"},
 		// --set on a list index replaces the whole default list: this entry has no name.
-		"no name": {[]string{"storageClasses[0].backend=local"}, "needs a name"},
+		"no name":    {[]string{"storageClasses[0].backend=local"}, "needs a name"},
+		"latest tag": {[]string{"image.tag=latest"}, "latest refused"},
+		"bad tag":    {[]string{"image.tag=v1/x"}, "does not match pattern"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -624,5 +775,180 @@ func checkParameters(t *testing.T, sc *storagev1.StorageClass) {
 		if _, ok := sc.Parameters["server"]; ok {
 			t.Errorf("class %s: server on a local class", sc.Name)
 		}
+	}
+}
+
+// TestControllerPDB: drains take at most one controller replica at a time, the budget covers
+// exactly the controller's pods, and neither one replica nor a wedged replica blocks a drain.
+func TestControllerPDB(t *testing.T) {
+	one := intstr.FromInt32(1)
+	alwaysAllow := policyv1.AlwaysAllow
+	for name, objs := range variants(t) {
+		t.Run(name, func(t *testing.T) {
+			pdb := get[*policyv1.PodDisruptionBudget](t, objs, "PodDisruptionBudget dirpv/dirpv-controller")
+			want := policyv1.PodDisruptionBudgetSpec{
+				MaxUnavailable:             &one,
+				UnhealthyPodEvictionPolicy: &alwaysAllow,
+				Selector: &metav1.LabelSelector{MatchLabels: map[string]string{
+					"app.kubernetes.io/name": "dirpv", "app.kubernetes.io/component": "controller"}},
+			}
+			if !reflect.DeepEqual(pdb.Spec, want) {
+				t.Errorf("spec %+v, want %+v", pdb.Spec, want)
+			}
+			sel, err := metav1.LabelSelectorAsSelector(pdb.Spec.Selector)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, k := range objs.keys() {
+				u := objs[k]
+				if u.GetKind() != "Deployment" && u.GetKind() != "DaemonSet" {
+					continue
+				}
+				lbls, _, _ := unstructured.NestedStringMap(u.Object, "spec", "template", "metadata", "labels")
+				if covers := sel.Matches(labels.Set(lbls)); covers != (k == "Deployment dirpv/dirpv-controller") {
+					t.Errorf("budget covers %s's pods: %v", k, covers)
+				}
+			}
+		})
+	}
+	_, helm := tools(t)
+	for _, set := range [][]string{{"controller.podDisruptionBudget.enabled=false"}, {"controller.enabled=false"}} {
+		if objs := helmObjs(t, helm, nil, set...); len(objs.ofKind("PodDisruptionBudget")) != 0 {
+			t.Errorf("--set %v: budgets %v", set, objs.ofKind("PodDisruptionBudget"))
+		}
+	}
+	objs := helmObjs(t, helm, nil, "controller.podDisruptionBudget.maxUnavailable=50%")
+	if got := get[*policyv1.PodDisruptionBudget](t, objs, "PodDisruptionBudget dirpv/dirpv-controller").Spec.MaxUnavailable; got == nil || *got != intstr.FromString("50%") {
+		t.Errorf("maxUnavailable %v, want 50%%", got)
+	}
+	if _, err := HelmTemplate(t.Context(), helm, "dirpv", nil, "controller.podDisruptionBudget.maxUnavailable=0"); err == nil {
+		t.Error("maxUnavailable 0 accepted: it blocks every drain")
+	}
+}
+
+// TestMetricsServices: each component has a headless Service whose http-metrics port reaches
+// the port its pods serve /metrics on, and that selects that component's pods only.
+func TestMetricsServices(t *testing.T) {
+	for name, objs := range variants(t) {
+		t.Run(name, func(t *testing.T) {
+			workloads := map[string]string{"controller": "Deployment dirpv/dirpv-controller", "node": "DaemonSet dirpv/dirpv-node"}
+			if got := objs.ofKind("Service"); !reflect.DeepEqual(got, []string{"dirpv-controller-metrics", "dirpv-node-metrics"}) {
+				t.Fatalf("services %v", got)
+			}
+			for component, workload := range workloads {
+				svc := get[*corev1.Service](t, objs, "Service dirpv/dirpv-"+component+"-metrics")
+				if svc.Spec.ClusterIP != corev1.ClusterIPNone || svc.Spec.Type != "" {
+					t.Errorf("%s: clusterIP %q type %q, want headless", svc.Name, svc.Spec.ClusterIP, svc.Spec.Type)
+				}
+				if svc.Labels["app.kubernetes.io/component"] != component {
+					t.Errorf("%s labels %v", svc.Name, svc.Labels)
+				}
+				for _, k := range objs.keys() {
+					u := objs[k]
+					if u.GetKind() != "Deployment" && u.GetKind() != "DaemonSet" {
+						continue
+					}
+					lbls, _, _ := unstructured.NestedStringMap(u.Object, "spec", "template", "metadata", "labels")
+					if selects := labels.SelectorFromSet(svc.Spec.Selector).Matches(labels.Set(lbls)); selects != (k == workload) {
+						t.Errorf("%s selects %s's pods: %v", svc.Name, k, selects)
+					}
+				}
+				var spec corev1.PodSpec
+				if component == "controller" {
+					spec = deployment(t, objs).Spec.Template.Spec
+				} else {
+					spec = daemonSet(t, objs).Spec.Template.Spec
+				}
+				c := container(t, spec)
+				var served int32
+				for _, p := range c.Ports {
+					if p.Name == "http" {
+						served = p.ContainerPort
+					}
+				}
+				want := []corev1.ServicePort{{Name: "http-metrics", Port: served, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP}}
+				if !reflect.DeepEqual(svc.Spec.Ports, want) || !contains(c.Args, fmt.Sprintf("--http-address=:%d", served)) {
+					t.Errorf("%s ports %+v, want %+v (args %v)", svc.Name, svc.Spec.Ports, want, c.Args)
+				}
+			}
+		})
+	}
+	_, helm := tools(t)
+	objs := helmObjs(t, helm, nil, "controller.httpPort=9999")
+	if p := get[*corev1.Service](t, objs, "Service dirpv/dirpv-controller-metrics").Spec.Ports[0].Port; p != 9999 {
+		t.Errorf("controller.httpPort=9999: service port %d", p)
+	}
+	if got := helmObjs(t, helm, nil, "metrics.service.enabled=false").ofKind("Service"); len(got) != 0 {
+		t.Errorf("metrics.service.enabled=false: %v", got)
+	}
+	if got := helmObjs(t, helm, nil, "controller.enabled=false").ofKind("Service"); !reflect.DeepEqual(got, []string{"dirpv-node-metrics"}) {
+		t.Errorf("controller.enabled=false: %v", got)
+	}
+}
+
+// TestServiceMonitor: off by default; when on, one ServiceMonitor that scrapes /metrics on
+// http-metrics of exactly the metrics Services, carrying the labels a Prometheus selects by.
+func TestServiceMonitor(t *testing.T) {
+	for name, objs := range variants(t) {
+		if got := objs.ofKind("ServiceMonitor"); len(got) != 0 {
+			t.Errorf("%s: ServiceMonitor %v by default", name, got)
+		}
+	}
+	_, helm := tools(t)
+	objs := helmObjs(t, helm, nil, "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom",
+		"metrics.serviceMonitor.interval=30s")
+	sm := objs["ServiceMonitor dirpv/dirpv"]
+	if sm == nil {
+		t.Fatalf("no ServiceMonitor among %v", objs.keys())
+	}
+	want := map[string]any{
+		"apiVersion": "monitoring.coreos.com/v1",
+		"kind":       "ServiceMonitor",
+		"metadata": map[string]any{
+			"name":      "dirpv",
+			"namespace": "dirpv",
+			"labels": map[string]any{
+				"app.kubernetes.io/name": "dirpv", "app.kubernetes.io/part-of": "dirpv",
+				"app.kubernetes.io/managed-by": "Helm", "helm.sh/chart": "dirpv-0.1.0", "release": "prom",
+			},
+		},
+		"spec": map[string]any{
+			"selector":          map[string]any{"matchLabels": map[string]any{"app.kubernetes.io/name": "dirpv", "app.kubernetes.io/part-of": "dirpv"}},
+			"namespaceSelector": map[string]any{"matchNames": []any{"dirpv"}},
+			"endpoints": []any{map[string]any{
+				"port": "http-metrics", "path": "/metrics", "interval": "30s",
+				"relabelings": []any{map[string]any{"sourceLabels": []any{"__meta_kubernetes_pod_node_name"}, "targetLabel": "node"}},
+			}},
+		},
+	}
+	if d := diff("", want, sm.Object); len(d) > 0 {
+		t.Errorf("ServiceMonitor differs (want != got):\n  %s", strings.Join(d, "\n  "))
+	}
+	// Its selector picks exactly the metrics Services.
+	var selected []string
+	for _, n := range objs.ofKind("Service") {
+		svc := get[*corev1.Service](t, objs, "Service dirpv/"+n)
+		if labels.SelectorFromSet(labels.Set{"app.kubernetes.io/name": "dirpv", "app.kubernetes.io/part-of": "dirpv"}).Matches(labels.Set(svc.Labels)) {
+			selected = append(selected, n)
+		}
+	}
+	if !reflect.DeepEqual(selected, []string{"dirpv-controller-metrics", "dirpv-node-metrics"}) {
+		t.Errorf("selects %v", selected)
+	}
+	if _, err := HelmTemplate(t.Context(), helm, "dirpv", nil, "metrics.serviceMonitor.enabled=true", "metrics.service.enabled=false"); err == nil ||
+		!strings.Contains(err.Error(), "needs metrics.service.enabled") {
+		t.Errorf("ServiceMonitor without Services: err %v", err)
+	}
+	// No interval: the Prometheus's own default applies.
+	sm = helmObjs(t, helm, nil, "metrics.serviceMonitor.enabled=true")["ServiceMonitor dirpv/dirpv"]
+	if sm == nil {
+		t.Fatal("no ServiceMonitor")
+	}
+	endpoints, _, _ := unstructured.NestedSlice(sm.Object, "spec", "endpoints")
+	if len(endpoints) != 1 {
+		t.Fatalf("endpoints %v", endpoints)
+	}
+	if ep, _ := endpoints[0].(map[string]any); ep == nil || ep["interval"] != nil || ep["port"] != "http-metrics" {
+		t.Errorf("endpoint %v: want port http-metrics and no interval", endpoints[0])
 	}
 }

@@ -3,6 +3,7 @@ package deploy
 import (
 	"errors"
 	"fmt"
+	"os"
 	"reflect"
 	"sort"
 	"strings"
@@ -14,6 +15,7 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
 )
 
@@ -33,6 +35,22 @@ func tools(t *testing.T) (kustomize, helm string) {
 		paths[i] = p
 	}
 	return paths[0], paths[1]
+}
+
+// chartAppVersion is deploy/helm/dirpv's appVersion, the release the chart installs.
+func chartAppVersion(t *testing.T) string {
+	t.Helper()
+	data, err := os.ReadFile(repoPath(t, "deploy/helm/dirpv/Chart.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var chart struct {
+		AppVersion string `json:"appVersion"`
+	}
+	if err := utilyaml.Unmarshal(data, &chart); err != nil || chart.AppVersion == "" {
+		t.Fatalf("Chart.yaml appVersion %q: %v", chart.AppVersion, err)
+	}
+	return chart.AppVersion
 }
 
 func repoPath(t *testing.T, rel string) string {

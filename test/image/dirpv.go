@@ -10,9 +10,14 @@ import (
 	"os/exec"
 	"path"
 	"path/filepath"
+	"regexp"
 	"runtime"
+	"slices"
 	"strings"
 )
+
+// validTag is the OCI distribution spec's grammar of a tag.
+var validTag = regexp.MustCompile(`^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$`)
 
 // DirpvRepository is the image name deploy/ refers to.
 const DirpvRepository = "ghcr.io/dirpv/dirpv"
@@ -25,7 +30,8 @@ type DirpvOptions struct {
 	// ModuleDir is the dirpv module's root (holding go.mod); empty means the one `go env GOMOD`
 	// finds from the current directory.
 	ModuleDir string
-	// Tag of ghcr.io/dirpv/dirpv; empty means "latest", the tag deploy/base uses.
+	// Tag of ghcr.io/dirpv/dirpv; empty means Version, so that every build of another commit
+	// gets another name (never "latest": a node that has an image under a name keeps running it).
 	Tag string
 	// Version is linked into the binary as internal/daemon.Version; empty means
 	// `git describe --tags --always --dirty` in ModuleDir, or "dev" without git.
@@ -39,30 +45,74 @@ type DirpvOptions struct {
 	HostTools []HostTool
 }
 
-// HostTool is a host program to carry into the image.
+// HostTool is a host program to carry into the image. Every one is required: an image without
+// one of them would start and then fail its first mount.
 type HostTool struct {
 	// Path on the host, which is also its path in the image (symlinks on the way, such as a
 	// merged /usr's /bin -> usr/bin, are reproduced as symlinks).
 	Path string
-	// Optional tools are skipped when the host lacks them.
-	Optional bool
+	// Package is the Debian package that installs Path, named when the host lacks it.
+	Package string
 	// Aliases are extra names in the same directory that are symlinks to Path (as Debian
 	// ships mount.nfs4 -> mount.nfs).
 	Aliases []string
 }
 
-// DefaultHostTools mirror the Dockerfile's runtime packages: util-linux mount/umount, which
-// dirpv runs for every bind mount, and nfs-common's mount.nfs when the host has it (mount(8)
-// looks for /sbin/mount.<type>).
+// DefaultHostTools mirror the Dockerfile's runtime packages: mount/umount, which dirpv runs for
+// every bind mount, and mount.nfs, which mount(8) runs (as /sbin/mount.<type>) for every NFS
+// mount of the controller and the node plugin.
 var DefaultHostTools = []HostTool{
-	{Path: "/bin/mount"},
-	{Path: "/bin/umount"},
-	{Path: "/sbin/mount.nfs", Optional: true, Aliases: []string{"mount.nfs4", "umount.nfs", "umount.nfs4"}},
+	{Path: "/bin/mount", Package: "mount"},
+	{Path: "/bin/umount", Package: "mount"},
+	{Path: "/sbin/mount.nfs", Package: "nfs-common", Aliases: []string{"mount.nfs4", "umount.nfs", "umount.nfs4"}},
 }
 
-// hostFiles are copied when the host has them: libtirpc reads /etc/netconfig to pick
-// transports for mount.nfs's RPC calls (NFSv3 fails without it).
-var hostFiles = []string{"/etc/netconfig"}
+// hostFile is a data file copied into the image as it is.
+type hostFile struct{ path, pkg string }
+
+// hostFiles: libtirpc reads /etc/netconfig to pick transports for mount.nfs's RPC calls (NFSv3
+// fails without it).
+var hostFiles = []hostFile{{"/etc/netconfig", "libtirpc-common"}}
+
+// checkHost returns one error naming every host file the image needs and the host lacks, with
+// the Debian packages that provide them, so that a host without nfs-common gets no image rather
+// than one whose NFS mounts fail in the cluster. exists is os.Stat in WriteDirpvTar.
+func checkHost(tools []HostTool, exists func(string) error) error {
+	var missing, pkgs []string
+	need := func(p, pkg string) error {
+		err := exists(p)
+		if err == nil {
+			return nil
+		}
+		if !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("dirpv image: host tool %s: %w", p, err)
+		}
+		missing = append(missing, p)
+		if pkg != "" && !slices.Contains(pkgs, pkg) {
+			pkgs = append(pkgs, pkg)
+		}
+		return nil
+	}
+	for _, t := range tools {
+		if err := need(t.Path, t.Package); err != nil {
+			return err
+		}
+	}
+	for _, f := range hostFiles {
+		if err := need(f.path, f.pkg); err != nil {
+			return err
+		}
+	}
+	if len(missing) == 0 {
+		return nil
+	}
+	err := fmt.Sprintf("dirpv image: this host lacks %s, which the image copies from it "+
+		"(without them dirpv's mounts fail in the cluster)", strings.Join(missing, ", "))
+	if len(pkgs) > 0 {
+		err += fmt.Sprintf(": install the Debian packages %s (apt-get install %s)", strings.Join(pkgs, ", "), strings.Join(pkgs, " "))
+	}
+	return errors.New(err)
+}
 
 // WriteDirpvTar builds the dirpv binary with the Dockerfile's flags and writes an OCI image tar
 // of ghcr.io/dirpv/dirpv:<tag> whose content mirrors the Dockerfile's runtime stage: the static
@@ -85,17 +135,26 @@ func WriteDirpvTar(ctx context.Context, opts DirpvOptions) (tarPath, imageName s
 		}
 		opts.ModuleDir = filepath.Dir(gomod)
 	}
-	if opts.Tag == "" {
-		opts.Tag = "latest"
-	}
 	if opts.Version == "" {
 		opts.Version = gitVersion(ctx, opts.ModuleDir)
+	}
+	if opts.Tag == "" {
+		opts.Tag = opts.Version
+	}
+	if !validTag.MatchString(opts.Tag) {
+		return "", "", fmt.Errorf("dirpv image: %q is not a valid image tag ([A-Za-z0-9_][A-Za-z0-9_.-]{0,127})", opts.Tag)
+	}
+	if opts.Tag == "latest" {
+		return "", "", errors.New(`dirpv image: tag "latest" refused: deploy/ references versions, and a node keeps running whatever it has under a reused name`)
 	}
 	if opts.Output == "" {
 		opts.Output = filepath.Join(opts.ModuleDir, "bin", "dirpv-image.tar")
 	}
 	if opts.HostTools == nil {
 		opts.HostTools = DefaultHostTools
+	}
+	if err := checkHost(opts.HostTools, func(p string) error { _, err := os.Stat(p); return err }); err != nil {
+		return "", "", err
 	}
 	imageName = DirpvRepository + ":" + opts.Tag
 	if err := os.MkdirAll(filepath.Dir(opts.Output), 0o755); err != nil {
@@ -122,12 +181,6 @@ func WriteDirpvTar(ctx context.Context, opts DirpvOptions) (tarPath, imageName s
 	}
 	c := newCollector()
 	for _, t := range opts.HostTools {
-		if _, err := os.Stat(t.Path); err != nil {
-			if t.Optional && errors.Is(err, os.ErrNotExist) {
-				continue
-			}
-			return "", "", fmt.Errorf("dirpv image: host tool %s: %w", t.Path, err)
-		}
 		if err := c.addBinary(ctx, t.Path); err != nil {
 			return "", "", fmt.Errorf("dirpv image: %w", err)
 		}
@@ -139,10 +192,8 @@ func WriteDirpvTar(ctx context.Context, opts DirpvOptions) (tarPath, imageName s
 		}
 	}
 	for _, f := range hostFiles {
-		if _, err := os.Stat(f); err == nil {
-			if err := c.addPath(f); err != nil {
-				return "", "", fmt.Errorf("dirpv image: %w", err)
-			}
+		if err := c.addPath(f.path); err != nil {
+			return "", "", fmt.Errorf("dirpv image: %w", err)
 		}
 	}
 	files = append(files, c.files()...)

@@ -12,7 +12,9 @@ import (
 	"path"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
+	"syscall"
 	"testing"
 )
 
@@ -163,15 +165,16 @@ func TestWriteDirpvTar(t *testing.T) {
 	}
 	const version = "v0.0.0-imagetest"
 	out := filepath.Join(t.TempDir(), "dirpv.tar")
-	got, name, err := WriteDirpvTar(t.Context(), DirpvOptions{Tag: "test", Version: version, Output: out})
+	// No Tag: the image is named after the version, as `make image-tar` names it.
+	got, name, err := WriteDirpvTar(t.Context(), DirpvOptions{Version: version, Output: out})
 	if err != nil {
-		t.Fatal(err)
+		t.Fatal(err) // on a host without nfs-common, the error says so; make test-unit installs it
 	}
-	if got != out || name != "ghcr.io/dirpv/dirpv:test" {
+	if got != out || name != "ghcr.io/dirpv/dirpv:"+version {
 		t.Errorf("WriteDirpvTar = %s, %s", got, name)
 	}
 	annotations, config, l := readImage(t, out)
-	if annotations["io.containerd.image.name"] != "ghcr.io/dirpv/dirpv:test" {
+	if annotations["io.containerd.image.name"] != "ghcr.io/dirpv/dirpv:"+version {
 		t.Errorf("annotations %v", annotations)
 	}
 	cfg, _ := config["config"].(map[string]any)
@@ -185,11 +188,10 @@ func TestWriteDirpvTar(t *testing.T) {
 	if h := l.hdr["usr/local/bin/dirpv"]; h == nil || h.Mode&0o111 == 0 {
 		t.Fatalf("no executable usr/local/bin/dirpv: %+v", h)
 	}
-	tools := []string{"/bin/mount", "/bin/umount"}
-	if _, err := os.Stat("/sbin/mount.nfs"); err == nil {
-		tools = append(tools, "/sbin/mount.nfs", "/sbin/mount.nfs4", "/sbin/umount.nfs")
+	if real := l.resolve(t, "/etc/netconfig"); real != "" && l.hdr[real].Typeflag != tar.TypeReg {
+		t.Errorf("/etc/netconfig -> %s is not a file", real)
 	}
-	for _, tool := range tools {
+	for _, tool := range []string{"/bin/mount", "/bin/umount", "/sbin/mount.nfs", "/sbin/mount.nfs4", "/sbin/umount.nfs"} {
 		real := l.resolve(t, tool)
 		if real == "" {
 			continue
@@ -235,7 +237,7 @@ func TestWriteDirpvTar(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	for _, argv := range [][]string{{"/usr/local/bin/dirpv", "version"}, {"/bin/mount", "--version"}, {"/bin/umount", "--version"}} {
+	for _, argv := range [][]string{{"/usr/local/bin/dirpv", "version"}, {"/bin/mount", "--version"}, {"/bin/umount", "--version"}, {"/sbin/mount.nfs", "-V"}} {
 		cmd := exec.CommandContext(t.Context(), "chroot", append([]string{root}, argv...)...)
 		b, err := cmd.CombinedOutput()
 		if err != nil {
@@ -245,5 +247,84 @@ func TestWriteDirpvTar(t *testing.T) {
 		if argv[1] == "version" && strings.TrimSpace(string(b)) != version {
 			t.Errorf("dirpv version %q, want %s (ldflags)", b, version)
 		}
+	}
+}
+
+// TestCheckHostNamesMissingPackages: a host without nfs-common (or util-linux's mount) gets an
+// error naming each missing file and the package to install, never an image without them.
+func TestCheckHostNamesMissingPackages(t *testing.T) {
+	lacking := func(missing ...string) func(string) error {
+		return func(p string) error {
+			if slices.Contains(missing, p) {
+				return &os.PathError{Op: "stat", Path: p, Err: syscall.ENOENT}
+			}
+			return nil
+		}
+	}
+	if err := checkHost(DefaultHostTools, lacking()); err != nil {
+		t.Errorf("nothing missing: %v", err)
+	}
+	cases := map[string]struct {
+		missing []string
+		want    []string
+	}{
+		"no nfs-common": {[]string{"/sbin/mount.nfs"}, []string{"/sbin/mount.nfs", "install the Debian packages nfs-common ", "apt-get install nfs-common)"}},
+		"no mount":      {[]string{"/bin/mount", "/bin/umount"}, []string{"/bin/mount, /bin/umount", "apt-get install mount)"}},
+		"both":          {[]string{"/bin/umount", "/sbin/mount.nfs"}, []string{"/bin/umount, /sbin/mount.nfs", "apt-get install mount nfs-common)"}},
+		"no netconfig":  {[]string{"/etc/netconfig"}, []string{"/etc/netconfig", "apt-get install libtirpc-common)"}},
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			err := checkHost(DefaultHostTools, lacking(tc.missing...))
+			if err == nil {
+				t.Fatal("no error")
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q lacks %q", err, w)
+				}
+			}
+		})
+	}
+	// Any other failure is reported as it is, not as a package to install.
+	err := checkHost(DefaultHostTools, func(p string) error {
+		return &os.PathError{Op: "stat", Path: p, Err: syscall.EACCES}
+	})
+	if !errors.Is(err, syscall.EACCES) || strings.Contains(err.Error(), "apt-get") {
+		t.Errorf("EACCES: %v", err)
+	}
+}
+
+// TestWriteDirpvTarRefuses: a missing host tool or a reusable tag stops WriteDirpvTar before it
+// builds anything, and no tar is left behind.
+func TestWriteDirpvTarRefuses(t *testing.T) {
+	dir := t.TempDir()
+	// Never built: each case fails before the binary would be used.
+	bin := filepath.Join(dir, "no-such-dirpv")
+	missing := filepath.Join(dir, "sbin", "mount.nfs")
+	cases := map[string]struct {
+		opts DirpvOptions
+		want string
+	}{
+		"missing tool": {DirpvOptions{Tag: "t", HostTools: []HostTool{{Path: missing, Package: "nfs-common"}}}, missing + ", which the image copies"},
+		"latest":       {DirpvOptions{Tag: "latest"}, `tag "latest" refused`},
+		"bad tag":      {DirpvOptions{Tag: "v1/evil"}, "not a valid image tag"},
+		"bad version":  {DirpvOptions{Version: "1.0+build"}, "not a valid image tag"},
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			out := filepath.Join(dir, name+".tar")
+			tc.opts.Output, tc.opts.Binary, tc.opts.ModuleDir = out, bin, dir
+			if tc.opts.Version == "" {
+				tc.opts.Version = "v1"
+			}
+			_, _, err := WriteDirpvTar(t.Context(), tc.opts)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("err %v, want one containing %q", err, tc.want)
+			}
+			if _, err := os.Stat(out); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("%s: %v, want no tar", out, err)
+			}
+		})
 	}
 }

@@ -11,7 +11,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{- define "dirpv.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- $tag := .Values.image.tag | default .Chart.AppVersion -}}
+{{- if eq $tag "latest" -}}
+{{- fail "image.tag: latest refused; name a version (a node keeps running whatever it already has under a reused tag)" -}}
+{{- end -}}
+{{ .Values.image.repository }}:{{ $tag }}
 {{- end -}}
 
 {{/*

@@ -1,8 +1,9 @@
 // Command image-tar builds the dirpv binary and writes an OCI image tar of
 // ghcr.io/dirpv/dirpv:<tag> without a Docker engine or registry, mirroring the Dockerfile's
-// runtime stage with the host's mount tools. It prints the tar's path on stdout.
+// runtime stage with the host's mount tools (it refuses when the host lacks one, naming the
+// Debian package). It prints the tar's path on stdout and the image's name on stderr.
 //
-//	go run ./test/image/cmd/image-tar [-tag latest] [-o bin/dirpv-image.tar]
+//	go run ./test/image/cmd/image-tar [-tag TAG] [-version VERSION] [-o bin/dirpv-image.tar]
 //	ctr -n k8s.io images import bin/dirpv-image.tar     # or: kind load image-archive ...
 package main
 
@@ -19,7 +20,7 @@ import (
 
 func main() {
 	var opts image.DirpvOptions
-	flag.StringVar(&opts.Tag, "tag", "latest", "Tag of "+image.DirpvRepository+".")
+	flag.StringVar(&opts.Tag, "tag", "", "Tag of "+image.DirpvRepository+". Default: the version.")
 	flag.StringVar(&opts.Output, "o", "", "Output tar. Default: <module root>/bin/dirpv-image.tar.")
 	flag.StringVar(&opts.Version, "version", "", "Version linked into the binary. Default: git describe --tags --always --dirty.")
 	flag.StringVar(&opts.Binary, "binary", "", "Use this prebuilt static dirpv instead of building one.")
