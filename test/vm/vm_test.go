@@ -81,6 +81,44 @@ func TestRunDeadline(t *testing.T) {
 	checkNothingLeft(t, before)
 }
 
+// TestKernel builds the guest-side tests of package kernel, runs them in the VM and passes if
+// they do. DIRPV_VM_RUN passes a -test.run pattern to them.
+func TestKernel(t *testing.T) {
+	img := prepare(t)
+	before := shareDirs(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer cancel()
+	bin, cleanup, err := BuildTest(ctx, "github.com/dirpv/dirpv/test/vm/kernel")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cleanup()
+	const guestTimeout = 15 * time.Minute
+	args := []string{bin.Path, "-test.v", "-test.timeout", guestTimeout.String()}
+	if run := os.Getenv("DIRPV_VM_RUN"); run != "" {
+		args = append(args, "-test.run", run)
+	}
+	res, err := Run(ctx, img, Command{Args: args, Dir: bin.Dir, Timeout: guestTimeout + time.Minute, Output: &logWriter{t: t}})
+	if err != nil {
+		t.Fatalf("running the guest tests: %v", err)
+	}
+	t.Logf("guest: boot %v, tests %v, exit status %d", res.Boot.Round(time.Second), res.Run.Round(time.Second), res.ExitCode)
+	if res.ExitCode != 0 {
+		var failed []string
+		for _, l := range strings.Split(string(res.Output), "\n") {
+			if strings.Contains(l, "--- FAIL") {
+				failed = append(failed, strings.TrimSpace(l))
+			}
+		}
+		t.Fatalf("guest tests failed (exit status %d): %v", res.ExitCode, failed)
+	}
+	if !bytes.Contains(res.Output, []byte("--- PASS")) {
+		t.Fatalf("the guest ran no test")
+	}
+	cleanup()
+	checkNothingLeft(t, before)
+}
+
 // TestModuleOrder: the initramfs loads every module after the modules it depends on.
 func TestModuleOrder(t *testing.T) {
 	img := prepare(t)
