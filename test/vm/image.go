@@ -91,9 +91,9 @@ func Prepare(ctx context.Context, progress io.Writer) (*Image, error) {
 	fmt.Fprintf(progress, "dirpv-vm: preparing kernel %s in %s (cold start, about a minute)\n", version, img.Dir)
 	// Built beside the final directory and renamed into place, so that an interrupted build
 	// is never mistaken for a cached one.
-	tmp, err := os.MkdirTemp(cache, version+".tmp-")
+	tmp, err := ownedTempDir(cache, version+".tmp-")
 	if err != nil {
-		return nil, fmt.Errorf("vm: %w", err)
+		return nil, err
 	}
 	defer os.RemoveAll(tmp)
 	// apt-get download runs as the _apt user where it can, which must be able to enter tmp.

@@ -27,9 +27,9 @@ func BuildTest(ctx context.Context, pkg string) (_ *TestBinary, cleanup func(), 
 	if err := os.MkdirAll(cache, 0o755); err != nil {
 		return nil, nil, fmt.Errorf("vm: %w", err)
 	}
-	dir, err := os.MkdirTemp(cache, "testbin-")
+	dir, err := ownedTempDir(cache, "testbin-")
 	if err != nil {
-		return nil, nil, fmt.Errorf("vm: %w", err)
+		return nil, nil, err
 	}
 	cleanup = func() { os.RemoveAll(dir) }
 	defer func() {

@@ -83,9 +83,9 @@ func Run(ctx context.Context, img *Image, cmd Command) (*Result, error) {
 	if cmd.Dir == "" {
 		cmd.Dir = "/"
 	}
-	share, err := os.MkdirTemp("", "dirpv-vm-")
+	share, err := ownedTempDir("", "dirpv-vm-")
 	if err != nil {
-		return nil, fmt.Errorf("vm: %w", err)
+		return nil, err
 	}
 	defer os.RemoveAll(share)
 	if err := writeStage2(share, img, cmd); err != nil {

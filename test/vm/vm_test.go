@@ -19,7 +19,7 @@ func prepare(t *testing.T) *Image {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
-	img, err := Prepare(ctx, &logWriter{t: t})
+	img, err := Prepare(ctx, os.Stderr) // a cold start prints its progress at once
 	if err != nil {
 		t.Fatalf("the VM cannot start on this machine: %v", err)
 	}
