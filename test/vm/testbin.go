@@ -3,10 +3,12 @@ package vm
 import (
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"time"
 )
 
 // TestBinary is a Go test binary built on the host for running in the guest.
@@ -46,4 +48,36 @@ func BuildTest(ctx context.Context, pkg string) (_ *TestBinary, cleanup func(), 
 		return nil, nil, fmt.Errorf("vm: go test -c %s: %w\n%s", pkg, err, out)
 	}
 	return bin, cleanup, nil
+}
+
+// GoTest is a Go test package to run in the guest with RunTest.
+type GoTest struct {
+	// Package is the import path or ./relative package.
+	Package string
+	// Flags are extra test flags (-test.run=...).
+	Flags []string
+	// Timeout is the test binary's -test.timeout; the guest command gets a minute more, so
+	// that the binary's own timeout, which names the hanging test, fires first. 0 means
+	// DefaultTimeout.
+	Timeout time.Duration
+	// BootTimeout and Output are as in Command.
+	BootTimeout time.Duration
+	Output      io.Writer
+}
+
+// RunTest builds tst.Package's test binary on the host, runs it with -test.v in the guest from
+// the package's directory (as go test does) and returns the guest's Result. A failing test is
+// a Result with a non-zero ExitCode.
+func RunTest(ctx context.Context, img *Image, tst GoTest) (*Result, error) {
+	bin, cleanup, err := BuildTest(ctx, tst.Package)
+	if err != nil {
+		return nil, err
+	}
+	defer cleanup()
+	if tst.Timeout <= 0 {
+		tst.Timeout = DefaultTimeout
+	}
+	args := append([]string{bin.Path, "-test.v", "-test.timeout", tst.Timeout.String()}, tst.Flags...)
+	return Run(ctx, img, Command{Args: args, Dir: bin.Dir, BootTimeout: tst.BootTimeout,
+		Timeout: tst.Timeout + time.Minute, Output: tst.Output})
 }

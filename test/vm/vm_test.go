@@ -88,17 +88,11 @@ func TestKernel(t *testing.T) {
 	before := shareDirs(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
-	bin, cleanup, err := BuildTest(ctx, "github.com/dirpv/dirpv/test/vm/kernel")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cleanup()
-	const guestTimeout = 15 * time.Minute
-	args := []string{bin.Path, "-test.v", "-test.timeout", guestTimeout.String()}
+	tst := GoTest{Package: "github.com/dirpv/dirpv/test/vm/kernel", Timeout: 15 * time.Minute, Output: t.Output()}
 	if run := os.Getenv("DIRPV_VM_RUN"); run != "" {
-		args = append(args, "-test.run", run)
+		tst.Flags = []string{"-test.run", run}
 	}
-	res, err := Run(ctx, img, Command{Args: args, Dir: bin.Dir, Timeout: guestTimeout + time.Minute, Output: &logWriter{t: t}})
+	res, err := RunTest(ctx, img, tst)
 	if err != nil {
 		t.Fatalf("running the guest tests: %v", err)
 	}
@@ -115,7 +109,6 @@ func TestKernel(t *testing.T) {
 	if !bytes.Contains(res.Output, []byte("--- PASS")) {
 		t.Fatalf("the guest ran no test")
 	}
-	cleanup()
 	checkNothingLeft(t, before)
 }
 
@@ -195,25 +188,6 @@ func qemuChildren() []int {
 		}
 	}
 	return pids
-}
-
-// logWriter sends what is written to it to t.Log, a line at a time.
-type logWriter struct {
-	t   *testing.T
-	buf []byte
-}
-
-func (w *logWriter) Write(p []byte) (int, error) {
-	w.t.Helper()
-	w.buf = append(w.buf, p...)
-	for {
-		i := bytes.IndexByte(w.buf, '\n')
-		if i < 0 {
-			return len(p), nil
-		}
-		w.t.Log(string(w.buf[:i]))
-		w.buf = w.buf[i+1:]
-	}
 }
 
 type writerFunc func([]byte)

@@ -43,36 +43,25 @@ func main() {
 }
 
 func run(ctx context.Context, sub string, args []string, boot, timeout time.Duration) (int, error) {
+	if (sub == "run" || sub == "test") && len(args) == 0 || sub != "prepare" && sub != "run" && sub != "test" {
+		usage()
+	}
 	img, err := vm.Prepare(ctx, os.Stderr)
 	if err != nil {
 		return 1, err
 	}
-	cmd := vm.Command{BootTimeout: boot, Timeout: timeout, Output: os.Stdout}
 	switch sub {
-	case "prepare":
-		fmt.Printf("kernel %s\ninitramfs %s\n", img.Kernel, img.Initramfs)
-		return 0, nil
 	case "run":
-		if len(args) == 0 {
-			usage()
-		}
-		cmd.Args = args
+		return report(vm.Run(ctx, img, vm.Command{Args: args, BootTimeout: boot, Timeout: timeout, Output: os.Stdout}))
 	case "test":
-		if len(args) == 0 {
-			usage()
-		}
-		bin, cleanup, err := vm.BuildTest(ctx, args[0])
-		if err != nil {
-			return 1, err
-		}
-		defer cleanup()
-		cmd.Args = append([]string{bin.Path, "-test.v", "-test.timeout", timeout.String()}, args[1:]...)
-		cmd.Dir = bin.Dir
-		cmd.Timeout = timeout + time.Minute // the binary's own timeout reports first
-	default:
-		usage()
+		return report(vm.RunTest(ctx, img, vm.GoTest{Package: args[0], Flags: args[1:], Timeout: timeout, BootTimeout: boot, Output: os.Stdout}))
 	}
-	res, err := vm.Run(ctx, img, cmd)
+	fmt.Printf("kernel %s\ninitramfs %s\n", img.Kernel, img.Initramfs)
+	return 0, nil
+}
+
+// report prints the guest's times and returns its exit status.
+func report(res *vm.Result, err error) (int, error) {
 	if err != nil {
 		return 1, err
 	}
