@@ -9,10 +9,10 @@ import (
 	"strings"
 )
 
-// HostPackages are the Debian packages the VM tier needs on the host: qemu and the initramfs
+// hostPackages are the Debian packages the VM tier needs on the host: qemu and the initramfs
 // tools, and everything the guest runs from the host's root (the NFS client and kernel server
 // user space, and the file system and quota tools of the quota tests).
-var HostPackages = []string{
+var hostPackages = []string{
 	"qemu-system-x86", "busybox-static", "kmod",
 	"nfs-kernel-server", "nfs-common", "rpcbind",
 	"xfsprogs", "e2fsprogs", "quota", "btrfs-progs",

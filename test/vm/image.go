@@ -64,7 +64,7 @@ func Prepare(ctx context.Context, progress io.Writer) (*Image, error) {
 	if os.Geteuid() != 0 {
 		return nil, errors.New("vm: preparing the VM needs root (apt-get, and qemu's 9p export of /)")
 	}
-	if err := ensurePackages(ctx, progress, HostPackages); err != nil {
+	if err := ensurePackages(ctx, progress, hostPackages); err != nil {
 		return nil, fmt.Errorf("vm: host packages: %w", err)
 	}
 	version, err := kernelVersion(ctx)

@@ -44,22 +44,3 @@ func run(ctx context.Context, timeout time.Duration, name string, args ...string
 	}
 	return nil
 }
-
-// poll calls cond every interval until it returns nil or ctx's deadline passes.
-func poll(ctx context.Context, timeout time.Duration, what string, cond func(context.Context) error) error {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	tick := time.NewTicker(100 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		err := cond(ctx)
-		if err == nil {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("waiting for %s: %w (last: %w)", what, ctx.Err(), err)
-		case <-tick.C:
-		}
-	}
-}

@@ -13,6 +13,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/dirpv/dirpv/test/framework"
 )
 
 // Export options for NFSServer.Export. Every export also gets rw, no_subtree_check and
@@ -81,10 +83,8 @@ func StartNFS(ctx context.Context) (_ *NFSServer, err error) {
 	if err := s.daemon("rpcbind", "-f", "-w"); err != nil {
 		return nil, err
 	}
-	if err := poll(ctx, cmdTimeout, "rpcbind", func(ctx context.Context) error {
-		return run(ctx, 5*time.Second, "rpcinfo", "-p", NFSAddr)
-	}); err != nil {
-		return nil, fmt.Errorf("guest: %w", err)
+	if err := answers(ctx, "rpcbind", "-p", NFSAddr); err != nil {
+		return nil, err
 	}
 	if err := s.daemon("rpc.mountd", "-F"); err != nil {
 		return nil, err
@@ -174,11 +174,21 @@ func (s *NFSServer) Resume(ctx context.Context) error {
 		return fmt.Errorf("guest: %w", err)
 	}
 	for _, v := range []string{"3", "4"} {
-		if err := poll(ctx, cmdTimeout, "nfsd version "+v, func(ctx context.Context) error {
-			return run(ctx, 5*time.Second, "rpcinfo", "-t", NFSAddr, "nfs", v)
-		}); err != nil {
-			return fmt.Errorf("guest: %w", err)
+		if err := answers(ctx, "nfsd version "+v, "-t", NFSAddr, "nfs", v); err != nil {
+			return err
 		}
+	}
+	return nil
+}
+
+// answers polls `rpcinfo args...` until it succeeds: the RPC service answers.
+func answers(ctx context.Context, what string, args ...string) error {
+	err := framework.Poll(ctx, cmdTimeout, func(ctx context.Context) (bool, error) {
+		err := run(ctx, 5*time.Second, "rpcinfo", args...)
+		return err == nil, err
+	})
+	if err != nil {
+		return fmt.Errorf("guest: waiting for %s to answer: %w", what, err)
 	}
 	return nil
 }
