@@ -104,7 +104,7 @@ func TestKernel(t *testing.T) {
 				failed = append(failed, strings.TrimSpace(l))
 			}
 		}
-		t.Fatalf("guest tests failed (exit status %d): %v", res.ExitCode, failed)
+		t.Fatalf("guest tests failed (exit status %d): %v\nguest console (kernel messages):\n%s", res.ExitCode, failed, lastLines(res.Console, 40))
 	}
 	if !bytes.Contains(res.Output, []byte("--- PASS")) {
 		t.Fatalf("the guest ran no test")
@@ -188,6 +188,12 @@ func qemuChildren() []int {
 		}
 	}
 	return pids
+}
+
+// lastLines is the end of b, at most n lines.
+func lastLines(b []byte, n int) []byte {
+	lines := bytes.SplitAfter(b, []byte("\n"))
+	return bytes.Join(lines[max(0, len(lines)-n):], nil)
 }
 
 type writerFunc func([]byte)
