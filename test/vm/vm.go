@@ -109,11 +109,9 @@ func Run(ctx context.Context, img *Image, cmd Command) (*Result, error) {
 	for {
 		select {
 		case <-ctx.Done():
-			tail.flush()
 			res.Output = tail.all()
 			return res, fmt.Errorf("vm: %w (booted: %t)%s", ctx.Err(), booted, q.consoleTail())
 		case <-deadline.C:
-			tail.flush()
 			res.Output = tail.all()
 			if !booted {
 				return res, fmt.Errorf("vm: guest did not boot within %v%s", cmd.BootTimeout, q.consoleTail())

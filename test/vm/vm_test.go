@@ -27,14 +27,15 @@ func prepare(t *testing.T) *Image {
 }
 
 // TestRunReturnsStatusOutputAndFiles: a guest command's exit status, output and result files
-// come back, the guest has the kernel it was booted with, and nothing is left on the host.
+// come back, its environment arrives unmangled, the guest has the kernel it was booted with,
+// and nothing is left on the host.
 func TestRunReturnsStatusOutputAndFiles(t *testing.T) {
 	img := prepare(t)
 	before := shareDirs(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 	defer cancel()
-	res, err := Run(ctx, img, Command{Args: []string{"sh", "-c",
-		`uname -r; echo "$DIRPV_IN_VM" > "$DIRPV_VM_RESULTS/in-vm"; mkdir "$DIRPV_VM_RESULTS/sub"; echo b > "$DIRPV_VM_RESULTS/sub/b"; exit 3`}})
+	res, err := Run(ctx, img, Command{Env: []string{"GREETING=it's $me"}, Args: []string{"sh", "-c",
+		`uname -r; echo "$DIRPV_IN_VM" > "$DIRPV_VM_RESULTS/in-vm"; mkdir "$DIRPV_VM_RESULTS/sub"; echo "$GREETING" > "$DIRPV_VM_RESULTS/sub/b"; exit 3`}})
 	if err != nil {
 		t.Fatalf("Run: %v", err)
 	}
@@ -45,7 +46,7 @@ func TestRunReturnsStatusOutputAndFiles(t *testing.T) {
 	if got := strings.TrimSpace(string(res.Output)); got != img.Version {
 		t.Errorf("guest's uname -r = %q, want %q", got, img.Version)
 	}
-	if string(res.Files["in-vm"]) != "1\n" || string(res.Files["sub/b"]) != "b\n" || len(res.Files) != 2 {
+	if string(res.Files["in-vm"]) != "1\n" || string(res.Files["sub/b"]) != "it's $me\n" || len(res.Files) != 2 {
 		t.Errorf("result files = %q", res.Files)
 	}
 	checkNothingLeft(t, before)
