@@ -23,10 +23,10 @@ const (
 	NoRootSquash = "no_root_squash"
 	RootSquash   = "root_squash"
 	// V4Root makes the export the root of the NFSv4 pseudo file system: NFSv4 clients mount
-	// it as server:/, NFSv3 clients by its path. NFSv4 needs it here: without an fsid=0
-	// export, mounting an export by its path fails with ENOENT in the guest (seen with
-	// exports on tmpfs below the overlay root, which has no UUID for mountd's automatic
-	// pseudo root). Only one export at a time can be the root.
+	// it as server:/, NFSv3 clients by its path. NFSv4 needs it in the guest: without an
+	// fsid=0 export, an NFSv4 mount of an export by its path failed with ENOENT (exports on
+	// tmpfs below the overlay root; mountd's automatic pseudo root did not reach them). Only
+	// one export at a time can be the root.
 	V4Root = "fsid=0,crossmnt"
 )
 
