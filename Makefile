@@ -7,10 +7,10 @@ VERSION     ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo 
 LDFLAGS     := -s -w -X github.com/dirpv/dirpv/internal/daemon.Version=$(VERSION)
 STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
 # Unit, conformance, harness and manifest tests: no cluster needed.
-UNIT_PKGS   := $(shell $(GO) list ./... | grep -v -e /test/integration -e /test/e2e -e /test/cluster)
+UNIT_PKGS   := $(shell $(GO) list ./... | grep -v -e /test/integration -e /test/e2e -e /test/cluster -e /test/vm)
 FUZZTIME    ?= 10m
 
-.PHONY: all build test test-unit test-integration test-e2e cluster-bins deploy-tools lint fmt up down bench fuzz image-tar clean
+.PHONY: all build test test-unit test-integration test-e2e test-vm cluster-bins deploy-tools lint fmt up down bench fuzz image-tar clean
 
 all: build
 
@@ -34,6 +34,14 @@ test-integration: cluster-bins
 
 test-e2e: cluster-bins deploy-tools
 	$(GO) test -count=1 -p 1 -timeout 40m ./test/cluster/... ./test/e2e/...
+
+## test-vm: the real-kernel tier alone (NFS through the kernel client and server) in a qemu VM
+## booted with the host's root; the kernel and initramfs are cached (cold: package download,
+## initramfs and first boot). Not in `make test` yet. VM_RUN=regexp picks guest tests.
+test-vm:
+	@start=$$(date +%s); rc=0; \
+	  DIRPV_VM_RUN='$(VM_RUN)' $(GO) test -count=1 -timeout 45m -v ./test/vm/ || rc=1; \
+	  echo "vm tier: $$(($$(date +%s)-start))s"; exit $$rc
 
 ## cluster-bins: build etcd and Kubernetes from the Go module proxy (cold ~15 min, cached).
 cluster-bins:

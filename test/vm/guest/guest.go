@@ -1,0 +1,46 @@
+// Package guest is for code that runs inside the test VM of package vm: test binaries that
+// package vm boots with the host's root. It starts the guest's kernel NFS server on its
+// loopback and can stop and restart it to simulate a dead server.
+//
+// A test package meant for the guest calls Main from its TestMain, so that running it on the
+// host fails with a message instead of testing the host's kernel:
+//
+//	func TestMain(m *testing.M) { guest.Main(m) }
+package guest
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+)
+
+// InVM reports whether this process runs inside the test VM (package vm sets DIRPV_IN_VM).
+func InVM() bool { return os.Getenv("DIRPV_IN_VM") == "1" }
+
+// Main runs the tests if this process is inside the test VM and fails otherwise: these tests
+// need the guest's kernel (NFS client and server, loop devices, quotas), never the host's.
+func Main(m *testing.M) {
+	if !InVM() {
+		fmt.Fprintln(os.Stderr, "FAIL: these tests run inside the test VM (DIRPV_IN_VM is not set): use `make test-vm` or `go run ./test/vm/cmd/dirpv-vm test PKG`")
+		os.Exit(1)
+	}
+	os.Exit(m.Run())
+}
+
+// ResultsDir is where a guest process leaves files for the host (vm.Result.Files).
+func ResultsDir() string { return os.Getenv("DIRPV_VM_RESULTS") }
+
+// run runs a command with a deadline and returns its combined output in the error.
+func run(ctx context.Context, timeout time.Duration, name string, args ...string) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, name, args...).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%s %s: %w\n%s", name, strings.Join(args, " "), err, out)
+	}
+	return nil
+}

@@ -1,0 +1,248 @@
+package kernel
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	v1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
+	storagelisters "k8s.io/client-go/listers/storage/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/mount-utils"
+	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
+
+	"github.com/dirpv/dirpv/csinode"
+	"github.com/dirpv/dirpv/provisioner"
+	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/test/vm/guest"
+)
+
+const driverName = "dirpv.io"
+
+func TestMain(m *testing.M) { guest.Main(m) }
+
+var (
+	nfsOnce sync.Once
+	nfsSrv  *guest.NFSServer
+	nfsErr  error
+)
+
+// nfsServer is the guest's kernel NFS server, started by the first test that needs it. The
+// guest has one nfsd, so tests share it and each exports its own directory.
+func nfsServer(t *testing.T) *guest.NFSServer {
+	t.Helper()
+	nfsOnce.Do(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+		defer cancel()
+		nfsSrv, nfsErr = guest.StartNFS(ctx)
+	})
+	if nfsErr != nil {
+		t.Fatalf("starting the kernel NFS server: %v", nfsErr)
+	}
+	return nfsSrv
+}
+
+// export makes a fresh directory on the server side, exports it with options and returns it.
+func export(t *testing.T, options ...string) string {
+	t.Helper()
+	srv := nfsServer(t)
+	dir := t.TempDir()
+	if err := os.Chmod(dir, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	unexport, err := srv.Export(ctx, dir, options...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := unexport(); err != nil {
+			t.Errorf("unexport %s: %v", dir, err)
+		}
+	})
+	return dir
+}
+
+// exportFor exports a fresh directory for clients mounting with mountOptions and returns it
+// and the share a class names: its path for NFSv3, "/" for NFSv4, which mounts it as the root
+// of the pseudo file system (see guest.V4Root).
+func exportFor(t *testing.T, mountOptions []string, options ...string) (dir, share string) {
+	t.Helper()
+	if slices.Contains(mountOptions, "nfsvers=3") || slices.Contains(mountOptions, "vers=3") {
+		dir = export(t, options...)
+		return dir, dir
+	}
+	return export(t, append(options, guest.V4Root)...), "/"
+}
+
+// controllerFixture is `dirpv controller` below the API: the real Provisioner with the system
+// mount(8) (so the real mount.nfs), a fake clientset for the API side.
+type controllerFixture struct {
+	p       *provisioner.Provisioner
+	classes cache.Indexer
+	work    string
+	// knownLeak, if set, names a known bug that leaves a mount behind after the controller
+	// stops: the leftover is logged instead of failing the test.
+	knownLeak string
+}
+
+func newController(t *testing.T, timeout time.Duration) *controllerFixture {
+	t.Helper()
+	f := &controllerFixture{work: t.TempDir(), classes: cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})}
+	var err error
+	f.p, err = provisioner.New(provisioner.Config{
+		DriverName: driverName, Role: provisioner.RoleController,
+		Client: fake.NewClientset(), Classes: storagelisters.NewStorageClassLister(f.classes),
+		Mounter: mount.New(""), WorkDir: f.work, OperationTimeout: timeout,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { f.p.Run(ctx); close(done) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(2 * time.Minute):
+			t.Error("provisioner did not release its NFS mounts within 2m")
+		}
+		// What a user would check after dirpv controller stops: nothing stays mounted.
+		if left, _ := framework.MountsUnder(f.work); len(left) > 0 {
+			if f.knownLeak != "" {
+				t.Logf("KNOWN BUG (%s): mounts left under the controller's work dir after it stopped: %v", f.knownLeak, left)
+			} else {
+				t.Errorf("mounts left under the controller's work dir after it stopped: %v", left)
+			}
+			framework.DetachMountsUnder(f.work)
+		}
+	})
+	return f
+}
+
+// nfsClass adds an NFS StorageClass of 127.0.0.1:share to the fixture's lister.
+func (f *controllerFixture) nfsClass(name, share string, mountOptions []string, params map[string]string) *storagev1.StorageClass {
+	p := map[string]string{"backend": "nfs", "server": guest.NFSAddr, "share": share}
+	for k, v := range params {
+		p[k] = v
+	}
+	c := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: name}, Provisioner: driverName,
+		Parameters: p, MountOptions: mountOptions}
+	if err := f.classes.Add(c); err != nil {
+		panic(err)
+	}
+	return c
+}
+
+// provision runs Provision for a new RWX claim of class, as the lib's controller would.
+func (f *controllerFixture) provision(ctx context.Context, class *storagev1.StorageClass, name string) (*v1.PersistentVolume, error) {
+	pvc := &v1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "ns", UID: types.UID("uid-" + name)},
+		Spec: v1.PersistentVolumeClaimSpec{
+			StorageClassName: &class.Name,
+			AccessModes:      []v1.PersistentVolumeAccessMode{v1.ReadWriteMany},
+			Resources:        v1.VolumeResourceRequirements{Requests: v1.ResourceList{v1.ResourceStorage: resource.MustParse("1Gi")}},
+		},
+	}
+	pv, state, err := f.p.Provision(ctx, controller.ProvisionOptions{StorageClass: class, PVName: "pvc-" + string(pvc.UID), PVC: pvc})
+	if err == nil && state != controller.ProvisioningFinished {
+		return pv, &unexpectedState{state}
+	}
+	return pv, err
+}
+
+type unexpectedState struct{ s controller.ProvisioningState }
+
+func (e *unexpectedState) Error() string { return "provisioning state " + string(e.s) }
+
+// nfsMounts are the NFS entries of the guest's /proc/mounts.
+func nfsMounts(t *testing.T) []mount.MountPoint {
+	t.Helper()
+	mps, err := mount.ListProcMounts("/proc/mounts")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return slices.DeleteFunc(mps, func(mp mount.MountPoint) bool { return !strings.HasPrefix(mp.Type, "nfs") })
+}
+
+// mountAt is the /proc/mounts entry at dir, or nil.
+func mountAt(t *testing.T, dir string) *mount.MountPoint {
+	t.Helper()
+	for _, mp := range nfsMounts(t) {
+		if mp.Path == dir {
+			return &mp
+		}
+	}
+	return nil
+}
+
+// missingOptions returns the wanted options that opts lacks.
+func missingOptions(opts []string, want ...string) []string {
+	var missing []string
+	for _, w := range want {
+		if !slices.Contains(opts, w) {
+			missing = append(missing, w)
+		}
+	}
+	return missing
+}
+
+// nodePlugin is `dirpv node`'s CSI node service on a socket, called as kubelet calls it, with
+// the given --operation-timeout.
+func nodePlugin(t *testing.T, timeout time.Duration) csi.NodeClient {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "csi.sock")
+	d, err := csinode.NewDriver(csinode.Options{DriverName: driverName, Version: "vm-test", NodeID: "dirpv-vm",
+		Endpoint: "unix://" + sock, Mounter: mount.New(""), OperationTimeout: timeout})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	runErr := make(chan error, 1)
+	go func() { runErr <- d.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-runErr; err != nil {
+			t.Errorf("node plugin Run: %v", err)
+		}
+	})
+	if err := framework.Poll(context.Background(), 30*time.Second, func(context.Context) (bool, error) {
+		return d.Ready() == nil, d.Ready()
+	}); err != nil {
+		t.Fatalf("node plugin not serving: %v", err)
+	}
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return csi.NewNodeClient(conn)
+}
+
+// publishRequest is the NodePublishVolume call kubelet makes for pv at target.
+func publishRequest(pv *v1.PersistentVolume, target string, readonly bool) *csi.NodePublishVolumeRequest {
+	return &csi.NodePublishVolumeRequest{
+		VolumeId: pv.Spec.CSI.VolumeHandle, TargetPath: target, Readonly: readonly,
+		VolumeContext: pv.Spec.CSI.VolumeAttributes,
+		VolumeCapability: &csi.VolumeCapability{
+			// kubelet passes the PV's spec.mountOptions as the mount flags.
+			AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{MountFlags: pv.Spec.MountOptions}},
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER},
+		},
+	}
+}

@@ -1,0 +1,311 @@
+// Package vm boots the Debian kernel named by linux-image-amd64 under qemu (TCG) with the
+// host's root file system as the guest's root (9p, read-only, under a tmpfs overlay), runs one
+// command in it and returns the command's exit status, output and result files. The guest has
+// every host binary, a real kernel NFS client and server, loop devices and quota-capable file
+// systems, which the host kernel lacks (see ../../../shared/notes/real-kernel-vm.md).
+//
+//	img, err := vm.Prepare(ctx, os.Stderr) // cached under CacheDir() after the first run
+//	res, err := vm.Run(ctx, img, vm.Command{Args: []string{"cat", "/proc/version"}})
+//
+// Package guest holds the helpers that code running inside the guest uses.
+//
+// Everything the VM changes stays in the guest: it has no network, its loop devices and mounts
+// are its own, and qemu, the only host process, is stopped by its PID before Run returns.
+package vm
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Defaults for Command's deadlines. TCG emulation on a loaded two-core host boots in 10 s when
+// idle and takes minutes when busy; both are generous and bounded.
+const (
+	DefaultBootTimeout = 5 * time.Minute
+	DefaultTimeout     = 10 * time.Minute
+)
+
+// Command is what Run runs in the guest.
+type Command struct {
+	// Args is the command line; Args[0] is looked up in the guest's PATH (the host's).
+	Args []string
+	// Dir is the working directory in the guest (a host path); "" means /.
+	Dir string
+	// Env holds extra KEY=VALUE pairs. The guest always has DIRPV_IN_VM=1 and
+	// DIRPV_VM_RESULTS=GuestResultsDir.
+	Env []string
+	// BootTimeout bounds the boot up to the start of the command; 0 means DefaultBootTimeout.
+	BootTimeout time.Duration
+	// Timeout bounds the command; 0 means DefaultTimeout.
+	Timeout time.Duration
+	// Output, if set, receives the command's output while it runs (Result.Output has it all).
+	Output io.Writer
+}
+
+// Result is what a guest command left.
+type Result struct {
+	// ExitCode is the command's exit status.
+	ExitCode int
+	// Output is the command's stdout and stderr.
+	Output []byte
+	// Files are the files the command wrote to GuestResultsDir, by relative path.
+	Files map[string][]byte
+	// Console is the guest's serial console (kernel messages and init's errors).
+	Console []byte
+	// Boot and Run are the time to the start of the command and the command's own time.
+	Boot, Run time.Duration
+}
+
+// Run boots img, runs cmd in the guest and powers the guest off. An error means the command
+// did not run to completion (no boot, deadline, qemu failure); a failing command is a Result
+// with a non-zero ExitCode. On a deadline the error comes with the Result so far, whose
+// Output and Console say where the guest was.
+func Run(ctx context.Context, img *Image, cmd Command) (*Result, error) {
+	if len(cmd.Args) == 0 {
+		return nil, errors.New("vm: no command")
+	}
+	if cmd.BootTimeout <= 0 {
+		cmd.BootTimeout = DefaultBootTimeout
+	}
+	if cmd.Timeout <= 0 {
+		cmd.Timeout = DefaultTimeout
+	}
+	if cmd.Dir == "" {
+		cmd.Dir = "/"
+	}
+	share, err := ownedTempDir("", "dirpv-vm-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(share)
+	if err := writeStage2(share, img, cmd); err != nil {
+		return nil, err
+	}
+	q, err := startQEMU(img, share)
+	if err != nil {
+		return nil, err
+	}
+	defer q.stop()
+
+	res := &Result{}
+	start := time.Now()
+	defer func() { res.Console, _ = os.ReadFile(q.console) }()
+	tail := &tailer{path: filepath.Join(share, "output"), w: cmd.Output}
+	booted := false
+	deadline := time.NewTimer(cmd.BootTimeout)
+	defer deadline.Stop()
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			res.Output = tail.all()
+			return res, fmt.Errorf("vm: %w (booted: %t)%s", ctx.Err(), booted, q.consoleTail())
+		case <-deadline.C:
+			res.Output = tail.all()
+			if !booted {
+				return res, fmt.Errorf("vm: guest did not boot within %v%s", cmd.BootTimeout, q.consoleTail())
+			}
+			return res, fmt.Errorf("vm: command %q did not finish within %v", strings.Join(cmd.Args, " "), cmd.Timeout)
+		case <-q.exited:
+			// A finished command powers the guest off; read what it left below.
+		case <-tick.C:
+		}
+		if !booted && exists(filepath.Join(share, "booted")) {
+			booted = true
+			res.Boot = time.Since(start)
+			deadline.Reset(cmd.Timeout)
+		}
+		tail.flush()
+		if rc, err := os.ReadFile(filepath.Join(share, "rc")); err == nil {
+			res.Run = time.Since(start) - res.Boot
+			code, err := strconv.Atoi(strings.TrimSpace(string(rc)))
+			if err != nil {
+				return res, fmt.Errorf("vm: exit status file says %q", rc)
+			}
+			res.ExitCode = code
+			break
+		}
+		select {
+		case <-q.exited:
+			res.Output = tail.all()
+			return res, fmt.Errorf("vm: qemu exited (%v) before the command finished (booted: %t)%s", q.waitErr, booted, q.consoleTail())
+		default:
+		}
+	}
+	q.waitPoweroff(30 * time.Second)
+	res.Output = tail.all()
+	res.Files, err = readTree(filepath.Join(share, "results"))
+	if err != nil {
+		return res, err
+	}
+	return res, nil
+}
+
+func writeStage2(share string, img *Image, cmd Command) error {
+	var env strings.Builder
+	for _, kv := range cmd.Env {
+		k, _, ok := strings.Cut(kv, "=")
+		if !ok || k == "" || strings.ContainsAny(k, " \t\n'\"$;&|") {
+			return fmt.Errorf("vm: bad environment entry %q", kv)
+		}
+		fmt.Fprintf(&env, "export %s\n", shellQuote(kv))
+	}
+	args := make([]string, len(cmd.Args))
+	for i, a := range cmd.Args {
+		args[i] = shellQuote(a)
+	}
+	script := fmt.Sprintf(stage2, shellQuote(img.Modules), img.Version, shellQuote(cmd.Dir), env.String(), strings.Join(args, " "))
+	if err := os.WriteFile(filepath.Join(share, "stage2.sh"), []byte(script), 0o755); err != nil {
+		return fmt.Errorf("vm: %w", err)
+	}
+	return nil
+}
+
+// shellQuote single-quotes s for sh, ending and reopening the quotes around each quote in s.
+func shellQuote(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+type qemu struct {
+	console string
+	proc    *os.Process
+	exited  chan struct{}
+	waitErr error
+}
+
+// startQEMU starts qemu as a child of this process, with its own process group (a Ctrl-C of
+// the test is handled by our cleanup, not delivered to qemu half-way) and SIGKILL should this
+// process die first, so that a crashed test leaves no VM behind.
+func startQEMU(img *Image, share string) (*qemu, error) {
+	q := &qemu{console: filepath.Join(share, "console.log"), exited: make(chan struct{})}
+	args := []string{
+		"-nodefaults", "-no-user-config", "-no-reboot",
+		// KVM does not work on these machines (the notes): TCG only.
+		"-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2", "-m", "2048",
+		"-nic", "none", "-display", "none", "-monitor", "none",
+		"-serial", "file:" + q.console,
+		"-kernel", img.Kernel, "-initrd", img.Initramfs,
+		"-append", "console=ttyS0 quiet panic=-1 rdinit=/init",
+		"-virtfs", "local,path=/,mount_tag=" + tagHostRoot + ",security_model=none,readonly=on,multidevs=remap",
+		"-virtfs", "local,path=" + share + ",mount_tag=" + tagShare + ",security_model=none,multidevs=remap",
+	}
+	cmd := exec.Command("qemu-system-x86_64", args...)
+	cmd.Dir = share
+	var stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stderr, &stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("vm: starting qemu (package qemu-system-x86): %w", err)
+	}
+	q.proc = cmd.Process
+	go func() {
+		err := cmd.Wait()
+		if err != nil && stderr.Len() > 0 {
+			err = fmt.Errorf("%w: %s", err, strings.TrimSpace(stderr.String()))
+		}
+		q.waitErr = err
+		close(q.exited)
+	}()
+	return q, nil
+}
+
+// waitPoweroff gives the guest's power-off up to d before stop kills it.
+func (q *qemu) waitPoweroff(d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-q.exited:
+	case <-t.C:
+	}
+}
+
+// stop kills qemu by its PID and waits until it has been reaped.
+func (q *qemu) stop() {
+	select {
+	case <-q.exited:
+		return
+	default:
+	}
+	_ = q.proc.Kill()
+	<-q.exited
+}
+
+// consoleTail is the end of the console log, for errors.
+func (q *qemu) consoleTail() string {
+	b, _ := os.ReadFile(q.console)
+	if len(b) > 4000 {
+		b = b[len(b)-4000:]
+	}
+	return "\nguest console (tail):\n" + string(b)
+}
+
+// tailer copies what the guest appends to a file to w as it appears.
+type tailer struct {
+	path string
+	w    io.Writer
+	buf  bytes.Buffer
+}
+
+func (t *tailer) flush() {
+	f, err := os.Open(t.path)
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	if _, err := f.Seek(int64(t.buf.Len()), io.SeekStart); err != nil {
+		return
+	}
+	n := t.buf.Len()
+	_, _ = t.buf.ReadFrom(f)
+	if t.w != nil && t.buf.Len() > n {
+		_, _ = t.w.Write(t.buf.Bytes()[n:])
+	}
+}
+
+func (t *tailer) all() []byte {
+	t.flush()
+	return bytes.Clone(t.buf.Bytes())
+}
+
+func exists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
+}
+
+// readTree reads every regular file below dir, keyed by its path relative to dir.
+func readTree(dir string) (map[string][]byte, error) {
+	files := map[string][]byte{}
+	err := filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+		if err != nil {
+			if p == dir && errors.Is(err, os.ErrNotExist) {
+				return filepath.SkipDir
+			}
+			return err
+		}
+		if !d.Type().IsRegular() {
+			return nil
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(dir, p)
+		files[rel] = b
+		return nil
+	})
+	if err != nil {
+		return files, fmt.Errorf("vm: reading result files: %w", err)
+	}
+	return files, nil
+}

@@ -1,0 +1,202 @@
+package vm
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// These tests boot the VM; `make test-vm` runs them. They fail, with the reason, wherever the
+// VM cannot start.
+
+func prepare(t *testing.T) *Image {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
+	defer cancel()
+	img, err := Prepare(ctx, os.Stderr) // a cold start prints its progress at once
+	if err != nil {
+		t.Fatalf("the VM cannot start on this machine: %v", err)
+	}
+	return img
+}
+
+// TestRunReturnsStatusOutputAndFiles: a guest command's exit status, output and result files
+// come back, its environment arrives unmangled, the guest has the kernel it was booted with,
+// and nothing is left on the host.
+func TestRunReturnsStatusOutputAndFiles(t *testing.T) {
+	img := prepare(t)
+	before := shareDirs(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	res, err := Run(ctx, img, Command{Env: []string{"GREETING=it's $me"}, Args: []string{"sh", "-c",
+		`uname -r; echo "$DIRPV_IN_VM" > "$DIRPV_VM_RESULTS/in-vm"; mkdir "$DIRPV_VM_RESULTS/sub"; echo "$GREETING" > "$DIRPV_VM_RESULTS/sub/b"; exit 3`}})
+	if err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	t.Logf("boot %v, command %v", res.Boot, res.Run)
+	if res.ExitCode != 3 {
+		t.Errorf("exit status %d, want 3; output:\n%s", res.ExitCode, res.Output)
+	}
+	if got := strings.TrimSpace(string(res.Output)); got != img.Version {
+		t.Errorf("guest's uname -r = %q, want %q", got, img.Version)
+	}
+	if string(res.Files["in-vm"]) != "1\n" || string(res.Files["sub/b"]) != "it's $me\n" || len(res.Files) != 2 {
+		t.Errorf("result files = %q", res.Files)
+	}
+	checkNothingLeft(t, before)
+}
+
+// TestRunDeadline: a command that outlives its deadline gives an error soon after it, with
+// the output so far, and qemu is gone when Run returns.
+func TestRunDeadline(t *testing.T) {
+	img := prepare(t)
+	before := shareDirs(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	const timeout = 3 * time.Second
+	var boot time.Time
+	start := time.Now()
+	res, err := Run(ctx, img, Command{Args: []string{"sh", "-c", "echo started; sleep 600"}, Timeout: timeout,
+		Output: writerFunc(func(p []byte) { // the first output marks the end of the boot
+			if boot.IsZero() {
+				boot = time.Now()
+			}
+		})})
+	if err == nil || !strings.Contains(err.Error(), "did not finish within "+timeout.String()) {
+		t.Fatalf("Run of a command past its deadline = %v, want a deadline error", err)
+	}
+	if boot.IsZero() || !strings.Contains(string(res.Output), "started") {
+		t.Fatalf("no output from the guest before the deadline: %q (err %v)", res.Output, err)
+	}
+	// Polled every 100 ms, then qemu is killed and reaped.
+	if took := time.Since(boot); took > timeout+30*time.Second {
+		t.Errorf("Run returned %v after the command started, deadline %v", took, timeout)
+	}
+	t.Logf("Run returned after %v in all", time.Since(start))
+	checkNothingLeft(t, before)
+}
+
+// TestKernel builds the guest-side tests of package kernel, runs them in the VM and passes if
+// they do. DIRPV_VM_RUN passes a -test.run pattern to them.
+func TestKernel(t *testing.T) {
+	img := prepare(t)
+	before := shareDirs(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer cancel()
+	tst := GoTest{Package: "github.com/dirpv/dirpv/test/vm/kernel", Timeout: 15 * time.Minute, Output: t.Output()}
+	if run := os.Getenv("DIRPV_VM_RUN"); run != "" {
+		tst.Flags = []string{"-test.run", run}
+	}
+	res, err := RunTest(ctx, img, tst)
+	if err != nil {
+		t.Fatalf("running the guest tests: %v", err)
+	}
+	t.Logf("guest: boot %v, tests %v, exit status %d", res.Boot.Round(time.Second), res.Run.Round(time.Second), res.ExitCode)
+	if res.ExitCode != 0 {
+		var failed []string
+		for _, l := range strings.Split(string(res.Output), "\n") {
+			if strings.Contains(l, "--- FAIL") {
+				failed = append(failed, strings.TrimSpace(l))
+			}
+		}
+		t.Fatalf("guest tests failed (exit status %d): %v\nguest console (kernel messages):\n%s", res.ExitCode, failed, lastLines(res.Console, 40))
+	}
+	if !bytes.Contains(res.Output, []byte("--- PASS")) {
+		t.Fatalf("the guest ran no test")
+	}
+	checkNothingLeft(t, before)
+}
+
+// TestModuleOrder: the initramfs loads every module after the modules it depends on.
+func TestModuleOrder(t *testing.T) {
+	img := prepare(t)
+	order, err := moduleOrder(img.Modules, initramfsModules)
+	if err != nil {
+		t.Fatal(err)
+	}
+	deps, err := readModulesDep(filepath.Join(img.Modules, "modules.dep"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, file := range order {
+		for _, d := range deps[file] {
+			if j := slices.Index(order, d); j < 0 || j > i {
+				t.Errorf("%s is loaded before its dependency %s", file, d)
+			}
+		}
+	}
+	names := make([]string, len(order))
+	for i, f := range order {
+		names[i] = moduleName(f)
+	}
+	for _, want := range []string{"9p", "overlay", "nfsv4", "nfsd", "xfs"} {
+		if !slices.Contains(names, want) {
+			t.Errorf("module %s is not in the initramfs: %v", want, names)
+		}
+	}
+	// libcrc32c names crc32c only as a soft dependency.
+	if c, l := slices.Index(names, "crc32c_generic"), slices.Index(names, "libcrc32c"); c < 0 || c > l {
+		t.Errorf("crc32c_generic must load before libcrc32c: %v", names)
+	}
+}
+
+// checkNothingLeft: no qemu child of this process and no share directory created since before.
+func checkNothingLeft(t *testing.T, before []string) {
+	t.Helper()
+	if pids := qemuChildren(); len(pids) > 0 {
+		t.Errorf("qemu still running after Run returned: pids %v", pids)
+	}
+	for _, d := range shareDirs(t) {
+		if !slices.Contains(before, d) {
+			t.Errorf("share dir %s left on the host", d)
+		}
+	}
+}
+
+func shareDirs(t *testing.T) []string {
+	t.Helper()
+	dirs, err := filepath.Glob(filepath.Join(os.TempDir(), "dirpv-vm-*"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dirs
+}
+
+// qemuChildren lists this process's qemu children (any state but reaped).
+func qemuChildren() []int {
+	ents, _ := os.ReadDir("/proc")
+	var pids []int
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		s := string(b)
+		i := strings.LastIndexByte(s, ')')
+		f := strings.Fields(s[i+1:])
+		if len(f) > 1 && f[1] == strconv.Itoa(os.Getpid()) && strings.Contains(s[:i], "qemu") {
+			pids = append(pids, pid)
+		}
+	}
+	return pids
+}
+
+// lastLines is the end of b, at most n lines.
+func lastLines(b []byte, n int) []byte {
+	lines := bytes.SplitAfter(b, []byte("\n"))
+	return bytes.Join(lines[max(0, len(lines)-n):], nil)
+}
+
+type writerFunc func([]byte)
+
+func (f writerFunc) Write(p []byte) (int, error) { f(p); return len(p), nil }
