@@ -32,6 +32,9 @@ type NodeConfig struct {
 // RunNode serves the CSI node plugin, and the local-class provisioner for this node, until ctx
 // is done.
 func RunNode(ctx context.Context, cfg NodeConfig) error {
+	if err := checkKernel(); err != nil {
+		return err
+	}
 	if cfg.NodeName == "" {
 		return fmt.Errorf("node name is required (--node-name or NODE_NAME)")
 	}
