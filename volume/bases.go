@@ -12,7 +12,7 @@ import (
 
 // ErrBaseNotAllowed is returned when a local volume's directory is outside every base path the
 // node allows, or inside (or around) kubelet's root directory.
-var ErrBaseNotAllowed = errors.New("not allowed on this node")
+var ErrBaseNotAllowed = errors.New("local volume refused")
 
 // AllowedBases says where on a node local volumes may live: at or beneath one of the bases an
 // admin allowed (the directories the node plugin's DaemonSet mounts), and never in or around
@@ -117,13 +117,13 @@ func (a *AllowedBases) Locate(basePath, rel string) (base, relToBase string, err
 		// says, the base's own symlinks (an admin's choice) aside: check both forms.
 		for _, d := range []string{dir, filepath.Join(b.resolved, relToBase)} {
 			if kr, ok := a.kubeletRoot(d); ok {
-				return "", "", fmt.Errorf("local volume directory %s is inside kubelet's root dir %s, which holds every pod's volumes and secrets: %w",
-					dir, kr, ErrBaseNotAllowed)
+				return "", "", fmt.Errorf("%w: directory %s is inside kubelet's root dir %s, which holds every pod's volumes and secrets",
+					ErrBaseNotAllowed, dir, kr)
 			}
 			for _, kr := range a.kubeletRoots {
 				if Within(kr, d) {
-					return "", "", fmt.Errorf("local volume directory %s contains kubelet's root dir %s, which holds every pod's volumes and secrets: %w",
-						dir, kr, ErrBaseNotAllowed)
+					return "", "", fmt.Errorf("%w: directory %s contains kubelet's root dir %s, which holds every pod's volumes and secrets",
+						ErrBaseNotAllowed, dir, kr)
 				}
 			}
 		}
@@ -133,9 +133,9 @@ func (a *AllowedBases) Locate(basePath, rel string) (base, relToBase string, err
 	if len(a.bases) > 0 {
 		allowed = strings.Join(a.Paths(), ", ")
 	}
-	return "", "", fmt.Errorf("base path %s is not at or beneath a base path this node allows (%s): %w; "+
+	return "", "", fmt.Errorf("%w: base path %s is not at or beneath a base path this node allows (%s); "+
 		"to use it, add it to dirpv node's --allowed-base-paths and mount it into the node plugin",
-		basePath, allowed, ErrBaseNotAllowed)
+		ErrBaseNotAllowed, basePath, allowed)
 }
 
 // OpenSubRoot opens the directory rel beneath the root as a Root of its own, without following
