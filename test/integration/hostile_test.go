@@ -37,7 +37,12 @@ type hostileLayout struct {
 
 func newHostileLayout(t *testing.T) hostileLayout {
 	t.Helper()
-	top := t.TempDir()
+	// Under baseRoot, which node-a allows local volumes in.
+	top, err := os.MkdirTemp(baseRoot, "hostile-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(top) })
 	l := hostileLayout{top: top, base: filepath.Join(top, "parent", "base")}
 	for _, d := range []string{"sentinel/sub", "etc", "parent/sentinel", "parent/base"} {
 		if err := os.MkdirAll(filepath.Join(top, d), 0o755); err != nil {
