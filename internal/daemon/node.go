@@ -76,6 +76,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			DriverName:       DriverName,
 			Role:             provisioner.RoleNode,
 			NodeName:         cfg.NodeName,
+			AllowedBases:     bases,
 			Client:           client,
 			Classes:          factory.Storage().V1().StorageClasses().Lister(),
 			OperationTimeout: cfg.Provisioner.OperationTimeout,
