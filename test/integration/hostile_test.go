@@ -17,8 +17,6 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -459,21 +457,7 @@ func TestHostileSecretsNeverLogged(t *testing.T) {
 	if err := os.Mkdir(filepath.Join(layout.base, "vol"), 0o777); err != nil {
 		t.Fatal(err)
 	}
-	endpoint := ""
-	for i, a := range nodeProc.Args {
-		if a == "--csi-endpoint" && i+1 < len(nodeProc.Args) {
-			endpoint = nodeProc.Args[i+1]
-		}
-	}
-	if !strings.HasPrefix(endpoint, "unix://") {
-		t.Fatalf("node-a's CSI endpoint not found in its arguments %q", nodeProc.Args)
-	}
-	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	node := csi.NewNodeClient(conn)
+	node := nodeAClient(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	capability := &csi.VolumeCapability{
