@@ -24,6 +24,8 @@ import (
 	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 	"k8s.io/mount-utils"
+
+	"github.com/dirpv/dirpv/volume"
 )
 
 // DefaultOperationTimeout bounds a single mount, unmount or statfs when Options leaves
@@ -60,6 +62,10 @@ type Options struct {
 	// OperationTimeout caps each mount, unmount and statfs (the request's own deadline applies
 	// too, whichever is earlier). Zero means DefaultOperationTimeout.
 	OperationTimeout time.Duration
+	// LocalBases are where local volumes may be bind-mounted from; a PV naming any other
+	// basePath, or a directory in or around kubelet's root dir, is refused. Required: a PV is
+	// written by whoever may create PVs, and the plugin mounts as root.
+	LocalBases *volume.AllowedBases
 }
 
 // Driver serves dirpv's CSI node plugin. Create it with NewDriver and serve it with Run.
@@ -100,6 +106,9 @@ func NewDriver(opts Options) (*Driver, error) {
 	}
 	if opts.RegistrationDir != "" && !filepath.IsAbs(opts.RegistrationDir) {
 		return nil, fmt.Errorf("registration directory %q must be absolute", opts.RegistrationDir)
+	}
+	if opts.LocalBases == nil {
+		return nil, errors.New("allowed local base paths are required")
 	}
 	if opts.OperationTimeout < 0 {
 		return nil, fmt.Errorf("operation timeout %v must not be negative", opts.OperationTimeout)

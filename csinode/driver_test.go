@@ -14,7 +14,12 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 	"k8s.io/mount-utils"
+
+	"github.com/dirpv/dirpv/volume"
 )
+
+// noLocalBases allows no local volume: for tests that publish none.
+var noLocalBases, _ = volume.NewAllowedBases(nil, "/var/lib/kubelet")
 
 // waitReady polls Ready until it succeeds or the deadline passes.
 func waitReady(t *testing.T, d *Driver, runErr <-chan error) {
@@ -61,7 +66,7 @@ func TestRunAndRegistration(t *testing.T) {
 	d, err := NewDriver(Options{
 		DriverName: "dirpv.io", Version: "v0.1.0", NodeID: "node-1",
 		Endpoint: "unix://" + csiSock, RegistrationDir: registry,
-		Mounter: mount.NewFakeMounter(nil), OperationTimeout: time.Second,
+		Mounter: mount.NewFakeMounter(nil), OperationTimeout: time.Second, LocalBases: noLocalBases,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -135,7 +140,7 @@ func TestRunReplacesStaleSocketOnly(t *testing.T) {
 	if err := os.WriteFile(sock, []byte("data"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	d, err := NewDriver(Options{DriverName: "dirpv.io", Version: "v", NodeID: "n", Endpoint: "unix://" + sock})
+	d, err := NewDriver(Options{DriverName: "dirpv.io", Version: "v", NodeID: "n", Endpoint: "unix://" + sock, LocalBases: noLocalBases})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,7 +168,7 @@ func TestRunReplacesStaleSocketOnly(t *testing.T) {
 }
 
 func TestNewDriverValidates(t *testing.T) {
-	good := Options{DriverName: "dirpv.io", Version: "v", NodeID: "n", Endpoint: "unix:///run/csi.sock"}
+	good := Options{DriverName: "dirpv.io", Version: "v", NodeID: "n", Endpoint: "unix:///run/csi.sock", LocalBases: noLocalBases}
 	if _, err := NewDriver(good); err != nil {
 		t.Fatal(err)
 	}
@@ -175,6 +180,7 @@ func TestNewDriverValidates(t *testing.T) {
 		"relative socket":  func(o *Options) { o.Endpoint = "unix://csi.sock" },
 		"relative reg dir": func(o *Options) { o.RegistrationDir = "registry" },
 		"negative timeout": func(o *Options) { o.OperationTimeout = -time.Second },
+		"no local bases":   func(o *Options) { o.LocalBases = nil },
 	} {
 		o := good
 		mutate(&o)

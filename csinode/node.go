@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
@@ -53,11 +54,24 @@ type publishRequest struct {
 	mode     csi.VolumeCapability_AccessMode_Mode
 	flags    []string
 	readonly bool
+	// localBase and localRel locate a local volume's directory: the allowed base that holds
+	// it, and its path beneath that base, opened with no symlink followed.
+	localBase, localRel string
 }
 
-func validatePublish(req *csi.NodePublishVolumeRequest) (*publishRequest, error) {
+// ephemeralKey is set by kubelet (podInfoOnMount) to "true" for a CSI inline ephemeral volume.
+const ephemeralKey = "csi.storage.k8s.io/ephemeral"
+
+func (d *Driver) validatePublish(req *csi.NodePublishVolumeRequest) (*publishRequest, error) {
 	if req.GetVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
+	}
+	// An inline volume's attributes come from the pod spec, so any pod author could name a
+	// basePath. The CSIDriver declares only Persistent, so kubelet should never ask; refuse if
+	// it does.
+	if v, err := strconv.ParseBool(req.GetVolumeContext()[ephemeralKey]); err == nil && v {
+		return nil, status.Error(codes.InvalidArgument, "dirpv does not serve CSI inline ephemeral volumes: "+
+			"use a generic ephemeral volume (spec.volumes[].ephemeral.volumeClaimTemplate with a dirpv StorageClass) instead")
 	}
 	target, err := checkAbsPath("target path", req.GetTargetPath())
 	if err != nil {
@@ -96,10 +110,19 @@ func validatePublish(req *csi.NodePublishVolumeRequest) (*publishRequest, error)
 	readonly := req.GetReadonly() ||
 		mode == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY ||
 		mode == csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY
-	return &publishRequest{
+	pr := &publishRequest{
 		volumeID: req.GetVolumeId(), target: target, attrs: attrs,
 		mode: mode, flags: flags, readonly: readonly,
-	}, nil
+	}
+	if attrs.Backend == volume.BackendLocal {
+		// PermissionDenied, not InvalidArgument: the request is well formed, and whether it may
+		// be served depends on this node's configuration (--allowed-base-paths), not on the
+		// request alone. Both are final for kubelet, which shows the message in the pod's events.
+		if pr.localBase, pr.localRel, err = d.opts.LocalBases.Locate(attrs.BasePath, attrs.Path); err != nil {
+			return nil, status.Error(codes.PermissionDenied, err.Error())
+		}
+	}
+	return pr, nil
 }
 
 func checkAbsPath(what, p string) (string, error) {
@@ -116,9 +139,9 @@ func lockKey(volumeID, target string) string { return volumeID + "\x00" + target
 
 // NodePublishVolume mounts the volume at the target path: NFS volumes by mounting
 // server:/share/path with the PV's mount options, local volumes by bind-mounting their
-// directory, opened beneath the base without following symlinks.
+// directory, opened beneath the allowed base that holds it without following symlinks.
 func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
-	pr, err := validatePublish(req)
+	pr, err := s.d.validatePublish(req)
 	if err != nil {
 		return nil, err
 	}
@@ -142,12 +165,12 @@ func (s *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 
 func (d *Driver) publishLocal(ctx context.Context, scope *opScope, pr *publishRequest) error {
 	logger := klog.FromContext(ctx)
-	root, err := volume.OpenRoot(pr.attrs.BasePath)
+	root, err := volume.OpenRoot(pr.localBase)
 	if err != nil {
 		return fmt.Errorf("local volume base: %w", err)
 	}
 	defer root.Close()
-	dir, err := root.OpenDir(pr.attrs.Path)
+	dir, err := root.OpenDir(pr.localRel)
 	if err != nil {
 		return fmt.Errorf("local volume directory: %w", err)
 	}

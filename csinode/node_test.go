@@ -26,12 +26,18 @@ func requireRoot(t *testing.T) {
 	}
 }
 
+// newTestDriver returns a driver that allows local volumes anywhere under the temp dir, where
+// localVolume makes them; trust_test.go checks the allow-list itself.
 func newTestDriver(t *testing.T, m mount.Interface, timeout time.Duration) (*Driver, *nodeServer) {
 	t.Helper()
+	bases, err := volume.NewAllowedBases([]string{os.TempDir()}, filepath.Join(t.TempDir(), "kubelet"))
+	if err != nil {
+		t.Fatal(err)
+	}
 	d, err := NewDriver(Options{
 		DriverName: "dirpv.io", Version: "test", NodeID: "node-1",
 		Endpoint: "unix://" + filepath.Join(t.TempDir(), "csi.sock"),
-		Mounter:  m, OperationTimeout: timeout,
+		Mounter:  m, OperationTimeout: timeout, LocalBases: bases,
 	})
 	if err != nil {
 		t.Fatal(err)

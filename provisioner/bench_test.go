@@ -206,8 +206,9 @@ func BenchmarkShouldProvision(b *testing.B) {
 	for _, c := range classes {
 		idx.Add(c)
 	}
+	bases, _ := volume.NewAllowedBases([]string{"/var/lib/dirpv"}, "/var/lib/kubelet")
 	p, err := New(Config{DriverName: "dirpv.io", Role: RoleNode, NodeName: "node-a", Client: fake.NewClientset(),
-		Classes: storagelisters.NewStorageClassLister(idx)})
+		Classes: storagelisters.NewStorageClassLister(idx), AllowedBases: bases})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -231,8 +232,9 @@ func BenchmarkProvisionDeleteLocal(b *testing.B) {
 	idx := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
 	class := benchClasses(base)["local"]
 	idx.Add(class)
+	bases, _ := volume.NewAllowedBases([]string{base}, "/var/lib/kubelet")
 	p, err := New(Config{DriverName: "dirpv.io", Role: RoleNode, NodeName: "node-a", Client: client,
-		Classes: storagelisters.NewStorageClassLister(idx)})
+		Classes: storagelisters.NewStorageClassLister(idx), AllowedBases: bases})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -58,7 +58,11 @@ type Config struct {
 	Role       Role
 	// NodeName is this node's name (role node).
 	NodeName string
-	Client   kubernetes.Interface
+	// AllowedBases are where local volumes may live (role node, required): the same list the
+	// node plugin mounts from, so that a class naming another basePath is refused with an
+	// event instead of getting directories that can never be mounted.
+	AllowedBases *volume.AllowedBases
+	Client       kubernetes.Interface
 	// Classes lists StorageClasses; the Qualifier needs a class's backend.
 	Classes storagelisters.StorageClassLister
 	// Mounter mounts NFS exports (role controller).
@@ -98,8 +102,8 @@ func New(cfg Config) (*Provisioner, error) {
 			return nil, fmt.Errorf("role controller needs a work dir and a mounter")
 		}
 	case RoleNode:
-		if cfg.NodeName == "" {
-			return nil, fmt.Errorf("role node needs the node name")
+		if cfg.NodeName == "" || cfg.AllowedBases == nil {
+			return nil, fmt.Errorf("role node needs the node name and the allowed base paths")
 		}
 	default:
 		return nil, fmt.Errorf("unknown role %q", cfg.Role)
@@ -317,7 +321,16 @@ func (p *Provisioner) onStore(ctx context.Context, attrs volume.Attributes, moun
 		}
 		return p.exports.do(ctx, attrs.Server, attrs.Share, mountOptions, fn)
 	case volume.BackendLocal:
-		return p.locals.do(attrs.BasePath, fn)
+		if p.cfg.AllowedBases == nil {
+			return fmt.Errorf("local volumes are handled by dirpv node, not by the controller")
+		}
+		// Delete goes through here too: a PV, which anyone allowed to create PVs can write,
+		// must not make the node remove directories outside its bases either.
+		base, _, err := p.cfg.AllowedBases.Locate(attrs.BasePath, attrs.Path)
+		if err != nil {
+			return err
+		}
+		return p.locals.do(base, attrs.BasePath, fn)
 	}
 	return fmt.Errorf("unknown backend %q", attrs.Backend)
 }

@@ -50,8 +50,11 @@ func newFixture(t *testing.T) *fixture {
 		Name: testNode, Labels: map[string]string{v1.LabelHostname: "host-a"},
 	}})
 	lister := storagelisters.NewStorageClassLister(f.classes)
-	var err error
-	f.node, err = New(Config{DriverName: testDriver, Role: RoleNode, NodeName: testNode, Client: client, Classes: lister})
+	bases, err := volume.NewAllowedBases([]string{f.base}, "/var/lib/kubelet")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.node, err = New(Config{DriverName: testDriver, Role: RoleNode, NodeName: testNode, Client: client, Classes: lister, AllowedBases: bases})
 	if err != nil {
 		t.Fatal(err)
 	}

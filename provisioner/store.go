@@ -257,17 +257,15 @@ type localRoots struct {
 	byBase map[string]*volume.Root
 }
 
-func (l *localRoots) do(basePath string, fn func(*volume.Root) error) error {
+// do runs fn on the root of basePath, which is allowed or beneath allowed. The allowed base
+// is the admin's (set by flag) and may be reached through symlinks; basePath is opened beneath
+// it without following any, and both are created on first use.
+func (l *localRoots) do(allowed, basePath string, fn func(*volume.Root) error) error {
 	l.mu.Lock()
 	root, ok := l.byBase[basePath]
 	if !ok {
-		// The base belongs to the admin, who named it in the class; dirpv creates it on first use.
-		if err := os.MkdirAll(basePath, 0o755); err != nil {
-			l.mu.Unlock()
-			return fmt.Errorf("create base path: %w", err)
-		}
 		var err error
-		if root, err = volume.OpenRoot(basePath); err != nil {
+		if root, err = openLocalBase(allowed, basePath); err != nil {
 			l.mu.Unlock()
 			return err
 		}
@@ -278,6 +276,29 @@ func (l *localRoots) do(basePath string, fn func(*volume.Root) error) error {
 	}
 	l.mu.Unlock()
 	return fn(root)
+}
+
+func openLocalBase(allowed, basePath string) (*volume.Root, error) {
+	if err := os.MkdirAll(allowed, 0o755); err != nil {
+		return nil, fmt.Errorf("create allowed base path: %w", err)
+	}
+	top, err := volume.OpenRoot(allowed)
+	if err != nil {
+		return nil, err
+	}
+	defer top.Close()
+	rel, err := filepath.Rel(allowed, basePath)
+	if err != nil {
+		return nil, fmt.Errorf("base path %s beneath %s: %w", basePath, allowed, err)
+	}
+	if rel == "." {
+		rel = ""
+	}
+	root, err := top.OpenSubRoot(rel, true)
+	if err != nil {
+		return nil, fmt.Errorf("open base path: %w", err)
+	}
+	return root, nil
 }
 
 func (l *localRoots) closeAll() {

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -114,7 +115,19 @@ func nodeFlags(fs *flag.FlagSet) func(context.Context) error {
 	cfg := daemon.NodeConfig{}
 	kube, prov, httpAddr := commonFlags(fs)
 	fs.StringVar(&cfg.NodeName, "node-name", os.Getenv("NODE_NAME"), "This node's name. Default: $NODE_NAME.")
-	kubeletRoot := fs.String("kubelet-root-dir", "/var/lib/kubelet", "kubelet's root directory.")
+	fs.StringVar(&cfg.KubeletRootDir, "kubelet-root-dir", "/var/lib/kubelet", "kubelet's root directory. No local volume is ever mounted from in or around it.")
+	cfg.AllowedBasePaths = []string{daemon.DefaultBasePath}
+	fs.Func("allowed-base-paths", "Comma-separated absolute host directories at or beneath which local volumes may live: "+
+		"the basePaths the DaemonSet mounts. A local PV or class naming any other is refused. Empty: no local volumes. "+
+		"(default "+daemon.DefaultBasePath+")", func(s string) error {
+		cfg.AllowedBasePaths = nil
+		for _, p := range strings.Split(s, ",") {
+			if p = strings.TrimSpace(p); p != "" {
+				cfg.AllowedBasePaths = append(cfg.AllowedBasePaths, p)
+			}
+		}
+		return nil
+	})
 	fs.StringVar(&cfg.CSIEndpoint, "csi-endpoint", "", "CSI socket, unix:///path. Default: <kubelet-root-dir>/plugins/dirpv.io/csi.sock.")
 	fs.StringVar(&cfg.RegistrationDir, "plugin-registration-dir", "", "kubelet's plugin registration directory. Default: <kubelet-root-dir>/plugins_registry. \"-\" disables self-registration.")
 	fs.StringVar(&cfg.Mounter, "nfs-mount-helper", "", "Program run instead of mount(8) for NFS mounts (tests only). Empty: the system's mount.")
@@ -122,11 +135,11 @@ func nodeFlags(fs *flag.FlagSet) func(context.Context) error {
 	return func(ctx context.Context) error {
 		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress = *kube, *prov, *httpAddr
 		if cfg.CSIEndpoint == "" {
-			cfg.CSIEndpoint = daemon.DefaultCSIEndpoint(*kubeletRoot)
+			cfg.CSIEndpoint = daemon.DefaultCSIEndpoint(cfg.KubeletRootDir)
 		}
 		switch cfg.RegistrationDir {
 		case "":
-			cfg.RegistrationDir = daemon.DefaultRegistrationDir(*kubeletRoot)
+			cfg.RegistrationDir = daemon.DefaultRegistrationDir(cfg.KubeletRootDir)
 		case "-":
 			cfg.RegistrationDir = ""
 		}

@@ -28,6 +28,7 @@ import (
 	libmetrics "sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller/metrics"
 
 	"github.com/dirpv/dirpv/provisioner"
+	"github.com/dirpv/dirpv/volume"
 )
 
 // DriverName is both the provisioner name and the CSI driver name.
@@ -86,8 +87,14 @@ type ControllerConfig struct {
 	HTTPAddress     string
 }
 
+// checkKernel is volume.CheckKernel, replaceable in tests.
+var checkKernel = volume.CheckKernel
+
 // RunController serves NFS classes until ctx is done.
 func RunController(ctx context.Context, cfg ControllerConfig) error {
+	if err := checkKernel(); err != nil {
+		return err
+	}
 	client, err := cfg.Kube.client()
 	if err != nil {
 		return err

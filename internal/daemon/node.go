@@ -11,6 +11,7 @@ import (
 
 	"github.com/dirpv/dirpv/csinode"
 	"github.com/dirpv/dirpv/provisioner"
+	"github.com/dirpv/dirpv/volume"
 )
 
 // NodeConfig configures `dirpv node`.
@@ -27,13 +28,28 @@ type NodeConfig struct {
 	// LocalProvisioning runs the local-class provisioner on this node.
 	LocalProvisioning bool
 	HTTPAddress       string
+	// KubeletRootDir is kubelet's root directory; no local volume is ever in or around it.
+	KubeletRootDir string
+	// AllowedBasePaths are the host directories at or beneath which local volumes may live:
+	// the plugin mounts no other, and the node's provisioner creates no other.
+	AllowedBasePaths []string
 }
+
+// DefaultBasePath is the base of local classes that name none, and so the default allowed one.
+const DefaultBasePath = provisioner.DefaultBasePath
 
 // RunNode serves the CSI node plugin, and the local-class provisioner for this node, until ctx
 // is done.
 func RunNode(ctx context.Context, cfg NodeConfig) error {
+	if err := checkKernel(); err != nil {
+		return err
+	}
 	if cfg.NodeName == "" {
 		return fmt.Errorf("node name is required (--node-name or NODE_NAME)")
+	}
+	bases, err := volume.NewAllowedBases(cfg.AllowedBasePaths, cfg.KubeletRootDir)
+	if err != nil {
+		return fmt.Errorf("--allowed-base-paths: %w", err)
 	}
 	reg := newRegistry()
 	driver, err := csinode.NewDriver(csinode.Options{
@@ -44,6 +60,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 		RegistrationDir:  cfg.RegistrationDir,
 		Mounter:          mount.New(cfg.Mounter),
 		OperationTimeout: cfg.Provisioner.OperationTimeout,
+		LocalBases:       bases,
 	})
 	if err != nil {
 		return err
@@ -59,6 +76,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			DriverName:       DriverName,
 			Role:             provisioner.RoleNode,
 			NodeName:         cfg.NodeName,
+			AllowedBases:     bases,
 			Client:           client,
 			Classes:          factory.Storage().V1().StorageClasses().Lister(),
 			OperationTimeout: cfg.Provisioner.OperationTimeout,

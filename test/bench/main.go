@@ -556,7 +556,7 @@ func (b *bench) startProcesses(suffix string) (node, ctrl *framework.Process, er
 		defer os.Unsetenv(k)
 	}
 	node, err = framework.StartDirpv(b.ctx, b.dirpvBin, "node"+suffix, b.logDir, "node", append([]string{
-		"--node-name", nodeName,
+		"--node-name", nodeName, "--allowed-base-paths", b.work,
 		"--csi-endpoint", "unix://" + b.csiSocket(),
 		"--plugin-registration-dir", "-"}, b.common...)...)
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"path"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -17,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 
 	"github.com/dirpv/dirpv/provisioner"
+	"github.com/dirpv/dirpv/volume"
 )
 
 // helmOnlyLabels are the labels the chart adds for Helm's own bookkeeping; everything else must
@@ -440,7 +442,49 @@ func TestNodeDaemonSet(t *testing.T) {
 					t.Errorf("class %s basePath %s propagation None: a disk mounted there later would stay hidden", sc.Name, bp)
 				}
 			}
+			checkAllowedBases(t, c, spec, root, storageClasses(t, objs))
 		})
+	}
+}
+
+// checkAllowedBases: the node plugin is told to allow exactly the base paths its DaemonSet
+// mounts, none of them under kubelet's root dir, and every local class's basePath is at or
+// beneath one of them (otherwise its claims fail with "local volume refused").
+func checkAllowedBases(t *testing.T, c corev1.Container, spec corev1.PodSpec, kubeletRoot string, classes map[string]*storagev1.StorageClass) {
+	t.Helper()
+	var allowed []string
+	for _, a := range c.Args {
+		if v, ok := strings.CutPrefix(a, "--allowed-base-paths="); ok {
+			allowed = strings.Split(v, ",")
+		}
+	}
+	var mounted []string
+	for _, v := range spec.Volumes {
+		if strings.HasPrefix(v.Name, "base-path") && v.HostPath != nil {
+			mounted = append(mounted, v.HostPath.Path)
+		}
+	}
+	slices.Sort(allowed)
+	slices.Sort(mounted)
+	if len(allowed) == 0 || !slices.Equal(allowed, mounted) {
+		t.Errorf("--allowed-base-paths %v, want exactly the mounted base paths %v", allowed, mounted)
+	}
+	for _, b := range allowed {
+		if volume.Within(b, kubeletRoot) {
+			t.Errorf("allowed base %s is inside kubelet's root dir %s", b, kubeletRoot)
+		}
+	}
+	for _, sc := range classes {
+		if sc.Parameters["backend"] != "local" {
+			continue
+		}
+		bp := sc.Parameters["basePath"]
+		if bp == "" {
+			bp = provisioner.DefaultBasePath
+		}
+		if !slices.ContainsFunc(allowed, func(b string) bool { return volume.Within(bp, b) }) {
+			t.Errorf("class %s basePath %s is not at or beneath an allowed base %v", sc.Name, bp, allowed)
+		}
 	}
 }
 
@@ -685,7 +729,7 @@ func TestHelmCustomValues(t *testing.T) {
 		t.Errorf("extraEnv not applied: %+v", e)
 	}
 	c := container(t, daemonSet(t, objs).Spec.Template.Spec)
-	if !contains(c.Args, "--kubelet-root-dir=/data/kubelet") {
+	if !contains(c.Args, "--kubelet-root-dir=/data/kubelet") || !contains(c.Args, "--allowed-base-paths=/srv/dirpv,/mnt/ssd/dirpv") {
 		t.Errorf("node args %v", c.Args)
 	}
 	var paths []string
@@ -715,9 +759,11 @@ func TestHelmRejects(t *testing.T) {
 		set  []string
 		want string
 	}{
-		"local Immediate": {[]string{"storageClasses[0].name=x", "storageClasses[0].volumeBindingMode=Immediate"}, "WaitForFirstConsumer"},
-		"nfs no share":    {[]string{"nfs.exports[0].name=n", "nfs.exports[0].server=s"}, "needs server and share"},
-		"nfs no ctrl":     {[]string{"nfs.exports[0].name=n", "nfs.exports[0].server=s", "nfs.exports[0].share=/x", "controller.enabled=false"}, "controller.enabled"},
+		"local Immediate":  {[]string{"storageClasses[0].name=x", "storageClasses[0].volumeBindingMode=Immediate"}, "WaitForFirstConsumer"},
+		"nfs no share":     {[]string{"nfs.exports[0].name=n", "nfs.exports[0].server=s"}, "needs server and share"},
+		"nfs no ctrl":      {[]string{"nfs.exports[0].name=n", "nfs.exports[0].server=s", "nfs.exports[0].share=/x", "controller.enabled=false"}, "controller.enabled"},
+		"base in kubelet":  {[]string{"node.allowedBasePaths[0]=/var/lib/kubelet/pods"}, "inside kubeletRootDir"},
+		"class in kubelet": {[]string{"storageClasses[0].name=x", "storageClasses[0].basePath=/var/lib/kubelet"}, "inside kubeletRootDir"},
 		// values.schema.json catches these before the templates do.
 		"bad backend":  {[]string{"storageClasses[0].name=x", "storageClasses[0].backend=ceph"}, "'local', 'nfs'"},
 		"typo":         {[]string{"controller.replicaz=3"}, "replicaz"},

@@ -83,7 +83,8 @@ func run(m *testing.M) int {
 	}
 	cleanups.Add(func() { ctrlProc.Stop(10 * time.Second) })
 	nodeProc, err = framework.StartDirpv(ctx, dirpvBin, "node", logDir, "node", append(common,
-		"--node-name", testCluster.NodeName, "--kubelet-root-dir", testCluster.KubeletRootDir)...)
+		"--node-name", testCluster.NodeName, "--kubelet-root-dir", testCluster.KubeletRootDir,
+		"--allowed-base-paths", baseRoot)...)
 	if err != nil {
 		return fail("start node plugin", err)
 	}

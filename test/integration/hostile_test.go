@@ -17,8 +17,6 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -37,7 +35,12 @@ type hostileLayout struct {
 
 func newHostileLayout(t *testing.T) hostileLayout {
 	t.Helper()
-	top := t.TempDir()
+	// Under baseRoot, which node-a allows local volumes in.
+	top, err := os.MkdirTemp(baseRoot, "hostile-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(top) })
 	l := hostileLayout{top: top, base: filepath.Join(top, "parent", "base")}
 	for _, d := range []string{"sentinel/sub", "etc", "parent/sentinel", "parent/base"} {
 		if err := os.MkdirAll(filepath.Join(top, d), 0o755); err != nil {
@@ -454,21 +457,7 @@ func TestHostileSecretsNeverLogged(t *testing.T) {
 	if err := os.Mkdir(filepath.Join(layout.base, "vol"), 0o777); err != nil {
 		t.Fatal(err)
 	}
-	endpoint := ""
-	for i, a := range nodeProc.Args {
-		if a == "--csi-endpoint" && i+1 < len(nodeProc.Args) {
-			endpoint = nodeProc.Args[i+1]
-		}
-	}
-	if !strings.HasPrefix(endpoint, "unix://") {
-		t.Fatalf("node-a's CSI endpoint not found in its arguments %q", nodeProc.Args)
-	}
-	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	node := csi.NewNodeClient(conn)
+	node := nodeAClient(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	capability := &csi.VolumeCapability{

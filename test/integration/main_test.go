@@ -100,7 +100,7 @@ func run(m *testing.M) int {
 	}
 	cleanups.Add(func() { ctrlProc.Stop(10 * time.Second) })
 	nodeProc, err = framework.StartDirpv(ctx, dirpvBin, "node-a", logDir, "node", append(common,
-		"--node-name", nodeA,
+		"--node-name", nodeA, "--allowed-base-paths", baseRoot,
 		"--csi-endpoint", "unix://"+filepath.Join(work.Dir, "csi-a.sock"),
 		"--plugin-registration-dir", "-")...)
 	if err != nil {

@@ -22,7 +22,7 @@ func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 	}
 	work := t.TempDir()
 	proc, err := framework.StartDirpv(ctx, dirpvBin, "node-b", logDir, "node", "--kubeconfig", testCluster.Kubeconfig,
-		"--v=2", "--node-name", nodeB,
+		"--v=2", "--node-name", nodeB, "--allowed-base-paths", baseRoot,
 		"--csi-endpoint", "unix://"+filepath.Join(work, "csi.sock"), "--plugin-registration-dir", "-")
 	if err != nil {
 		t.Fatal(err)

@@ -37,12 +37,18 @@ func TestSanity(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 
-	// The real node plugin, as production runs it (system mount(8), real bind mounts).
+	// The real node plugin, as production runs it (system mount(8), real bind mounts), allowed
+	// the one base the test controller creates volumes in.
+	base := filepath.Join(tmp, "base")
+	bases, err := volume.NewAllowedBases([]string{base}, filepath.Join(tmp, "kubelet"))
+	if err != nil {
+		t.Fatal(err)
+	}
 	nodeSock := filepath.Join(tmp, "node.sock")
 	driver, err := csinode.NewDriver(csinode.Options{
 		DriverName: "dirpv.io", Version: "sanity", NodeID: nodeID,
 		Endpoint: "unix://" + nodeSock, Mounter: mount.New(""),
-		OperationTimeout: 30 * time.Second,
+		OperationTimeout: 30 * time.Second, LocalBases: bases,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -68,7 +74,6 @@ func TestSanity(t *testing.T) {
 		csi.RegisterNodeServer(s, front)
 	})
 
-	base := filepath.Join(tmp, "base")
 	if err := os.Mkdir(base, 0o755); err != nil {
 		t.Fatal(err)
 	}

@@ -19,8 +19,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{/*
-dirpv.localBasePaths: the distinct basePaths of local classes, .Values.basePath first, as a
-JSON list. The node plugin mounts each at the same path as on the host.
+dirpv.localBasePaths: the distinct basePaths of local classes, .Values.basePath first, then
+node.allowedBasePaths, as a JSON list. The node plugin mounts each at the same path as on the
+host and allows local volumes at or beneath them only (--allowed-base-paths).
 */}}
 {{- define "dirpv.localBasePaths" -}}
 {{- $paths := list .Values.basePath -}}
@@ -28,6 +29,9 @@ JSON list. The node plugin mounts each at the same path as on the host.
 {{- if eq (.backend | default "local") "local" -}}
 {{- $paths = append $paths (.basePath | default $.Values.basePath) -}}
 {{- end -}}
+{{- end -}}
+{{- range .Values.node.allowedBasePaths -}}
+{{- $paths = append $paths . -}}
 {{- end -}}
 {{- $paths | uniq | toJson -}}
 {{- end -}}

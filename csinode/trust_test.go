@@ -1,0 +1,211 @@
+package csinode
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/mount-utils"
+
+	"github.com/dirpv/dirpv/volume"
+)
+
+// trustLayout is a host in miniature: kubelet's root with a pod's secret volume in it, the
+// allowed base with a tenant's volume, and directories around them that no PV may reach.
+//
+//	top/kubelet/pods/uid/volumes/secret/token   kubelet's root and a pod's secret
+//	top/dirpv/tenant/vol                         the allowed base and a volume in it
+//	top/dirpv/tenant/vol/escape -> top/kubelet   a link the tenant planted in its volume
+//	top/dirpv2/vol                               a sibling whose name starts like the base
+//	top/etc/vol                                  anywhere else
+type trustLayout struct {
+	top, kubelet, base string
+}
+
+func newTrustLayout(t *testing.T) trustLayout {
+	t.Helper()
+	top := t.TempDir()
+	l := trustLayout{top: top, kubelet: filepath.Join(top, "kubelet"), base: filepath.Join(top, "dirpv")}
+	for _, d := range []string{"kubelet/pods/uid/volumes/secret", "dirpv/tenant/vol", "dirpv2/vol", "etc/vol"} {
+		if err := os.MkdirAll(filepath.Join(top, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(l.kubelet, "pods/uid/volumes/secret/token"), []byte("secret"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(l.kubelet, filepath.Join(l.base, "tenant/vol/escape")); err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+func (l trustLayout) driver(t *testing.T, allowed ...string) *nodeServer {
+	t.Helper()
+	bases, err := volume.NewAllowedBases(allowed, l.kubelet)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := NewDriver(Options{
+		DriverName: "dirpv.io", Version: "test", NodeID: "node-1",
+		Endpoint: "unix://" + filepath.Join(t.TempDir(), "csi.sock"),
+		Mounter:  mount.New(""), OperationTimeout: 10 * time.Second, LocalBases: bases,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &nodeServer{d: d}
+}
+
+func localAttrs(basePath, rel string) map[string]string {
+	return volume.Attributes{Backend: volume.BackendLocal, BasePath: basePath, Path: rel}.Map()
+}
+
+// wantRefused checks the code, that the message says each of want, and that nothing was
+// mounted or created at the target.
+func wantRefused(t *testing.T, err error, code codes.Code, target string, want ...string) {
+	t.Helper()
+	if status.Code(err) != code {
+		t.Fatalf("got %v (code %s), want code %s", err, status.Code(err), code)
+	}
+	msg := status.Convert(err).Message()
+	for _, w := range want {
+		if !strings.Contains(msg, w) {
+			t.Errorf("message %q does not say %q", msg, w)
+		}
+	}
+	if isMounted(t, target) {
+		t.Errorf("%s is mounted after a refused publish", target)
+	}
+	if _, err := os.Lstat(target); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("target created for a refused publish: %v", err)
+	}
+}
+
+// Every directory in these PVs exists and a bind mount of it would work: only the allow-list
+// stands between the PV and the mount.
+func TestPublishRefusesOutsideAllowedBases(t *testing.T) {
+	requireRoot(t)
+	l := newTrustLayout(t)
+	ns := l.driver(t, l.base)
+	rw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	for name, tc := range map[string]struct {
+		attrs map[string]string
+		want  []string
+	}{
+		"outside every base": {localAttrs(filepath.Join(l.top, "etc"), "vol"),
+			[]string{"base path " + filepath.Join(l.top, "etc") + " is not at or beneath a base path this node allows (" + l.base + ")", "--allowed-base-paths"}},
+		"sibling named like the base": {localAttrs(l.base+"2", "vol"),
+			[]string{"base path " + l.base + "2 is not at or beneath"}},
+		"kubelet's pods": {localAttrs(filepath.Join(l.kubelet, "pods"), "uid/volumes/secret"),
+			[]string{"not at or beneath"}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			target := newTarget(t)
+			_, err := ns.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
+				VolumeId: "v", TargetPath: target, VolumeCapability: rw, VolumeContext: tc.attrs,
+			})
+			wantRefused(t, err, codes.PermissionDenied, target, tc.want...)
+		})
+	}
+
+	// The base itself and directories beneath it are served.
+	for _, attrs := range []map[string]string{localAttrs(l.base, "tenant/vol"), localAttrs(filepath.Join(l.base, "tenant"), "vol")} {
+		target := newTarget(t)
+		req := &csi.NodePublishVolumeRequest{VolumeId: "v", TargetPath: target, VolumeCapability: rw, VolumeContext: attrs}
+		if _, err := ns.NodePublishVolume(context.Background(), req); err != nil {
+			t.Fatalf("publish %v: %v", attrs, err)
+		}
+		if _, err := os.Lstat(filepath.Join(target, "escape")); err != nil {
+			t.Errorf("%v: target does not show the volume: %v", attrs, err)
+		}
+		if _, err := ns.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: "v", TargetPath: target}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// kubelet's root dir is refused even when an allowed base holds it.
+func TestPublishRefusesKubeletRootEvenIfAllowed(t *testing.T) {
+	requireRoot(t)
+	l := newTrustLayout(t)
+	ns := l.driver(t, l.top) // top holds kubelet's root
+	rw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	for name, tc := range map[string]struct {
+		attrs map[string]string
+		want  string
+	}{
+		"a pod's secret volume": {localAttrs(filepath.Join(l.kubelet, "pods"), "uid/volumes/secret"), "is inside kubelet's root dir " + l.kubelet},
+		"kubelet's root itself": {localAttrs(l.top, "kubelet"), "is inside kubelet's root dir"},
+		"unclean base path":     {map[string]string{"backend": "local", "basePath": l.top + "/dirpv/../kubelet", "path": "pods"}, ""},
+	} {
+		t.Run(name, func(t *testing.T) {
+			target := newTarget(t)
+			_, err := ns.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
+				VolumeId: "v", TargetPath: target, VolumeCapability: rw, VolumeContext: tc.attrs,
+			})
+			if tc.want == "" {
+				// Unclean paths never reach the allow-list: the attributes are refused first.
+				wantRefused(t, err, codes.InvalidArgument, target, "clean")
+				return
+			}
+			wantRefused(t, err, codes.PermissionDenied, target, tc.want, "secrets")
+		})
+	}
+	// A directory that contains kubelet's root is as bad as one inside it.
+	wide := l.driver(t, filepath.Dir(l.top))
+	target := newTarget(t)
+	_, err := wide.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
+		VolumeId: "v", TargetPath: target, VolumeCapability: rw, VolumeContext: localAttrs(filepath.Dir(l.top), filepath.Base(l.top)),
+	})
+	wantRefused(t, err, codes.PermissionDenied, target, "contains kubelet's root dir "+l.kubelet)
+}
+
+// A basePath that is lexically inside the allowed base but goes through a symlink (here one a
+// tenant planted in its own volume, pointing at kubelet's root) is walked from the allowed
+// base without following it, so it never reaches the pod's secret.
+func TestPublishRefusesSymlinkInBasePath(t *testing.T) {
+	requireRoot(t)
+	l := newTrustLayout(t)
+	ns := l.driver(t, l.base)
+	target := newTarget(t)
+	_, err := ns.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
+		VolumeId: "v", TargetPath: target, VolumeCapability: mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER),
+		VolumeContext: localAttrs(filepath.Join(l.base, "tenant/vol/escape/pods"), "uid/volumes/secret"),
+	})
+	wantRefused(t, err, codes.FailedPrecondition, target, "symlinks are never followed")
+}
+
+func TestPublishRefusesInlineEphemeral(t *testing.T) {
+	requireRoot(t)
+	l := newTrustLayout(t)
+	ns := l.driver(t, l.base)
+	rw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	// Even naming an allowed volume: an inline volume's attributes are the pod author's.
+	ctx := localAttrs(l.base, "tenant/vol")
+	ctx[ephemeralKey] = "true"
+	ctx["csi.storage.k8s.io/pod.name"] = "p"
+	target := newTarget(t)
+	_, err := ns.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
+		VolumeId: "csi-0123", TargetPath: target, VolumeCapability: rw, VolumeContext: ctx,
+	})
+	wantRefused(t, err, codes.InvalidArgument, target, "does not serve CSI inline ephemeral volumes", "use a generic ephemeral volume")
+
+	// kubelet says "false" for every persistent volume of a podInfoOnMount driver.
+	ctx[ephemeralKey] = "false"
+	if _, err := ns.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
+		VolumeId: "local:pv", TargetPath: target, VolumeCapability: rw, VolumeContext: ctx,
+	}); err != nil {
+		t.Fatalf("persistent volume with pod info: %v", err)
+	}
+	if _, err := ns.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: "local:pv", TargetPath: target}); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,82 @@
+package integration
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/dirpv/dirpv/test/framework"
+)
+
+// nodeAClient dials node-a's CSI socket, as kubelet would.
+func nodeAClient(t *testing.T) csi.NodeClient {
+	t.Helper()
+	endpoint := ""
+	for i, a := range nodeProc.Args {
+		if a == "--csi-endpoint" && i+1 < len(nodeProc.Args) {
+			endpoint = nodeProc.Args[i+1]
+		}
+	}
+	if !strings.HasPrefix(endpoint, "unix://") {
+		t.Fatalf("node-a's CSI endpoint not found in its arguments %q", nodeProc.Args)
+	}
+	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return csi.NewNodeClient(conn)
+}
+
+// node-a runs with --allowed-base-paths set to the workspace's base root. A class whose
+// basePath is elsewhere gets a claim event saying why and what to change, and no directory;
+// a PV naming that directory is refused by the plugin, with nothing mounted.
+func TestLocalClassOutsideAllowedBases(t *testing.T) {
+	ns := newNamespace(t)
+	outside := t.TempDir() // not under baseRoot
+	class := createClass(t, "outside-allowed-bases", map[string]string{"backend": "local", "basePath": outside})
+	createClaim(t, ns, "c", class.Name, onNode(nodeA))
+	ev, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed",
+		"is not at or beneath a base path this node allows", timeout)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{outside, baseRoot, "--allowed-base-paths"} {
+		if !strings.Contains(ev.Message, want) {
+			t.Errorf("event %q does not say %q", ev.Message, want)
+		}
+	}
+	if entries, _ := os.ReadDir(outside); len(entries) != 0 {
+		t.Errorf("created outside the allowed bases: %v", entries)
+	}
+
+	if err := os.Mkdir(filepath.Join(outside, "vol"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	target := filepath.Join(t.TempDir(), "target")
+	_, err = nodeAClient(t).NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
+		VolumeId: "local:outside", TargetPath: target,
+		VolumeCapability: &csi.VolumeCapability{
+			AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+		},
+		VolumeContext: map[string]string{"backend": "local", "basePath": outside, "path": "vol"},
+	})
+	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "--allowed-base-paths") {
+		t.Errorf("publish outside the allowed bases: %v, want PermissionDenied naming --allowed-base-paths", err)
+	}
+	if _, err := os.Lstat(target); err == nil {
+		t.Errorf("target %s created for a refused publish", target)
+	}
+}
