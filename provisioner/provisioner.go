@@ -203,9 +203,10 @@ func (p *Provisioner) nodeLost(ctx context.Context, pv *v1.PersistentVolume) boo
 func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOptions) (*v1.PersistentVolume, controller.ProvisioningState, error) {
 	logger := klog.FromContext(ctx).WithValues("claim", klog.KObj(opts.PVC), "pv", opts.PVName)
 	ctx = klog.NewContext(ctx, logger)
+	// Refusals of the class or the claim are permanent until the user changes one of them.
 	params, err := p.checkClaim(opts)
 	if err != nil {
-		return nil, controller.ProvisioningFinished, err
+		return nil, controller.ProvisioningFinished, invalid(err)
 	}
 	claim := opts.PVC
 	rel, err := params.pattern.expand(pathVars{
@@ -216,7 +217,7 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 		annotations: claim.Annotations,
 	})
 	if err != nil {
-		return nil, controller.ProvisioningFinished, err
+		return nil, controller.ProvisioningFinished, invalid(err)
 	}
 	attrs := volume.Attributes{Backend: params.backend, Server: params.server, Share: params.share, BasePath: params.basePath, Path: rel}
 
@@ -249,6 +250,13 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 		// An NFS server that did not answer may still create the directory; retrying finds it.
 		if errors.Is(err, errExportUnresponsive) {
 			return nil, controller.ProvisioningInBackground, fmt.Errorf("create directory %s: %w", rel, err)
+		}
+		if attrs.Backend == volume.BackendLocal && isNodeLocalFailure(err) {
+			// Another node may well have room: hand the claim back to the scheduler (the lib
+			// removes the selected-node annotation) rather than keep the pod stuck here.
+			return nil, controller.ProvisioningReschedule, fmt.Errorf(
+				"node %s cannot hold the volume: create directory %s in base path %s: %w; asking the scheduler to choose another node",
+				p.cfg.NodeName, rel, attrs.BasePath, err)
 		}
 		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s: %w", rel, err)
 	}
@@ -288,7 +296,7 @@ func (p *Provisioner) checkClaim(opts controller.ProvisionOptions) (*classParams
 			}
 		}
 		if len(class.MountOptions) > 0 {
-			return nil, fmt.Errorf("mountOptions %q are not supported by backend local (bind mounts)", class.MountOptions)
+			return nil, fmt.Errorf("mountOptions %s are not supported by backend local (bind mounts)", volume.QuoteList(class.MountOptions))
 		}
 		if p.cfg.Role != RoleNode {
 			return nil, fmt.Errorf("claim has no selected node: local volumes are created by the dirpv node plugin on the scheduled node")

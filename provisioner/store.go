@@ -264,12 +264,12 @@ func (l *localRoots) do(basePath string, fn func(*volume.Root) error) error {
 		// The base belongs to the admin, who named it in the class; dirpv creates it on first use.
 		if err := os.MkdirAll(basePath, 0o755); err != nil {
 			l.mu.Unlock()
-			return fmt.Errorf("create base path: %w", err)
+			return fmt.Errorf("%w: create it: %w", errBaseUnusable, err)
 		}
 		var err error
 		if root, err = volume.OpenRoot(basePath); err != nil {
 			l.mu.Unlock()
-			return err
+			return fmt.Errorf("%w: %w", errBaseUnusable, err)
 		}
 		if l.byBase == nil {
 			l.byBase = map[string]*volume.Root{}
