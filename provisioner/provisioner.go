@@ -79,6 +79,8 @@ type Provisioner struct {
 	cfg     Config
 	exports *exports
 	locals  localRoots
+	// nodePlugins rate-limits the controller's checks for a missing node plugin.
+	nodePlugins nodePluginChecks
 
 	hostnameOnce sync.Mutex
 	hostname     string
@@ -142,7 +144,8 @@ func (p *Provisioner) Run(ctx context.Context) {
 
 // ShouldProvision says whether this instance serves the claim. Claims of local classes go to
 // the node the scheduler selected; everything else, broken local classes included, goes to the
-// controller, so that exactly one instance reports a bad class on the claim.
+// controller, so that exactly one instance reports a bad class on the claim. The controller
+// also reports local claims placed on a node where no dirpv node plugin runs.
 func (p *Provisioner) ShouldProvision(ctx context.Context, claim *v1.PersistentVolumeClaim) bool {
 	className := ptrValue(claim.Spec.StorageClassName)
 	class, err := p.cfg.Classes.Get(className)
@@ -152,8 +155,12 @@ func (p *Provisioner) ShouldProvision(ctx context.Context, claim *v1.PersistentV
 	}
 	local := class.Parameters[ParamBackend] == string(volume.BackendLocal)
 	lateBinding := class.VolumeBindingMode != nil && *class.VolumeBindingMode == storagev1.VolumeBindingWaitForFirstConsumer
+	node := claim.Annotations[annSelectedNode]
 	if p.cfg.Role == RoleNode {
-		return local && lateBinding && claim.Annotations[annSelectedNode] == p.cfg.NodeName
+		return local && lateBinding && node == p.cfg.NodeName
+	}
+	if local && lateBinding && node != "" {
+		p.checkNodePlugin(ctx, claim, class, node)
 	}
 	return !local || !lateBinding
 }

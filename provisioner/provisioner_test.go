@@ -519,3 +519,52 @@ func TestNodeLocalFailureReschedules(t *testing.T) {
 		})
 	}
 }
+
+// The controller tells the user when a local claim waits on a node where no dirpv node plugin
+// is registered, once per claim per period, and says nothing about nodes that have one.
+func TestControllerReportsNodeWithoutPlugin(t *testing.T) {
+	f := newFixture(t)
+	client := f.ctrl.cfg.Client
+	if _, err := client.StorageV1().CSINodes().Create(context.Background(), &storagev1.CSINode{
+		ObjectMeta: metav1.ObjectMeta{Name: testNode},
+		Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: testDriver, NodeID: testNode}}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.StorageV1().CSINodes().Create(context.Background(), &storagev1.CSINode{
+		ObjectMeta: metav1.ObjectMeta{Name: "node-b"},
+		Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: "other.csi.io", NodeID: "node-b"}}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	events := record.NewFakeRecorder(10)
+	f.ctrl.cfg.Events = events
+	class := f.localClass(nil)
+
+	for _, node := range []string{"node-b", "node-c"} { // a CSINode without dirpv, and none at all
+		pvc := claim("on-" + node)
+		pvc.Annotations[annSelectedNode] = node
+		pvc.Spec.StorageClassName = &class.Name
+		for range 3 {
+			if f.ctrl.ShouldProvision(context.Background(), pvc) {
+				t.Fatal("controller takes a claim of a valid local class")
+			}
+		}
+		select {
+		case ev := <-events.Events:
+			if !strings.Contains(ev, ReasonNodePluginMissing) || !strings.Contains(ev, "node "+node+" runs no dirpv.io node plugin") {
+				t.Errorf("event = %q", ev)
+			}
+		default:
+			t.Errorf("no event for a claim on %s", node)
+		}
+	}
+	here := claim("here")
+	here.Spec.StorageClassName = &class.Name
+	f.ctrl.ShouldProvision(context.Background(), here)
+	select {
+	case ev := <-events.Events:
+		t.Errorf("extra event %q (repeated, or for a node that runs the plugin)", ev)
+	default:
+	}
+}

@@ -1,7 +1,8 @@
 package integration
 
 // Lifecycle of a claim beyond the happy path: PV and claim deleted in either order, refusals
-// that must not be retried hot, and a node that cannot hold the volume.
+// that must not be retried hot, a node that cannot hold the volume, and a node that has no
+// dirpv node plugin at all.
 
 import (
 	"context"
@@ -217,5 +218,31 @@ func TestReadOnlyBaseReschedules(t *testing.T) {
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// A local claim placed on a Ready node that runs no dirpv node plugin gets an event from the
+// controller that names the node; one placed on node-a, which runs one, does not.
+func TestNodeWithoutPluginIsReported(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	class, _ := localClass(t, nil)
+	createClaim(t, ns, "here", class.Name, onNode(nodeA))
+	createClaim(t, ns, "elsewhere", class.Name, onNode(nodeC))
+	ev, err := framework.WaitForEvent(ctx, client, ns, "PersistentVolumeClaim", "elsewhere", "NodePluginMissing", "node "+nodeC+" runs no dirpv.io node plugin", timeout)
+	if err != nil {
+		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(3000))
+	}
+	t.Logf("event: %s", ev.Message)
+	waitBound(t, ns, "here")
+	if n, err := claimEventCount(ctx, ns, "here", "NodePluginMissing"); err != nil || n != 0 {
+		t.Errorf("claim on node-a, which runs the plugin: %d NodePluginMissing events (%v)", n, err)
+	}
+	c, err := client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "elsewhere", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Status.Phase != v1.ClaimPending {
+		t.Errorf("claim on node-c is %s, want Pending", c.Status.Phase)
 	}
 }
