@@ -5,7 +5,6 @@ import (
 	"io/fs"
 
 	"golang.org/x/sys/unix"
-
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
