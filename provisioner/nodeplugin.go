@@ -23,16 +23,25 @@ const ReasonNodePluginMissing = "NodePluginMissing"
 // enough to tell the user.
 const nodePluginCheckPeriod = 5 * time.Minute
 
-// nodePluginChecks remembers when each pending claim's node was last looked up.
+// nodePluginSeenFor is how long a node found running the plugin is trusted to still run it,
+// so that a burst of claims on one node costs one lookup, not one per claim.
+const nodePluginSeenFor = time.Minute
+
+// nodePluginChecks remembers when each pending claim's node was last looked up, and which
+// nodes were recently seen running the plugin.
 type nodePluginChecks struct {
-	mu   sync.Mutex
-	last map[types.UID]time.Time
+	mu    sync.Mutex
+	last  map[types.UID]time.Time
+	nodes map[string]time.Time
 }
 
 // due reports whether the claim's node should be looked up now, and if so records that it was.
-func (c *nodePluginChecks) due(uid types.UID, now time.Time) bool {
+func (c *nodePluginChecks) due(uid types.UID, node string, now time.Time) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if t, ok := c.nodes[node]; ok && now.Sub(t) < nodePluginSeenFor {
+		return false
+	}
 	if t, ok := c.last[uid]; ok && now.Sub(t) < nodePluginCheckPeriod {
 		return false
 	}
@@ -49,11 +58,26 @@ func (c *nodePluginChecks) due(uid types.UID, now time.Time) bool {
 	return true
 }
 
+// runsPlugin records that node was seen running the plugin.
+func (c *nodePluginChecks) runsPlugin(node string, now time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.nodes == nil {
+		c.nodes = map[string]time.Time{}
+	}
+	for n, t := range c.nodes {
+		if now.Sub(t) >= nodePluginSeenFor {
+			delete(c.nodes, n)
+		}
+	}
+	c.nodes[node] = now
+}
+
 // checkNodePlugin records an event on a local claim whose selected node has no dirpv node
 // plugin registered (its CSINode lists no dirpv driver). Only that node's instance could
 // serve the claim, so without this the claim would stay Pending with no word from dirpv.
 func (p *Provisioner) checkNodePlugin(ctx context.Context, claim *v1.PersistentVolumeClaim, class *storagev1.StorageClass, node string) {
-	if p.cfg.Events == nil || !p.nodePlugins.due(claim.UID, time.Now()) {
+	if p.cfg.Events == nil || !p.nodePlugins.due(claim.UID, node, time.Now()) {
 		return
 	}
 	logger := klog.FromContext(ctx).WithValues("claim", klog.KObj(claim), "node", node)
@@ -66,6 +90,7 @@ func (p *Provisioner) checkNodePlugin(ctx context.Context, claim *v1.PersistentV
 		logger.Error(err, "Cannot tell whether the claim's node runs the dirpv node plugin")
 		return
 	case slices.ContainsFunc(csiNode.Spec.Drivers, func(d storagev1.CSINodeDriver) bool { return d.Name == p.cfg.DriverName }):
+		p.nodePlugins.runsPlugin(node, time.Now())
 		return
 	}
 	logger.Info("Local claim placed on a node without the dirpv node plugin")

@@ -2,6 +2,7 @@ package provisioner
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -16,9 +17,11 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
+	ktesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/mount-utils"
@@ -559,12 +562,23 @@ func TestControllerReportsNodeWithoutPlugin(t *testing.T) {
 			t.Errorf("no event for a claim on %s", node)
 		}
 	}
-	here := claim("here")
-	here.Spec.StorageClassName = &class.Name
-	f.ctrl.ShouldProvision(context.Background(), here)
+	// Claims on a node that runs the plugin get no event, and a burst of them costs one lookup.
+	lookups := 0
+	client.(*fake.Clientset).PrependReactor("get", "csinodes", func(ktesting.Action) (bool, runtime.Object, error) {
+		lookups++
+		return false, nil, nil
+	})
+	for i := range 5 {
+		here := claim(fmt.Sprintf("here-%d", i))
+		here.Spec.StorageClassName = &class.Name
+		f.ctrl.ShouldProvision(context.Background(), here)
+	}
 	select {
 	case ev := <-events.Events:
 		t.Errorf("extra event %q (repeated, or for a node that runs the plugin)", ev)
 	default:
+	}
+	if lookups != 1 {
+		t.Errorf("%d CSINode lookups for 5 claims on a node that runs the plugin, want 1", lookups)
 	}
 }
