@@ -47,7 +47,7 @@ func parseOnDelete(s string) (OnDelete, error) {
 	case OnDeleteDelete, OnDeleteRetain, OnDeleteArchive:
 		return d, nil
 	}
-	return "", fmt.Errorf("%s %q: want %q, %q or %q", ParamOnDelete, s, OnDeleteDelete, OnDeleteRetain, OnDeleteArchive)
+	return "", fmt.Errorf("%s %s: want %q, %q or %q", ParamOnDelete, volume.Quote(s), OnDeleteDelete, OnDeleteRetain, OnDeleteArchive)
 }
 
 // classParams are a StorageClass's parameters, parsed and checked.
@@ -73,7 +73,7 @@ func parseParameters(params map[string]string) (*classParams, error) {
 	}
 	if len(unknown) > 0 {
 		slices.Sort(unknown)
-		return nil, fmt.Errorf("unknown StorageClass parameters %q; known: %s", unknown, strings.Join(known, ", "))
+		return nil, fmt.Errorf("unknown StorageClass parameters %s; known: %s", volume.QuoteList(unknown), strings.Join(known, ", "))
 	}
 	c := &classParams{
 		backend:  volume.Backend(params[ParamBackend]),
@@ -97,7 +97,7 @@ func parseParameters(params map[string]string) (*classParams, error) {
 			c.basePath = DefaultBasePath
 		}
 		if !path.IsAbs(c.basePath) || path.Clean(c.basePath) != c.basePath || c.basePath == "/" {
-			return nil, fmt.Errorf("%s %q must be a clean absolute path other than /", ParamBasePath, c.basePath)
+			return nil, fmt.Errorf("%s %s must be a clean absolute path other than /", ParamBasePath, volume.Quote(c.basePath))
 		}
 		for _, p := range []string{ParamServer, ParamShare} {
 			if _, ok := params[p]; ok {
@@ -107,7 +107,7 @@ func parseParameters(params map[string]string) (*classParams, error) {
 	case "":
 		return nil, fmt.Errorf("parameter %s is required: %q or %q", ParamBackend, volume.BackendNFS, volume.BackendLocal)
 	default:
-		return nil, fmt.Errorf("%s %q: want %q or %q", ParamBackend, c.backend, volume.BackendNFS, volume.BackendLocal)
+		return nil, fmt.Errorf("%s %s: want %q or %q", ParamBackend, volume.Quote(string(c.backend)), volume.BackendNFS, volume.BackendLocal)
 	}
 	// The export itself is checked the same way the node plugin will check the PV.
 	probe := volume.Attributes{Backend: c.backend, Server: c.server, Share: c.share, BasePath: c.basePath, Path: "x"}
@@ -131,7 +131,7 @@ func parseParameters(params map[string]string) (*classParams, error) {
 	if s, ok := params[ParamMode]; ok {
 		m, err := strconv.ParseUint(s, 8, 32)
 		if err != nil || m > 0o7777 {
-			return nil, fmt.Errorf("%s %q: want an octal mode such as 0770 or 2775", ParamMode, s)
+			return nil, fmt.Errorf("%s %s: want an octal mode such as 0770 or 2775", ParamMode, volume.Quote(s))
 		}
 		c.owner.Mode = uint32(m)
 	}
@@ -142,7 +142,7 @@ func parseParameters(params map[string]string) (*classParams, error) {
 		}
 		n, err := strconv.ParseUint(s, 10, 31)
 		if err != nil {
-			return nil, fmt.Errorf("%s %q: want a non-negative number", name, s)
+			return nil, fmt.Errorf("%s %s: want a non-negative number", name, volume.Quote(s))
 		}
 		*id = int(n)
 	}

@@ -48,16 +48,16 @@ func parsePattern(s string) (*pattern, error) {
 		return nil, fmt.Errorf("pathPattern is empty")
 	}
 	if strings.HasPrefix(s, "/") {
-		return nil, fmt.Errorf("pathPattern %q is absolute: it is relative to the share or base path", s)
+		return nil, fmt.Errorf("pathPattern %s is absolute: it is relative to the share or base path", volume.Quote(s))
 	}
 	p := &pattern{}
 	for _, comp := range strings.Split(s, "/") {
 		if comp == "" || comp == "." || comp == ".." {
-			return nil, fmt.Errorf("pathPattern %q has an empty, \".\" or \"..\" component", s)
+			return nil, fmt.Errorf("pathPattern %s has an empty, \".\" or \"..\" component", volume.Quote(s))
 		}
 		toks, err := parseComponent(comp)
 		if err != nil {
-			return nil, fmt.Errorf("pathPattern %q: %w", s, err)
+			return nil, fmt.Errorf("pathPattern %s: %w", volume.Quote(s), err)
 		}
 		p.components = append(p.components, toks)
 	}
@@ -77,7 +77,7 @@ func parseComponent(comp string) ([]token, error) {
 		}
 		end := strings.IndexByte(comp[i:], '}')
 		if end < 0 {
-			return nil, fmt.Errorf("unterminated ${ in %q", comp)
+			return nil, fmt.Errorf("unterminated ${ in %s", volume.Quote(comp))
 		}
 		t, err := parseVariable(comp[i+2 : i+end])
 		if err != nil {
@@ -88,7 +88,7 @@ func parseComponent(comp string) ([]token, error) {
 	}
 	for _, t := range toks {
 		if t.variable == varNone && (strings.ContainsRune(t.literal, 0) || strings.Contains(t.literal, "$")) {
-			return nil, fmt.Errorf("literal %q may not contain NUL or a bare $", t.literal)
+			return nil, fmt.Errorf("literal %s may not contain NUL or a bare $", volume.Quote(t.literal))
 		}
 	}
 	return toks, nil
@@ -110,12 +110,12 @@ func parseVariable(v string) (token, error) {
 		}
 		key, ok := strings.CutSuffix(rest, "]")
 		if !ok || len(key) < 3 || (key[0] != '\'' && key[0] != '"') || key[len(key)-1] != key[0] {
-			return token{}, fmt.Errorf("${%s}: want %s'key']", v, prefix)
+			return token{}, fmt.Errorf("%s: want ${%s'key']}", volume.Quote("${"+v+"}"), prefix)
 		}
 		return token{variable: kind, key: key[1 : len(key)-1]}, nil
 	}
-	return token{}, fmt.Errorf("unknown variable ${%s}; known: ${pvc.metadata.namespace}, ${pvc.metadata.name}, "+
-		"${pv.metadata.name}, ${pvc.metadata.labels['key']}, ${pvc.metadata.annotations['key']}", v)
+	return token{}, fmt.Errorf("unknown variable %s; known: ${pvc.metadata.namespace}, ${pvc.metadata.name}, "+
+		"${pv.metadata.name}, ${pvc.metadata.labels['key']}, ${pvc.metadata.annotations['key']}", volume.Quote("${"+v+"}"))
 }
 
 // expand renders the pattern for one claim. Every value is checked on its own before it is
@@ -141,7 +141,7 @@ func (p *pattern) expand(v pathVars) (string, error) {
 		comp := b.String()
 		switch comp {
 		case "", ".", "..":
-			return "", fmt.Errorf("pathPattern component expands to %q, which is not a directory name", comp)
+			return "", fmt.Errorf("pathPattern component expands to %s, which is not a directory name", volume.Quote(comp))
 		}
 		if len(comp) > volume.MaxComponentLength {
 			return "", fmt.Errorf("pathPattern component expands to %d bytes, more than the %d a directory name may have",
@@ -165,15 +165,15 @@ func (t token) value(v pathVars) (val, what string, err error) {
 	case varLabel:
 		val, ok := v.labels[t.key]
 		if !ok {
-			return "", "", fmt.Errorf("pathPattern uses label %q, which the claim does not have", t.key)
+			return "", "", fmt.Errorf("pathPattern uses label %s, which the claim does not have", volume.Quote(t.key))
 		}
-		return val, fmt.Sprintf("label %q", t.key), nil
+		return val, "label " + volume.Quote(t.key), nil
 	case varAnnotation:
 		val, ok := v.annotations[t.key]
 		if !ok {
-			return "", "", fmt.Errorf("pathPattern uses annotation %q, which the claim does not have", t.key)
+			return "", "", fmt.Errorf("pathPattern uses annotation %s, which the claim does not have", volume.Quote(t.key))
 		}
-		return val, fmt.Sprintf("annotation %q", t.key), nil
+		return val, "annotation " + volume.Quote(t.key), nil
 	}
 	return "", "", fmt.Errorf("unknown variable kind %d", t.variable)
 }
@@ -181,7 +181,7 @@ func (t token) value(v pathVars) (val, what string, err error) {
 func checkValue(what, val string) error {
 	for _, r := range val {
 		if r == '/' || r == 0 || unicode.IsControl(r) || r == unicode.ReplacementChar {
-			return fmt.Errorf("%s value %q contains %q, which may not appear in a directory name", what, val, r)
+			return fmt.Errorf("%s value %s contains %q, which may not appear in a directory name", what, volume.Quote(val), r)
 		}
 	}
 	return nil

@@ -83,6 +83,8 @@ type Provisioner struct {
 	cfg     Config
 	exports *exports
 	locals  localRoots
+	// nodePlugins rate-limits the controller's checks for a missing node plugin.
+	nodePlugins nodePluginChecks
 
 	hostnameOnce sync.Mutex
 	hostname     string
@@ -146,7 +148,8 @@ func (p *Provisioner) Run(ctx context.Context) {
 
 // ShouldProvision says whether this instance serves the claim. Claims of local classes go to
 // the node the scheduler selected; everything else, broken local classes included, goes to the
-// controller, so that exactly one instance reports a bad class on the claim.
+// controller, so that exactly one instance reports a bad class on the claim. The controller
+// also reports local claims placed on a node where no dirpv node plugin runs.
 func (p *Provisioner) ShouldProvision(ctx context.Context, claim *v1.PersistentVolumeClaim) bool {
 	className := ptrValue(claim.Spec.StorageClassName)
 	class, err := p.cfg.Classes.Get(className)
@@ -156,8 +159,12 @@ func (p *Provisioner) ShouldProvision(ctx context.Context, claim *v1.PersistentV
 	}
 	local := class.Parameters[ParamBackend] == string(volume.BackendLocal)
 	lateBinding := class.VolumeBindingMode != nil && *class.VolumeBindingMode == storagev1.VolumeBindingWaitForFirstConsumer
+	node := claim.Annotations[annSelectedNode]
 	if p.cfg.Role == RoleNode {
-		return local && lateBinding && claim.Annotations[annSelectedNode] == p.cfg.NodeName
+		return local && lateBinding && node == p.cfg.NodeName
+	}
+	if local && lateBinding && node != "" {
+		p.checkNodePlugin(ctx, claim, class, node)
 	}
 	return !local || !lateBinding
 }
@@ -207,9 +214,10 @@ func (p *Provisioner) nodeLost(ctx context.Context, pv *v1.PersistentVolume) boo
 func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOptions) (*v1.PersistentVolume, controller.ProvisioningState, error) {
 	logger := klog.FromContext(ctx).WithValues("claim", klog.KObj(opts.PVC), "pv", opts.PVName)
 	ctx = klog.NewContext(ctx, logger)
+	// Refusals of the class or the claim are permanent until the user changes one of them.
 	params, err := p.checkClaim(opts)
 	if err != nil {
-		return nil, controller.ProvisioningFinished, err
+		return nil, controller.ProvisioningFinished, invalid(err)
 	}
 	claim := opts.PVC
 	rel, err := params.pattern.expand(pathVars{
@@ -220,7 +228,7 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 		annotations: claim.Annotations,
 	})
 	if err != nil {
-		return nil, controller.ProvisioningFinished, err
+		return nil, controller.ProvisioningFinished, invalid(err)
 	}
 	attrs := volume.Attributes{Backend: params.backend, Server: params.server, Share: params.share, BasePath: params.basePath, Path: rel}
 
@@ -241,11 +249,14 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 	switch {
 	case errors.As(err, &exists):
 		// Handing over a directory that another claim's data may be in, or one dirpv did not
-		// make, could expose that data.
-		return nil, controller.ProvisioningFinished, fmt.Errorf(
+		// make, could expose that data. No retry fixes it until someone changes the pattern
+		// or removes the directory.
+		return nil, controller.ProvisioningFinished, invalid(fmt.Errorf(
 			"directory %s already exists in %s and %s; refusing to reuse it for a new volume "+
 				"(include ${pv.metadata.name} in %s, or remove the directory)",
-			rel, storeName(attrs), exists.Reason(), ParamPathPattern)
+			rel, storeName(attrs), exists.Reason(), ParamPathPattern))
+	case errors.Is(err, volume.ErrReservedName):
+		return nil, controller.ProvisioningFinished, invalid(fmt.Errorf("directory %s: %w", rel, err))
 	case errors.Is(err, unix.EPERM) && attrs.Backend == volume.BackendNFS:
 		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s: %w: the NFS server refused to give the directory to %d:%d; "+
 			"it may squash root (root_squash): export %s with no_root_squash, or drop %s and %s from the StorageClass",
@@ -253,6 +264,12 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 	case errors.Is(err, errExportUnresponsive):
 		// An NFS server that did not answer may still create the directory; retrying adopts it.
 		return nil, controller.ProvisioningInBackground, fmt.Errorf("create directory %s: %w", rel, err)
+	case attrs.Backend == volume.BackendLocal && isNodeLocalFailure(err):
+		// Another node may well have room: hand the claim back to the scheduler (the lib
+		// removes the selected-node annotation) rather than keep the pod stuck here.
+		return nil, controller.ProvisioningReschedule, fmt.Errorf(
+			"node %s cannot hold the volume: create directory %s in base path %s: %w; asking the scheduler to choose another node",
+			p.cfg.NodeName, rel, attrs.BasePath, err)
 	case err != nil:
 		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s: %w", rel, err)
 	}
@@ -290,7 +307,7 @@ func (p *Provisioner) checkClaim(opts controller.ProvisionOptions) (*classParams
 			}
 		}
 		if len(class.MountOptions) > 0 {
-			return nil, fmt.Errorf("mountOptions %q are not supported by backend local (bind mounts)", class.MountOptions)
+			return nil, fmt.Errorf("mountOptions %s are not supported by backend local (bind mounts)", volume.QuoteList(class.MountOptions))
 		}
 		if p.cfg.Role != RoleNode {
 			return nil, fmt.Errorf("claim has no selected node: local volumes are created by the dirpv node plugin on the scheduled node")

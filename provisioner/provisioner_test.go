@@ -2,6 +2,7 @@ package provisioner
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -10,13 +11,17 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
+	clienttesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/klog/v2"
@@ -266,6 +271,13 @@ func TestRejectionsLeaveNothingOnDisk(t *testing.T) {
 			if state != controller.ProvisioningFinished {
 				t.Errorf("state = %s, want Finished", state)
 			}
+			// The lib treats only InvalidArgument as infeasible: one event, then slow retries.
+			if code := status.Code(err); code != codes.InvalidArgument {
+				t.Errorf("gRPC code = %s, want InvalidArgument so the lib does not retry hot", code)
+			}
+			if strings.HasPrefix(err.Error(), "rpc error") {
+				t.Errorf("message %q carries gRPC's prefix into the user's event", err)
+			}
 			if entries := listTree(t, f.base); len(entries) != 0 {
 				t.Errorf("refused claim left %v on disk", entries)
 			}
@@ -285,8 +297,12 @@ func TestControllerReportsImmediateLocalClass(t *testing.T) {
 	if f.node.ShouldProvision(context.Background(), pvc) || !f.ctrl.ShouldProvision(context.Background(), pvc) {
 		t.Fatal("want the controller, not a node, to take a claim of an Immediate local class")
 	}
-	if _, _, err := f.ctrl.Provision(context.Background(), o); err == nil || !strings.Contains(err.Error(), "WaitForFirstConsumer") {
+	_, state, err := f.ctrl.Provision(context.Background(), o)
+	if err == nil || !strings.Contains(err.Error(), "WaitForFirstConsumer") {
 		t.Errorf("Provision error = %v", err)
+	}
+	if state != controller.ProvisioningFinished || status.Code(err) != codes.InvalidArgument {
+		t.Errorf("state %s, code %s: want Finished and InvalidArgument (infeasible)", state, status.Code(err))
 	}
 }
 
@@ -549,5 +565,159 @@ func TestLostNodesVolumeIsReleasedByController(t *testing.T) {
 	}
 	if got := listTree(t, f.base); len(got) != 1 {
 		t.Errorf("base = %v: the controller must not touch a lost node's directory", got)
+	}
+}
+
+// A bad value a user put in a claim or a class reaches the event only as a short prefix.
+func TestErrorsQuoteABoundedPrefix(t *testing.T) {
+	huge := strings.Repeat("x", 1<<20)
+	for name, tc := range map[string]struct {
+		params map[string]string
+		mutate func(*v1.PersistentVolumeClaim)
+	}{
+		"annotation value": {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"},
+			mutate: func(c *v1.PersistentVolumeClaim) { c.Annotations["dir"] = huge + "/" }},
+		"unknown parameter name":   {params: map[string]string{huge: "1"}},
+		"mode value":               {params: map[string]string{"mode": huge}},
+		"onDelete value":           {params: map[string]string{"onDelete": huge}},
+		"pattern":                  {params: map[string]string{"pathPattern": "/" + huge}},
+		"pattern variable":         {params: map[string]string{"pathPattern": "${" + huge + "}"}},
+		"basePath":                 {params: map[string]string{"basePath": "/" + huge + "/"}},
+		"missing annotation's key": {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['" + huge + "']}"}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			f := newFixture(t)
+			class := f.localClass(tc.params)
+			pvc := claim("c")
+			if tc.mutate != nil {
+				tc.mutate(pvc)
+			}
+			_, _, err := f.node.Provision(context.Background(), opts(class, pvc))
+			if err == nil {
+				t.Fatal("Provision accepted the claim")
+			}
+			if msg := err.Error(); len(msg) > 1024 || !strings.Contains(msg, "(1048") {
+				t.Errorf("message is %d bytes, want a bounded prefix and the value's size: %.300s", len(msg), msg)
+			}
+		})
+	}
+}
+
+// mountForTest mounts over the fixture's base and undoes it after the test, once the
+// provisioners have closed the base.
+func (f *fixture) mountForTest(source, fstype string, flags uintptr, data string) {
+	f.t.Helper()
+	if err := unix.Mount(source, f.base, fstype, flags, data); err != nil {
+		f.t.Fatalf("mount %s on %s: %v", source, f.base, err)
+	}
+	dir := f.base
+	f.t.Cleanup(func() {
+		f.node.locals.closeAll()
+		if err := unix.Unmount(dir, 0); err != nil {
+			f.t.Errorf("unmount %s: %v", dir, err)
+		}
+	})
+}
+
+// A node whose base path cannot take the volume hands the claim back to the scheduler, and
+// says which node and what failed.
+func TestNodeLocalFailureReschedules(t *testing.T) {
+	for name, setup := range map[string]func(t *testing.T, f *fixture) string{
+		"read-only base": func(t *testing.T, f *fixture) string {
+			f.mountForTest(f.base, "", unix.MS_BIND, "")
+			if err := unix.Mount("", f.base, "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY, ""); err != nil {
+				t.Fatalf("remount %s read-only: %v", f.base, err)
+			}
+			return "read-only file system"
+		},
+		"base not creatable": func(t *testing.T, f *fixture) string {
+			file := filepath.Join(f.base, "file")
+			if err := os.WriteFile(file, nil, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			f.base = filepath.Join(file, "base")
+			return "not a directory"
+		},
+		"full base": func(t *testing.T, f *fixture) string {
+			// A tmpfs with no free inode: mkdir fails with ENOSPC, as on a full disk.
+			f.mountForTest("tmpfs", "tmpfs", 0, "size=1m,nr_inodes=1")
+			return "no space left on device"
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			f := newFixture(t)
+			want := setup(t, f)
+			class := f.localClass(nil)
+			_, state, err := f.node.Provision(context.Background(), opts(class, claim("c")))
+			if state != controller.ProvisioningReschedule {
+				t.Errorf("state = %s (err %v), want Reschedule", state, err)
+			}
+			if err == nil || !strings.Contains(err.Error(), "node "+testNode) || !strings.Contains(err.Error(), want) {
+				t.Errorf("error = %v, want one naming node %s and saying %q", err, testNode, want)
+			}
+			if status.Code(err) == codes.InvalidArgument {
+				t.Error("a node-local failure is marked infeasible; the lib would not reschedule it")
+			}
+		})
+	}
+}
+
+// The controller tells the user when a local claim waits on a node where no dirpv node plugin
+// is registered, once per claim per period, and says nothing about nodes that have one.
+func TestControllerReportsNodeWithoutPlugin(t *testing.T) {
+	f := newFixture(t)
+	client := f.ctrl.cfg.Client
+	if _, err := client.StorageV1().CSINodes().Create(context.Background(), &storagev1.CSINode{
+		ObjectMeta: metav1.ObjectMeta{Name: testNode},
+		Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: testDriver, NodeID: testNode}}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.StorageV1().CSINodes().Create(context.Background(), &storagev1.CSINode{
+		ObjectMeta: metav1.ObjectMeta{Name: "node-b"},
+		Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: "other.csi.io", NodeID: "node-b"}}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	events := record.NewFakeRecorder(10)
+	f.ctrl.cfg.Events = events
+	class := f.localClass(nil)
+
+	for _, node := range []string{"node-b", "node-c"} { // a CSINode without dirpv, and none at all
+		pvc := claim("on-" + node)
+		pvc.Annotations[annSelectedNode] = node
+		pvc.Spec.StorageClassName = &class.Name
+		for range 3 {
+			if f.ctrl.ShouldProvision(context.Background(), pvc) {
+				t.Fatal("controller takes a claim of a valid local class")
+			}
+		}
+		select {
+		case ev := <-events.Events:
+			if !strings.Contains(ev, ReasonNodePluginMissing) || !strings.Contains(ev, "node "+node+" runs no dirpv.io node plugin") {
+				t.Errorf("event = %q", ev)
+			}
+		default:
+			t.Errorf("no event for a claim on %s", node)
+		}
+	}
+	// Claims on a node that runs the plugin get no event, and a burst of them costs one lookup.
+	lookups := 0
+	client.(*fake.Clientset).PrependReactor("get", "csinodes", func(clienttesting.Action) (bool, runtime.Object, error) {
+		lookups++
+		return false, nil, nil
+	})
+	for i := range 5 {
+		here := claim(fmt.Sprintf("here-%d", i))
+		here.Spec.StorageClassName = &class.Name
+		f.ctrl.ShouldProvision(context.Background(), here)
+	}
+	select {
+	case ev := <-events.Events:
+		t.Errorf("extra event %q (repeated, or for a node that runs the plugin)", ev)
+	default:
+	}
+	if lookups != 1 {
+		t.Errorf("%d CSINode lookups for 5 claims on a node that runs the plugin, want 1", lookups)
 	}
 }

@@ -267,7 +267,7 @@ func (l *localRoots) do(allowed, basePath string, fn func(*volume.Root) error) e
 		var err error
 		if root, err = openLocalBase(allowed, basePath); err != nil {
 			l.mu.Unlock()
-			return err
+			return fmt.Errorf("%w: %w", errBaseUnusable, err)
 		}
 		if l.byBase == nil {
 			l.byBase = map[string]*volume.Root{}

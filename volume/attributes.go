@@ -71,7 +71,7 @@ func ParseAttributes(m map[string]string) (Attributes, error) {
 	}
 	if len(unknown) > 0 {
 		sort.Strings(unknown)
-		return Attributes{}, fmt.Errorf("unknown volume attributes %q", unknown)
+		return Attributes{}, fmt.Errorf("unknown volume attributes %s", QuoteList(unknown))
 	}
 	a := Attributes{
 		Backend:  Backend(m[AttrBackend]),
@@ -95,7 +95,7 @@ func (a Attributes) Validate() error {
 		}
 		// A leading "-" would reach mount(8)'s argv as an option.
 		if strings.ContainsAny(a.Server, "/ \t\n,") || strings.HasPrefix(a.Server, "-") {
-			return fmt.Errorf("attribute %s %q is not a host name or address", AttrServer, a.Server)
+			return fmt.Errorf("attribute %s %s is not a host name or address", AttrServer, Quote(a.Server))
 		}
 		if err := checkAbsDir(a.Share); err != nil {
 			return fmt.Errorf("attribute %s: %w", AttrShare, err)
@@ -111,7 +111,7 @@ func (a Attributes) Validate() error {
 			return fmt.Errorf("attributes %s and %s are not valid for backend local", AttrServer, AttrShare)
 		}
 	default:
-		return fmt.Errorf("attribute %s %q: want %q or %q", AttrBackend, a.Backend, BackendNFS, BackendLocal)
+		return fmt.Errorf("attribute %s %s: want %q or %q", AttrBackend, Quote(string(a.Backend)), BackendNFS, BackendLocal)
 	}
 	return nil
 }
@@ -135,9 +135,9 @@ func checkAbsDir(p string) error {
 	case p == "":
 		return fmt.Errorf("must not be empty")
 	case !path.IsAbs(p):
-		return fmt.Errorf("%q is not an absolute path", p)
+		return fmt.Errorf("%s is not an absolute path", Quote(p))
 	case path.Clean(p) != p:
-		return fmt.Errorf("%q is not a clean path", p)
+		return fmt.Errorf("%s is not a clean path", Quote(p))
 	case strings.ContainsRune(p, 0):
 		return fmt.Errorf("contains a NUL byte")
 	}
@@ -153,18 +153,18 @@ func CleanRelPath(rel string) (string, error) {
 		return "", fmt.Errorf("path is empty")
 	}
 	if strings.ContainsRune(rel, 0) {
-		return "", fmt.Errorf("path %q contains a NUL byte", rel)
+		return "", fmt.Errorf("path %s contains a NUL byte", Quote(rel))
 	}
 	if strings.HasPrefix(rel, "/") {
-		return "", fmt.Errorf("path %q is absolute, want a path relative to the base", rel)
+		return "", fmt.Errorf("path %s is absolute, want a path relative to the base", Quote(rel))
 	}
 	for _, c := range strings.Split(rel, "/") {
 		switch c {
 		case "", ".", "..":
-			return "", fmt.Errorf("path %q has an empty, \".\" or \"..\" component", rel)
+			return "", fmt.Errorf("path %s has an empty, \".\" or \"..\" component", Quote(rel))
 		}
 		if len(c) > MaxComponentLength {
-			return "", fmt.Errorf("path %q has a component longer than %d bytes", rel, MaxComponentLength)
+			return "", fmt.Errorf("path %s has a component longer than %d bytes", Quote(rel), MaxComponentLength)
 		}
 	}
 	return rel, nil

@@ -155,7 +155,7 @@ func (r *Root) OpenSubRoot(rel string, create bool) (*Root, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Root{path: path, fd: fd}, nil
+	return &Root{path: path, fd: fd, xattr: r.xattr}, nil
 }
 
 // mkdirParents makes every missing directory of rel beneath the root, one component at a time

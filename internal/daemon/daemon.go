@@ -145,6 +145,10 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 		controller.MetricsInstance(m),
 		// The lib's own metrics server would listen on the default mux; ours serves them.
 		controller.MetricsPort(0),
+		// Without the finalizer, a PV deleted before its claim (or a Released PV deleted by
+		// hand) vanishes without onDelete ever running, and its directory is orphaned. Every
+		// instance sets it, since an instance without it removes it from every PV it sees.
+		controller.AddFinalizer(true),
 	}, extra...)
 	pc := controller.NewProvisionController(ctx, client, DriverName, p, opts...)
 	released := make(chan struct{})

@@ -252,6 +252,11 @@ func (b *bench) setup() error {
 	if err := b.cl.CreateReadyNode(b.ctx, nodeName, nil); err != nil {
 		return err
 	}
+	// dirpv node runs without kubelet registration here; list it as kubelet would, so the
+	// controller does not report (and look up) a missing node plugin for every claim.
+	if err := b.cl.RegisterCSIDriver(b.ctx, nodeName, "dirpv.io"); err != nil {
+		return err
+	}
 	if b.dirpvBin, err = framework.BuildDirpv(b.ctx, work); err != nil {
 		return err
 	}

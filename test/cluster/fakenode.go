@@ -7,6 +7,7 @@ import (
 
 	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -124,4 +125,41 @@ func (c *Cluster) CreateReadyNode(ctx context.Context, name string, labels map[s
 		}
 	}()
 	return nil
+}
+
+// RegisterCSIDriver lists driver in the node's CSINode object, as kubelet does when a CSI node
+// plugin registers with it. Fake nodes have no kubelet, so a test that runs a plugin "on" one
+// says so here; the object is owned by the Node and goes with it.
+func (c *Cluster) RegisterCSIDriver(ctx context.Context, nodeName, driver string) error {
+	cs, err := c.Client()
+	if err != nil {
+		return err
+	}
+	node, err := cs.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+	if err != nil {
+		return fmt.Errorf("register %s on node %s: %w", driver, nodeName, err)
+	}
+	entry := storagev1.CSINodeDriver{Name: driver, NodeID: nodeName}
+	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		csiNode, err := cs.StorageV1().CSINodes().Get(ctx, nodeName, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			_, err = cs.StorageV1().CSINodes().Create(ctx, &storagev1.CSINode{
+				ObjectMeta: metav1.ObjectMeta{Name: nodeName,
+					OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: nodeName, UID: node.UID}}},
+				Spec: storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{entry}},
+			}, metav1.CreateOptions{})
+			return err
+		}
+		if err != nil {
+			return err
+		}
+		for _, d := range csiNode.Spec.Drivers {
+			if d.Name == driver {
+				return nil
+			}
+		}
+		csiNode.Spec.Drivers = append(csiNode.Spec.Drivers, entry)
+		_, err = cs.StorageV1().CSINodes().Update(ctx, csiNode, metav1.UpdateOptions{})
+		return err
+	})
 }

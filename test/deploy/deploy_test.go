@@ -140,6 +140,8 @@ var wantRules = map[string][]rbacv1.PolicyRule{
 		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"storageclasses"}, Verbs: []string{"get", "list", "watch"}},
 		// Provisioner.nodeLost: is a released local PV's node gone?
 		{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get"}},
+		// Provisioner.checkNodePlugin: does a local claim's node run dirpv's node plugin?
+		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"csinodes"}, Verbs: []string{"get"}},
 		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
 	},
 	"Role dirpv-controller-leader-election": {

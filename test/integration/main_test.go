@@ -107,6 +107,11 @@ func run(m *testing.M) int {
 		return fail("start node-a", err)
 	}
 	cleanups.Add(func() { nodeProc.Stop(10 * time.Second) })
+	// node-a's plugin does not register with a kubelet (there is none): list it in node-a's
+	// CSINode as kubelet would, so the controller sees a node plugin there and not on node-c.
+	if err := testCluster.RegisterCSIDriver(ctx, nodeA, "dirpv.io"); err != nil {
+		return fail("register node-a's plugin", err)
+	}
 	fmt.Fprintf(os.Stderr, "integration setup took %s\n", time.Since(start).Round(time.Millisecond))
 
 	code := m.Run()

@@ -28,6 +28,9 @@ func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { proc.Stop(10 * time.Second) })
+	if err := testCluster.RegisterCSIDriver(ctx, nodeB, "dirpv.io"); err != nil {
+		t.Fatal(err)
+	}
 
 	ns := newNamespace(t)
 	class, base := localClass(t, nil)

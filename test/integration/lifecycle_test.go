@@ -1,0 +1,248 @@
+package integration
+
+// Lifecycle of a claim beyond the happy path: PV and claim deleted in either order, refusals
+// that must not be retried hot, a node that cannot hold the volume, and a node that has no
+// dirpv node plugin at all.
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+
+	"github.com/dirpv/dirpv/test/framework"
+)
+
+// pvFinalizer is the lib's finalizer, which makes onDelete run whichever of PV and claim goes
+// first.
+const pvFinalizer = "external-provisioner.volume.kubernetes.io/finalizer"
+
+// lifecycleBackend makes a class of one backend and tells where its volumes land on disk.
+type lifecycleBackend struct {
+	name string
+	// class creates a class with the given onDelete and returns it with the directory holding
+	// its volumes.
+	class func(t *testing.T, onDelete string) (className, dir string)
+	claim []claimOpt
+}
+
+func lifecycleBackends() []lifecycleBackend {
+	return []lifecycleBackend{
+		{
+			name: "local",
+			class: func(t *testing.T, onDelete string) (string, string) {
+				c, base := localClass(t, map[string]string{"onDelete": onDelete})
+				return c.Name, base
+			},
+			claim: []claimOpt{onNode(nodeA)},
+		},
+		{
+			name: "nfs",
+			class: func(t *testing.T, onDelete string) (string, string) {
+				c := nfsClass(t, nfsServer, []string{"nolock"}, map[string]string{"onDelete": onDelete})
+				return c.Name, nfsServer.ExportDir
+			},
+			claim: []claimOpt{accessModes(v1.ReadWriteMany)},
+		},
+	}
+}
+
+// Whichever of claim and PV the user deletes first, the class's onDelete runs on the
+// directory once both are gone; a deleted PV waits while its claim is still bound.
+func TestDeletionOrderRunsOnDelete(t *testing.T) {
+	for _, b := range lifecycleBackends() {
+		for _, tc := range []struct {
+			name     string
+			onDelete string
+			pvFirst  bool
+		}{
+			{"claim-first", "delete", false},
+			{"pv-first", "delete", true},
+			{"pv-first-retain", "retain", true},
+		} {
+			t.Run(b.name+"/"+tc.name, func(t *testing.T) {
+				ctx := context.Background()
+				ns := newNamespace(t)
+				class, dir := b.class(t, tc.onDelete)
+				createClaim(t, ns, "c", class, b.claim...)
+				_, pv := waitBound(t, ns, "c")
+				rel := pv.Spec.CSI.VolumeAttributes["path"]
+				volDir := filepath.Join(dir, rel)
+				if err := os.WriteFile(filepath.Join(volDir, "data"), []byte("x"), 0o644); err != nil {
+					t.Fatalf("write into the volume: %v", err)
+				}
+				if !slices.Contains(pv.Finalizers, pvFinalizer) {
+					t.Errorf("PV finalizers = %v, want %s", pv.Finalizers, pvFinalizer)
+				}
+
+				if tc.pvFirst {
+					if err := client.CoreV1().PersistentVolumes().Delete(ctx, pv.Name, metav1.DeleteOptions{}); err != nil {
+						t.Fatal(err)
+					}
+					// The PV is marked for deletion but stays while its claim is bound, and
+					// nothing happens to the data yet.
+					err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+						got, err := client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
+						if err != nil {
+							return false, err
+						}
+						return got.DeletionTimestamp != nil, fmt.Errorf("PV %s not marked for deletion", pv.Name)
+					})
+					if err != nil {
+						t.Fatal(err)
+					}
+					if _, err := os.Stat(filepath.Join(volDir, "data")); err != nil {
+						t.Fatalf("data of a still-bound claim: %v", err)
+					}
+				}
+				deleteClaim(t, ns, "c")
+				// Only NotFound counts, and the PV's events say why on failure.
+				nfsWaitPVGone(t, pv.Name)
+
+				_, err := os.Stat(volDir)
+				switch tc.onDelete {
+				case "delete":
+					if !os.IsNotExist(err) {
+						t.Errorf("volume directory %s after onDelete delete: %v (want it gone)", volDir, err)
+					}
+				case "retain":
+					if _, err := os.Stat(filepath.Join(volDir, "data")); err != nil {
+						t.Errorf("volume data after onDelete retain: %v (want it kept)", err)
+					}
+				}
+			})
+		}
+	}
+}
+
+// claimEventCount sums the count of the claim's events with reason (the recorder folds
+// repeats of one event into its count).
+func claimEventCount(ctx context.Context, ns, claim, reason string) (int32, error) {
+	sel := fields.Set{"involvedObject.kind": "PersistentVolumeClaim", "involvedObject.name": claim}.AsSelector().String()
+	evs, err := client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: sel})
+	if err != nil {
+		return 0, err
+	}
+	var n int32
+	for _, e := range evs.Items {
+		if e.Reason == reason {
+			n += max(e.Count, 1)
+		}
+	}
+	return n, nil
+}
+
+// A refusal no retry can fix is reported once and then retried only on the lib's slow path,
+// not every few seconds. Before, the lib retried after 15 s, 30 s, ... with an event each.
+func TestRefusedClaimIsNotRetriedHot(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	class, base := localClass(t, map[string]string{"bsaePath": "/tmp"})
+	createClaim(t, ns, "c", class.Name, onNode(nodeA))
+	ev, err := framework.WaitForEvent(ctx, client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "unknown StorageClass parameters", timeout)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("event: %s", ev.Message)
+	for _, want := range []string{`"bsaePath"`, "Retries will be delayed"} {
+		if !strings.Contains(ev.Message, want) {
+			t.Errorf("event %q does not say %q", ev.Message, want)
+		}
+	}
+	// The first retry of a plain error comes 15 s after the failure; watch well past it.
+	const window = 25 * time.Second
+	deadline := time.Now().Add(window)
+	for time.Now().Before(deadline) {
+		for _, reason := range []string{"ProvisioningFailed", "Provisioning"} {
+			n, err := claimEventCount(ctx, ns, "c", reason)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if n > 1 {
+				t.Fatalf("%d %s events within %s of the first: the refusal is retried hot\n%s", n, reason, window, eventsOf(ns, "PersistentVolumeClaim", "c"))
+			}
+		}
+		time.Sleep(time.Second)
+	}
+	if got := entries(t, base); len(got) != 0 {
+		t.Errorf("refused claim left %v in the base", got)
+	}
+}
+
+// A node whose base path is read-only cannot hold the volume: dirpv says so, naming the node,
+// and hands the claim back to the scheduler by removing its selected node.
+func TestReadOnlyBaseReschedules(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	class, base := localClass(t, nil)
+	if err := os.MkdirAll(base, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount(base, base, "", unix.MS_BIND, ""); err != nil {
+		t.Fatalf("bind mount %s: %v", base, err)
+	}
+	// Lazily: node-a's dirpv keeps the base open.
+	t.Cleanup(func() {
+		if err := unix.Unmount(base, unix.MNT_DETACH); err != nil {
+			t.Errorf("unmount %s: %v", base, err)
+		}
+	})
+	if err := unix.Mount("", base, "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY, ""); err != nil {
+		t.Fatalf("remount %s read-only: %v", base, err)
+	}
+
+	createClaim(t, ns, "c", class.Name, onNode(nodeA))
+	ev, err := framework.WaitForEvent(ctx, client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "node "+nodeA+" cannot hold the volume", timeout)
+	if err != nil {
+		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
+	}
+	if !strings.Contains(ev.Message, "read-only file system") {
+		t.Errorf("event %q does not say what failed", ev.Message)
+	}
+	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		c, err := client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "c", metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		node, ok := c.Annotations["volume.kubernetes.io/selected-node"]
+		return !ok, fmt.Errorf("claim still has selected node %q", node)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A local claim placed on a Ready node that runs no dirpv node plugin gets an event from the
+// controller that names the node; one placed on node-a, which runs one, does not.
+func TestNodeWithoutPluginIsReported(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	class, _ := localClass(t, nil)
+	createClaim(t, ns, "here", class.Name, onNode(nodeA))
+	createClaim(t, ns, "elsewhere", class.Name, onNode(nodeC))
+	ev, err := framework.WaitForEvent(ctx, client, ns, "PersistentVolumeClaim", "elsewhere", "NodePluginMissing", "node "+nodeC+" runs no dirpv.io node plugin", timeout)
+	if err != nil {
+		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(3000))
+	}
+	t.Logf("event: %s", ev.Message)
+	waitBound(t, ns, "here")
+	if n, err := claimEventCount(ctx, ns, "here", "NodePluginMissing"); err != nil || n != 0 {
+		t.Errorf("claim on node-a, which runs the plugin: %d NodePluginMissing events (%v)", n, err)
+	}
+	c, err := client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "elsewhere", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Status.Phase != v1.ClaimPending {
+		t.Errorf("claim on node-c is %s, want Pending", c.Status.Phase)
+	}
+}
