@@ -128,7 +128,7 @@ func parseVariable(v string) (token, error) {
 // expand renders the pattern for one claim. Every value is checked on its own before it is
 // joined, so no claim's metadata can reach outside the base: a value holding a slash, NUL or
 // control character, or a component that comes out empty, "." or "..", is refused rather than
-// rewritten, and the claim's event says which.
+// rewritten, and the claim's event says which. No component may start with reservedPrefix.
 func (p *pattern) expand(v pathVars) (string, error) {
 	comps := make([]string, 0, len(p.components))
 	for _, toks := range p.components {
@@ -149,6 +149,10 @@ func (p *pattern) expand(v pathVars) (string, error) {
 		switch comp {
 		case "", ".", "..":
 			return "", fmt.Errorf("pathPattern component expands to %q, which is not a directory name", comp)
+		}
+		if strings.HasPrefix(comp, reservedPrefix) {
+			return "", fmt.Errorf("pathPattern component %q starts with %q, which dirpv keeps for its own directories (%s holds deleted volumes)",
+				comp, reservedPrefix, trashDir)
 		}
 		if len(comp) > volume.MaxComponentLength {
 			return "", fmt.Errorf("pathPattern component expands to %d bytes, more than the %d a directory name may have",
