@@ -232,9 +232,6 @@ func (e *exports) removeEntry(logger klog.Logger, ex *export, entry string) erro
 	defer rm.Close()
 	start, lastLog, removed := time.Now(), time.Now(), 0
 	for {
-		if e.bg.Err() != nil {
-			return fmt.Errorf("stopped after %d entries: %w", removed, e.bg.Err())
-		}
 		var (
 			n    int
 			done bool
@@ -267,6 +264,9 @@ func (e *exports) removeEntry(logger klog.Logger, ex *export, entry string) erro
 func (e *exports) step(logger klog.Logger, fn func() error) error {
 	if e.beforeStep != nil {
 		e.beforeStep()
+	}
+	if err := e.bg.Err(); err != nil {
+		return fmt.Errorf("stopped for shutdown: %w", err)
 	}
 	start := time.Now()
 	paused := time.AfterFunc(e.timeout, func() {
