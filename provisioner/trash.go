@@ -262,21 +262,22 @@ func (e *exports) removeEntry(logger klog.Logger, ex *export, entry string) erro
 // waited for, not abandoned, since the next one carries on from its state and a second walk
 // of the same tree is what this design avoids.
 func (e *exports) step(logger klog.Logger, fn func() error) error {
-	if e.beforeStep != nil {
-		e.beforeStep()
-	}
-	if err := e.bg.Err(); err != nil {
-		return fmt.Errorf("stopped for shutdown: %w", err)
-	}
 	start := time.Now()
 	paused := time.AfterFunc(e.timeout, func() {
 		logger.Info("Background delete paused: the NFS server has not answered", "waited", e.timeout)
 	})
-	err := fn()
-	if !paused.Stop() {
-		logger.Info("Background delete resumed: the NFS server answered", "waited", time.Since(start).Round(time.Second))
+	defer func() {
+		if !paused.Stop() {
+			logger.Info("Background delete resumed: the NFS server answered", "waited", time.Since(start).Round(time.Second))
+		}
+	}()
+	if e.beforeStep != nil {
+		e.beforeStep() // in tests, a step the server is slow to answer
 	}
-	return err
+	if err := e.bg.Err(); err != nil {
+		return fmt.Errorf("stopped for shutdown: %w", err)
+	}
+	return fn()
 }
 
 // pendingDeletes counts the volumes moved to the trash and not yet removed.
