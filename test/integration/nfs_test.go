@@ -236,6 +236,15 @@ func TestNFSOnDelete(t *testing.T) {
 				if len(got) != 0 {
 					t.Errorf("export after delete holds %v, want nothing of %s", got, ns)
 				}
+				// The tree itself goes in the background, from the trash.
+				trashed := filepath.Join(nfsServer.ExportDir, trashOnServer, pv.Name)
+				err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
+					_, err := os.Lstat(trashed)
+					return errors.Is(err, os.ErrNotExist), err
+				})
+				if err != nil {
+					t.Errorf("deleted volume in the trash: %v", err)
+				}
 			case "retain":
 				if !slices.Equal(got, []string{rel}) {
 					t.Errorf("export after retain holds %v, want [%s]", got, rel)
