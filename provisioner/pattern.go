@@ -121,7 +121,7 @@ func parseVariable(v string) (token, error) {
 // expand renders the pattern for one claim. Every value is checked on its own before it is
 // joined, so no claim's metadata can reach outside the base: a value holding a slash, NUL or
 // control character, or a component that comes out empty, "." or "..", is refused rather than
-// rewritten, and the claim's event says which.
+// rewritten, and the claim's event says which. No component may start with volume.ReservedPrefix.
 func (p *pattern) expand(v pathVars) (string, error) {
 	comps := make([]string, 0, len(p.components))
 	for _, toks := range p.components {
@@ -142,6 +142,10 @@ func (p *pattern) expand(v pathVars) (string, error) {
 		switch comp {
 		case "", ".", "..":
 			return "", fmt.Errorf("pathPattern component expands to %s, which is not a directory name", volume.Quote(comp))
+		}
+		if strings.HasPrefix(comp, volume.ReservedPrefix) {
+			return "", fmt.Errorf("pathPattern component %s %w (volume records, volumes being made, and %s, which holds deleted volumes)",
+				volume.Quote(comp), volume.ErrReservedName, trashDir)
 		}
 		if len(comp) > volume.MaxComponentLength {
 			return "", fmt.Errorf("pathPattern component expands to %d bytes, more than the %d a directory name may have",

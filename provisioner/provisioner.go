@@ -146,6 +146,15 @@ func (p *Provisioner) Run(ctx context.Context) {
 	}
 }
 
+// PendingDeletes counts the NFS volumes that Delete moved to the trash and whose trees are
+// still being removed in the background.
+func (p *Provisioner) PendingDeletes() int {
+	if p.exports == nil {
+		return 0
+	}
+	return p.exports.pendingDeletes()
+}
+
 // ShouldProvision says whether this instance serves the claim. Claims of local classes go to
 // the node the scheduler selected; everything else, broken local classes included, goes to the
 // controller, so that exactly one instance reports a bad class on the claim. The controller
@@ -448,6 +457,16 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 		logger.Info("Kept volume directory (onDelete retain)", "path", attrs.Path)
 		return nil
 	}
+	if policy == OnDeleteDelete && attrs.Backend == volume.BackendNFS && p.exports != nil {
+		// A big tree takes longer than a dead server may: only the move to the trash is
+		// bounded by the operation timeout, the removal goes on in the background.
+		if err := p.exports.trash(ctx, attrs.Server, attrs.Share, pv.Spec.MountOptions, attrs.Path, pv.Name); err != nil {
+			return fmt.Errorf("onDelete %s of %s in %s: %w", policy, attrs.Path, storeName(attrs), err)
+		}
+		return nil
+	}
+	// Local volumes are removed in place: a local disk has no server to wait for, and the
+	// node plugin has no trash to resume from after a restart.
 	err = p.onStore(ctx, attrs, pv.Spec.MountOptions, func(root *volume.Root) error {
 		if err := checkOwnedBy(root, attrs.Path, pv); err != nil {
 			return err

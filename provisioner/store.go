@@ -28,13 +28,16 @@ const maxStuckCalls = 8
 // errExportUnresponsive marks calls abandoned because the NFS server did not answer in time.
 var errExportUnresponsive = errors.New("NFS server did not answer in time")
 
+// errNoSlot marks calls that never ran because the export's cap was full until the deadline.
+var errNoSlot = errors.New("earlier calls are still waiting for the server")
+
 // bounded runs fn and waits for it until ctx is done. sem limits how many fn may be running,
 // abandoned ones included.
 func bounded(ctx context.Context, sem chan struct{}, what string, fn func() error) error {
 	select {
 	case sem <- struct{}{}:
 	case <-ctx.Done():
-		return fmt.Errorf("%s: %d earlier calls are still waiting for the server: %w (%w)", what, cap(sem), errExportUnresponsive, ctx.Err())
+		return fmt.Errorf("%s: %d %w: %w (%w)", what, cap(sem), errNoSlot, errExportUnresponsive, ctx.Err())
 	}
 	done := make(chan error, 1)
 	go func() {
@@ -49,6 +52,12 @@ func bounded(ctx context.Context, sem chan struct{}, what string, fn func() erro
 	}
 }
 
+// errShuttingDown refuses calls that arrive after the exports were released for shutdown.
+var errShuttingDown = errors.New("dirpv controller is shutting down")
+
+// lazyUnmountTimeout bounds a forced or lazy unmount, which do not wait for the server.
+const lazyUnmountTimeout = 10 * time.Second
+
 // exportKey identifies one controller-side mount: a mount per (server, share, options), since
 // classes that differ in mount options must not share a mount.
 func exportKey(server, share string, options []string) string {
@@ -57,74 +66,144 @@ func exportKey(server, share string, options []string) string {
 	return volume.ExportSource(server, share) + " " + strings.Join(opts, ",")
 }
 
-// exports keeps one mount of each NFS export the controller serves, under workDir, and
-// unmounts those left unused.
+// exports keeps one mount of each NFS export the controller serves, under workDir, unmounts
+// those left unused, and removes deleted volumes in the background (trash.go).
 type exports struct {
 	mounter mount.Interface
 	workDir string
 	timeout time.Duration
+	// logger is for background work, which outlives the call that started it.
+	logger klog.Logger
 
-	mu    sync.Mutex
-	byKey map[string]*export
+	// bg ends background work at shutdown.
+	bg     context.Context
+	stopBg context.CancelFunc
+	// running tracks background unmounts and trash scans; walking, background deletes.
+	running, walking sync.WaitGroup
+	// beforeStep, if set, runs before each step of a background delete (tests hold walks).
+	beforeStep func()
+
+	mu     sync.Mutex
+	byKey  map[string]*export
+	closed bool
+	// pending counts trash entries not yet removed; removals counts removals started.
+	pending, removals int
 }
 
 type export struct {
 	source  string
 	options []string
 	dir     string
-	sem     chan struct{}
-	// lock serialises mounting and unmounting; a channel so that waiters honour their deadline.
-	lock     chan struct{}
-	root     *volume.Root
-	users    int
-	lastUsed time.Time
+	// sem caps the calls, abandoned ones included, that may wait on the server; forceSem the
+	// forced and lazy unmounts, which do not wait on it and so need their own slots.
+	sem, forceSem chan struct{}
+	// lock serialises mounting and unmounting and guards root and gen; a channel so that
+	// waiters honour their deadline.
+	lock chan struct{}
+	// root is the mount's own handle. Callers get a duplicate (acquire), so closing this one
+	// at unmount never pulls a handle from under a caller, nor lets a reused descriptor
+	// number point a late caller at another export.
+	root *volume.Root
+	// gen counts mounts, so that a caller drops only the mount its call failed on.
+	gen uint64
+
+	// Guarded by exports.mu. users counts calls and background deletes under way: an export
+	// with users is never unmounted as idle.
+	mounted, unmounting bool
+	users               int
+	lastUsed            time.Time
+	trash               trashQueue
 }
 
 func newExports(mounter mount.Interface, workDir string, timeout time.Duration) *exports {
-	return &exports{mounter: mounter, workDir: workDir, timeout: timeout, byKey: map[string]*export{}}
+	bg, stop := context.WithCancel(context.Background())
+	return &exports{mounter: mounter, workDir: workDir, timeout: timeout, logger: klog.Background(),
+		bg: bg, stopBg: stop, byKey: map[string]*export{}}
+}
+
+// get returns the export for (server, share, options), creating its record on first use.
+func (e *exports) get(server, share string, options []string) *export {
+	key := exportKey(server, share, options)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	ex, ok := e.byKey[key]
+	if !ok {
+		sum := sha256.Sum256([]byte(key))
+		ex = &export{
+			source:   volume.ExportSource(server, share),
+			options:  slices.Clone(options),
+			dir:      filepath.Join(e.workDir, "exports", hex.EncodeToString(sum[:8])),
+			sem:      make(chan struct{}, maxStuckCalls),
+			forceSem: make(chan struct{}, 2),
+			lock:     make(chan struct{}, 1),
+		}
+		e.byKey[key] = ex
+	}
+	return ex
+}
+
+// background runs fn in a goroutine that closeAll waits for, unless shutdown began. The
+// caller holds e.mu.
+func (e *exports) background(wg *sync.WaitGroup, fn func()) bool {
+	if e.closed {
+		return false
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		fn()
+	}()
+	return true
 }
 
 // do runs fn on the export's root, mounting the export first if needed. fn runs under the
 // operation timeout; if the server does not answer, or answers that the mount went stale,
 // the mount is dropped so the next call mounts afresh once the server is back.
 func (e *exports) do(ctx context.Context, server, share string, options []string, fn func(*volume.Root) error) error {
+	return e.run(ctx, e.get(server, share, options), fn)
+}
+
+func (e *exports) run(ctx context.Context, ex *export, fn func(*volume.Root) error) error {
 	ctx, cancel := context.WithTimeout(ctx, e.timeout)
 	defer cancel()
-	key := exportKey(server, share, options)
 	e.mu.Lock()
-	ex, ok := e.byKey[key]
-	if !ok {
-		sum := sha256.Sum256([]byte(key))
-		ex = &export{
-			source:  volume.ExportSource(server, share),
-			options: slices.Clone(options),
-			dir:     filepath.Join(e.workDir, "exports", hex.EncodeToString(sum[:8])),
-			sem:     make(chan struct{}, maxStuckCalls),
-			lock:    make(chan struct{}, 1),
-		}
-		e.byKey[key] = ex
+	if e.closed {
+		e.mu.Unlock()
+		return fmt.Errorf("NFS %s: %w", ex.source, errShuttingDown)
 	}
 	ex.users++
 	e.mu.Unlock()
-	defer func() {
-		e.mu.Lock()
-		ex.users--
-		ex.lastUsed = time.Now()
-		e.mu.Unlock()
-	}()
+	defer e.release(ex)
 
-	root, err := e.mountLocked(ctx, ex)
+	root, gen, err := e.acquire(ctx, ex)
 	if err != nil {
 		return err
 	}
-	err = bounded(ctx, ex.sem, "NFS "+ex.source, func() error { return fn(root) })
+	err = bounded(ctx, ex.sem, "NFS "+ex.source, func() error {
+		defer root.Close()
+		return fn(root)
+	})
+	if errors.Is(err, errNoSlot) {
+		root.Close() // fn never ran
+	}
 	if isBrokenMount(err) {
 		klog.FromContext(ctx).Info("Dropping NFS mount after error; the next call mounts again", "export", ex.source, "err", err)
 		// In the background: unmounting from a hung server takes up to another timeout, and
 		// the caller's deadline has passed already. The next mount waits for it on ex.lock.
-		go e.unmount(context.WithoutCancel(ctx), ex, root)
+		logger := klog.FromContext(ctx)
+		e.mu.Lock()
+		e.background(&e.running, func() { e.unmount(logger, ex, gen, false) })
+		e.mu.Unlock()
 	}
 	return err
+}
+
+// release ends a use of the export that run or a background delete began.
+func (e *exports) release(ex *export) {
+	e.mu.Lock()
+	ex.users--
+	ex.lastUsed = time.Now()
+	e.mu.Unlock()
 }
 
 func isBrokenMount(err error) bool {
@@ -132,18 +211,34 @@ func isBrokenMount(err error) bool {
 		errors.Is(err, unix.ENOTCONN) || errors.Is(err, unix.EIO)
 }
 
-// mountLocked returns the export's root, mounting it if it is not mounted.
-func (e *exports) mountLocked(ctx context.Context, ex *export) (*volume.Root, error) {
-	select {
-	case ex.lock <- struct{}{}:
-	case <-ctx.Done():
-		return nil, fmt.Errorf("waiting to mount NFS %s: %w (%w)", ex.source, errExportUnresponsive, ctx.Err())
+// acquire returns a handle on the export's root, which the caller closes, and the mount's
+// generation, mounting the export if it is not mounted.
+func (e *exports) acquire(ctx context.Context, ex *export) (*volume.Root, uint64, error) {
+	for mounted := false; ; mounted = true {
+		select {
+		case ex.lock <- struct{}{}:
+		case <-ctx.Done():
+			return nil, 0, fmt.Errorf("waiting to mount NFS %s: %w (%w)", ex.source, errExportUnresponsive, ctx.Err())
+		}
+		if ex.root != nil {
+			root, err := ex.root.Dup()
+			gen := ex.gen
+			<-ex.lock
+			return root, gen, err
+		}
+		if mounted {
+			// Unmounted again between our mount and now: the server just failed someone else.
+			<-ex.lock
+			return nil, 0, fmt.Errorf("NFS %s was dropped right after it was mounted: %w", ex.source, errExportUnresponsive)
+		}
+		if err := e.mountLocked(ctx, ex); err != nil {
+			return nil, 0, err
+		}
 	}
-	if ex.root != nil {
-		root := ex.root
-		<-ex.lock
-		return root, nil
-	}
+}
+
+// mountLocked mounts the export; the caller holds ex.lock, which mountLocked releases.
+func (e *exports) mountLocked(ctx context.Context, ex *export) error {
 	logger := klog.FromContext(ctx)
 	// The mount runs in bounded's goroutine, which may outlive our deadline. Once started, it
 	// keeps ex.lock until it is done and stores the root itself, so that a mount finishing
@@ -153,7 +248,6 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) (*volume.Root, er
 	var (
 		mu               sync.Mutex
 		started, gaveUp  bool
-		root             *volume.Root
 		errGaveUpEarlier = errors.New("caller gave up before the mount started")
 	)
 	err := bounded(ctx, ex.sem, "mount NFS "+ex.source, func() error {
@@ -183,8 +277,16 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) (*volume.Root, er
 		if err != nil {
 			return err
 		}
-		root, ex.root = r, r
+		ex.root = r
+		ex.gen++
 		logger.Info("Mounted NFS export", "export", ex.source, "options", ex.options, "dir", ex.dir, "duration", time.Since(start))
+		e.mu.Lock()
+		ex.mounted = true
+		e.mu.Unlock()
+		// Volumes deleted before a restart, or whose removal stopped with the mount, are
+		// still in the trash: carry on with them. Listed here, on the mount just made, so
+		// that the listing never mounts again by itself.
+		e.resumeTrash(e.logger, ex, r)
 		return nil
 	})
 	if err != nil {
@@ -194,61 +296,149 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) (*volume.Root, er
 			<-ex.lock
 		}
 		mu.Unlock()
-		return nil, err
 	}
-	return root, nil
+	return err
 }
 
-// unmount drops the export's mount if root is still the current one. It gives up waiting
-// after the operation timeout and falls back to a lazy unmount, since the server may be dead.
-func (e *exports) unmount(ctx context.Context, ex *export, root *volume.Root) {
+// unmount drops the export's mount if it is still mount gen (0: whichever is mounted) and,
+// with idleOnly, if nobody uses the export. Every step is bounded, so a dead server never
+// wedges the caller: waiting for ex.lock and the plain unmount by the operation timeout, the
+// forced and the lazy unmount by lazyUnmountTimeout.
+func (e *exports) unmount(logger klog.Logger, ex *export, gen uint64, idleOnly bool) {
 	select {
 	case ex.lock <- struct{}{}:
 	case <-time.After(e.timeout):
+		logger.Info("Gave up unmounting NFS export: a mount of it is still under way", "export", ex.source, "dir", ex.dir)
 		return
 	}
 	defer func() { <-ex.lock }()
-	if ex.root == nil || ex.root != root {
+	if ex.root == nil || (gen != 0 && gen != ex.gen) {
 		return
 	}
+	e.mu.Lock()
+	busy := idleOnly && ex.users > 0
+	if !busy {
+		ex.mounted = false
+	}
+	e.mu.Unlock()
+	if busy {
+		return
+	}
+	// Callers hold their own duplicates: closing ours only ends the mount's own hold on it.
 	ex.root.Close()
 	ex.root = nil
-	logger := klog.FromContext(ctx)
-	if err := unmountWithForce(e.mounter, ex.dir, e.timeout); err != nil {
+	how, err := e.unmountDir(logger, ex)
+	if err != nil {
 		logger.Error(err, "Unmounting NFS export", "export", ex.source, "dir", ex.dir)
 		return
 	}
-	logger.Info("Unmounted NFS export", "export", ex.source, "dir", ex.dir)
+	logger.Info("Unmounted NFS export", "export", ex.source, "dir", ex.dir, "unmount", how)
 }
 
-// unmountWithForce unmounts dir, lazily if a plain unmount does not finish within timeout, so
-// that a dead server never wedges the caller.
-func unmountWithForce(mounter mount.Interface, dir string, timeout time.Duration) error {
-	if fm, ok := mounter.(mount.MounterForceUnmounter); ok {
-		return mount.CleanupMountWithForce(dir, fm, false, timeout)
+// unmountDir unmounts ex.dir: through the mounter, then, if that fails or hangs, with
+// MNT_FORCE (which aborts requests still waiting on a dead NFS server) and last with
+// MNT_DETACH, which takes the mount out of the tree at once and lets it go when its last
+// user (an abandoned call, a handle still held) is done.
+func (e *exports) unmountDir(logger klog.Logger, ex *export) (how string, err error) {
+	ctx, cancel := context.WithTimeout(context.Background(), e.timeout)
+	defer cancel()
+	err = bounded(ctx, ex.sem, "unmount "+ex.dir, func() error { return e.mounter.Unmount(ex.dir) })
+	if err == nil {
+		removeMountPoint(logger, ex.dir)
+		return "plain", nil
 	}
-	return mount.CleanupMountPoint(dir, mounter, false)
+	logger.Info("Unmount failed or does not finish; forcing it", "export", ex.source, "dir", ex.dir, "reason", err)
+	for _, how := range []struct {
+		name  string
+		flags int
+	}{{"forced", unix.MNT_FORCE}, {"lazy", unix.MNT_DETACH}} {
+		ctx, cancel := context.WithTimeout(context.Background(), min(e.timeout, lazyUnmountTimeout))
+		ferr := bounded(ctx, ex.forceSem, how.name+" unmount "+ex.dir, func() error { return unix.Unmount(ex.dir, how.flags) })
+		cancel()
+		// EINVAL: not a mount point any more, an earlier attempt got through after all.
+		if ferr == nil || errors.Is(ferr, unix.EINVAL) {
+			removeMountPoint(logger, ex.dir)
+			return how.name, nil
+		}
+		err = errors.Join(err, fmt.Errorf("%s unmount: %w", how.name, ferr))
+	}
+	return "", err
 }
 
-// sweep unmounts exports that nobody used for idle.
+// removeMountPoint removes the now empty mount point; a later mount makes it again.
+func removeMountPoint(logger klog.Logger, dir string) {
+	if err := os.Remove(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+		logger.V(4).Info("Mount point stays", "dir", dir, "err", err)
+	}
+}
+
+// sweep starts unmounting the exports that nobody used for idle, each in its own goroutine,
+// so that one whose server is dead holds up neither the others nor the caller.
 func (e *exports) sweep(ctx context.Context, idle time.Duration) {
+	logger := klog.FromContext(ctx)
 	e.mu.Lock()
-	var stale []*export
-	for key, ex := range e.byKey {
-		if ex.users == 0 && time.Since(ex.lastUsed) > idle {
-			stale = append(stale, ex)
-			delete(e.byKey, key)
+	defer e.mu.Unlock()
+	for _, ex := range e.byKey {
+		if !ex.mounted || ex.unmounting || ex.users > 0 || time.Since(ex.lastUsed) <= idle {
+			continue
+		}
+		ex.unmounting = true
+		e.background(&e.running, func() {
+			e.unmount(logger, ex, 0, true)
+			e.mu.Lock()
+			ex.unmounting = false
+			e.mu.Unlock()
+		})
+	}
+}
+
+// closeAll unmounts every export, for shutdown; later calls are refused. Background deletes
+// stop at their next step and carry on after a restart. It returns within about the operation
+// timeout plus two lazy unmount timeouts, whatever the servers do.
+func (e *exports) closeAll(ctx context.Context) {
+	logger := klog.FromContext(ctx)
+	deadline := time.After(e.timeout + 2*min(e.timeout, lazyUnmountTimeout))
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return
+	}
+	// From here on no call starts and nothing new runs in the background.
+	e.closed = true
+	e.stopBg()
+	e.mu.Unlock()
+	// Give walks a moment to stop at a step boundary, so their exports unmount cleanly.
+	waitGroup(&e.walking, time.After(e.timeout/4))
+	e.mu.Lock()
+	for _, ex := range e.byKey {
+		if ex.mounted && !ex.unmounting {
+			ex.unmounting = true
+			e.running.Add(1)
+			go func() {
+				defer e.running.Done()
+				e.unmount(logger, ex, 0, false)
+			}()
 		}
 	}
 	e.mu.Unlock()
-	for _, ex := range stale {
-		e.unmount(ctx, ex, ex.root)
+	if !waitGroup(&e.running, deadline) {
+		logger.Info("Shutting down with NFS exports still unmounting: their servers do not answer")
 	}
 }
 
-// closeAll unmounts every export, for shutdown.
-func (e *exports) closeAll(ctx context.Context) {
-	e.sweep(ctx, -1)
+// waitGroup waits for wg until deadline fires, and reports whether wg finished.
+func waitGroup(wg *sync.WaitGroup, deadline <-chan time.Time) bool {
+	done := make(chan struct{})
+	go func() {
+		wg.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return true
+	case <-deadline:
+		return false
+	}
 }
 
 // localRoots keeps the base directories of local classes open.

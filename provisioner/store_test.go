@@ -3,10 +3,17 @@ package provisioner
 import (
 	"context"
 	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
 	"k8s.io/mount-utils"
 
 	"github.com/dirpv/dirpv/volume"
@@ -55,4 +62,249 @@ func TestLateMountIsAdopted(t *testing.T) {
 		t.Errorf("mounts: %v, want exactly one", mps)
 	}
 	e.closeAll(context.Background())
+}
+
+// bindMounter stands in for mount(8) and an NFS server with real mounts: mounting
+// "server:share" bind-mounts the local directory registered for it. Its Unmount can be made
+// to hang, like umount(8) against a dead server.
+type bindMounter struct {
+	mount.Interface
+	mounts atomic.Int32
+
+	mu      sync.Mutex
+	dirs    map[string]string        // source -> local directory
+	targets map[string]string        // mount point -> source
+	hang    map[string]chan struct{} // source -> Unmount waits until it is closed
+}
+
+func newBindMounter(t *testing.T) *bindMounter {
+	m := &bindMounter{Interface: mount.New(""), dirs: map[string]string{}, targets: map[string]string{}, hang: map[string]chan struct{}{}}
+	t.Cleanup(func() {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		for _, ch := range m.hang {
+			close(ch)
+		}
+		m.hang = map[string]chan struct{}{}
+		for target := range m.targets {
+			for isMounted(target) {
+				if err := unix.Unmount(target, unix.MNT_DETACH); err != nil {
+					t.Errorf("clean up mount at %s: %v", target, err)
+					break
+				}
+			}
+		}
+	})
+	return m
+}
+
+// export registers a fresh local directory as server:share and returns it.
+func (m *bindMounter) export(t *testing.T, server, share string) string {
+	dir := t.TempDir()
+	m.mu.Lock()
+	m.dirs[volume.ExportSource(server, share)] = dir
+	m.mu.Unlock()
+	return dir
+}
+
+// hangUnmounts makes every later Unmount of a live mount of source wait until the test ends.
+func (m *bindMounter) hangUnmounts(server, share string) {
+	m.mu.Lock()
+	m.hang[volume.ExportSource(server, share)] = make(chan struct{})
+	m.mu.Unlock()
+}
+
+func (m *bindMounter) Mount(source, target, _ string, _ []string) error {
+	m.mu.Lock()
+	dir, ok := m.dirs[source]
+	m.targets[target] = source
+	m.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("no such export %s", source)
+	}
+	m.mounts.Add(1)
+	return m.Interface.Mount(dir, target, "", []string{"bind"})
+}
+
+func (m *bindMounter) Unmount(target string) error {
+	m.mu.Lock()
+	hang := m.hang[m.targets[target]]
+	m.mu.Unlock()
+	if hang != nil && isMounted(target) {
+		<-hang
+	}
+	return m.Interface.Unmount(target)
+}
+
+// isMounted reports whether the kernel has a mount at dir.
+func isMounted(dir string) bool {
+	infos, _ := mount.ParseMountInfo("/proc/self/mountinfo")
+	return slices.ContainsFunc(infos, func(mi mount.MountInfo) bool { return mi.MountPoint == dir })
+}
+
+// eventually polls cond until it holds or within has passed, and fails with cond's message.
+func eventually(t *testing.T, within time.Duration, cond func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		ok, msg := cond()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after %v: %s", within, msg)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// exportDir returns the mount point of server:share under e's work dir.
+func exportDir(e *exports, server, share string) string {
+	return e.get(server, share, nil).dir
+}
+
+// A call holding the export's root keeps a working root when the mount is dropped under it
+// (another call failed with EIO): it goes on creating in the same export, not through a
+// closed or reused descriptor, and the mount itself is gone at once (detached lazily, since
+// the call keeps it busy).
+func TestRootInUseSurvivesUnmount(t *testing.T) {
+	m := newBindMounter(t)
+	src := m.export(t, "nfs.example", "/a")
+	e := newExports(m, t.TempDir(), 2*time.Second)
+	defer e.closeAll(context.Background())
+	dir := exportDir(e, "nfs.example", "/a")
+
+	entered, proceed := make(chan struct{}), make(chan struct{})
+	held := make(chan error, 1)
+	go func() {
+		held <- e.do(context.Background(), "nfs.example", "/a", nil, func(root *volume.Root) error {
+			close(entered)
+			<-proceed
+			_, err := root.MkdirAll("made-after-unmount", volume.Owner{Mode: 0o755, UID: -1, GID: -1}, volume.Claim{UID: "uid-late", PVName: "pv-late"})
+			return err
+		})
+	}()
+	<-entered
+	err := e.do(context.Background(), "nfs.example", "/a", nil, func(*volume.Root) error { return unix.EIO })
+	if !errors.Is(err, unix.EIO) {
+		t.Fatalf("failing call: %v, want EIO", err)
+	}
+	eventually(t, 10*time.Second, func() (bool, string) {
+		return !isMounted(dir), "the export is still mounted after the call that failed with EIO"
+	})
+	// Descriptors opened now may get the number the unmount freed.
+	for range 4 {
+		f, err := os.Open(t.TempDir())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+	}
+	close(proceed)
+	if err := <-held; err != nil {
+		t.Fatalf("call that held the root across the unmount: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(src, "made-after-unmount")); err != nil {
+		t.Errorf("directory made through the held root is not in the export: %v", err)
+	}
+	// The next call mounts afresh and sees it.
+	err = e.do(context.Background(), "nfs.example", "/a", nil, func(root *volume.Root) error {
+		_, err := root.Stat("made-after-unmount")
+		return err
+	})
+	if err != nil {
+		t.Errorf("call after the remount: %v", err)
+	}
+	if n := m.mounts.Load(); n != 2 {
+		t.Errorf("mounted %d times, want 2", n)
+	}
+}
+
+// An export whose unmount hangs (dead server) holds up neither the sweep that started it,
+// nor the idle unmount of another export, nor shutdown beyond its bound.
+func TestHungUnmountBlocksNeitherSweepNorShutdown(t *testing.T) {
+	const timeout = time.Second
+	m := newBindMounter(t)
+	m.export(t, "dead.example", "/x")
+	m.export(t, "live.example", "/y")
+	e := newExports(m, t.TempDir(), timeout)
+	dead, live := exportDir(e, "dead.example", "/x"), exportDir(e, "live.example", "/y")
+	noop := func(*volume.Root) error { return nil }
+	mountBoth := func() {
+		t.Helper()
+		for _, s := range []string{"dead.example", "live.example"} {
+			share := map[string]string{"dead.example": "/x", "live.example": "/y"}[s]
+			if err := e.do(context.Background(), s, share, nil, noop); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	m.hangUnmounts("dead.example", "/x")
+	mountBoth()
+
+	start := time.Now()
+	e.sweep(context.Background(), -1)
+	if d := time.Since(start); d > timeout/2 {
+		t.Errorf("sweep took %v: it waits for unmounts", d)
+	}
+	eventually(t, timeout/2, func() (bool, string) {
+		return !isMounted(live), "the live export is still mounted while the dead one's unmount hangs"
+	})
+	// The hung plain unmount is given up after the timeout and forced.
+	eventually(t, 3*timeout, func() (bool, string) {
+		return !isMounted(dead), "the dead export is still mounted"
+	})
+
+	mountBoth()
+	start = time.Now()
+	e.closeAll(context.Background())
+	bound := timeout + 2*min(timeout, lazyUnmountTimeout)
+	if d := time.Since(start); d > bound+time.Second {
+		t.Errorf("closeAll took %v with a hung unmount, bound %v", d, bound)
+	}
+	for _, dir := range []string{dead, live} {
+		if isMounted(dir) {
+			t.Errorf("%s is still mounted after closeAll", dir)
+		}
+	}
+	if err := e.do(context.Background(), "live.example", "/y", nil, noop); !errors.Is(err, errShuttingDown) {
+		t.Errorf("call after closeAll: %v, want errShuttingDown", err)
+	}
+}
+
+// When the plain unmount hangs and the mount is busy (an abandoned call still holds a file on
+// it), the forced unmount fails too and the lazy one takes the mount away: nothing stays
+// mounted, and unmount returns within its bound.
+func TestLazyUnmountLeavesNoMount(t *testing.T) {
+	const timeout = time.Second
+	m := newBindMounter(t)
+	src := m.export(t, "dead.example", "/x")
+	if err := os.WriteFile(filepath.Join(src, "busy"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	e := newExports(m, t.TempDir(), timeout)
+	defer e.closeAll(context.Background())
+	dir := exportDir(e, "dead.example", "/x")
+	if err := e.do(context.Background(), "dead.example", "/x", nil, func(*volume.Root) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+	busy, err := os.Open(filepath.Join(dir, "busy"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	m.hangUnmounts("dead.example", "/x")
+
+	start := time.Now()
+	e.unmount(klog.Background(), e.get("dead.example", "/x", nil), 0, false)
+	if d, bound := time.Since(start), timeout+2*min(timeout, lazyUnmountTimeout); d > bound {
+		t.Errorf("unmount took %v, bound %v", d, bound)
+	}
+	if isMounted(dir) {
+		t.Fatalf("%s is still mounted after the lazy fallback", dir)
+	}
+	// The busy file still reads from the export, through the detached mount.
+	if _, err := busy.Stat(); err != nil {
+		t.Errorf("file held across the lazy unmount: %v", err)
+	}
 }

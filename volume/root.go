@@ -3,6 +3,7 @@ package volume
 import (
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"strings"
 	"sync"
@@ -195,7 +196,7 @@ func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim C
 		}
 		return false, err
 	}
-	err = r.renameNoReplace(parentFd, tmp, name)
+	err = r.renameNoReplace(parentFd, tmp, parentFd, name)
 	if err == nil {
 		return true, nil
 	}
@@ -307,48 +308,249 @@ func (r *Root) OpenDir(rel string) (*os.File, error) {
 // volume or a mount planted inside it cannot lead to deleting someone else's data. A missing
 // rel is not an error.
 func (r *Root) RemoveAll(rel string) error {
-	if _, err := CleanRelPath(rel); err != nil {
+	rm, err := r.StartRemoval(rel)
+	if err != nil {
 		return err
+	}
+	defer rm.Close()
+	for {
+		_, done, err := rm.Step(math.MaxInt)
+		if err != nil || done {
+			return err
+		}
+	}
+}
+
+// Removal is a RemoveAll done in steps, for trees too big to remove within one deadline: each
+// Step does a bounded amount of work and the next one carries on where it stopped. It makes
+// RemoveAll's promises (no symlink followed, no mount crossed, one directory open at a time
+// whatever the depth) and holds its two descriptors between steps. It is not safe for
+// concurrent use.
+type Removal struct {
+	// what names the tree in errors: rel in the root's path.
+	what     string
+	parentFd int
+	name     string
+	mnt      uint64
+	started  bool
+	done     bool
+	// cur is the directory being emptied, the last of stack; -1 before the walk descends.
+	cur   int
+	stack []removalLevel
+}
+
+type removalLevel struct {
+	name     string
+	dev, ino uint64
+	// children still to remove.
+	children []string
+}
+
+// StartRemoval prepares the removal of rel; nothing is removed until Step. A missing parent of
+// rel gives a Removal that is done at once. Close it when done.
+func (r *Root) StartRemoval(rel string) (*Removal, error) {
+	if _, err := CleanRelPath(rel); err != nil {
+		return nil, err
 	}
 	parent, name := split(rel)
+	rm := &Removal{what: rel + " in " + r.path, parentFd: -1, name: name, cur: -1}
 	parentFd, err := r.openDir(parent, unix.O_RDONLY)
 	if errors.Is(err, os.ErrNotExist) {
-		return nil
+		rm.started, rm.done = true, true
+		return rm, nil
 	}
 	if err != nil {
-		return err
+		return nil, err
 	}
-	defer unix.Close(parentFd)
 	mnt, err := mountID(parentFd)
 	if err != nil {
-		return fmt.Errorf("%s in %s: %w", parent, r.path, err)
+		unix.Close(parentFd)
+		return nil, fmt.Errorf("%s in %s: %w", parent, r.path, err)
 	}
-	if err := removeVolumeAt(parentFd, name, mnt); err != nil {
-		return fmt.Errorf("remove %s in %s: %w", rel, r.path, err)
+	rm.parentFd, rm.mnt = parentFd, mnt
+	return rm, nil
+}
+
+// Close releases the removal's descriptors; the tree is left as far as it got.
+func (rm *Removal) Close() error {
+	if rm.cur >= 0 {
+		unix.Close(rm.cur)
+		rm.cur = -1
 	}
+	if rm.parentFd >= 0 {
+		unix.Close(rm.parentFd)
+		rm.parentFd = -1
+	}
+	rm.done = true
 	return nil
 }
 
-// removeVolumeAt removes name in parentFd as removeAt does, then its record file if it has one:
-// afterwards, so that a volume whose removal fails stays marked. A crash in between leaves a
-// record naming an inode that is gone; a directory made later with that inode drops or
-// overwrites it.
-func removeVolumeAt(parentFd int, name string, mnt uint64) error {
-	var st unix.Stat_t
-	err := unix.Fstatat(parentFd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
+// Step removes up to max entries (files, links and emptied directories) and reports how many
+// it removed and whether the whole tree is gone. Reading a directory counts as no entry, so
+// a step may list one large directory beyond max. After an error the Removal is spent: Close
+// it and start again, which carries on from what is left.
+func (rm *Removal) Step(max int) (removed int, done bool, err error) {
+	if rm.done {
+		return 0, true, nil
+	}
+	removed, err = rm.step(max)
+	if err != nil {
+		rm.Close()
+		return removed, false, fmt.Errorf("remove %s: %w", rm.what, err)
+	}
+	return removed, rm.done, nil
+}
+
+// where names child of the current directory relative to the removed tree's parent.
+func (rm *Removal) where(child string) string {
+	var b strings.Builder
+	for _, l := range rm.stack {
+		b.WriteString(l.name)
+		b.WriteByte('/')
+	}
+	b.WriteString(child)
+	return b.String()
+}
+
+// descend opens the directory child of fd, checks it is on the same mount, lists it and makes
+// it the current level. It reports false if child is gone.
+func (rm *Removal) descend(fd int, child string) (int, bool, error) {
+	cfd, err := unix.Openat(fd, child, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if errors.Is(err, unix.ENOENT) {
-		return nil
+		return -1, false, nil
 	}
 	if err != nil {
-		return fmt.Errorf("stat %s: %w", name, err)
+		return -1, false, fmt.Errorf("open %s: %w", rm.where(child), err)
 	}
-	if err := removeAt(parentFd, name, mnt); err != nil {
-		return err
+	fail := func(err error) (int, bool, error) {
+		unix.Close(cfd)
+		return -1, false, err
 	}
-	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
-		return nil
+	if id, err := mountID(cfd); err != nil {
+		return fail(fmt.Errorf("%s: %w", rm.where(child), err))
+	} else if id != rm.mnt {
+		return fail(fmt.Errorf("%s is a mount point, refusing to remove across it", rm.where(child)))
 	}
-	return dropRecordOf(parentFd, st.Ino)
+	var st unix.Stat_t
+	if err := unix.Fstat(cfd, &st); err != nil {
+		return fail(fmt.Errorf("stat %s: %w", rm.where(child), err))
+	}
+	names, err := readDirNames(cfd)
+	if err != nil {
+		return fail(fmt.Errorf("read directory %s: %w", rm.where(child), err))
+	}
+	rm.stack = append(rm.stack, removalLevel{name: child, dev: st.Dev, ino: st.Ino, children: names})
+	return cfd, true, nil
+}
+
+// step walks the tree holding one directory open at a time, whatever its depth: a tenant
+// decides how deep its volume is, and one descriptor per level would let it exhaust the
+// process's descriptors (failing this removal forever and starving everything else the
+// process does meanwhile). Going back up uses "..", checked against the device and inode
+// recorded on the way down, so a directory moved during the walk stops it instead of leading
+// it elsewhere.
+func (rm *Removal) step(max int) (int, error) {
+	removed := 0
+	if !rm.started {
+		rm.started = true
+		err := unix.Unlinkat(rm.parentFd, rm.name, 0)
+		switch {
+		case err == nil:
+			rm.done = true
+			return 1, nil
+		case errors.Is(err, unix.ENOENT):
+			rm.done = true
+			return 0, nil
+		case !errors.Is(err, unix.EISDIR):
+			return 0, fmt.Errorf("unlink %s: %w", rm.name, err)
+		}
+		cfd, ok, err := rm.descend(rm.parentFd, rm.name)
+		if err != nil {
+			return 0, err
+		}
+		if !ok {
+			rm.done = true
+			return 0, nil
+		}
+		rm.cur = cfd
+	}
+	for len(rm.stack) > 0 && removed < max {
+		top := &rm.stack[len(rm.stack)-1]
+		if n := len(top.children); n > 0 {
+			child := top.children[n-1]
+			top.children = top.children[:n-1]
+			err := unix.Unlinkat(rm.cur, child, 0)
+			switch {
+			case err == nil:
+				removed++
+				continue
+			case errors.Is(err, unix.ENOENT):
+				continue
+			case !errors.Is(err, unix.EISDIR):
+				return removed, fmt.Errorf("unlink %s: %w", rm.where(child), err)
+			}
+			cfd, ok, err := rm.descend(rm.cur, child)
+			if err != nil {
+				return removed, err
+			}
+			if ok {
+				unix.Close(rm.cur)
+				rm.cur = cfd
+			}
+			continue
+		}
+		// The current directory is empty: go back to its parent and remove it there.
+		done := rm.stack[len(rm.stack)-1]
+		rm.stack = rm.stack[:len(rm.stack)-1]
+		if len(rm.stack) == 0 {
+			if err := unix.Unlinkat(rm.parentFd, done.name, unix.AT_REMOVEDIR); err != nil && !errors.Is(err, unix.ENOENT) {
+				return removed, fmt.Errorf("rmdir %s: %w", done.name, err)
+			}
+			// The record file goes last, so that a volume whose removal fails stays marked. A
+			// crash in between leaves a record naming an inode that is gone; a directory made
+			// later with that inode drops or overwrites it.
+			if err := dropRecordOf(rm.parentFd, done.ino); err != nil {
+				return removed + 1, err
+			}
+			rm.Close()
+			return removed + 1, nil
+		}
+		pfd, err := unix.Openat(rm.cur, "..", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return removed, fmt.Errorf("open %s: %w", rm.where(""), err)
+		}
+		unix.Close(rm.cur)
+		rm.cur = pfd
+		var st unix.Stat_t
+		if err := unix.Fstat(rm.cur, &st); err != nil {
+			return removed, fmt.Errorf("stat %s: %w", rm.where(""), err)
+		}
+		if parent := rm.stack[len(rm.stack)-1]; st.Dev != parent.dev || st.Ino != parent.ino {
+			return removed, fmt.Errorf("%s was moved while it was being removed, stopping", rm.where(done.name))
+		}
+		if err := unix.Unlinkat(rm.cur, done.name, unix.AT_REMOVEDIR); err != nil && !errors.Is(err, unix.ENOENT) {
+			return removed, fmt.Errorf("rmdir %s: %w", rm.where(done.name), err)
+		}
+		removed++
+	}
+	return removed, nil
+}
+
+// removeVolumeAt removes name in parentFd and everything below it, as RemoveAll does, record
+// file included. parentFd stays open.
+func removeVolumeAt(parentFd int, name string, mnt uint64) error {
+	fd, err := unix.FcntlInt(uintptr(parentFd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("duplicate directory handle: %w", err)
+	}
+	rm := &Removal{what: name, parentFd: fd, name: name, mnt: mnt, cur: -1}
+	defer rm.Close()
+	for {
+		_, done, err := rm.Step(math.MaxInt)
+		if err != nil || done {
+			return err
+		}
+	}
 }
 
 // mountID identifies the mount an open file is on; unlike st_dev it tells a bind mount of the
@@ -362,126 +564,6 @@ func mountID(fd int) (uint64, error) {
 		return 0, fmt.Errorf("statx: kernel did not report a mount id")
 	}
 	return stx.Mnt_id, nil
-}
-
-// removeAt removes name in parentFd and everything below it. It walks the tree holding one
-// directory open at a time, whatever its depth: a tenant decides how deep its volume is, and
-// one descriptor per level would let it exhaust the process's descriptors (failing this
-// removal forever and starving everything else the process does meanwhile). Going back up
-// uses "..", checked against the device and inode recorded on the way down, so a directory
-// moved during the walk stops it instead of leading it elsewhere.
-func removeAt(parentFd int, name string, mnt uint64) error {
-	err := unix.Unlinkat(parentFd, name, 0)
-	switch {
-	case err == nil, errors.Is(err, unix.ENOENT):
-		return nil
-	case !errors.Is(err, unix.EISDIR):
-		return fmt.Errorf("unlink %s: %w", name, err)
-	}
-	type level struct {
-		name     string
-		dev, ino uint64
-		// children still to remove.
-		children []string
-	}
-	var stack []level
-	where := func(child string) string {
-		var b strings.Builder
-		for _, l := range stack {
-			b.WriteString(l.name)
-			b.WriteByte('/')
-		}
-		b.WriteString(child)
-		return b.String()
-	}
-	// descend opens the directory child of fd, checks it is on the same mount, lists it and
-	// makes it the current level. It reports false if child is gone.
-	descend := func(fd int, child string) (int, bool, error) {
-		cfd, err := unix.Openat(fd, child, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-		if errors.Is(err, unix.ENOENT) {
-			return -1, false, nil
-		}
-		if err != nil {
-			return -1, false, fmt.Errorf("open %s: %w", where(child), err)
-		}
-		fail := func(err error) (int, bool, error) {
-			unix.Close(cfd)
-			return -1, false, err
-		}
-		if id, err := mountID(cfd); err != nil {
-			return fail(fmt.Errorf("%s: %w", where(child), err))
-		} else if id != mnt {
-			return fail(fmt.Errorf("%s is a mount point, refusing to remove across it", where(child)))
-		}
-		var st unix.Stat_t
-		if err := unix.Fstat(cfd, &st); err != nil {
-			return fail(fmt.Errorf("stat %s: %w", where(child), err))
-		}
-		names, err := readDirNames(cfd)
-		if err != nil {
-			return fail(fmt.Errorf("read directory %s: %w", where(child), err))
-		}
-		stack = append(stack, level{name: child, dev: st.Dev, ino: st.Ino, children: names})
-		return cfd, true, nil
-	}
-	cur, ok, err := descend(parentFd, name)
-	if err != nil || !ok {
-		return err
-	}
-	defer func() {
-		if cur >= 0 {
-			unix.Close(cur)
-		}
-	}()
-	for len(stack) > 0 {
-		top := &stack[len(stack)-1]
-		if n := len(top.children); n > 0 {
-			child := top.children[n-1]
-			top.children = top.children[:n-1]
-			err := unix.Unlinkat(cur, child, 0)
-			switch {
-			case err == nil, errors.Is(err, unix.ENOENT):
-				continue
-			case !errors.Is(err, unix.EISDIR):
-				return fmt.Errorf("unlink %s: %w", where(child), err)
-			}
-			cfd, ok, err := descend(cur, child)
-			if err != nil {
-				return err
-			}
-			if ok {
-				unix.Close(cur)
-				cur = cfd
-			}
-			continue
-		}
-		// The current directory is empty: go back to its parent and remove it there.
-		done := stack[len(stack)-1]
-		stack = stack[:len(stack)-1]
-		if len(stack) == 0 {
-			if err := unix.Unlinkat(parentFd, done.name, unix.AT_REMOVEDIR); err != nil && !errors.Is(err, unix.ENOENT) {
-				return fmt.Errorf("rmdir %s: %w", done.name, err)
-			}
-			return nil
-		}
-		pfd, err := unix.Openat(cur, "..", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return fmt.Errorf("open %s: %w", where(""), err)
-		}
-		unix.Close(cur)
-		cur = pfd
-		var st unix.Stat_t
-		if err := unix.Fstat(cur, &st); err != nil {
-			return fmt.Errorf("stat %s: %w", where(""), err)
-		}
-		if parent := stack[len(stack)-1]; st.Dev != parent.dev || st.Ino != parent.ino {
-			return fmt.Errorf("%s was moved while it was being removed, stopping", where(done.name))
-		}
-		if err := unix.Unlinkat(cur, done.name, unix.AT_REMOVEDIR); err != nil && !errors.Is(err, unix.ENOENT) {
-			return fmt.Errorf("rmdir %s: %w", where(done.name), err)
-		}
-	}
-	return nil
 }
 
 // readDirNames lists the directory open at fd, without closing fd.
@@ -501,6 +583,17 @@ func (r *Root) Rename(rel, newName string) error {
 	if _, err := CleanRelPath(rel); err != nil {
 		return err
 	}
+	parent, _ := split(rel)
+	return r.Move(rel, parent, newName)
+}
+
+// Move moves rel into the directory dir ("" for the base) as newName, failing if newName
+// exists there. Both ends are resolved beneath the root without following symlinks; rel
+// itself may be anything but a mount point, and is moved, never followed.
+func (r *Root) Move(rel, dir, newName string) error {
+	if _, err := CleanRelPath(rel); err != nil {
+		return err
+	}
 	if _, err := CleanRelPath(newName); err != nil || strings.Contains(newName, "/") {
 		return fmt.Errorf("new name %q must be a single path component", newName)
 	}
@@ -510,17 +603,26 @@ func (r *Root) Rename(rel, newName string) error {
 		return err
 	}
 	defer unix.Close(parentFd)
-	if err := r.renameNoReplace(parentFd, name, newName); err != nil {
-		return fmt.Errorf("rename %s to %s in %s: %w", rel, newName, r.path, err)
+	dirFd, err := r.openDir(dir, unix.O_PATH)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(dirFd)
+	if err := r.renameNoReplace(parentFd, name, dirFd, newName); err != nil {
+		target := newName
+		if dir != "" {
+			target = dir + "/" + newName
+		}
+		return fmt.Errorf("rename %s to %s in %s: %w", rel, target, r.path, err)
 	}
 	return nil
 }
 
-// renameNoReplace renames name to newName in parentFd, failing with EEXIST if newName exists.
-// The volume's marker goes with it: the attribute is on the directory, a record file is named
-// after its inode in the same parent.
-func (r *Root) renameNoReplace(parentFd int, name, newName string) error {
-	err := unix.Renameat2(parentFd, name, parentFd, newName, unix.RENAME_NOREPLACE)
+// renameNoReplace renames name in parentFd to newName in dirFd, failing with EEXIST if newName
+// exists. The volume's marker goes with it when the directory stays in its parent: the
+// attribute is on the directory, a record file is named after its inode in the same parent.
+func (r *Root) renameNoReplace(parentFd int, name string, dirFd int, newName string) error {
+	err := unix.Renameat2(parentFd, name, dirFd, newName, unix.RENAME_NOREPLACE)
 	if !errors.Is(err, unix.EINVAL) {
 		return err
 	}
@@ -530,12 +632,61 @@ func (r *Root) renameNoReplace(parentFd int, name, newName string) error {
 	r.renameMu.Lock()
 	defer r.renameMu.Unlock()
 	var st unix.Stat_t
-	switch serr := unix.Fstatat(parentFd, newName, &st, unix.AT_SYMLINK_NOFOLLOW); {
+	switch serr := unix.Fstatat(dirFd, newName, &st, unix.AT_SYMLINK_NOFOLLOW); {
 	case serr == nil:
 		return unix.EEXIST
 	case errors.Is(serr, unix.ENOENT):
-		return unix.Renameat(parentFd, name, parentFd, newName)
+		return unix.Renameat(parentFd, name, dirFd, newName)
 	default:
 		return serr
 	}
+}
+
+// Mkdir makes sure the directory rel exists beneath the root, creating it with mode (umask
+// applies) if it is missing. Unlike MkdirAll it creates no parents and marks nothing: it is for
+// dirpv's own directories, which are not volumes.
+func (r *Root) Mkdir(rel string, mode uint32) error {
+	if _, err := CleanRelPath(rel); err != nil {
+		return err
+	}
+	parent, name := split(rel)
+	parentFd, err := r.openDir(parent, unix.O_PATH)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(parentFd)
+	if err := unix.Mkdirat(parentFd, name, mode); err != nil && !errors.Is(err, unix.EEXIST) {
+		return fmt.Errorf("mkdir %s in %s: %w", rel, r.path, err)
+	}
+	// An existing entry must be a real directory, not a symlink planted in its place.
+	fd, err := r.openDir(rel, unix.O_PATH)
+	if err != nil {
+		return err
+	}
+	return unix.Close(fd)
+}
+
+// List returns the names in the directory rel beneath the root ("" for the base). A missing
+// rel fails with an error wrapping os.ErrNotExist.
+func (r *Root) List(rel string) ([]string, error) {
+	fd, err := r.openDir(rel, unix.O_RDONLY)
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(fd)
+	names, err := readDirNames(fd)
+	if err != nil {
+		return nil, fmt.Errorf("list %s in %s: %w", rel, r.path, err)
+	}
+	return names, nil
+}
+
+// Dup returns a second handle on the same base directory, closed independently, so that a
+// caller can keep using the base after its owner closed its own handle.
+func (r *Root) Dup() (*Root, error) {
+	fd, err := unix.FcntlInt(uintptr(r.fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("duplicate handle on %s: %w", r.path, err)
+	}
+	return &Root{path: r.path, fd: fd, xattr: r.xattr}, nil
 }

@@ -10,6 +10,7 @@ package integration
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"maps"
@@ -235,6 +236,15 @@ func TestNFSOnDelete(t *testing.T) {
 				if len(got) != 0 {
 					t.Errorf("export after delete holds %v, want nothing of %s", got, ns)
 				}
+				// The tree itself goes in the background, from the trash.
+				trashed := filepath.Join(nfsServer.ExportDir, trashOnServer, pv.Name)
+				err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
+					_, err := os.Lstat(trashed)
+					return errors.Is(err, os.ErrNotExist), err
+				})
+				if err != nil {
+					t.Errorf("deleted volume in the trash: %v", err)
+				}
 			case "retain":
 				if !slices.Equal(got, []string{rel}) {
 					t.Errorf("export after retain holds %v, want [%s]", got, rel)
@@ -302,6 +312,83 @@ func TestNFSManyClaimsShareOneMount(t *testing.T) {
 	if mounts := controllerMountsOf(t, nfsServer, class.MountOptions); len(mounts) != 1 {
 		t.Errorf("controller mounts of the export for this class: %v, want exactly one", mounts)
 	}
+}
+
+// trashOnServer is where dirpv controller moves deleted NFS volumes until their trees are
+// removed (provisioner/trash.go).
+const trashOnServer = ".dirpv-trash"
+
+// fillOnServer creates files empty files under dir on the server's side of the export,
+// spread over subdirectories: fast, and what a tenant's volume looks like to the server.
+func fillOnServer(t *testing.T, dir string, files int) {
+	t.Helper()
+	const perDir = 1000
+	for d := 0; d*perDir < files; d++ {
+		sub := filepath.Join(dir, "d"+strconv.Itoa(d))
+		if err := os.Mkdir(sub, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		fd, err := unix.Open(sub, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := 0; i < perDir && d*perDir+i < files; i++ {
+			f, err := unix.Openat(fd, strconv.Itoa(i), unix.O_CREAT|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
+			if err != nil {
+				unix.Close(fd)
+				t.Fatal(err)
+			}
+			unix.Close(f)
+		}
+		unix.Close(fd)
+	}
+}
+
+// Deleting a claim whose volume holds 100k files does not take the export down: the PV goes
+// within the usual wait though removing the tree over NFS takes longer than the controller's
+// operation timeout, another claim on the same export binds meanwhile on the same mount, and
+// the tree is eventually gone from the server.
+func TestNFSLargeDeleteKeepsExportServing(t *testing.T) {
+	const files = 100_000
+	ns := newNamespace(t)
+	class := nfsClass(t, nfsServer, []string{"nolock", "actimeo=2"}, nil)
+	createClaim(t, ns, "big", class.Name, accessModes(v1.ReadWriteMany))
+	_, pv := waitNFSBound(t, ns, "big")
+	rel := pv.Spec.CSI.VolumeAttributes["path"]
+	fillOnServer(t, filepath.Join(nfsServer.ExportDir, rel), files)
+
+	start := time.Now()
+	deleteClaim(t, ns, "big")
+	nfsWaitPVGone(t, pv.Name)
+	pvGone := time.Since(start)
+	if _, err := os.Lstat(filepath.Join(nfsServer.ExportDir, rel)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("volume directory on the server after its PV is gone: %v, want it gone from its name", err)
+	}
+	createClaim(t, ns, "meanwhile", class.Name, accessModes(v1.ReadWriteMany))
+	waitNFSBound(t, ns, "meanwhile")
+	bound := time.Since(start)
+	trashed := filepath.Join(nfsServer.ExportDir, trashOnServer, pv.Name)
+	if _, err := os.Lstat(trashed); err != nil {
+		t.Errorf("%s after the second claim bound: %v; want the tree still being removed, "+
+			"else this test cannot show that the export serves claims meanwhile", trashed, err)
+	}
+	if mounts := controllerMountsOf(t, nfsServer, class.MountOptions); len(mounts) != 1 {
+		t.Errorf("controller mounts of the export while the tree is removed: %d, want the one it had", len(mounts))
+	}
+
+	err := framework.Poll(context.Background(), 10*time.Minute, func(context.Context) (bool, error) {
+		if _, err := os.Lstat(trashed); errors.Is(err, os.ErrNotExist) {
+			return true, nil
+		} else if err != nil {
+			return false, err
+		}
+		return false, fmt.Errorf("%s is still on the server", trashed)
+	})
+	if err != nil {
+		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(4000))
+	}
+	t.Logf("%d files: PV gone after %v, second claim bound after %v, tree gone from the server after %v",
+		files, pvGone.Round(time.Millisecond), bound.Round(time.Millisecond), time.Since(start).Round(time.Second))
 }
 
 // controllerGoroutines scrapes go_goroutines from the controller's /metrics.

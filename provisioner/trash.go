@@ -1,0 +1,285 @@
+package provisioner
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/dirpv/dirpv/volume"
+)
+
+// Deleting an NFS volume is two jobs with different budgets. Liveness (the server answers)
+// gets the operation timeout: Delete moves the volume's directory into trashDir at the export
+// root, which takes a few calls whatever the tree's size, and the PV can go. Work (the tree
+// is big) gets as long as it needs: a background walk removes the trash entry in steps,
+// one walk per entry, a few per export, and the walks pick up again after a restart.
+
+// trashDir holds deleted NFS volumes until their trees are removed. No pathPattern can
+// produce it (volume.ReservedPrefix), and it is not a volume, so nesting checks never stop there.
+const trashDir = volume.ReservedPrefix + "trash"
+
+const (
+	// maxWalksPerExport bounds the background deletes that run at once on one export.
+	maxWalksPerExport = 2
+	// removalStep is how many entries one step of a background delete removes.
+	removalStep = 1000
+	// progressEvery is how often a long background delete logs its progress.
+	progressEvery = 10 * time.Second
+	// retryMin and retryMax bound the wait before a failed background delete is tried again.
+	retryMin, retryMax = time.Second, 5 * time.Minute
+)
+
+// trashQueue is an export's background deletes. Guarded by exports.mu.
+type trashQueue struct {
+	// entries maps each trash entry that is queued, being removed or waiting for a retry to
+	// its failed attempts; a name in it is never queued twice.
+	entries map[string]int
+	queue   []string
+	walkers int
+}
+
+// trash moves the volume rel to the export's trash within the operation timeout and starts
+// removing it in the background. A volume already moved (a retried Delete) is not moved
+// again; its removal is started if it is not under way, for instance after a restart.
+func (e *exports) trash(ctx context.Context, server, share string, options []string, rel, pvName string) error {
+	ex := e.get(server, share, options)
+	var (
+		entry string
+		moved bool
+	)
+	err := e.run(ctx, ex, func(root *volume.Root) error {
+		var err error
+		entry, moved, err = moveToTrash(root, rel, pvName)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	logger := klog.FromContext(ctx)
+	switch {
+	case moved:
+		logger.Info("Moved volume directory to the trash; removing it in the background", "path", rel, "trash", trashDir+"/"+entry)
+	case entry != "":
+		logger.Info("Volume directory is in the trash already; removing it in the background", "path", rel, "trash", trashDir+"/"+entry)
+	default:
+		logger.Info("Volume directory is gone already", "path", rel)
+	}
+	if entry != "" {
+		// The walk outlives this call: its log lines name the trash entry, not this claim.
+		e.enqueue(e.logger, ex, entry)
+	}
+	return nil
+}
+
+// moveToTrash moves rel into trashDir as pvName. It returns the trash entry to remove ("" if
+// there is none) and whether this call moved it there.
+func moveToTrash(root *volume.Root, rel, pvName string) (string, bool, error) {
+	if err := root.Mkdir(trashDir, 0o700); err != nil {
+		return "", false, err
+	}
+	entry := pvName
+	err := root.Move(rel, trashDir, entry)
+	if errors.Is(err, unix.EEXIST) {
+		// Another tree with this name is still being removed (a pattern without the PV name
+		// made a new volume at the same path, under a PV of the same name): keep both.
+		entry = pvName + "-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+		if len(entry) > volume.MaxComponentLength {
+			entry = entry[len(entry)-volume.MaxComponentLength:]
+		}
+		err = root.Move(rel, trashDir, entry)
+	}
+	if errors.Is(err, os.ErrNotExist) {
+		// Moved by an earlier attempt, whose walk may be lost with a restart, or never there.
+		if _, serr := root.Stat(trashDir + "/" + pvName); errors.Is(serr, os.ErrNotExist) {
+			return "", false, nil
+		}
+		return pvName, false, nil
+	}
+	if err != nil {
+		return "", false, err
+	}
+	return entry, true, nil
+}
+
+// resumeTrash queues every entry left in the trash of the export just mounted at root.
+func (e *exports) resumeTrash(logger klog.Logger, ex *export, root *volume.Root) {
+	names, err := root.List(trashDir)
+	if errors.Is(err, os.ErrNotExist) {
+		return
+	}
+	if err != nil {
+		logger.Error(err, "Listing volumes left to remove", "export", ex.source, "trash", trashDir)
+		return
+	}
+	if len(names) > 0 {
+		logger.Info("Resuming the removal of deleted volumes", "export", ex.source, "entries", len(names))
+	}
+	for _, name := range names {
+		e.enqueue(logger, ex, name)
+	}
+}
+
+// enqueue queues the removal of a trash entry unless it is already known, and starts a walk
+// if the export has fewer than maxWalksPerExport.
+func (e *exports) enqueue(logger klog.Logger, ex *export, entry string) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return // the entry stays in the trash; the next run resumes it
+	}
+	if _, ok := ex.trash.entries[entry]; ok {
+		return
+	}
+	if ex.trash.entries == nil {
+		ex.trash.entries = map[string]int{}
+	}
+	ex.trash.entries[entry] = 0
+	e.pending++
+	e.requeueLocked(logger, ex, entry)
+}
+
+// requeueLocked puts a known entry back in the queue and starts a walk if there is room.
+func (e *exports) requeueLocked(logger klog.Logger, ex *export, entry string) {
+	ex.trash.queue = append(ex.trash.queue, entry)
+	if ex.trash.walkers >= maxWalksPerExport {
+		return
+	}
+	// The walk counts as a user, so that the export is not unmounted as idle under it.
+	if e.background(&e.walking, func() { e.walk(logger, ex) }) {
+		ex.trash.walkers++
+		ex.users++
+	}
+}
+
+// walk removes queued trash entries of the export until none is left or shutdown begins.
+func (e *exports) walk(logger klog.Logger, ex *export) {
+	for {
+		e.mu.Lock()
+		if len(ex.trash.queue) == 0 || e.closed {
+			ex.trash.walkers--
+			ex.users--
+			ex.lastUsed = time.Now()
+			e.mu.Unlock()
+			return
+		}
+		entry := ex.trash.queue[0]
+		ex.trash.queue = ex.trash.queue[1:]
+		e.removals++
+		e.mu.Unlock()
+
+		err := e.removeEntry(logger, ex, entry)
+
+		e.mu.Lock()
+		switch {
+		case err == nil:
+			delete(ex.trash.entries, entry)
+			e.pending--
+		case e.closed:
+			// Stopped for shutdown: the next run resumes it.
+		default:
+			attempts := ex.trash.entries[entry] + 1
+			ex.trash.entries[entry] = attempts
+			delay := min(retryMin<<min(attempts-1, 20), retryMax)
+			logger.Error(err, "Removing a deleted volume; trying again later", "export", ex.source,
+				"trash", trashDir+"/"+entry, "attempts", attempts, "retryIn", delay)
+			e.background(&e.running, func() {
+				t := time.NewTimer(delay)
+				defer t.Stop()
+				select {
+				case <-t.C:
+				case <-e.bg.Done():
+					return
+				}
+				e.mu.Lock()
+				defer e.mu.Unlock()
+				e.requeueLocked(logger, ex, entry)
+			})
+		}
+		e.mu.Unlock()
+	}
+}
+
+// removeEntry removes one trash entry in steps of removalStep entries.
+func (e *exports) removeEntry(logger klog.Logger, ex *export, entry string) error {
+	ctx, cancel := context.WithTimeout(e.bg, e.timeout)
+	root, _, err := e.acquire(ctx, ex)
+	cancel()
+	if err != nil {
+		return err
+	}
+	// The walk's own handles keep the mount from going away under it; were it dropped
+	// meanwhile, it detaches and the walk carries on until this handle is closed.
+	defer root.Close()
+	rel := trashDir + "/" + entry
+	logger = logger.WithValues("export", ex.source, "trash", rel)
+	var rm *volume.Removal
+	if err := e.step(logger, func() error {
+		var err error
+		rm, err = root.StartRemoval(rel)
+		return err
+	}); err != nil {
+		return err
+	}
+	defer rm.Close()
+	start, lastLog, removed := time.Now(), time.Now(), 0
+	for {
+		var (
+			n    int
+			done bool
+		)
+		err := e.step(logger, func() error {
+			var err error
+			n, done, err = rm.Step(removalStep)
+			return err
+		})
+		removed += n
+		if err != nil {
+			return err
+		}
+		if done {
+			logger.Info("Removed deleted volume", "entries", removed, "duration", time.Since(start).Round(time.Millisecond))
+			return nil
+		}
+		if time.Since(lastLog) >= progressEvery {
+			lastLog = time.Now()
+			logger.Info("Removing deleted volume", "entriesRemoved", removed, "elapsed", time.Since(start).Round(time.Second))
+		}
+	}
+}
+
+// step runs one step of a background delete. A step that outlives the operation timeout
+// means the server stopped answering: the walk pauses and says so, and leaves the export
+// alone, since other claims on it judge the server with their own deadlines. The step is
+// waited for, not abandoned, since the next one carries on from its state and a second walk
+// of the same tree is what this design avoids.
+func (e *exports) step(logger klog.Logger, fn func() error) error {
+	start := time.Now()
+	paused := time.AfterFunc(e.timeout, func() {
+		logger.Info("Background delete paused: the NFS server has not answered", "waited", e.timeout)
+	})
+	defer func() {
+		if !paused.Stop() {
+			logger.Info("Background delete resumed: the NFS server answered", "waited", time.Since(start).Round(time.Second))
+		}
+	}()
+	if e.beforeStep != nil {
+		e.beforeStep() // in tests, a step the server is slow to answer
+	}
+	if err := e.bg.Err(); err != nil {
+		return fmt.Errorf("stopped for shutdown: %w", err)
+	}
+	return fn()
+}
+
+// pendingDeletes counts the volumes moved to the trash and not yet removed.
+func (e *exports) pendingDeletes() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.pending
+}

@@ -1,0 +1,217 @@
+package provisioner
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+	v1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
+	storagelisters "k8s.io/client-go/listers/storage/v1"
+	"k8s.io/client-go/tools/cache"
+)
+
+// trashFixture is a controller Provisioner on a stand-in NFS export (a tmpfs, bind-mounted by
+// bindMounter as the controller's mount), with a class on it.
+type trashFixture struct {
+	m       *bindMounter
+	src     string
+	work    string
+	class   *storagev1.StorageClass
+	lister  storagelisters.StorageClassLister
+	timeout time.Duration
+}
+
+func newTrashFixture(t *testing.T, timeout time.Duration) *trashFixture {
+	t.Helper()
+	f := &trashFixture{m: newBindMounter(t), work: t.TempDir(), timeout: timeout}
+	f.src = f.m.export(t, "nfs.example", "/export")
+	// tmpfs keeps 100k files off the shared disk.
+	if err := unix.Mount("tmpfs", f.src, "tmpfs", 0, "size=512m"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(f.src, unix.MNT_DETACH) })
+	f.class = &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: "nfs"}, Provisioner: testDriver,
+		Parameters: map[string]string{"backend": "nfs", "server": "nfs.example", "share": "/export"}}
+	classes := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
+	classes.Add(f.class)
+	f.lister = storagelisters.NewStorageClassLister(classes)
+	return f
+}
+
+// start runs a controller Provisioner, as after a (re)start of dirpv controller.
+func (f *trashFixture) start(t *testing.T) *Provisioner {
+	t.Helper()
+	p, err := New(Config{DriverName: testDriver, Role: RoleController, Client: fake.NewClientset(), Classes: f.lister,
+		Mounter: f.m, WorkDir: f.work, OperationTimeout: f.timeout})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		p.Run(ctx)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+	})
+	return p
+}
+
+func (f *trashFixture) provision(t *testing.T, p *Provisioner, name string) *v1.PersistentVolume {
+	t.Helper()
+	c := claim(name, v1.ReadWriteMany)
+	delete(c.Annotations, annSelectedNode)
+	pv, _, err := p.Provision(context.Background(), opts(f.class, c))
+	if err != nil {
+		t.Fatalf("provision %s: %v", name, err)
+	}
+	return pv
+}
+
+// fill puts files empty files into dir on the server side, spread over subdirectories.
+func fill(t *testing.T, dir string, files int) {
+	t.Helper()
+	const perDir = 1000
+	for d := 0; d*perDir < files; d++ {
+		sub := filepath.Join(dir, "d"+strconv.Itoa(d))
+		if err := os.Mkdir(sub, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		fd, err := unix.Open(sub, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := 0; i < perDir && d*perDir+i < files; i++ {
+			f, err := unix.Openat(fd, strconv.Itoa(i), unix.O_CREAT|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
+			if err != nil {
+				t.Fatal(err)
+			}
+			unix.Close(f)
+		}
+		unix.Close(fd)
+	}
+}
+
+func (f *trashFixture) trashEntries(t *testing.T) []string {
+	t.Helper()
+	entries, err := os.ReadDir(filepath.Join(f.src, trashDir))
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range entries {
+		names = append(names, e.Name())
+	}
+	return names
+}
+
+// Deleting a volume of 100k files returns within the operation timeout, though removing the
+// tree takes longer: the directory leaves its name at once, other claims on the export are
+// served meanwhile, also while a step of the walk outlasts the timeout, a retried Delete
+// starts no second walk, the trash ends empty, and the export is never taken for dead
+// (mounted once throughout).
+func TestLargeNFSDeleteReturnsAtOnce(t *testing.T) {
+	const timeout, files = 2 * time.Second, 100_000
+	f := newTrashFixture(t, timeout)
+	p := f.start(t)
+	pv := f.provision(t, p, "big")
+	rel := pv.Spec.CSI.VolumeAttributes["path"]
+	fill(t, filepath.Join(f.src, rel), files)
+
+	// Hold the walk, so that it outlasts the operation timeout whatever the machine's speed.
+	release := make(chan struct{})
+	p.exports.beforeStep = func() { <-release }
+	start := time.Now()
+	if err := p.Delete(context.Background(), pv); err != nil {
+		t.Fatalf("Delete: %v", err)
+	}
+	if d := time.Since(start); d >= timeout {
+		t.Errorf("Delete took %v, operation timeout %v", d, timeout)
+	}
+	if _, err := os.Lstat(filepath.Join(f.src, rel)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("volume directory after Delete: %v, want it gone from its name", err)
+	}
+	if got := f.trashEntries(t); len(got) != 1 || got[0] != pv.Name {
+		t.Errorf("trash = %v, want [%s]", got, pv.Name)
+	}
+	if n := p.PendingDeletes(); n != 1 {
+		t.Errorf("PendingDeletes = %d, want 1", n)
+	}
+	// The export keeps serving claims while the tree waits for its removal.
+	f.provision(t, p, "meanwhile")
+	// The lib retries a Delete whose result it did not see: no second walk of the tree.
+	if err := p.Delete(context.Background(), pv); err != nil {
+		t.Fatalf("second Delete: %v", err)
+	}
+	p.exports.mu.Lock()
+	removals := p.exports.removals
+	p.exports.mu.Unlock()
+	if removals != 1 || p.PendingDeletes() != 1 {
+		t.Errorf("after a second Delete: %d removals started and %d pending, want 1 and 1", removals, p.PendingDeletes())
+	}
+	// The held step outlasts the operation timeout, as on a server that stopped answering:
+	// the walk pauses, and the export still serves claims.
+	<-time.After(time.Until(start.Add(timeout + timeout/2)))
+	f.provision(t, p, "while-paused")
+	close(release)
+
+	eventually(t, 2*time.Minute, func() (bool, string) {
+		got := f.trashEntries(t)
+		return len(got) == 0 && p.PendingDeletes() == 0, fmt.Sprintf("trash %v, %d pending", got, p.PendingDeletes())
+	})
+	t.Logf("%d files removed %v after Delete returned", files, time.Since(start).Round(time.Millisecond))
+	if n := f.m.mounts.Load(); n != 1 {
+		t.Errorf("export mounted %d times, want once: the walk must not make it look dead", n)
+	}
+}
+
+// A trash entry left by a controller that stopped mid-walk is removed by the next one, on its
+// first use of the export.
+func TestTrashResumedAfterRestart(t *testing.T) {
+	const timeout = 2 * time.Second
+	f := newTrashFixture(t, timeout)
+	first := f.start(t)
+	pv := f.provision(t, first, "old")
+	fill(t, filepath.Join(f.src, pv.Spec.CSI.VolumeAttributes["path"]), 3000)
+	// The first controller's walk never gets going: it stops for shutdown instead.
+	first.exports.beforeStep = func() { <-first.exports.bg.Done() }
+	if err := first.Delete(context.Background(), pv); err != nil {
+		t.Fatal(err)
+	}
+	first.exports.closeAll(context.Background())
+	if got := f.trashEntries(t); len(got) != 1 {
+		t.Fatalf("trash after the first controller stopped: %v, want the deleted volume", got)
+	}
+
+	second := f.start(t)
+	f.provision(t, second, "new")
+	eventually(t, time.Minute, func() (bool, string) {
+		got := f.trashEntries(t)
+		return len(got) == 0 && second.PendingDeletes() == 0, fmt.Sprintf("trash %v, %d pending", got, second.PendingDeletes())
+	})
+}
+
+// No pathPattern can name a volume after dirpv's own directories.
+func TestPatternCannotProduceTrash(t *testing.T) {
+	for _, pat := range []string{trashDir, trashDir + "/${pv.metadata.name}", ".dirpv-x-${pv.metadata.name}", "${pvc.metadata.annotations['dir']}"} {
+		p, err := parsePattern(pat)
+		if err != nil {
+			t.Fatalf("parse %q: %v", pat, err)
+		}
+		got, err := p.expand(pathVars{namespace: "ns", pvcName: "c", pvName: "pv", annotations: map[string]string{"dir": trashDir}})
+		if err == nil {
+			t.Errorf("pattern %q expands to %q, want it refused", pat, got)
+		}
+	}
+}
