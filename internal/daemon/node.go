@@ -7,7 +7,6 @@ import (
 
 	"k8s.io/client-go/informers"
 	"k8s.io/mount-utils"
-	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
 	"github.com/dirpv/dirpv/csinode"
 	"github.com/dirpv/dirpv/provisioner"
@@ -67,7 +66,11 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			return err
 		}
 		// Every node serves its own claims, so there is no leader to elect.
-		fns = append(fns, provisioning(ctx, client, factory, p, cfg.Provisioner, reg, controller.LeaderElection(false))...)
+		lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg)
+		fns = append(fns, func(ctx context.Context) error {
+			lead(ctx)
+			return nil
+		}, runInformers(factory))
 	}
 	return runAll(ctx, cfg.HTTPAddress, reg, driver.Ready, fns...)
 }
