@@ -30,21 +30,21 @@ var errExportUnresponsive = errors.New("NFS server did not answer in time")
 
 // bounded runs fn and waits for it until ctx is done. sem limits how many fn may be running,
 // abandoned ones included.
-func bounded(ctx context.Context, sem chan struct{}, what string, fn func() error) error {
-	select {
-	case sem <- struct{}{}:
-	case <-ctx.Done():
-		return fmt.Errorf("%s: %d earlier calls are still waiting for the server: %w (%w)", what, cap(sem), errExportUnresponsive, ctx.Err())
+func bounded(ctx context.Context, sem *callSlots, what string, fn func() error) error {
+	slot, err := sem.acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("%s: %d earlier calls are still waiting for the server: %w (%w)", what, sem.size(), errExportUnresponsive, err)
 	}
 	done := make(chan error, 1)
 	go func() {
-		defer func() { <-sem }()
+		defer slot.release()
 		done <- fn()
 	}()
 	select {
 	case err := <-done:
 		return err
 	case <-ctx.Done():
+		slot.abandon()
 		return fmt.Errorf("%s: %w (%w)", what, errExportUnresponsive, ctx.Err())
 	}
 }
@@ -72,7 +72,7 @@ type export struct {
 	source  string
 	options []string
 	dir     string
-	sem     chan struct{}
+	sem     *callSlots
 	// lock serialises mounting and unmounting; a channel so that waiters honour their deadline.
 	lock     chan struct{}
 	root     *volume.Root
@@ -99,7 +99,7 @@ func (e *exports) do(ctx context.Context, server, share string, options []string
 			source:  volume.ExportSource(server, share),
 			options: slices.Clone(options),
 			dir:     filepath.Join(e.workDir, "exports", hex.EncodeToString(sum[:8])),
-			sem:     make(chan struct{}, maxStuckCalls),
+			sem:     newCallSlots(maxStuckCalls),
 			lock:    make(chan struct{}, 1),
 		}
 		e.byKey[key] = ex

@@ -84,6 +84,10 @@ type ControllerConfig struct {
 	IdleUnmount    time.Duration
 	LeaderElection LeaderElectionConfig
 	HTTPAddress    string
+	// WedgedExportLimit is how long an NFS export may have every call slot held by calls its
+	// server does not answer before /healthz fails, so that kubelet restarts the controller.
+	// Zero or less disables the check.
+	WedgedExportLimit time.Duration
 }
 
 // RunController serves NFS classes until ctx is done. With leader election, only the replica
@@ -124,7 +128,8 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 			return runElected(ctx, client, cfg.LeaderElection, events, lead)
 		}
 	}
-	return runAll(ctx, cfg.HTTPAddress, reg, nil, run, runInformers(factory))
+	healthy := func() error { return p.Healthy(cfg.WedgedExportLimit) }
+	return runAll(ctx, cfg.HTTPAddress, reg, healthy, run, runInformers(factory))
 }
 
 // provisioning returns what runs the lib's ProvisionController around p until its context is
