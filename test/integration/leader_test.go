@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -32,7 +33,10 @@ func startStandby(t *testing.T) (*framework.Process, string) {
 	standby, err := framework.StartDirpv(context.Background(), dirpvBin, "controller-standby", logDir, "controller",
 		"--kubeconfig", testCluster.Kubeconfig, "--v=2", "--operation-timeout=10s",
 		"--work-dir", workDir, "--nfs-mount-helper", mountHelper,
-		"--leader-election=true", "--leader-election-namespace=kube-system")
+		"--leader-election=true", "--leader-election-namespace=kube-system",
+		// client-go waits 1 to 2.2 retry periods between attempts to acquire: 1 s keeps a
+		// handover well inside the few seconds TestControllerRolloutHandsOverAtOnce allows.
+		"--leader-election-retry-period=1s")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -160,13 +164,18 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	leader := ctrlProc
 	leaderWorkDir := workDirOf(t, leader)
 
+	// Mounts left by a controller that an earlier test SIGKILLed are not this leader's.
+	leftOver, err := framework.MountsUnder(leaderWorkDir)
+	if err != nil {
+		t.Fatal(err)
+	}
 	ns := newNamespace(t)
-	class := nfsClass(t, nfsServer, nil, nil)
+	class := nfsClass(t, nfsServer, []string{"actimeo=3"}, nil)
 	// A bound claim first, so that the leader holds an NFS mount to release.
 	createClaim(t, ns, "before", class.Name, accessModes(v1.ReadWriteMany))
 	waitBound(t, ns, "before")
-	if m, _ := framework.MountsUnder(leaderWorkDir); len(m) == 0 {
-		t.Fatalf("the leader holds no NFS mount under %s after provisioning", leaderWorkDir)
+	if m, _ := framework.MountsUnder(leaderWorkDir); len(m) <= len(leftOver) {
+		t.Fatalf("the leader holds no new NFS mount under %s after provisioning: %v", leaderWorkDir, m)
 	}
 
 	before := acquisitions(standby)
@@ -176,7 +185,7 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	for i := 0; i < during; i++ {
 		createClaim(t, ns, fmt.Sprintf("during-%02d", i), class.Name, accessModes(v1.ReadWriteMany))
 	}
-	err := framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
+	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
 		return acquisitions(standby) > before, fmt.Errorf("the standby has not taken the lease")
 	})
 	handover := time.Since(sent)
@@ -198,9 +207,12 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	if _, err := leader.Exited(); err != nil {
 		t.Errorf("the leader, stopped with SIGTERM, exited with %v, want status 0\n%s", err, leader.Tail(3000))
 	}
-	if m, _ := framework.MountsUnder(leaderWorkDir); len(m) != 0 {
-		t.Errorf("the stopped leader left NFS mounts behind: %v", m)
-		framework.DetachMountsUnder(leaderWorkDir)
+	after, err := framework.MountsUnder(leaderWorkDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if left := slices.DeleteFunc(after, func(m string) bool { return slices.Contains(leftOver, m) }); len(left) != 0 {
+		t.Errorf("the stopped leader left NFS mounts behind: %v", left)
 	}
 	if err := framework.WaitForClaimsBound(ctx, client, ns, during+1, 2*time.Minute); err != nil {
 		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
