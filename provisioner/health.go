@@ -3,6 +3,7 @@ package provisioner
 import (
 	"context"
 	"fmt"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -128,4 +129,21 @@ func (p *Provisioner) Healthy(limit time.Duration) error {
 		return fmt.Errorf("NFS exports wedged for more than %s: %s", limit, strings.Join(wedged, ", "))
 	}
 	return nil
+}
+
+// mounted counts the exports mounted under the work dir, as the kernel's mount table has them:
+// the truth, whichever call mounted or dropped them, and readable without waiting on a server.
+func (e *exports) mounted() (int, error) {
+	mps, err := e.mounter.List()
+	if err != nil {
+		return 0, fmt.Errorf("list mounts: %w", err)
+	}
+	dir := filepath.Join(e.workDir, "exports") + string(filepath.Separator)
+	n := 0
+	for _, mp := range mps {
+		if strings.HasPrefix(mp.Path, dir) {
+			n++
+		}
+	}
+	return n, nil
 }

@@ -133,7 +133,7 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 }
 
 // provisioning returns what runs the lib's ProvisionController around p until its context is
-// done, registering the lib's metrics on reg. It returns only once the controller's workers
+// done, registering the lib's metrics and dirpv's provisioning metrics on reg. It returns only once the controller's workers
 // have returned and p has released its NFS mounts, in that order: a worker still running after
 // the release could mount an export again.
 func provisioning(ctx context.Context, client kubernetes.Interface, factory informers.SharedInformerFactory,
@@ -148,7 +148,7 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 	// pc.Run returns as soon as its context ends, while its workers may still be in Provision
 	// or Delete; the lib adds each worker to this group so that we can wait for them.
 	var workers sync.WaitGroup
-	pc := controller.NewProvisionController(ctx, client, DriverName, p,
+	pc := controller.NewProvisionController(ctx, client, DriverName, provisioner.Instrument(p, reg),
 		// Leader election, where there is one, is ours (runElected): the lib's exits the process
 		// when it stops leading, before anything could drain or the lease be released.
 		controller.LeaderElection(false),

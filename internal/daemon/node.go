@@ -47,6 +47,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 	if err != nil {
 		return err
 	}
+	reg.MustRegister(driver.Collectors()...)
 	fns := []func(context.Context) error{driver.Run}
 	if cfg.LocalProvisioning {
 		client, err := cfg.Kube.client()

@@ -217,5 +217,16 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	if err := framework.WaitForClaimsBound(ctx, client, ns, during+1, 2*time.Minute); err != nil {
 		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
 	}
+	// The new leader's own metrics show the work it took over.
+	metrics, err := framework.Scrape(ctx, standby)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := metrics[`dirpv_provision_duration_seconds_count{backend="nfs",result="success"}`]; n < 1 || n > during {
+		t.Errorf("new leader counts %v successful NFS provisions, want 1 to %d", n, during)
+	}
+	if n := metrics["dirpv_nfs_exports_mounted"]; n != 1 {
+		t.Errorf("new leader reports %v mounted exports, want 1", n)
+	}
 	handBack(t, standby, standbyWorkDir)
 }
