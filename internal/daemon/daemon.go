@@ -133,9 +133,9 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 }
 
 // provisioning returns what runs the lib's ProvisionController around p until its context is
-// done, registering the lib's metrics and dirpv's provisioning metrics on reg. It returns only once the controller's workers
-// have returned and p has released its NFS mounts, in that order: a worker still running after
-// the release could mount an export again.
+// done, and registers the lib's metrics and dirpv's own on reg. What it returns comes back only
+// once the controller's workers have returned and p has released its NFS mounts, in that
+// order: a worker still running after the release could mount an export again.
 func provisioning(ctx context.Context, client kubernetes.Interface, factory informers.SharedInformerFactory,
 	p *provisioner.Provisioner, cfg ProvisionerConfig, reg *prometheus.Registry,
 ) func(context.Context) {
