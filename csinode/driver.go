@@ -78,6 +78,7 @@ type Driver struct {
 	locks     *keyedLock
 	published *publishedSet
 	statfs    *singleFlight
+	metrics   *metrics
 
 	mu      sync.Mutex
 	serving bool
@@ -123,6 +124,7 @@ func NewDriver(opts Options) (*Driver, error) {
 		locks:      newKeyedLock(),
 		published:  newPublishedSet(),
 		statfs:     newSingleFlight(),
+		metrics:    newMetrics(),
 	}
 	if d.mounter == nil {
 		d.mounter = mount.New("")
@@ -157,7 +159,7 @@ func (d *Driver) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	csiSrv := grpc.NewServer(grpc.ChainUnaryInterceptor(logInterceptor(logger)))
+	csiSrv := grpc.NewServer(grpc.ChainUnaryInterceptor(logInterceptor(logger), d.metrics.interceptor()))
 	csi.RegisterIdentityServer(csiSrv, &identityServer{d: d})
 	csi.RegisterNodeServer(csiSrv, &nodeServer{d: d})
 

@@ -408,7 +408,7 @@ func (p *Provisioner) buildPV(opts controller.ProvisionOptions, params *classPar
 			PersistentVolumeSource: v1.PersistentVolumeSource{
 				CSI: &v1.CSIPersistentVolumeSource{
 					Driver:           p.cfg.DriverName,
-					VolumeHandle:     string(attrs.Backend) + ":" + opts.PVName,
+					VolumeHandle:     volume.Handle(attrs.Backend, opts.PVName),
 					VolumeAttributes: attrs.Map(),
 				},
 			},

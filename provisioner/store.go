@@ -33,21 +33,21 @@ var errNoSlot = errors.New("earlier calls are still waiting for the server")
 
 // bounded runs fn and waits for it until ctx is done. sem limits how many fn may be running,
 // abandoned ones included.
-func bounded(ctx context.Context, sem chan struct{}, what string, fn func() error) error {
-	select {
-	case sem <- struct{}{}:
-	case <-ctx.Done():
-		return fmt.Errorf("%s: %d %w: %w (%w)", what, cap(sem), errNoSlot, errExportUnresponsive, ctx.Err())
+func bounded(ctx context.Context, sem *callSlots, what string, fn func() error) error {
+	slot, err := sem.acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("%s: %d %w: %w (%w)", what, sem.size(), errNoSlot, errExportUnresponsive, err)
 	}
 	done := make(chan error, 1)
 	go func() {
-		defer func() { <-sem }()
+		defer slot.release()
 		done <- fn()
 	}()
 	select {
 	case err := <-done:
 		return err
 	case <-ctx.Done():
+		slot.abandon()
 		return fmt.Errorf("%s: %w (%w)", what, errExportUnresponsive, ctx.Err())
 	}
 }
@@ -96,7 +96,7 @@ type export struct {
 	dir     string
 	// sem caps the calls, abandoned ones included, that may wait on the server; forceSem the
 	// forced and lazy unmounts, which do not wait on it and so need their own slots.
-	sem, forceSem chan struct{}
+	sem, forceSem *callSlots
 	// lock serialises mounting and unmounting and guards root and gen; a channel so that
 	// waiters honour their deadline.
 	lock chan struct{}
@@ -133,8 +133,8 @@ func (e *exports) get(server, share string, options []string) *export {
 			source:   volume.ExportSource(server, share),
 			options:  slices.Clone(options),
 			dir:      filepath.Join(e.workDir, "exports", hex.EncodeToString(sum[:8])),
-			sem:      make(chan struct{}, maxStuckCalls),
-			forceSem: make(chan struct{}, 2),
+			sem:      newCallSlots(maxStuckCalls),
+			forceSem: newCallSlots(2),
 			lock:     make(chan struct{}, 1),
 		}
 		e.byKey[key] = ex

@@ -103,8 +103,17 @@ func controllerFlags(fs *flag.FlagSet) func(context.Context) error {
 	fs.StringVar(&cfg.WorkDir, "work-dir", "/var/lib/dirpv-controller", "Directory under which NFS exports are mounted.")
 	fs.StringVar(&cfg.Mounter, "nfs-mount-helper", "", "Program run instead of mount(8) for NFS mounts (tests only). Empty: the system's mount.")
 	fs.DurationVar(&cfg.IdleUnmount, "idle-unmount", 5*time.Minute, "Unmount an NFS export after it has been unused this long.")
-	fs.BoolVar(&cfg.LeaderElection, "leader-election", true, "Elect one active controller among replicas.")
-	fs.StringVar(&cfg.LeaderNamespace, "leader-election-namespace", "", "Namespace of the leader election lease. Empty: the pod's own namespace.")
+	fs.DurationVar(&cfg.WedgedExportLimit, "wedged-export-limit", 5*time.Minute,
+		"/healthz fails once an NFS export has had all its call slots held by calls its server does not answer, none coming free, "+
+			"for this long, so that kubelet restarts the controller. 0 disables the check.")
+	le := &cfg.LeaderElection
+	fs.BoolVar(&le.Enabled, "leader-election", true, "Elect one active controller among replicas.")
+	fs.StringVar(&le.Namespace, "leader-election-namespace", "", "Namespace of the leader election lease. Empty: the pod's own namespace.")
+	fs.DurationVar(&le.LeaseDuration, "leader-election-lease-duration", 15*time.Second,
+		"How long a standby waits before taking over a lease its leader stopped renewing (a crash; a clean stop hands over at once).")
+	fs.DurationVar(&le.RenewDeadline, "leader-election-renew-deadline", 10*time.Second,
+		"How long the leader retries renewing its lease before it stops and exits.")
+	fs.DurationVar(&le.RetryPeriod, "leader-election-retry-period", 2*time.Second, "Interval between attempts to acquire or renew the lease.")
 	return func(ctx context.Context) error {
 		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress = *kube, *prov, *httpAddr
 		return daemon.RunController(ctx, cfg)

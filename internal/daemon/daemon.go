@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -80,17 +81,22 @@ type ControllerConfig struct {
 	// WorkDir holds the controller's mounts of NFS exports.
 	WorkDir string
 	// Mounter is the mount helper for NFS; empty means the system's mount.
-	Mounter         string
-	IdleUnmount     time.Duration
-	LeaderElection  bool
-	LeaderNamespace string
-	HTTPAddress     string
+	Mounter        string
+	IdleUnmount    time.Duration
+	LeaderElection LeaderElectionConfig
+	HTTPAddress    string
+	// WedgedExportLimit is how long an NFS export may have every call slot held by calls its
+	// server does not answer before /healthz fails, so that kubelet restarts the controller.
+	// Zero or less disables the check.
+	WedgedExportLimit time.Duration
 }
 
 // checkKernel is volume.CheckKernel, replaceable in tests.
 var checkKernel = volume.CheckKernel
 
-// RunController serves NFS classes until ctx is done.
+// RunController serves NFS classes until ctx is done. With leader election, only the replica
+// holding the lease provisions; on shutdown it finishes its work, releases its NFS mounts and
+// then the lease, and returns nil. It returns an error if the lease is lost while running.
 func RunController(ctx context.Context, cfg ControllerConfig) error {
 	if err := checkKernel(); err != nil {
 		return err
@@ -104,8 +110,9 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	broadcaster := record.NewBroadcaster(record.WithContext(ctx))
 	broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
 	defer broadcaster.Shutdown()
+	events := broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: DriverName + "-controller"})
 	p, err := provisioner.New(provisioner.Config{
-		Events:           broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: DriverName + "-controller"}),
+		Events:           events,
 		DriverName:       DriverName,
 		Role:             provisioner.RoleController,
 		Client:           client,
@@ -118,27 +125,40 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	if err != nil {
 		return err
 	}
-	opts := []func(*controller.ProvisionController) error{
-		controller.LeaderElection(cfg.LeaderElection),
+	lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg)
+	run := func(ctx context.Context) error {
+		lead(ctx)
+		return nil
 	}
-	if cfg.LeaderNamespace != "" {
-		opts = append(opts, controller.LeaderElectionNamespace(cfg.LeaderNamespace))
+	if cfg.LeaderElection.Enabled {
+		run = func(ctx context.Context) error {
+			return runElected(ctx, client, cfg.LeaderElection, events, lead)
+		}
 	}
-	return runAll(ctx, cfg.HTTPAddress, reg, nil, provisioning(ctx, client, factory, p, cfg.Provisioner, reg, opts...)...)
+	healthy := func() error { return p.Healthy(cfg.WedgedExportLimit) }
+	return runAll(ctx, cfg.HTTPAddress, reg, healthy, run, runInformers(factory))
 }
 
-// provisioning returns what runs the lib's ProvisionController around p: the controller, p's
-// housekeeping and the informers, which register the lib's metrics on reg.
+// provisioning returns what runs the lib's ProvisionController around p until its context is
+// done, and registers the lib's metrics and dirpv's own on reg. What it returns comes back only
+// once the controller's workers have returned and p has released its NFS mounts, in that
+// order: a worker still running after the release could mount an export again.
 func provisioning(ctx context.Context, client kubernetes.Interface, factory informers.SharedInformerFactory,
-	p *provisioner.Provisioner, cfg ProvisionerConfig, reg *prometheus.Registry, extra ...func(*controller.ProvisionController) error,
-) []func(context.Context) error {
+	p *provisioner.Provisioner, cfg ProvisionerConfig, reg *prometheus.Registry,
+) func(context.Context) {
 	m := libmetrics.New("dirpv")
 	reg.MustRegister(
 		m.PersistentVolumeClaimProvisionTotal, m.PersistentVolumeClaimProvisionFailedTotal,
 		m.PersistentVolumeClaimProvisionDurationSeconds, m.PersistentVolumeDeleteTotal,
 		m.PersistentVolumeDeleteFailedTotal, m.PersistentVolumeDeleteDurationSeconds,
 	)
-	opts := append([]func(*controller.ProvisionController) error{
+	// pc.Run returns as soon as its context ends, while its workers may still be in Provision
+	// or Delete; the lib adds each worker to this group so that we can wait for them.
+	var workers sync.WaitGroup
+	pc := controller.NewProvisionController(ctx, client, DriverName, provisioner.Instrument(p, reg),
+		// Leader election, where there is one, is ours (runElected): the lib's exits the process
+		// when it stops leading, before anything could drain or the lease be released.
+		controller.LeaderElection(false),
 		controller.Threadiness(cfg.Workers),
 		controller.ResyncPeriod(cfg.Resync),
 		controller.ClassesInformer(factory.Storage().V1().StorageClasses().Informer()),
@@ -149,33 +169,32 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 		// hand) vanishes without onDelete ever running, and its directory is orphaned. Every
 		// instance sets it, since an instance without it removes it from every PV it sees.
 		controller.AddFinalizer(true),
-	}, extra...)
-	pc := controller.NewProvisionController(ctx, client, DriverName, p, opts...)
-	released := make(chan struct{})
-	return []func(context.Context) error{
-		func(ctx context.Context) error {
+	)
+	pc.ControllerWaitGroup(&workers)
+	return func(ctx context.Context) {
+		logger := klog.FromContext(ctx)
+		housekeeping, stop := context.WithCancel(context.WithoutCancel(ctx))
+		released := make(chan struct{})
+		go func() {
 			defer close(released)
-			p.Run(ctx)
-			return nil
-		},
-		func(ctx context.Context) error {
-			// With leader election the lib exits the process as soon as its context ends, so it
-			// is stopped only after p.Run has released the NFS mounts.
-			libCtx, stop := context.WithCancel(context.WithoutCancel(ctx))
-			defer stop()
-			go func() {
-				<-released
-				stop()
-			}()
-			pc.Run(libCtx)
-			return nil
-		},
-		func(ctx context.Context) error {
-			factory.Start(ctx.Done())
-			<-ctx.Done()
-			factory.Shutdown()
-			return nil
-		},
+			p.Run(housekeeping)
+		}()
+		pc.Run(ctx)
+		start := time.Now()
+		workers.Wait()
+		stop()
+		<-released
+		logger.Info("Provisioning stopped: workers finished and mounts released", "drainDuration", time.Since(start))
+	}
+}
+
+// runInformers runs the shared informers until ctx is done.
+func runInformers(factory informers.SharedInformerFactory) func(context.Context) error {
+	return func(ctx context.Context) error {
+		factory.Start(ctx.Done())
+		<-ctx.Done()
+		factory.Shutdown()
+		return nil
 	}
 }
 

@@ -7,7 +7,6 @@ import (
 
 	"k8s.io/client-go/informers"
 	"k8s.io/mount-utils"
-	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
 	"github.com/dirpv/dirpv/csinode"
 	"github.com/dirpv/dirpv/provisioner"
@@ -65,6 +64,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 	if err != nil {
 		return err
 	}
+	reg.MustRegister(driver.Collectors()...)
 	fns := []func(context.Context) error{driver.Run}
 	if cfg.LocalProvisioning {
 		client, err := cfg.Kube.client()
@@ -85,7 +85,11 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			return err
 		}
 		// Every node serves its own claims, so there is no leader to elect.
-		fns = append(fns, provisioning(ctx, client, factory, p, cfg.Provisioner, reg, controller.LeaderElection(false))...)
+		lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg)
+		fns = append(fns, func(ctx context.Context) error {
+			lead(ctx)
+			return nil
+		}, runInformers(factory))
 	}
 	return runAll(ctx, cfg.HTTPAddress, reg, driver.Ready, fns...)
 }

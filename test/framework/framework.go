@@ -108,6 +108,12 @@ func (p *Process) Kill() {
 	<-p.done
 }
 
+// Terminate sends SIGTERM, as kubelet does to a pod being replaced, and returns without
+// waiting; Exited tells when the process has gone and how.
+func (p *Process) Terminate() {
+	p.cmd.Process.Signal(syscall.SIGTERM)
+}
+
 // Stop sends SIGTERM and waits up to timeout before killing it; it reports whether the process
 // exited by itself.
 func (p *Process) Stop(timeout time.Duration) bool {

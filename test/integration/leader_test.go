@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -24,24 +25,67 @@ func acquisitions(p *framework.Process) int {
 	return strings.Count(strings.ToLower(string(b)), leaseAcquired)
 }
 
+// startStandby starts a second controller replica beside the suite's controller, which leads,
+// and returns it with its work dir.
+func startStandby(t *testing.T) (*framework.Process, string) {
+	t.Helper()
+	workDir := filepath.Join(t.TempDir(), "controller")
+	standby, err := framework.StartDirpv(context.Background(), dirpvBin, "controller-standby", logDir, "controller",
+		"--kubeconfig", testCluster.Kubeconfig, "--v=2", "--operation-timeout=10s",
+		"--work-dir", workDir, "--nfs-mount-helper", mountHelper,
+		"--leader-election=true", "--leader-election-namespace=kube-system",
+		// client-go waits 1 to 2.2 retry periods between attempts to acquire: 1 s keeps a
+		// handover well inside the few seconds TestControllerRolloutHandsOverAtOnce allows.
+		"--leader-election-retry-period=1s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { standby.Stop(10 * time.Second) })
+	if acquisitions(ctrlProc) == 0 {
+		t.Fatalf("the suite's controller never became leader:\n%s", ctrlProc.Tail(2000))
+	}
+	// Later tests need the suite's controller, even if this one fails half-way.
+	t.Cleanup(func() {
+		if exited, _ := ctrlProc.Exited(); exited {
+			ctrlProc.Restart()
+		}
+	})
+	return standby, workDir
+}
+
+// handBack makes the suite's controller the leader again before later tests: it starts it
+// again, stops the standby and waits until the suite's controller has taken the lease. The
+// standby, stopped cleanly, must exit 0 and leave no mount behind.
+func handBack(t *testing.T, standby *framework.Process, standbyWorkDir string) {
+	t.Helper()
+	before := acquisitions(ctrlProc)
+	if err := ctrlProc.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	if !standby.Stop(20 * time.Second) {
+		t.Error("the standby did not stop on SIGTERM")
+	} else if _, err := standby.Exited(); err != nil {
+		t.Errorf("the standby, stopped with SIGTERM, exited with %v, want status 0", err)
+	}
+	if m, _ := framework.MountsUnder(standbyWorkDir); len(m) != 0 {
+		t.Errorf("the stopped controller left mounts behind: %v", m)
+		framework.DetachMountsUnder(standbyWorkDir)
+	}
+	err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
+		return acquisitions(ctrlProc) > before, fmt.Errorf("suite controller has not retaken the lease")
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 // Two controller replicas elect a leader, as the Deployment's two replicas do. The leader is
 // SIGKILLed while 50 NFS claims are being provisioned: the standby takes over and every claim
 // binds, each with exactly one PV and one directory on the server.
 func TestControllerLeaderKilledMidway(t *testing.T) {
 	ctx := context.Background()
-	workDir := filepath.Join(t.TempDir(), "controller")
-	standby, err := framework.StartDirpv(ctx, dirpvBin, "controller-standby", logDir, "controller",
-		"--kubeconfig", testCluster.Kubeconfig, "--v=2", "--operation-timeout=10s",
-		"--work-dir", workDir, "--nfs-mount-helper", mountHelper,
-		"--leader-election=true", "--leader-election-namespace=kube-system")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { standby.Stop(10 * time.Second) })
+	standby, workDir := startStandby(t)
 	leader := ctrlProc
-	if acquisitions(ctrlProc) == 0 {
-		t.Fatalf("the suite's controller never became leader:\n%s", ctrlProc.Tail(2000))
-	}
 
 	ns := newNamespace(t)
 	class := nfsClass(t, nfsServer, []string{"actimeo=2"}, nil)
@@ -49,7 +93,7 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 	for i := 0; i < n; i++ {
 		createClaim(t, ns, fmt.Sprintf("c-%02d", i), class.Name, accessModes(v1.ReadWriteMany))
 	}
-	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 		got := len(claimsOnServer(t, nfsServer, ns))
 		return got >= 5, fmt.Errorf("%d directories so far", got)
 	})
@@ -57,12 +101,6 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 		t.Fatal(err)
 	}
 	leader.Kill()
-	// Later tests need the suite's controller, even if this one fails half-way.
-	t.Cleanup(func() {
-		if exited, _ := leader.Exited(); exited {
-			leader.Restart()
-		}
-	})
 	t.Logf("killed the leader with %d of %d directories made", len(claimsOnServer(t, nfsServer, ns)), n)
 	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
 		return acquisitions(standby) > 0, fmt.Errorf("the standby has not taken the lease")
@@ -102,24 +140,93 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 		}
 	}
 
-	// Hand leadership back to the suite's controller before later tests: start it again, stop
-	// the standby and wait until the suite's controller has taken the lease. A controller that
-	// stops releases its NFS mounts.
-	before := acquisitions(leader)
-	if err := leader.Restart(); err != nil {
+	handBack(t, standby, workDir)
+}
+
+// workDirOf returns the --work-dir a dirpv controller was started with.
+func workDirOf(t *testing.T, p *framework.Process) string {
+	t.Helper()
+	for i, a := range p.Args {
+		if a == "--work-dir" && i+1 < len(p.Args) {
+			return p.Args[i+1]
+		}
+	}
+	t.Fatalf("%s has no --work-dir in %q", p.Name, p.Args)
+	return ""
+}
+
+// A rollout: the leader gets SIGTERM while claims keep coming. It drains, releases its NFS
+// mounts and then the lease, and exits 0; the standby takes over within a few seconds, well
+// below the 15 s lease duration a standby otherwise waits out; every claim binds.
+func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
+	ctx := context.Background()
+	standby, standbyWorkDir := startStandby(t)
+	leader := ctrlProc
+	leaderWorkDir := workDirOf(t, leader)
+
+	// Mounts left by a controller that an earlier test SIGKILLed are not this leader's.
+	leftOver, err := framework.MountsUnder(leaderWorkDir)
+	if err != nil {
 		t.Fatal(err)
 	}
-	if !standby.Stop(20 * time.Second) {
-		t.Error("the standby did not stop on SIGTERM")
+	ns := newNamespace(t)
+	class := nfsClass(t, nfsServer, []string{"actimeo=3"}, nil)
+	// A bound claim first, so that the leader holds an NFS mount to release.
+	createClaim(t, ns, "before", class.Name, accessModes(v1.ReadWriteMany))
+	waitBound(t, ns, "before")
+	if m, _ := framework.MountsUnder(leaderWorkDir); len(m) <= len(leftOver) {
+		t.Fatalf("the leader holds no new NFS mount under %s after provisioning: %v", leaderWorkDir, m)
 	}
-	if m, _ := framework.MountsUnder(workDir); len(m) != 0 {
-		t.Errorf("the stopped controller left mounts behind: %v", m)
-		framework.DetachMountsUnder(workDir)
+
+	before := acquisitions(standby)
+	sent := time.Now()
+	leader.Terminate()
+	const during = 10
+	for i := 0; i < during; i++ {
+		createClaim(t, ns, fmt.Sprintf("during-%02d", i), class.Name, accessModes(v1.ReadWriteMany))
 	}
 	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
-		return acquisitions(leader) > before, fmt.Errorf("suite controller has not retaken the lease")
+		return acquisitions(standby) > before, fmt.Errorf("the standby has not taken the lease")
+	})
+	handover := time.Since(sent)
+	if err != nil {
+		t.Fatalf("%v\n--- standby log tail:\n%s\n--- leader log tail:\n%s", err, standby.Tail(3000), leader.Tail(3000))
+	}
+	t.Logf("rollout handover: the standby held the lease %s after the leader got SIGTERM (lease duration 15s)", handover.Round(time.Millisecond))
+	if handover > 5*time.Second {
+		t.Errorf("handover took %s; a leader that releases its lease on shutdown hands over in a few seconds", handover)
+	}
+
+	err = framework.Poll(ctx, 30*time.Second, func(context.Context) (bool, error) {
+		exited, _ := leader.Exited()
+		return exited, fmt.Errorf("the old leader is still running")
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
+	if _, err := leader.Exited(); err != nil {
+		t.Errorf("the leader, stopped with SIGTERM, exited with %v, want status 0\n%s", err, leader.Tail(3000))
+	}
+	after, err := framework.MountsUnder(leaderWorkDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if left := slices.DeleteFunc(after, func(m string) bool { return slices.Contains(leftOver, m) }); len(left) != 0 {
+		t.Errorf("the stopped leader left NFS mounts behind: %v", left)
+	}
+	if err := framework.WaitForClaimsBound(ctx, client, ns, during+1, 2*time.Minute); err != nil {
+		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
+	}
+	// The new leader's own metrics show the work it took over.
+	metrics, err := framework.Scrape(ctx, standby)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := metrics[`dirpv_provision_duration_seconds_count{backend="nfs",result="success"}`]; n < 1 || n > during {
+		t.Errorf("new leader counts %v successful NFS provisions, want 1 to %d", n, during)
+	}
+	if n := metrics["dirpv_nfs_exports_mounted"]; n != 1 {
+		t.Errorf("new leader reports %v mounted exports, want 1", n)
+	}
+	handBack(t, standby, standbyWorkDir)
 }

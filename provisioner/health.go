@@ -1,0 +1,149 @@
+package provisioner
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+)
+
+// callSlots is an export's cap of maxStuckCalls calls (see bounded). Besides the cap it keeps
+// what health checks and metrics report: how many calls their callers abandoned that still
+// wait on the server, and since when every slot has been taken without one coming free.
+type callSlots struct {
+	ch chan struct{}
+
+	mu        sync.Mutex
+	abandoned int
+	fullSince time.Time
+}
+
+func newCallSlots(n int) *callSlots { return &callSlots{ch: make(chan struct{}, n)} }
+
+func (s *callSlots) size() int { return cap(s.ch) }
+
+// acquire takes a slot, or returns ctx's error once ctx is done.
+func (s *callSlots) acquire(ctx context.Context) (*callSlot, error) {
+	select {
+	case s.ch <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	s.mu.Lock()
+	// Slots come free only under mu (release), so a full channel seen here is really full.
+	if len(s.ch) == cap(s.ch) && s.fullSince.IsZero() {
+		s.fullSince = time.Now()
+	}
+	s.mu.Unlock()
+	return &callSlot{s: s}, nil
+}
+
+// callSlot is one taken slot.
+type callSlot struct {
+	s         *callSlots
+	abandoned bool
+	released  bool
+}
+
+// abandon records that the caller stopped waiting while the call still runs.
+func (c *callSlot) abandon() {
+	c.s.mu.Lock()
+	defer c.s.mu.Unlock()
+	if !c.released && !c.abandoned {
+		c.abandoned = true
+		c.s.abandoned++
+	}
+}
+
+// release frees the slot when the call has returned.
+func (c *callSlot) release() {
+	c.s.mu.Lock()
+	defer c.s.mu.Unlock()
+	c.released = true
+	if c.abandoned {
+		c.s.abandoned--
+	}
+	<-c.s.ch
+	c.s.fullSince = time.Time{}
+}
+
+// ExportStatus is what the controller knows about one NFS export it mounts.
+type ExportStatus struct {
+	// Export is server:share. Mount options are left out: they may carry credentials.
+	Export string
+	// Stuck counts calls whose callers gave up waiting for the server but that still run.
+	Stuck int
+	// Saturated is set when every one of the export's call slots is taken, so that new calls
+	// on it fail at once; SaturatedSince is since when no slot has come free.
+	Saturated      bool
+	SaturatedSince time.Time
+}
+
+// Exports reports on every NFS export this controller knows, one entry per server:share (exports
+// mounted with different options are summed), sorted by export. It never waits on a server.
+func (p *Provisioner) Exports() []ExportStatus {
+	if p.exports == nil {
+		return nil
+	}
+	p.exports.mu.Lock()
+	slots := make(map[string][]*callSlots, len(p.exports.byKey))
+	for _, ex := range p.exports.byKey {
+		slots[ex.source] = append(slots[ex.source], ex.sem)
+	}
+	p.exports.mu.Unlock()
+	out := make([]ExportStatus, 0, len(slots))
+	for source, ss := range slots {
+		st := ExportStatus{Export: source}
+		for _, s := range ss {
+			s.mu.Lock()
+			st.Stuck += s.abandoned
+			if !s.fullSince.IsZero() && (st.SaturatedSince.IsZero() || s.fullSince.Before(st.SaturatedSince)) {
+				st.Saturated, st.SaturatedSince = true, s.fullSince
+			}
+			s.mu.Unlock()
+		}
+		out = append(out, st)
+	}
+	slices.SortFunc(out, func(a, b ExportStatus) int { return strings.Compare(a.Export, b.Export) })
+	return out
+}
+
+// Healthy returns an error if an NFS export has had all its call slots taken, none coming free,
+// for longer than limit: every claim on it fails, and only a restart (which the liveness probe
+// triggers) gets rid of calls stuck in the kernel. A limit of zero or less disables the check.
+func (p *Provisioner) Healthy(limit time.Duration) error {
+	if limit <= 0 {
+		return nil
+	}
+	var wedged []string
+	for _, st := range p.Exports() {
+		if st.Saturated && time.Since(st.SaturatedSince) > limit {
+			wedged = append(wedged, fmt.Sprintf("%s (every call slot taken since %s, %d calls abandoned)",
+				st.Export, st.SaturatedSince.UTC().Format(time.RFC3339), st.Stuck))
+		}
+	}
+	if len(wedged) > 0 {
+		return fmt.Errorf("NFS exports wedged for more than %s: %s", limit, strings.Join(wedged, ", "))
+	}
+	return nil
+}
+
+// mounted counts the exports mounted under the work dir, as the kernel's mount table has them:
+// the truth, whichever call mounted or dropped them, and readable without waiting on a server.
+func (e *exports) mounted() (int, error) {
+	mps, err := e.mounter.List()
+	if err != nil {
+		return 0, fmt.Errorf("list mounts: %w", err)
+	}
+	dir := filepath.Join(e.workDir, "exports") + string(filepath.Separator)
+	n := 0
+	for _, mp := range mps {
+		if strings.HasPrefix(mp.Path, dir) {
+			n++
+		}
+	}
+	return n, nil
+}

@@ -1,0 +1,79 @@
+package provisioner
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/mount-utils"
+
+	"github.com/dirpv/dirpv/volume"
+)
+
+// pollUntil polls cond every 20 ms until it holds or within passes.
+func pollUntil(t *testing.T, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	err := wait.PollUntilContextTimeout(context.Background(), 20*time.Millisecond, within, true, func(context.Context) (bool, error) {
+		return cond(), nil
+	})
+	if err != nil {
+		t.Fatalf("%s: not within %s", what, within)
+	}
+}
+
+// An export whose every call slot is held by calls the server never answers makes the
+// controller unhealthy once that has lasted longer than the limit, and healthy again when the
+// server answers. Calls that finish in time never count.
+func TestHealthFailsWhileAnExportIsWedged(t *testing.T) {
+	e := newExports(mount.NewFakeMounter(nil), t.TempDir(), 500*time.Millisecond)
+	p := &Provisioner{exports: e}
+	t.Cleanup(func() { e.closeAll(context.Background()) })
+	const server, share = "nfs.example", "/export"
+
+	// A healthy server: calls come back, nothing is stuck.
+	if err := e.do(context.Background(), server, share, nil, func(*volume.Root) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Healthy(time.Nanosecond); err != nil {
+		t.Fatalf("healthy export reported wedged: %v", err)
+	}
+
+	answer := make(chan struct{})
+	hang := func(*volume.Root) error { <-answer; return nil }
+	var wg sync.WaitGroup
+	for range maxStuckCalls {
+		wg.Go(func() {
+			if err := e.do(context.Background(), server, share, nil, hang); !errors.Is(err, errExportUnresponsive) {
+				t.Errorf("call on a hung server: %v, want errExportUnresponsive", err)
+			}
+		})
+	}
+	wg.Wait()
+	st := p.Exports()
+	if len(st) != 1 || st[0].Export != server+":"+share || st[0].Stuck != maxStuckCalls || !st[0].Saturated {
+		t.Fatalf("exports: %+v, want %s:%s with %d stuck calls, saturated", st, server, share, maxStuckCalls)
+	}
+	err := e.do(context.Background(), server, share, nil, func(*volume.Root) error { return nil })
+	if !errors.Is(err, errExportUnresponsive) || !strings.Contains(err.Error(), fmt.Sprint(maxStuckCalls)+" earlier calls") {
+		t.Errorf("call on a saturated export: %v, want it refused for the %d earlier calls", err, maxStuckCalls)
+	}
+	if err := p.Healthy(time.Hour); err != nil {
+		t.Errorf("saturated for less than the limit, yet unhealthy: %v", err)
+	}
+	const limit = 300 * time.Millisecond
+	pollUntil(t, 5*time.Second, "unhealthy after the limit", func() bool { return p.Healthy(limit) != nil })
+	if err := p.Healthy(limit); !strings.Contains(err.Error(), server+":"+share) {
+		t.Errorf("health error does not name the export: %v", err)
+	}
+
+	close(answer)
+	pollUntil(t, 5*time.Second, "healthy, nothing stuck, once the server answers", func() bool {
+		st := p.Exports()
+		return p.Healthy(limit) == nil && len(st) == 1 && st[0].Stuck == 0 && !st[0].Saturated
+	})
+}

@@ -1,0 +1,147 @@
+package provisioner
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	v1 "k8s.io/api/core/v1"
+	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
+
+	"github.com/dirpv/dirpv/volume"
+)
+
+// operationBuckets span a local mkdir (milliseconds) to NFS calls near a long operation timeout.
+var operationBuckets = []float64{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120}
+
+// instrumented is a Provisioner that records dirpv_provision_duration_seconds and
+// dirpv_delete_duration_seconds. It embeds the Provisioner, so the lib still finds its
+// Qualifier and DeletionGuard.
+type instrumented struct {
+	*Provisioner
+	provision, delete *prometheus.HistogramVec
+}
+
+// Instrument registers dirpv's provisioning metrics on reg and returns p as the lib should call
+// it, so that every Provision and Delete is counted and timed by backend and result.
+func Instrument(p *Provisioner, reg prometheus.Registerer) controller.Provisioner {
+	in := &instrumented{
+		Provisioner: p,
+		provision: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "dirpv_provision_duration_seconds",
+			Help:    "Time dirpv spent in Provision, by backend (nfs, local, unknown) and result (success, error, infeasible, in_background, reschedule). Its _count is the number of calls.",
+			Buckets: operationBuckets,
+		}, []string{"backend", "result"}),
+		delete: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "dirpv_delete_duration_seconds",
+			Help:    "Time dirpv spent in Delete, by backend (nfs, local, unknown) and result (success, error, ignored). Its _count is the number of calls.",
+			Buckets: operationBuckets,
+		}, []string{"backend", "result"}),
+	}
+	reg.MustRegister(in.provision, in.delete, &exportsCollector{p: p})
+	return in
+}
+
+// Provision calls the Provisioner's Provision and records its duration and outcome.
+func (in *instrumented) Provision(ctx context.Context, opts controller.ProvisionOptions) (*v1.PersistentVolume, controller.ProvisioningState, error) {
+	start := time.Now()
+	pv, state, err := in.Provisioner.Provision(ctx, opts)
+	backend := "unknown"
+	if opts.StorageClass != nil {
+		backend = volume.BackendLabel(volume.Backend(opts.StorageClass.Parameters[ParamBackend]))
+	}
+	in.provision.WithLabelValues(backend, provisionResult(state, err)).Observe(time.Since(start).Seconds())
+	return pv, state, err
+}
+
+// provisionResult names an outcome the way the lib treats it.
+func provisionResult(state controller.ProvisioningState, err error) string {
+	if err == nil {
+		return "success"
+	}
+	// The lib retries InvalidArgument only on its slow path: the claim cannot be served as is.
+	if st, ok := status.FromError(err); ok && st.Code() == codes.InvalidArgument {
+		return "infeasible"
+	}
+	switch state {
+	case controller.ProvisioningInBackground:
+		return "in_background"
+	case controller.ProvisioningReschedule:
+		return "reschedule"
+	}
+	return "error"
+}
+
+// Delete calls the Provisioner's Delete and records its duration and outcome.
+func (in *instrumented) Delete(ctx context.Context, pv *v1.PersistentVolume) error {
+	start := time.Now()
+	err := in.Provisioner.Delete(ctx, pv)
+	backend := "unknown"
+	if pv.Spec.CSI != nil {
+		backend = volume.BackendLabel(volume.Backend(pv.Spec.CSI.VolumeAttributes[volume.AttrBackend]))
+	}
+	result := "success"
+	var ignored *controller.IgnoredError
+	switch {
+	case errors.As(err, &ignored):
+		result = "ignored"
+	case err != nil:
+		result = "error"
+	}
+	in.delete.WithLabelValues(backend, result).Observe(time.Since(start).Seconds())
+	return err
+}
+
+var (
+	descStuckCalls = prometheus.NewDesc("dirpv_nfs_export_stuck_calls",
+		"Calls on an NFS export whose callers gave up waiting for the server but that still run, by export (server:share).",
+		[]string{"export"}, nil)
+	descSaturated = prometheus.NewDesc("dirpv_nfs_export_saturated",
+		"1 while every call slot of an NFS export is taken, so that new calls on it fail at once; 0 otherwise. By export (server:share).",
+		[]string{"export"}, nil)
+	descSaturatedSeconds = prometheus.NewDesc("dirpv_nfs_export_saturated_seconds",
+		"How long every call slot of an NFS export has been taken with none coming free; 0 when not saturated. By export (server:share).",
+		[]string{"export"}, nil)
+	descMounted = prometheus.NewDesc("dirpv_nfs_exports_mounted",
+		"NFS exports the controller has mounted under its work dir now.",
+		nil, nil)
+	descDeletesPending = prometheus.NewDesc("dirpv_nfs_deletes_pending",
+		"Deleted NFS volumes whose trees are still being removed in the background (in .dirpv-trash).",
+		nil, nil)
+)
+
+// exportsCollector reads the exports' state at scrape time, so there is no second copy of it
+// to keep in step. Its label is server:share, never the mount options, which may carry
+// credentials; the set of exports is that of the NFS classes in use, so it stays small.
+type exportsCollector struct{ p *Provisioner }
+
+func (c *exportsCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descStuckCalls
+	ch <- descSaturated
+	ch <- descSaturatedSeconds
+	ch <- descMounted
+	ch <- descDeletesPending
+}
+
+func (c *exportsCollector) Collect(ch chan<- prometheus.Metric) {
+	if c.p.exports == nil {
+		return
+	}
+	for _, st := range c.p.Exports() {
+		saturated, seconds := 0.0, 0.0
+		if st.Saturated {
+			saturated, seconds = 1, time.Since(st.SaturatedSince).Seconds()
+		}
+		ch <- prometheus.MustNewConstMetric(descStuckCalls, prometheus.GaugeValue, float64(st.Stuck), st.Export)
+		ch <- prometheus.MustNewConstMetric(descSaturated, prometheus.GaugeValue, saturated, st.Export)
+		ch <- prometheus.MustNewConstMetric(descSaturatedSeconds, prometheus.GaugeValue, seconds, st.Export)
+	}
+	ch <- prometheus.MustNewConstMetric(descDeletesPending, prometheus.GaugeValue, float64(c.p.PendingDeletes()))
+	// Left out if the mount table cannot be read: an invalid metric would fail the whole scrape.
+	if n, err := c.p.exports.mounted(); err == nil {
+		ch <- prometheus.MustNewConstMetric(descMounted, prometheus.GaugeValue, float64(n))
+	}
+}
