@@ -26,7 +26,6 @@ import (
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/mount-utils"
@@ -135,21 +134,11 @@ func claimsOnServer(t *testing.T, srv *nfs.Server, ns string) []string {
 	return out
 }
 
-// nfsWaitPVGone waits until the PV is deleted. Unlike a bare Get error, only NotFound counts:
-// a timed-out Get at the deadline must not pass for a deleted PV. It shows the PV's events
-// (VolumeFailedDelete says why) on failure.
+// nfsWaitPVGone waits until the PV is deleted, showing the PV's events (VolumeFailedDelete
+// says why) on failure.
 func nfsWaitPVGone(t *testing.T, name string) {
 	t.Helper()
-	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-		pv, err := client.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
-			return true, nil
-		} else if err != nil {
-			return false, err
-		}
-		return false, fmt.Errorf("PV %s is %s", name, pv.Status.Phase)
-	})
-	if err != nil {
+	if err := framework.WaitForPVDeleted(context.Background(), client, name, timeout); err != nil {
 		t.Fatalf("%v\nevents: %s", err, eventsOf("", "PersistentVolume", name))
 	}
 }
