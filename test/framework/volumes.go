@@ -22,9 +22,9 @@ import (
 
 // CheckOnePVPerClaim checks what was provisioned for the claims in ns against what is on disk:
 // each claim has exactly one PV, counted by the claim's UID (spec.claimRef.uid), so that a
-// second PV under another name is seen; no two PVs share a directory; and every name in dirs
-// (the entries of the base or export that belong to ns) is the path of one of those PVs, so
-// an orphan directory is seen. It returns one line per violation.
+// second PV under another name is seen; no two PVs share a directory; every name in dirs (the
+// entries of the base or export that belong to ns) is the path of one of those PVs, so an
+// orphan directory is seen; and every PV's path is in dirs. It returns one line per violation.
 func CheckOnePVPerClaim(ctx context.Context, c kubernetes.Interface, ns string, dirs []string) ([]string, error) {
 	claims, err := c.CoreV1().PersistentVolumeClaims(ns).List(ctx, metav1.ListOptions{})
 	if err != nil {
@@ -67,9 +67,12 @@ func CheckOnePVPerClaim(ctx context.Context, c kubernetes.Interface, ns string, 
 			problems = append(problems, fmt.Sprintf("orphan directory %s: no PV refers to it", d))
 		}
 	}
-	if len(dirs) != len(byPath) {
-		problems = append(problems, fmt.Sprintf("%d directories for %d PVs", len(dirs), len(byPath)))
+	for p, pv := range byPath {
+		if !slices.Contains(dirs, p) {
+			problems = append(problems, fmt.Sprintf("PV %s has no directory: %s is not on disk", pv, p))
+		}
 	}
+	slices.Sort(problems)
 	return problems, nil
 }
 
