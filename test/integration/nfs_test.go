@@ -510,7 +510,7 @@ func TestNFSRootSquash(t *testing.T) {
 		}
 		// The lib retries every 15s; a retry must fail the same way rather than find the
 		// directory the first attempt made and hand it over owned by nobody.
-		err := framework.Poll(context.Background(), 40*time.Second, func(ctx context.Context) (bool, error) {
+		err := framework.Poll(context.Background(), time.Minute, func(ctx context.Context) (bool, error) {
 			evs, err := client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "reason=ProvisioningFailed"})
 			if err != nil {
 				return false, err
