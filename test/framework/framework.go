@@ -224,15 +224,9 @@ func WaitForBoundPV(ctx context.Context, c kubernetes.Interface, ns, name string
 // WaitForClaimsBound waits until n claims in the namespace are Bound.
 func WaitForClaimsBound(ctx context.Context, c kubernetes.Interface, ns string, n int, timeout time.Duration) error {
 	return Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		claims, err := c.CoreV1().PersistentVolumeClaims(ns).List(ctx, metav1.ListOptions{})
+		bound, _, err := BoundClaims(ctx, c, ns)
 		if err != nil {
 			return false, err
-		}
-		bound := 0
-		for _, cl := range claims.Items {
-			if cl.Status.Phase == v1.ClaimBound {
-				bound++
-			}
 		}
 		return bound == n, fmt.Errorf("%d of %d claims in %s Bound", bound, n, ns)
 	})

@@ -24,7 +24,8 @@ import (
 // each claim has exactly one PV, counted by the claim's UID (spec.claimRef.uid), so that a
 // second PV under another name is seen; no two PVs share a directory; every name in dirs (the
 // entries of the base or export that belong to ns) is the path of one of those PVs, so an
-// orphan directory is seen; and every PV's path is in dirs. It returns one line per violation.
+// orphan directory is seen; and every PV's path is in dirs (so PV paths must be single
+// components, as with the default pathPattern). It returns one line per violation.
 func CheckOnePVPerClaim(ctx context.Context, c kubernetes.Interface, ns string, dirs []string) ([]string, error) {
 	claims, err := c.CoreV1().PersistentVolumeClaims(ns).List(ctx, metav1.ListOptions{})
 	if err != nil {
