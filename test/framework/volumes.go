@@ -194,8 +194,13 @@ type KillSnapshot struct {
 	keep    func(name string) bool
 }
 
-// TakeKillSnapshot records the claims of ns and the entries of dir for which keep is true.
-// Take it right after the kill: the killed process can no longer change either.
+// canaryFile is planted in the directories that had no PV at a kill. A directory made again
+// by the retry lacks it, even where the file system hands out the freed inode number again.
+const canaryFile = ".dirpv-test-kill-canary"
+
+// TakeKillSnapshot records the claims of ns and the entries of dir for which keep is true, and
+// plants a canary file in each directory that has no PV. Take it right after the kill: the
+// killed process can no longer change either.
 func TakeKillSnapshot(ctx context.Context, c kubernetes.Interface, ns, dir string, keep func(name string) bool) (*KillSnapshot, error) {
 	s := &KillSnapshot{Dir: dir, PVPaths: map[string]bool{}, keep: keep}
 	var err error
@@ -212,6 +217,14 @@ func TakeKillSnapshot(ctx context.Context, c kubernetes.Interface, ns, dir strin
 	for _, pv := range pvs.Items {
 		if pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == ns && pv.Spec.CSI != nil {
 			s.PVPaths[pv.Spec.CSI.VolumeAttributes["path"]] = true
+		}
+	}
+	for name := range s.Dirs {
+		if s.PVPaths[name] {
+			continue
+		}
+		if err := os.WriteFile(filepath.Join(dir, name, canaryFile), []byte(name), 0o600); err != nil {
+			return nil, fmt.Errorf("plant a canary in %s: %w", name, err)
 		}
 	}
 	return s, nil
@@ -256,7 +269,8 @@ func (s *KillSnapshot) inodes() (map[string]uint64, error) {
 }
 
 // CheckAdopted checks that each of the claims (of ns) is now bound to a PV whose directory
-// existed at the kill, had no PV then, and is still the same directory (same inode): its
+// existed at the kill, had no PV then, and is still the same directory (same inode, and the
+// canary planted at the kill is in it): its
 // Provision, retried after the kill, took over the directory the killed attempt had made
 // rather than making another one or refusing it. It returns one line per claim for which
 // that is not so.
@@ -288,6 +302,10 @@ func (s *KillSnapshot) CheckAdopted(ctx context.Context, c kubernetes.Interface,
 			problems = append(problems, fmt.Sprintf("claim %s: directory %s: %v", name, p, statErr))
 		case st.Ino != ino:
 			problems = append(problems, fmt.Sprintf("claim %s: directory %s was replaced (inode %d at the kill, %d now)", name, p, ino, st.Ino))
+		default:
+			if b, err := os.ReadFile(filepath.Join(s.Dir, p, canaryFile)); err != nil || string(b) != p {
+				problems = append(problems, fmt.Sprintf("claim %s: directory %s was made again: the canary planted at the kill is gone (%q, %v)", name, p, b, err))
+			}
 		}
 	}
 	return problems, nil
