@@ -27,7 +27,7 @@ test: lint cluster-bins deploy-tools
 	  if [ $$rc -ne 0 ]; then echo "make test: a tier failed (see above)"; fi; exit $$rc
 
 test-unit: deploy-tools
-	$(GO) test -count=1 -timeout 20m $(UNIT_PKGS)
+	$(GO) test -race -count=1 -timeout 30m $(UNIT_PKGS)
 
 test-integration: cluster-bins
 	$(GO) test -count=1 -timeout 30m ./test/integration/...

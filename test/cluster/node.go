@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"time"
 
@@ -159,6 +160,38 @@ func (c *Cluster) ImportImage(ctx context.Context, tarPath string) error {
 	}
 	c.logf("imported %s: %s", filepath.Base(tarPath), strings.TrimSpace(string(out)))
 	return nil
+}
+
+// ContainerPID returns the host PID of a running container's main process, as the node's
+// containerd knows it. containerID is the ID in a pod's container status, with or without its
+// containerd:// prefix.
+func (c *Cluster) ContainerPID(ctx context.Context, containerID string) (int, error) {
+	if c.ContainerdSocket == "" {
+		return 0, fmt.Errorf("container %s: cluster has no node", containerID)
+	}
+	id := strings.TrimPrefix(containerID, "containerd://")
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "ctr", "--address", c.ContainerdSocket, "-n", "k8s.io", "tasks", "ls").CombinedOutput()
+	if err != nil {
+		return 0, fmt.Errorf("ctr tasks ls: %w: %s", err, strings.TrimSpace(string(out)))
+	}
+	// TASK PID STATUS, after a header line.
+	for _, line := range strings.Split(string(out), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 3 || f[0] != id {
+			continue
+		}
+		if f[2] != "RUNNING" {
+			return 0, fmt.Errorf("container %s is %s", id, f[2])
+		}
+		pid, err := strconv.Atoi(f[1])
+		if err != nil {
+			return 0, fmt.Errorf("PID of container %s: %w", id, err)
+		}
+		return pid, nil
+	}
+	return 0, fmt.Errorf("container %s is not among containerd's tasks:\n%s", id, out)
 }
 
 func (c *Cluster) writeContainerdConfig(dir string) error {

@@ -132,12 +132,8 @@ func deletePod(t *testing.T, ns, name string) {
 	if err := client.CoreV1().Pods(ns).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		_, err := client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
-		return err != nil, nil
-	})
-	if err != nil {
-		t.Fatalf("pod %s/%s not gone: %v", ns, name, err)
+	if err := framework.WaitForPodDeleted(ctx, client, ns, name, timeout); err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -59,7 +59,8 @@ func TestLocalReadOnlyMount(t *testing.T) {
 	createPod(t, podSpec(ns, "ro", "data", `if touch /data/x 2>/dev/null; then echo wrote; exit 1; fi; echo refused`, true))
 	waitPodPhase(t, ns, "ro", v1.PodSucceeded)
 	pv := boundPV(t, ns, "data")
-	if got, _ := os.ReadDir(filepath.Join(base, pv.Spec.CSI.VolumeAttributes["path"])); len(got) != 0 {
-		t.Errorf("read-only pod wrote into its volume: %v", got)
+	// A missing directory would read as empty: require it to be there.
+	if got, err := os.ReadDir(filepath.Join(base, pv.Spec.CSI.VolumeAttributes["path"])); err != nil || len(got) != 0 {
+		t.Errorf("read-only pod's volume directory: %v %v, want it there and empty", got, err)
 	}
 }

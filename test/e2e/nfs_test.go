@@ -88,6 +88,18 @@ func waitLogLine(t *testing.T, ns, pod string, re *regexp.Regexp) []string {
 	return m
 }
 
+// mountDaemon returns the PID of the helper daemon serving the NFS mount at target, so that a
+// test can check it exits after the unmount (a check that is skipped when the record is
+// unreadable would pass without checking anything).
+func mountDaemon(t *testing.T, target string) int {
+	t.Helper()
+	rec, err := nfs.ReadMountRecord(target)
+	if err != nil {
+		t.Fatalf("mount record of %s: %v", target, err)
+	}
+	return rec.PID
+}
+
 // checkNoNFSMountsLeft waits until no fuse.nfs mount is left under kubelet's root and the
 // helper daemons that served the pods' mounts have exited.
 func checkNoNFSMountsLeft(t *testing.T, daemons []int) {
@@ -144,11 +156,9 @@ func TestNFSTwoPodsShareOneVolume(t *testing.T) {
 	var daemons []int
 	for _, pod := range []*v1.Pod{writer, reader} {
 		checkPodNFSMount(t, pod, pv.Name, path, mountOptions, false)
-		if rec, err := nfs.ReadMountRecord(volumeTarget(pod, pv.Name)); err == nil {
-			daemons = append(daemons, rec.PID)
-		}
+		daemons = append(daemons, mountDaemon(t, volumeTarget(pod, pv.Name)))
 	}
-	if len(daemons) == 2 && daemons[0] == daemons[1] {
+	if daemons[0] == daemons[1] {
 		t.Errorf("both pods are served by one mount daemon (pid %d); each should have its own mount", daemons[0])
 	}
 
@@ -178,13 +188,11 @@ func TestNFSReadOnlyPodCannotWrite(t *testing.T) {
 		t.Errorf("write in a read-only pod: %q, want refused with EROFS (Read-only file system)", line)
 	}
 	checkPodNFSMount(t, pod, pv.Name, path, mountOptions, true)
-	if got, _ := os.ReadDir(filepath.Join(nfsServer.ExportDir, path)); len(got) != 0 {
-		t.Errorf("read-only pod wrote into its volume on the server: %v", got)
+	// A missing directory would read as empty: require it to be there.
+	if got, err := os.ReadDir(filepath.Join(nfsServer.ExportDir, path)); err != nil || len(got) != 0 {
+		t.Errorf("read-only pod's volume directory on the server: %v %v, want it there and empty", got, err)
 	}
-	var daemons []int
-	if rec, err := nfs.ReadMountRecord(volumeTarget(pod, pv.Name)); err == nil {
-		daemons = append(daemons, rec.PID)
-	}
+	daemons := []int{mountDaemon(t, volumeTarget(pod, pv.Name))}
 	deletePod(t, ns, "ro")
 	checkNoNFSMountsLeft(t, daemons)
 }

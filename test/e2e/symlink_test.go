@@ -182,14 +182,7 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 		}
 	}
 	for _, a := range attackers {
-		err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-			pv, err := client.CoreV1().PersistentVolumes().Get(ctx, a.pv.Name, metav1.GetOptions{})
-			if err != nil {
-				return true, nil
-			}
-			return false, fmt.Errorf("PV %s is %s", pv.Name, pv.Status.Phase)
-		})
-		if err != nil {
+		if err := framework.WaitForPVDeleted(context.Background(), client, a.pv.Name, timeout); err != nil {
 			t.Fatalf("%s: %v\n--- node plugin log tail:\n%s", a.claim, err, nodeProc.Tail(3000))
 		}
 	}

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -229,16 +230,53 @@ func WaitForBoundPV(ctx context.Context, c kubernetes.Interface, ns, name string
 // WaitForClaimsBound waits until n claims in the namespace are Bound.
 func WaitForClaimsBound(ctx context.Context, c kubernetes.Interface, ns string, n int, timeout time.Duration) error {
 	return Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		claims, err := c.CoreV1().PersistentVolumeClaims(ns).List(ctx, metav1.ListOptions{})
+		bound, _, err := BoundClaims(ctx, c, ns)
 		if err != nil {
 			return false, err
 		}
-		bound := 0
-		for _, cl := range claims.Items {
-			if cl.Status.Phase == v1.ClaimBound {
-				bound++
-			}
-		}
 		return bound == n, fmt.Errorf("%d of %d claims in %s Bound", bound, n, ns)
+	})
+}
+
+// WaitForDeleted waits until get answers NotFound. Any other error (a timeout, a refused
+// connection) says nothing about whether the object is gone: it only becomes the complaint
+// reported if the wait times out. While the object exists, get describes it (e.g. its phase)
+// for that complaint.
+func WaitForDeleted(ctx context.Context, timeout time.Duration, what string, get func(ctx context.Context) (string, error)) error {
+	err := Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		state, err := get(ctx)
+		if apierrors.IsNotFound(err) {
+			return true, nil
+		}
+		if err != nil {
+			return false, err
+		}
+		return false, fmt.Errorf("%s still exists: %s", what, state)
+	})
+	if err != nil {
+		return fmt.Errorf("wait for %s to be deleted: %w", what, err)
+	}
+	return nil
+}
+
+// WaitForPVDeleted waits until the PV is gone, i.e. its provisioner finished Delete.
+func WaitForPVDeleted(ctx context.Context, c kubernetes.Interface, name string, timeout time.Duration) error {
+	return WaitForDeleted(ctx, timeout, "PV "+name, func(ctx context.Context) (string, error) {
+		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return "", err
+		}
+		return string(pv.Status.Phase), nil
+	})
+}
+
+// WaitForPodDeleted waits until the pod object is gone.
+func WaitForPodDeleted(ctx context.Context, c kubernetes.Interface, ns, name string, timeout time.Duration) error {
+	return WaitForDeleted(ctx, timeout, "pod "+ns+"/"+name, func(ctx context.Context) (string, error) {
+		p, err := c.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return "", err
+		}
+		return string(p.Status.Phase), nil
 	})
 }

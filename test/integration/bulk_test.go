@@ -3,6 +3,7 @@ package integration
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -38,45 +39,20 @@ func createClaims(t *testing.T, ns, class string, n int) {
 }
 
 // checkOneDirectoryPerPV waits until all n claims are Bound, then checks that every claim has
-// its own PV, every PV its own directory, and the base holds nothing else.
+// exactly one PV, every PV its own directory, and the base holds nothing else.
 func checkOneDirectoryPerPV(t *testing.T, ns, base string, n int, wait time.Duration) {
 	t.Helper()
-	err := framework.WaitForClaimsBound(context.Background(), client, ns, n, wait)
+	ctx := context.Background()
+	err := framework.WaitForClaimsBound(ctx, client, ns, n, wait)
 	if err != nil {
 		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
 	}
-	pvs, err := client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
+	problems, err := framework.CheckOnePVPerClaim(ctx, client, ns, entries(t, base))
 	if err != nil {
 		t.Fatal(err)
 	}
-	paths := map[string]string{}
-	claimed := map[string]bool{}
-	for _, pv := range pvs.Items {
-		if pv.Spec.ClaimRef == nil || pv.Spec.ClaimRef.Namespace != ns {
-			continue
-		}
-		key := pv.Spec.ClaimRef.Name
-		if claimed[key] {
-			t.Errorf("claim %s has two PVs", key)
-		}
-		claimed[key] = true
-		p := pv.Spec.CSI.VolumeAttributes["path"]
-		if other, dup := paths[p]; dup {
-			t.Errorf("PVs %s and %s share directory %s", other, pv.Name, p)
-		}
-		paths[p] = pv.Name
-	}
-	if len(paths) != n {
-		t.Errorf("%d PVs for %d claims", len(paths), n)
-	}
-	dirs := entries(t, base)
-	if len(dirs) != n {
-		t.Errorf("%d directories for %d PVs", len(dirs), n)
-	}
-	for _, d := range dirs {
-		if _, ok := paths[d]; !ok {
-			t.Errorf("orphan directory %s: no PV refers to it", d)
-		}
+	for _, p := range problems {
+		t.Error(p)
 	}
 }
 
@@ -89,32 +65,109 @@ func TestTwoHundredClaimsAtOnce(t *testing.T) {
 	t.Logf("200 claims created and Bound in %s", time.Since(start).Round(time.Millisecond))
 }
 
-// The node instance is killed while provisioning 100 claims and started again: every claim
-// binds, and nothing is orphaned or doubled.
-func TestKilledMidwayRecovers(t *testing.T) {
-	ns := newNamespace(t)
-	class, base := localClass(t, nil)
-	createClaims(t, ns, class.Name, 100)
-	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-		pvs, err := client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return false, err
-		}
-		mine := 0
-		for _, pv := range pvs.Items {
-			if pv.Spec.StorageClassName == class.Name {
-				mine++
-			}
-		}
-		return mine >= 10, fmt.Errorf("%d PVs so far", mine)
-	})
+// blockPVsOf makes the API server refuse PVs of the held claims of ns until the returned
+// function is called (also at cleanup). Their Provision then makes the directory and fails to
+// store the PV, so that a kill always finds their directories made and their PVs missing: the
+// crash window between mkdir and PV creation, hit on every run rather than by luck.
+func blockPVsOf(t *testing.T, ns string, held []string) func() {
+	t.Helper()
+	unblock, err := framework.BlockPVCreation(context.Background(), client, ns, held)
 	if err != nil {
 		t.Fatal(err)
 	}
+	done := false
+	lift := func() {
+		if done {
+			return
+		}
+		done = true
+		if err := unblock(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(lift)
+	return lift
+}
+
+// dirsOf lists the names among dirs made for the claims (the default pattern starts with
+// namespace-claim-).
+func dirsOf(ns string, claims, dirs []string) []string {
+	var out []string
+	for _, d := range dirs {
+		for _, c := range claims {
+			if strings.HasPrefix(d, ns+"-"+c+"-") {
+				out = append(out, d)
+			}
+		}
+	}
+	return out
+}
+
+// checkKilledMidway fails unless the kill came in the middle: some claims but not all were
+// Bound, and every held claim had its directory and no PV.
+func checkKilledMidway(t *testing.T, ns string, snap *framework.KillSnapshot, n int, held []string) {
+	t.Helper()
+	t.Logf("killed with %d of %d claims Bound, %d directories, %d PVs", snap.Bound, n, len(snap.Dirs), len(snap.PVPaths))
+	if snap.Total != n || snap.Bound == 0 || snap.Bound >= n {
+		t.Fatalf("the kill was not mid-way: %d of %d claims Bound at the kill (%d claims), want some but not all", snap.Bound, n, snap.Total)
+	}
+	if got := dirsOf(ns, held, snap.Names()); len(got) != len(held) {
+		t.Fatalf("directories of the held claims at the kill: %v, want one each of %v", got, held)
+	}
+}
+
+// checkAdopted fails unless each held claim is bound to the very directory its killed attempt
+// made.
+func checkAdopted(t *testing.T, ns string, snap *framework.KillSnapshot, held []string) {
+	t.Helper()
+	problems, err := snap.CheckAdopted(context.Background(), client, ns, held)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range problems {
+		t.Error(p)
+	}
+}
+
+// The node instance is SIGKILLed while provisioning 100 claims and started again: the kill
+// comes mid-way (some claims Bound, not all), the held claims' retried Provision adopts the
+// directory the killed attempt made, every claim binds with exactly one PV and nothing on disk
+// is orphaned.
+func TestKilledMidwayRecovers(t *testing.T) {
+	ctx := context.Background()
+	ns := newNamespace(t)
+	class, base := localClass(t, nil)
+	const n = 100
+	held := []string{"c-000", "c-001", "c-002"}
+	lift := blockPVsOf(t, ns, held)
+	createClaims(t, ns, class.Name, n)
+	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		bound, _, err := framework.BoundClaims(ctx, client, ns)
+		if err != nil {
+			return false, err
+		}
+		made := dirsOf(ns, held, entries(t, base))
+		return bound >= 10 && len(made) == len(held), fmt.Errorf("%d claims Bound, held claims' directories %v", bound, made)
+	})
+	if err != nil {
+		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
+	}
+	// Later tests need node-a, even if this one fails half-way.
+	t.Cleanup(func() {
+		if exited, _ := nodeProc.Exited(); exited {
+			nodeProc.Restart()
+		}
+	})
 	nodeProc.Kill()
-	t.Logf("killed node-a with %d directories made", len(entries(t, base)))
+	snap, err := framework.TakeKillSnapshot(ctx, client, ns, base, func(string) bool { return true })
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkKilledMidway(t, ns, snap, n, held)
+	lift()
 	if err := nodeProc.Restart(); err != nil {
 		t.Fatal(err)
 	}
-	checkOneDirectoryPerPV(t, ns, base, 100, 3*time.Minute)
+	checkOneDirectoryPerPV(t, ns, base, n, 3*time.Minute)
+	checkAdopted(t, ns, snap, held)
 }

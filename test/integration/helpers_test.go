@@ -2,7 +2,6 @@ package integration
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
 	"sort"
@@ -12,7 +11,6 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -166,17 +164,7 @@ func deleteClaim(t *testing.T, ns, name string) {
 // waitPVGone waits until the PV object is deleted, i.e. the provisioner finished Delete.
 func waitPVGone(t *testing.T, name string) {
 	t.Helper()
-	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-		pv, err := client.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
-			return true, nil
-		}
-		if err != nil {
-			return false, err
-		}
-		return false, fmt.Errorf("PV %s is %s", name, pv.Status.Phase)
-	})
-	if err != nil {
+	if err := framework.WaitForPVDeleted(context.Background(), client, name, timeout); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/dirpv/dirpv/test/framework"
 )
@@ -80,8 +79,10 @@ func handBack(t *testing.T, standby *framework.Process, standbyWorkDir string) {
 }
 
 // Two controller replicas elect a leader, as the Deployment's two replicas do. The leader is
-// SIGKILLed while 50 NFS claims are being provisioned: the standby takes over and every claim
-// binds, each with exactly one PV and one directory on the server.
+// SIGKILLed while 50 NFS claims are being provisioned, mid-way (some Bound, not all, and three
+// held claims with a directory on the server but no PV): the standby takes over, the held
+// claims' retried Provision adopts the directories the leader made, and every claim binds with
+// exactly one PV and one directory on the server.
 func TestControllerLeaderKilledMidway(t *testing.T) {
 	ctx := context.Background()
 	standby, workDir := startStandby(t)
@@ -90,18 +91,31 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 	ns := newNamespace(t)
 	class := nfsClass(t, nfsServer, []string{"actimeo=2"}, nil)
 	const n = 50
+	held := []string{"c-00", "c-01", "c-02"}
+	lift := blockPVsOf(t, ns, held)
 	for i := 0; i < n; i++ {
 		createClaim(t, ns, fmt.Sprintf("c-%02d", i), class.Name, accessModes(v1.ReadWriteMany))
 	}
 	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		got := len(claimsOnServer(t, nfsServer, ns))
-		return got >= 5, fmt.Errorf("%d directories so far", got)
+		bound, _, err := framework.BoundClaims(ctx, client, ns)
+		if err != nil {
+			return false, err
+		}
+		made := dirsOf(ns, held, claimsOnServer(t, nfsServer, ns))
+		return bound >= 5 && len(made) == len(held), fmt.Errorf("%d claims Bound, held claims' directories %v", bound, made)
+	})
+	if err != nil {
+		t.Fatalf("%v\n--- leader log tail:\n%s", err, leader.Tail(3000))
+	}
+	leader.Kill()
+	snap, err := framework.TakeKillSnapshot(ctx, client, ns, nfsServer.ExportDir, func(name string) bool {
+		return strings.HasPrefix(name, ns+"-")
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	leader.Kill()
-	t.Logf("killed the leader with %d of %d directories made", len(claimsOnServer(t, nfsServer, ns)), n)
+	checkKilledMidway(t, ns, snap, n, held)
+	lift()
 	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
 		return acquisitions(standby) > 0, fmt.Errorf("the standby has not taken the lease")
 	})
@@ -113,32 +127,14 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 	if err != nil {
 		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
 	}
-	pvs, err := client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+	problems, err := framework.CheckOnePVPerClaim(ctx, client, ns, claimsOnServer(t, nfsServer, ns))
 	if err != nil {
 		t.Fatal(err)
 	}
-	perClaim := map[string]int{}
-	paths := map[string]bool{}
-	for _, pv := range pvs.Items {
-		if pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == ns {
-			perClaim[pv.Spec.ClaimRef.Name]++
-			paths[pv.Spec.CSI.VolumeAttributes["path"]] = true
-		}
+	for _, p := range problems {
+		t.Error(p)
 	}
-	for c, count := range perClaim {
-		if count != 1 {
-			t.Errorf("claim %s has %d PVs", c, count)
-		}
-	}
-	dirs := claimsOnServer(t, nfsServer, ns)
-	if len(perClaim) != n || len(dirs) != n {
-		t.Errorf("%d claims with PVs and %d directories on the server, want %d of each", len(perClaim), len(dirs), n)
-	}
-	for _, d := range dirs {
-		if !paths[d] {
-			t.Errorf("orphan directory %s on the server", d)
-		}
-	}
+	checkAdopted(t, ns, snap, held)
 
 	handBack(t, standby, workDir)
 }

@@ -13,7 +13,6 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 
 	admissionv1 "k8s.io/api/admissionregistration/v1"
 	v1 "k8s.io/api/core/v1"
@@ -268,7 +267,7 @@ func TestNFSVolumeInsideAnotherVolume(t *testing.T) {
 	createClaim(t, ns, "victim", deep.Name, accessModes(v1.ReadWriteMany), withLabel("team", team))
 	ev := waitClaimEvent(t, ns, "victim", "another volume's directory", timeout)
 	t.Logf("victim refused: %s", ev.Message)
-	noPVFor(t, ns, "victim", 2*time.Second)
+	noPVFor(t, ns, "victim")
 	if got := entries(t, filepath.Join(nfsServer.ExportDir, pv.Spec.CSI.VolumeAttributes["path"])); len(got) != 0 {
 		t.Errorf("squatter's volume holds %q: a volume was created inside it, or its marker is visible to it", got)
 	}

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -267,12 +268,46 @@ func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
 	}
 }
 
-// The node plugin pod, which provisions local volumes, is killed while 50 claims are being
-// provisioned: every claim still binds, each with one PV and one directory.
+// nodePlugin returns the node plugin's pod, which must have its one container running.
+func nodePlugin(ctx context.Context, t *testing.T) (*v1.Pod, v1.ContainerStatus) {
+	t.Helper()
+	pods, err := client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(pods.Items) != 1 || len(pods.Items[0].Status.ContainerStatuses) != 1 || pods.Items[0].Status.ContainerStatuses[0].State.Running == nil {
+		t.Fatalf("want one node plugin pod with its container running, have %+v", pods.Items)
+	}
+	return &pods.Items[0], pods.Items[0].Status.ContainerStatuses[0]
+}
+
+// The node plugin, which provisions local volumes, is SIGKILLed (its container's process, as
+// the kernel's OOM killer or a crash would end it) while 50 claims are being provisioned,
+// mid-way: some PVs made, not all claims Bound, and three held claims with their directory
+// made but no PV. kubelet restarts the container; the held claims' retried Provision adopts
+// the directories the killed process made, every claim binds with exactly one PV, and no
+// directory is orphaned.
 func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	ctx := context.Background()
 	ns := newNamespace(t)
 	const n = 50
+	held := []string{"c-00", "c-01", "c-02"}
+	unblock, err := framework.BlockPVCreation(ctx, client, ns, held)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lifted := false
+	lift := func() {
+		if !lifted {
+			lifted = true
+			if err := unblock(ctx); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	t.Cleanup(lift)
+	plugin, before := nodePlugin(ctx, t)
+
 	var wg sync.WaitGroup
 	for i := 0; i < n; i++ {
 		wg.Add(1)
@@ -285,42 +320,101 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	pods, err := client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
-	if err != nil || len(pods.Items) == 0 {
-		t.Fatalf("node plugin pods: %v", err)
+	mine := func(name string) bool { return strings.HasPrefix(name, ns+"-") }
+	heldDirs := func() []string {
+		var out []string
+		for _, c := range held {
+			m, _ := filepath.Glob(filepath.Join(basePath, ns+"-"+c+"-*"))
+			out = append(out, m...)
+		}
+		return out
 	}
-	if err := client.CoreV1().Pods("dirpv").Delete(ctx, pods.Items[0].Name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
-		t.Fatal(err)
-	}
-	err = framework.WaitForClaimsBound(ctx, client, ns, n, 3*time.Minute)
+	// Kill as soon as the held claims' directories are there and some PV is: the node plugin
+	// makes PVs faster than kube-controller-manager binds them, so waiting for Bound claims
+	// would find nearly all the work done.
+	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		pvs, err := client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		made := heldDirs()
+		anyPV := slices.ContainsFunc(pvs.Items, func(pv v1.PersistentVolume) bool {
+			return pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == ns
+		})
+		return anyPV && len(made) == len(held), fmt.Errorf("PVs of %s made: %t, held claims' directories %v", ns, anyPV, made)
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	pvs, err := client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+
+	pid, err := testCluster.ContainerPID(ctx, before.ContainerID)
 	if err != nil {
 		t.Fatal(err)
 	}
-	perClaim := map[string]int{}
-	for _, pv := range pvs.Items {
-		if pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == ns {
-			perClaim[pv.Spec.ClaimRef.Name]++
-			dir := filepath.Join(pv.Spec.CSI.VolumeAttributes["basePath"], pv.Spec.CSI.VolumeAttributes["path"])
-			if _, err := os.Stat(dir); err != nil {
-				t.Errorf("PV %s: %v", pv.Name, err)
-			}
+	if cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err != nil || !strings.Contains(string(cmd), "dirpv") {
+		t.Fatalf("process %d of container %s is not dirpv: %q %v", pid, before.ContainerID, cmd, err)
+	}
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		t.Fatalf("SIGKILL node plugin process %d: %v", pid, err)
+	}
+	// Its directories and PVs are final once the process is gone, not when the signal is sent.
+	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		_, err := os.Stat(fmt.Sprintf("/proc/%d", pid))
+		return os.IsNotExist(err), fmt.Errorf("process %d still there (%v)", pid, err)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// kubelet may already be starting the container again; the held claims cannot be Bound
+	// until lift, so the snapshot shows the kill mid-way whatever the new process did since.
+	snap, err := framework.TakeKillSnapshot(ctx, client, ns, basePath, mine)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("killed node plugin process %d with %d of %d claims Bound, %d directories, %d PVs", pid, snap.Bound, n, len(snap.Dirs), len(snap.PVPaths))
+	if len(snap.PVPaths) == 0 || snap.Bound >= n {
+		t.Fatalf("the kill was not mid-way: %d PVs made and %d of %d claims Bound", len(snap.PVPaths), snap.Bound, n)
+	}
+	for _, c := range held {
+		if !slices.ContainsFunc(snap.Names(), func(d string) bool { return strings.HasPrefix(d, ns+"-"+c+"-") }) {
+			t.Fatalf("held claim %s had no directory at the kill: %v", c, snap.Names())
 		}
 	}
-	for name, count := range perClaim {
-		if count != 1 {
-			t.Errorf("claim %s has %d PVs", name, count)
+	lift()
+
+	// The same pod, its container restarted by kubelet, not a new pod.
+	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		p, err := client.CoreV1().Pods("dirpv").Get(ctx, plugin.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
 		}
+		if len(p.Status.ContainerStatuses) != 1 {
+			return false, fmt.Errorf("container statuses %+v", p.Status.ContainerStatuses)
+		}
+		cs := p.Status.ContainerStatuses[0]
+		return cs.RestartCount > before.RestartCount && cs.Ready && cs.ContainerID != before.ContainerID,
+			fmt.Errorf("restartCount %d (was %d), ready %t, container %s", cs.RestartCount, before.RestartCount, cs.Ready, cs.ContainerID)
+	})
+	if err != nil {
+		t.Fatalf("the node plugin container was not restarted: %v", err)
 	}
-	if len(perClaim) != n {
-		t.Errorf("%d claims have PVs, want %d", len(perClaim), n)
+	if err := framework.WaitForClaimsBound(ctx, client, ns, n, 3*time.Minute); err != nil {
+		t.Fatal(err)
 	}
-	entries, _ := filepath.Glob(filepath.Join(basePath, ns+"-*"))
-	if len(entries) != n {
-		t.Errorf("%d directories for namespace %s, want %d", len(entries), ns, n)
+	dirs, err := snap.Entries()
+	if err != nil {
+		t.Fatal(err)
+	}
+	problems, err := framework.CheckOnePVPerClaim(ctx, client, ns, dirs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	adoption, err := snap.CheckAdopted(ctx, client, ns, held)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range append(problems, adoption...) {
+		t.Error(p)
 	}
 }
 
