@@ -313,6 +313,12 @@ func TestControllerDeployment(t *testing.T) {
 				t.Errorf("POD_NAMESPACE %+v", e)
 			}
 			checkProbes(t, "controller", c)
+			// A leader killed before it has drained and unmounted keeps the lease, and the
+			// standby waits out the lease duration: the grace period covers a worker's
+			// --operation-timeout (30 s) plus the bounded unmounts (~50 s with dead servers).
+			if g := spec.TerminationGracePeriodSeconds; g == nil || *g < 80 {
+				t.Errorf("terminationGracePeriodSeconds %v, want at least 80", g)
+			}
 			// The controller's NFS mounts live in its own mount namespace: nothing of the host.
 			for _, v := range spec.Volumes {
 				if v.HostPath != nil {
