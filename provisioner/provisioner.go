@@ -279,6 +279,9 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 		return nil, controller.ProvisioningReschedule, fmt.Errorf(
 			"node %s cannot hold the volume: create directory %s in base path %s: %w; asking the scheduler to choose another node",
 			p.cfg.NodeName, rel, attrs.BasePath, err)
+	case err != nil && attrs.Backend == volume.BackendNFS:
+		// The error names the controller's own mount point; the user needs the server.
+		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s in %s: %w", rel, storeName(attrs), err)
 	case err != nil:
 		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s: %w", rel, err)
 	}

@@ -322,3 +322,32 @@ func TestMarkerFollowsRenameAndRemove(t *testing.T) {
 		}
 	})
 }
+
+// A volume moved into another directory (NFS deletes move it to the trash) stays marked there,
+// and removing it there leaves no record behind in either directory.
+func TestMarkerFollowsMoveToAnotherDirectory(t *testing.T) {
+	forEachMarker(t, func(t *testing.T, r *Root, base string) {
+		owner := Owner{Mode: 0o755, UID: -1, GID: -1}
+		if _, err := r.MkdirAll("ns/a", owner, claimA); err != nil {
+			t.Fatal(err)
+		}
+		if err := r.Mkdir(".dirpv-trash", 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := r.Move("ns/a", ".dirpv-trash", "pv-a"); err != nil {
+			t.Fatal(err)
+		}
+		if got, marked, err := r.VolumeOwner(".dirpv-trash/pv-a"); err != nil || !marked || got != claimA {
+			t.Errorf("moved volume's owner %+v marked %v (%v)", got, marked, err)
+		}
+		if entries, err := os.ReadDir(filepath.Join(base, "ns")); err != nil || len(entries) != 0 {
+			t.Errorf("ns holds %v (%v) after its only volume moved away", entries, err)
+		}
+		if err := r.RemoveAll(".dirpv-trash/pv-a"); err != nil {
+			t.Fatal(err)
+		}
+		if entries, err := os.ReadDir(filepath.Join(base, ".dirpv-trash")); err != nil || len(entries) != 0 {
+			t.Errorf("trash holds %v (%v) after the moved volume was removed", entries, err)
+		}
+	})
+}

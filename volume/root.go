@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"path"
 	"strings"
 	"sync"
 
@@ -615,7 +616,23 @@ func (r *Root) Move(rel, dir, newName string) error {
 		}
 		return fmt.Errorf("rename %s to %s in %s: %w", rel, target, r.path, err)
 	}
+	if path.Clean("/"+dir) != path.Clean("/"+parent) {
+		moveRecord(parentFd, dirFd, newName)
+	}
 	return nil
+}
+
+// moveRecord moves the record file of the directory just moved to newName in dirFd from its
+// old parent, so the volume stays marked where it went and its removal there removes the
+// record too. Best effort: a record left behind names an inode, which only a directory made
+// later with the same inode can meet, and that one drops or overwrites it.
+func moveRecord(oldParentFd, dirFd int, newName string) {
+	var st unix.Stat_t
+	if err := unix.Fstatat(dirFd, newName, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil || st.Mode&unix.S_IFMT != unix.S_IFDIR {
+		return
+	}
+	rec := recordOf(st.Ino)
+	_ = unix.Renameat(oldParentFd, rec, dirFd, rec)
 }
 
 // renameNoReplace renames name in parentFd to newName in dirFd, failing with EEXIST if newName

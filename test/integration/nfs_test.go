@@ -419,7 +419,9 @@ func TestNFSDeadServer(t *testing.T) {
 	src := regexp.QuoteMeta(volume.ExportSource(nfsServer.Addr, nfsServer.Share))
 	// On a mounted export, either the NFS client gives up first (EIO: the test FUSE client has
 	// a 5 s deadline per call, like a soft kernel mount) or dirpv's operation deadline does.
-	warmSays := `create directory %s-warm-pvc-\S+: (mkdir \S+ in \S+: input/output error|NFS ` + src + `: NFS server did not answer in time)`
+	// Errors other than dirpv's own deadline name the export ("in NFS export server:share").
+	export := `( in NFS export ` + src + `)?`
+	warmSays := `create directory %s-warm-pvc-\S+` + export + `: ((open|mkdir) \S+ in \S+: (openat2 \S+: )?input/output error|NFS ` + src + `: NFS server did not answer in time)`
 	for _, tc := range []struct {
 		name     string
 		down, up func() error
@@ -432,7 +434,7 @@ func TestNFSDeadServer(t *testing.T) {
 			up:   func() error { return nfsServer.Resume(context.Background()) },
 			// The mount helper is refused at once, and says so.
 			warmSays: warmSays,
-			coldSays: `(?s)create directory %s-cold-pvc-\S+: mount NFS ` + src + ` with options .*connection refused`,
+			coldSays: `(?s)create directory %s-cold-pvc-\S+` + export + `: mount NFS ` + src + ` with options .*connection refused`,
 		},
 		{
 			name: "paused",
