@@ -197,10 +197,6 @@ func TestDeadServerHardMount(t *testing.T) {
 	_, share := exportFor(t, options, guest.NoRootSquash)
 	const opTimeout = 10 * time.Second
 	f := newController(t, opTimeout)
-	// Seen here: the export's unmount after the timed-out call gets EBUSY (the abandoned mkdir
-	// is still in the kernel), is not retried, and the mount outlives the controller. The
-	// lazy-unmount fallback of issue 10 ("Export mount lifecycle") removes it; then drop this.
-	f.knownLeak = "provisioner/store.go unmount does not fall back to MNT_DETACH on EBUSY"
 	class := f.nfsClass("nfs", share, options, nil)
 	pv, err := f.provision(ctx, class, "before")
 	if err != nil {
