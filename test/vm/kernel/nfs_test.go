@@ -420,3 +420,53 @@ func watchExport(t *testing.T, f *controllerFixture, source string) (stop func()
 		return most
 	}
 }
+
+// TestRootSquash: on a kernel export with root_squash the controller's root is the anonymous
+// user on the server, who may create directories in the world-writable export but not give
+// them away. A class with uid/gid fails with the error that names root_squash, as often as it
+// is retried, and leaves nothing on the server; a class without them works.
+func TestRootSquash(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	options := []string{"nfsvers=4.2"}
+	serverDir, share := exportFor(t, options, guest.RootSquash)
+	f := newController(t, time.Minute)
+	owned := f.nfsClass("owned", share, options, map[string]string{"uid": "1001", "gid": "2002"})
+	var err error
+	for i := range 2 { // the lib retries a failed claim: the retry must not adopt a leftover
+		if _, err = f.provision(ctx, owned, "c"); err == nil {
+			t.Fatalf("Provision #%d with uid/gid on a root_squash export succeeded", i+1)
+		}
+		for _, want := range []string{"root_squash", "1001:2002", "no_root_squash"} {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("Provision #%d: error %q does not mention %q", i+1, err, want)
+			}
+		}
+		// Not the volume's directory, nor a temp (.dirpv-new-*) or record (.dirpv-vol-*) file.
+		if left, err := os.ReadDir(serverDir); err != nil || len(left) > 0 {
+			t.Errorf("on the server after the failed Provision #%d: %v (%v)", i+1, names(left), err)
+		}
+	}
+	t.Logf("Provision with uid/gid on a root_squash export: %v", err)
+
+	pv, err := f.provision(ctx, f.nfsClass("plain", share, options, nil), "d")
+	if err != nil {
+		t.Fatalf("Provision without uid/gid on a root_squash export: %v", err)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Lstat(filepath.Join(serverDir, pv.Spec.CSI.VolumeAttributes["path"]), &st); err != nil {
+		t.Fatalf("volume directory on the server: %v", err)
+	}
+	t.Logf("volume directory on the server is owned by %d:%d (the export's anonymous user)", st.Uid, st.Gid)
+	if st.Uid == 0 {
+		t.Errorf("volume directory on a root_squash export is owned by root")
+	}
+}
+
+func names(ents []os.DirEntry) []string {
+	var out []string
+	for _, e := range ents {
+		out = append(out, e.Name())
+	}
+	return out
+}
