@@ -17,14 +17,15 @@ all: build
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/dirpv ./cmd/dirpv
 
-## test: lint, then every tier in order: unit + csi-sanity, integration, end to end.
+## test: lint, then every tier in order: unit + csi-sanity, integration, end to end, real kernel.
 test: lint cluster-bins deploy-tools
-	@rc=0; start=$$(date +%s); \
-	  $(MAKE) --no-print-directory test-unit || rc=1; t1=$$(date +%s); \
-	  $(MAKE) --no-print-directory test-integration || rc=1; t2=$$(date +%s); \
-	  $(MAKE) --no-print-directory test-e2e || rc=1; t3=$$(date +%s); \
-	  echo "tier times: unit+sanity $$((t1-start))s, integration $$((t2-t1))s, e2e $$((t3-t2))s"; \
-	  if [ $$rc -ne 0 ]; then echo "make test: a tier failed (see above)"; fi; exit $$rc
+	@rc=0; failed=; start=$$(date +%s); \
+	  $(MAKE) --no-print-directory test-unit || { rc=1; failed="$$failed unit+sanity"; }; t1=$$(date +%s); \
+	  $(MAKE) --no-print-directory test-integration || { rc=1; failed="$$failed integration"; }; t2=$$(date +%s); \
+	  $(MAKE) --no-print-directory test-e2e || { rc=1; failed="$$failed e2e"; }; t3=$$(date +%s); \
+	  $(MAKE) --no-print-directory test-vm || { rc=1; failed="$$failed vm"; }; t4=$$(date +%s); \
+	  echo "tier times: unit+sanity $$((t1-start))s, integration $$((t2-t1))s, e2e $$((t3-t2))s, vm $$((t4-t3))s"; \
+	  if [ $$rc -ne 0 ]; then echo "make test: tier(s) failed:$$failed (see above)"; fi; exit $$rc
 
 test-unit: deploy-tools
 	$(GO) test -race -count=1 -timeout 30m $(UNIT_PKGS)
@@ -37,11 +38,14 @@ test-e2e: cluster-bins deploy-tools
 
 ## test-vm: the real-kernel tier alone (NFS through the kernel client and server) in a qemu VM
 ## booted with the host's root; the kernel and initramfs are cached (cold: package download,
-## initramfs and first boot). Not in `make test` yet. VM_RUN=regexp picks guest tests.
+## initramfs and first boot). `make test` runs it too. A machine where the VM cannot start
+## fails the tier with the reason (TestRun*: "the VM cannot start on this machine: ...").
+## VM_RUN=regexp picks guest tests.
 test-vm:
 	@start=$$(date +%s); rc=0; \
 	  DIRPV_VM_RUN='$(VM_RUN)' $(GO) test -count=1 -timeout 45m -v ./test/vm/ || rc=1; \
-	  echo "vm tier: $$(($$(date +%s)-start))s"; exit $$rc
+	  echo "vm tier: $$(($$(date +%s)-start))s"; \
+	  if [ $$rc -ne 0 ]; then echo "vm tier failed: see the FAIL lines above (a VM that cannot start says why)"; fi; exit $$rc
 
 ## cluster-bins: build etcd and Kubernetes from the Go module proxy (cold ~15 min, cached).
 cluster-bins:

@@ -28,6 +28,7 @@ import (
 	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/test/vm/guest"
+	"github.com/dirpv/dirpv/volume"
 )
 
 const driverName = "dirpv.io"
@@ -95,9 +96,6 @@ type controllerFixture struct {
 	p       *provisioner.Provisioner
 	classes cache.Indexer
 	work    string
-	// knownLeak, if set, names a known bug that leaves a mount behind after the controller
-	// stops: the leftover is logged instead of failing the test.
-	knownLeak string
 }
 
 func newController(t *testing.T, timeout time.Duration) *controllerFixture {
@@ -124,11 +122,7 @@ func newController(t *testing.T, timeout time.Duration) *controllerFixture {
 		}
 		// What a user would check after dirpv controller stops: nothing stays mounted.
 		if left, _ := framework.MountsUnder(f.work); len(left) > 0 {
-			if f.knownLeak != "" {
-				t.Logf("KNOWN BUG (%s): mounts left under the controller's work dir after it stopped: %v", f.knownLeak, left)
-			} else {
-				t.Errorf("mounts left under the controller's work dir after it stopped: %v", left)
-			}
+			t.Errorf("mounts left under the controller's work dir after it stopped: %v", left)
 			framework.DetachMountsUnder(f.work)
 		}
 	})
@@ -202,13 +196,28 @@ func missingOptions(opts []string, want ...string) []string {
 	return missing
 }
 
-// nodePlugin is `dirpv node`'s CSI node service on a socket, called as kubelet calls it, with
-// the given --operation-timeout.
-func nodePlugin(t *testing.T, timeout time.Duration) csi.NodeClient {
+// nodeFixture is `dirpv node`'s CSI node service on a socket, called as kubelet calls it.
+type nodeFixture struct {
+	csi.NodeClient
+	// localBase is the one base path local volumes may be published from.
+	localBase string
+}
+
+// nodePlugin starts the node plugin with the given --operation-timeout.
+func nodePlugin(t *testing.T, timeout time.Duration) *nodeFixture {
 	t.Helper()
-	sock := filepath.Join(t.TempDir(), "csi.sock")
+	tmp := t.TempDir()
+	sock := filepath.Join(tmp, "csi.sock")
+	n := &nodeFixture{localBase: filepath.Join(tmp, "local")}
+	if err := os.Mkdir(n.localBase, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	bases, err := volume.NewAllowedBases([]string{n.localBase}, filepath.Join(tmp, "kubelet"))
+	if err != nil {
+		t.Fatal(err)
+	}
 	d, err := csinode.NewDriver(csinode.Options{DriverName: driverName, Version: "vm-test", NodeID: "dirpv-vm",
-		Endpoint: "unix://" + sock, Mounter: mount.New(""), OperationTimeout: timeout})
+		Endpoint: "unix://" + sock, Mounter: mount.New(""), OperationTimeout: timeout, LocalBases: bases})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -231,7 +240,27 @@ func nodePlugin(t *testing.T, timeout time.Duration) csi.NodeClient {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	return csi.NewNodeClient(conn)
+	n.NodeClient = csi.NewNodeClient(conn)
+	return n
+}
+
+// localPV is a local volume in the node's base path, as the node instance provisions it.
+func (n *nodeFixture) localPV(t *testing.T, name string) *v1.PersistentVolume {
+	t.Helper()
+	root, err := volume.OpenRoot(n.localBase)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	if _, err := root.MkdirAll(name, volume.Owner{Mode: 0o777, UID: -1, GID: -1}, volume.Claim{UID: name, PVName: name}); err != nil {
+		t.Fatal(err)
+	}
+	attrs := volume.Attributes{Backend: volume.BackendLocal, BasePath: n.localBase, Path: name}
+	return &v1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: v1.PersistentVolumeSpec{
+		PersistentVolumeSource: v1.PersistentVolumeSource{CSI: &v1.CSIPersistentVolumeSource{
+			Driver: driverName, VolumeHandle: name, VolumeAttributes: attrs.Map(),
+		}},
+	}}
 }
 
 // publishRequest is the NodePublishVolume call kubelet makes for pv at target.

@@ -3,11 +3,13 @@ package kernel
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -15,6 +17,8 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	v1 "k8s.io/api/core/v1"
 
+	"github.com/dirpv/dirpv/provisioner"
+	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/test/vm/guest"
 )
 
@@ -188,19 +192,17 @@ func TestNodePublishNFS(t *testing.T) {
 
 // TestDeadServerHardMount: with the server dead under a hard mount (rpc.nfsd 0 after the
 // controller and a pod mounted the export), Provision and Delete return an error within the
-// controller's --operation-timeout instead of hanging in the kernel, and NodeUnpublishVolume
-// of the dead mount returns within its deadline and leaves no mount.
+// controller's --operation-timeout instead of hanging in the kernel; the calls left waiting
+// in the kernel stay at the export's cap however many come; NodeUnpublishVolume of the dead
+// mount returns within its deadline and leaves no mount, and the node plugin serves other
+// volumes meanwhile. Once nfsd is back, the work left over completes without a restart.
 func TestDeadServerHardMount(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
 	defer cancel()
 	options := []string{"nfsvers=4.2", "hard"}
-	_, share := exportFor(t, options, guest.NoRootSquash)
+	serverDir, share := exportFor(t, options, guest.NoRootSquash)
 	const opTimeout = 10 * time.Second
 	f := newController(t, opTimeout)
-	// Seen here: the export's unmount after the timed-out call gets EBUSY (the abandoned mkdir
-	// is still in the kernel), is not retried, and the mount outlives the controller. The
-	// lazy-unmount fallback of issue 10 ("Export mount lifecycle") removes it; then drop this.
-	f.knownLeak = "provisioner/store.go unmount does not fall back to MNT_DETACH on EBUSY"
 	class := f.nfsClass("nfs", share, options, nil)
 	pv, err := f.provision(ctx, class, "before")
 	if err != nil {
@@ -220,49 +222,251 @@ func TestDeadServerHardMount(t *testing.T) {
 	if err := srv.Kill(ctx); err != nil {
 		t.Fatal(err)
 	}
+	resumed := false
 	t.Cleanup(func() { // before the controller's and the export's cleanups
-		if err := srv.Resume(context.Background()); err != nil {
-			t.Errorf("restarting nfsd: %v", err)
+		if !resumed {
+			if err := srv.Resume(context.Background()); err != nil {
+				t.Errorf("restarting nfsd: %v", err)
+			}
 		}
 	})
+	source := guest.NFSAddr + ":" + share
+	stop := watchExport(t, f, source)
+	defer stop()
 
 	// The lib calls Provision and Delete with no deadline of their own: dirpv's bounds them.
-	slack := 5 * time.Second
-	start := time.Now()
-	if _, err := f.provision(ctx, class, "during"); err == nil {
-		t.Error("Provision on a dead server succeeded")
+	// More calls than the cap at once, as the lib's workers and retries make them.
+	const slack = 5 * time.Second
+	type result struct {
+		err  error
+		took time.Duration
+	}
+	results := make([]result, 2*stuckCap)
+	var wg sync.WaitGroup
+	for i := range results {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			start := time.Now()
+			_, err := f.provision(ctx, class, fmt.Sprintf("during-%d", i))
+			results[i] = result{err, time.Since(start)}
+		}()
+	}
+	wg.Wait()
+	for i, r := range results {
+		if r.err == nil {
+			t.Errorf("Provision #%d on a dead server succeeded", i)
+		}
+		if r.took > opTimeout+slack {
+			t.Errorf("Provision #%d on a dead server took %v, operation timeout %v (%v)", i, r.took, opTimeout, r.err)
+		}
+	}
+	t.Logf("Provision on a dead server: %v", results[0].err)
+	// The cap is reached and held: every slot taken by a call its caller gave up on. (The
+	// forced unmount that follows the timeouts aborts those calls about an operation timeout
+	// later; the watch checks that the count never goes past the cap meanwhile.)
+	status := func() provisioner.ExportStatus {
+		for _, st := range f.p.Exports() {
+			if st.Export == source {
+				return st
+			}
+		}
+		return provisioner.ExportStatus{}
+	}
+	if err := framework.Poll(ctx, opTimeout/2, func(context.Context) (bool, error) {
+		st := status()
+		return st.Stuck == stuckCap && st.Saturated, fmt.Errorf("%+v", st)
+	}); err != nil {
+		t.Errorf("stuck calls on %s did not reach the cap of %d: %v", source, stuckCap, err)
 	} else {
-		t.Logf("Provision on a dead server: %v", err)
+		hold := time.NewTicker(time.Second)
+		for i := range 3 {
+			<-hold.C
+			if st := status(); st.Stuck != stuckCap || !st.Saturated {
+				t.Errorf("poll %d after the cap was reached: stuck %d, saturated %t; want %d, true", i+1, st.Stuck, st.Saturated, stuckCap)
+			}
+		}
+		hold.Stop()
 	}
-	if took := time.Since(start); took > opTimeout+slack {
-		t.Errorf("Provision on a dead server took %v, operation timeout %v", took, opTimeout)
-	}
-	start = time.Now()
+	start := time.Now()
 	if err := f.p.Delete(ctx, pv); err == nil {
 		t.Error("Delete on a dead server succeeded")
 	} else {
-		t.Logf("Delete on a dead server: %v", err)
+		t.Logf("Delete on a dead server: %v after %v", err, time.Since(start))
 	}
 	if took := time.Since(start); took > opTimeout+slack {
 		t.Errorf("Delete on a dead server took %v, operation timeout %v", took, opTimeout)
+	}
+	if most := stop(); most > stuckCap {
+		t.Errorf("stuck calls on %s reached %d, above the cap of %d", source, most, stuckCap)
 	}
 
 	// kubelet gives a CSI call two minutes; the plugin's own budget is a plain unmount, a
 	// forced one and a lazy one, each bounded.
 	const unpublishDeadline = 2 * time.Minute
-	uctx, ucancel := context.WithTimeout(ctx, unpublishDeadline)
-	defer ucancel()
-	start = time.Now()
-	_, err = node.NodeUnpublishVolume(uctx, &csi.NodeUnpublishVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, TargetPath: target})
-	took := time.Since(start)
-	t.Logf("NodeUnpublishVolume of the dead mount: %v after %v", err, took)
-	if err != nil {
-		t.Errorf("NodeUnpublishVolume of a dead hard mount: %v", err)
+	type unpublished struct {
+		err  error
+		took time.Duration
 	}
-	if took > 3*nodeTimeout {
-		t.Errorf("NodeUnpublishVolume took %v, operation timeout %v", took, nodeTimeout)
+	nfsDone := make(chan unpublished, 1)
+	go func() {
+		uctx, ucancel := context.WithTimeout(ctx, unpublishDeadline)
+		defer ucancel()
+		start := time.Now()
+		_, err := node.NodeUnpublishVolume(uctx, &csi.NodeUnpublishVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, TargetPath: target})
+		nfsDone <- unpublished{err, time.Since(start)}
+	}()
+	// Meanwhile a pod of a local volume comes and goes on the same plugin.
+	local := node.localPV(t, "local")
+	localTarget := filepath.Join(t.TempDir(), "local-target")
+	req := publishRequest(local, localTarget, false)
+	req.VolumeCapability.AccessMode.Mode = csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER
+	start = time.Now()
+	if _, err := node.NodePublishVolume(ctx, req); err != nil {
+		t.Errorf("NodePublishVolume of a local volume while an NFS unmount hangs: %v", err)
+	}
+	if _, err := node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: local.Spec.CSI.VolumeHandle, TargetPath: localTarget}); err != nil {
+		t.Errorf("NodeUnpublishVolume of a local volume while an NFS unmount hangs: %v", err)
+	}
+	localTook := time.Since(start)
+	select {
+	case u := <-nfsDone:
+		t.Errorf("the NFS unpublish returned (%v after %v) before the local volume's publish and unpublish (%v): nothing shows they ran while it hung", u.err, u.took, localTook)
+		nfsDone <- u
+	default:
+		t.Logf("local volume published and unpublished in %v while the NFS unpublish was under way", localTook)
+	}
+	u := <-nfsDone
+	t.Logf("NodeUnpublishVolume of the dead mount: %v after %v", u.err, u.took)
+	if u.err != nil {
+		t.Errorf("NodeUnpublishVolume of a dead hard mount: %v", u.err)
+	}
+	if u.took > 3*nodeTimeout {
+		t.Errorf("NodeUnpublishVolume took %v, operation timeout %v", u.took, nodeTimeout)
 	}
 	if mp := mountAt(t, target); mp != nil {
 		t.Errorf("dead mount still at the target: %+v", *mp)
 	}
+
+	// The server is back: the same calls, retried as the lib retries them, succeed.
+	if err := srv.Resume(ctx); err != nil {
+		t.Fatal(err)
+	}
+	resumed = true
+	var retried *v1.PersistentVolume
+	if err := framework.Poll(ctx, 3*time.Minute, func(ctx context.Context) (bool, error) {
+		var err error
+		retried, err = f.provision(ctx, class, "during-0")
+		return err == nil, err
+	}); err != nil {
+		t.Fatalf("Provision retried after nfsd came back: %v", err)
+	}
+	if st, err := os.Lstat(filepath.Join(serverDir, retried.Spec.CSI.VolumeAttributes["path"])); err != nil || !st.IsDir() {
+		t.Errorf("retried volume's directory on the server: %v", err)
+	}
+	if err := framework.Poll(ctx, 2*time.Minute, func(ctx context.Context) (bool, error) {
+		err := f.p.Delete(ctx, pv)
+		return err == nil, err
+	}); err != nil {
+		t.Fatalf("Delete retried after nfsd came back: %v", err)
+	}
+	if err := framework.Poll(ctx, 2*time.Minute, func(context.Context) (bool, error) {
+		n := f.p.PendingDeletes()
+		return n == 0, fmt.Errorf("%d deletes pending", n)
+	}); err != nil {
+		t.Errorf("background deletes after nfsd came back: %v", err)
+	}
+	if _, err := os.Lstat(filepath.Join(serverDir, pv.Spec.CSI.VolumeAttributes["path"])); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("deleted volume still on the server: %v", err)
+	}
+	if trash, _ := os.ReadDir(filepath.Join(serverDir, ".dirpv-trash")); len(trash) > 0 {
+		t.Errorf("trash left on the server: %v", trash)
+	}
+}
+
+// stuckCap is provisioner's maxStuckCalls: calls that may wait on one export at once.
+const stuckCap = 8
+
+// watchExport logs every change of the export's status in f.Exports() until stop, which
+// returns the most stuck calls seen.
+func watchExport(t *testing.T, f *controllerFixture, source string) (stop func() (most int)) {
+	done := make(chan struct{})
+	most := 0
+	finished := make(chan struct{})
+	go func() {
+		defer close(finished)
+		tick := time.NewTicker(100 * time.Millisecond)
+		defer tick.Stop()
+		start := time.Now()
+		var last provisioner.ExportStatus
+		for {
+			for _, st := range f.p.Exports() {
+				if st.Export == source && (st.Stuck != last.Stuck || st.Saturated != last.Saturated) {
+					t.Logf("%6.1fs export %s: stuck %d, saturated %t", time.Since(start).Seconds(), source, st.Stuck, st.Saturated)
+					last = st
+					most = max(most, st.Stuck)
+				}
+			}
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	var once sync.Once
+	return func() int {
+		once.Do(func() { close(done); <-finished })
+		return most
+	}
+}
+
+// TestRootSquash: on a kernel export with root_squash the controller's root is the anonymous
+// user on the server, who may create directories in the world-writable export but not give
+// them away. A class with uid/gid fails with the error that names root_squash, as often as it
+// is retried, and leaves nothing on the server; a class without them works.
+func TestRootSquash(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	options := []string{"nfsvers=4.2"}
+	serverDir, share := exportFor(t, options, guest.RootSquash)
+	f := newController(t, time.Minute)
+	owned := f.nfsClass("owned", share, options, map[string]string{"uid": "1001", "gid": "2002"})
+	var err error
+	for i := range 2 { // the lib retries a failed claim: the retry must not adopt a leftover
+		if _, err = f.provision(ctx, owned, "c"); err == nil {
+			t.Fatalf("Provision #%d with uid/gid on a root_squash export succeeded", i+1)
+		}
+		for _, want := range []string{"root_squash", "1001:2002", "no_root_squash"} {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("Provision #%d: error %q does not mention %q", i+1, err, want)
+			}
+		}
+		// Not the volume's directory, nor a temp (.dirpv-new-*) or record (.dirpv-vol-*) file.
+		if left, err := os.ReadDir(serverDir); err != nil || len(left) > 0 {
+			t.Errorf("on the server after the failed Provision #%d: %v (%v)", i+1, names(left), err)
+		}
+	}
+	t.Logf("Provision with uid/gid on a root_squash export: %v", err)
+
+	pv, err := f.provision(ctx, f.nfsClass("plain", share, options, nil), "d")
+	if err != nil {
+		t.Fatalf("Provision without uid/gid on a root_squash export: %v", err)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Lstat(filepath.Join(serverDir, pv.Spec.CSI.VolumeAttributes["path"]), &st); err != nil {
+		t.Fatalf("volume directory on the server: %v", err)
+	}
+	t.Logf("volume directory on the server is owned by %d:%d (the export's anonymous user)", st.Uid, st.Gid)
+	if st.Uid == 0 {
+		t.Errorf("volume directory on a root_squash export is owned by root")
+	}
+}
+
+func names(ents []os.DirEntry) []string {
+	var out []string
+	for _, e := range ents {
+		out = append(out, e.Name())
+	}
+	return out
 }

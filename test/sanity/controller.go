@@ -16,13 +16,14 @@ import (
 )
 
 // testController is the TEST-ONLY CSI controller the sanity suite needs to create volumes
-// before it exercises the node plugin (the suite has no node-only mode). It creates local
-// volumes as the provisioner does: a directory beneath a base, made through volume.Root, with
-// the volume attributes as the volume context.
+// before it exercises the node plugin (the suite has no node-only mode). It creates volumes as
+// the provisioner does: a directory beneath a local base or an NFS export's mount, made through
+// volume.Root, with the volume attributes as the volume context.
 type testController struct {
 	csi.UnimplementedIdentityServer
 	csi.UnimplementedControllerServer
 	root   *volume.Root
+	attrs  func(rel string) volume.Attributes
 	nodeID string
 }
 
@@ -73,13 +74,16 @@ func (c *testController) CreateVolume(_ context.Context, req *csi.CreateVolumeRe
 	if _, err := c.root.MkdirAll(rel, volume.Owner{Mode: 0o777, UID: -1, GID: -1}, volume.Claim{UID: rel, PVName: rel}); err != nil {
 		return nil, status.Errorf(codes.Internal, "create volume directory: %v", err)
 	}
-	attrs := volume.Attributes{Backend: volume.BackendLocal, BasePath: c.root.Path(), Path: rel}
-	return &csi.CreateVolumeResponse{Volume: &csi.Volume{
-		VolumeId:           rel,
-		CapacityBytes:      req.GetCapacityRange().GetRequiredBytes(),
-		VolumeContext:      attrs.Map(),
-		AccessibleTopology: []*csi.Topology{{Segments: map[string]string{csinode.TopologyKey: c.nodeID}}},
-	}}, nil
+	attrs := c.attrs(rel)
+	vol := &csi.Volume{
+		VolumeId:      rel,
+		CapacityBytes: req.GetCapacityRange().GetRequiredBytes(),
+		VolumeContext: attrs.Map(),
+	}
+	if attrs.Backend == volume.BackendLocal { // NFS volumes are reachable from every node
+		vol.AccessibleTopology = []*csi.Topology{{Segments: map[string]string{csinode.TopologyKey: c.nodeID}}}
+	}
+	return &csi.CreateVolumeResponse{Volume: vol}, nil
 }
 
 func (c *testController) DeleteVolume(_ context.Context, req *csi.DeleteVolumeRequest) (*csi.DeleteVolumeResponse, error) {

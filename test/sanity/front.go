@@ -2,9 +2,11 @@ package sanity
 
 import (
 	"context"
+	"sync"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
+	"k8s.io/mount-utils"
 )
 
 // nodeFront is the address the sanity suite uses as "the driver". It forwards every Identity
@@ -13,15 +15,21 @@ import (
 // whether to run its end-to-end node specs ("Node Service should work" and "should be
 // idempotent": create, publish, stats, unpublish, delete), and dirpv's node plugin rightly
 // does not claim a controller; the controller calls themselves go to the test controller.
+// It also notes the file system type of each mount a publish made, so that a run can show
+// which kind of mount the suite exercised.
 type nodeFront struct {
 	csi.UnimplementedIdentityServer
 	csi.UnimplementedNodeServer
 	id   csi.IdentityClient
 	node csi.NodeClient
+
+	mu sync.Mutex
+	// published counts successful publishes by the file system type seen at their target.
+	published map[string]int
 }
 
 func newNodeFront(conn grpc.ClientConnInterface) *nodeFront {
-	return &nodeFront{id: csi.NewIdentityClient(conn), node: csi.NewNodeClient(conn)}
+	return &nodeFront{id: csi.NewIdentityClient(conn), node: csi.NewNodeClient(conn), published: map[string]int{}}
 }
 
 func (f *nodeFront) GetPluginInfo(ctx context.Context, r *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
@@ -50,7 +58,32 @@ func (f *nodeFront) NodeUnstageVolume(ctx context.Context, r *csi.NodeUnstageVol
 }
 
 func (f *nodeFront) NodePublishVolume(ctx context.Context, r *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
-	return f.node.NodePublishVolume(ctx, r)
+	resp, err := f.node.NodePublishVolume(ctx, r)
+	if err == nil {
+		fsType := "no mount"
+		if infos, ierr := mount.ParseMountInfo("/proc/self/mountinfo"); ierr == nil {
+			for _, mi := range infos {
+				if mi.MountPoint == r.GetTargetPath() {
+					fsType = mi.FsType // the last, topmost mount there
+				}
+			}
+		}
+		f.mu.Lock()
+		f.published[fsType]++
+		f.mu.Unlock()
+	}
+	return resp, err
+}
+
+// publishedTypes returns the published counts by file system type.
+func (f *nodeFront) publishedTypes() map[string]int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	out := make(map[string]int, len(f.published))
+	for k, v := range f.published {
+		out[k] = v
+	}
+	return out
 }
 
 func (f *nodeFront) NodeUnpublishVolume(ctx context.Context, r *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {

@@ -1,0 +1,44 @@
+package kernel
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"k8s.io/mount-utils"
+
+	"github.com/dirpv/dirpv/test/sanity"
+	"github.com/dirpv/dirpv/test/vm/guest"
+	"github.com/dirpv/dirpv/volume"
+)
+
+// TestSanityNFS runs csi-sanity's Identity and Node specs against the node plugin with NFS
+// volumes: the test controller makes each volume's directory on the guest's kernel export
+// (through its own kernel-client mount of it, with the provisioner's directory code), and the
+// node plugin mounts server:/share/path through mount.nfs.
+func TestSanityNFS(t *testing.T) {
+	options := []string{"nfsvers=4.2"}
+	_, share := exportFor(t, options, guest.NoRootSquash)
+	mnt := filepath.Join(t.TempDir(), "export")
+	m := mount.New("")
+	if err := os.Mkdir(mnt, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Mount(guest.NFSAddr+":"+share, mnt, "nfs", options); err != nil {
+		t.Fatalf("mounting the export for the test controller: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := mount.CleanupMountPoint(mnt, m, false); err != nil {
+			t.Errorf("unmounting the test controller's mount of the export: %v", err)
+		}
+	})
+	root, err := volume.OpenRoot(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { root.Close() })
+	sanity.Run(t, sanity.Config{Dir: t.TempDir(), Volumes: root, FSTypes: []string{"nfs4"},
+		Attributes: func(rel string) volume.Attributes {
+			return volume.Attributes{Backend: volume.BackendNFS, Server: guest.NFSAddr, Share: share, Path: rel}
+		}})
+}
