@@ -192,7 +192,8 @@ func (r *Root) mkdirAll(rel string, owner Owner, claim Claim, limit uint64) (cre
 	if claim.UID == "" {
 		return false, quota.ID{}, fmt.Errorf("volume %s: the owning claim's UID is required", rel)
 	}
-	parentFd, err := r.openDir("", unix.O_PATH)
+	// Read-only, not O_PATH: a btrfs subvolume is created by an ioctl on its parent.
+	parentFd, err := r.openDir("", unix.O_RDONLY)
 	if err != nil {
 		return false, quota.ID{}, err
 	}

@@ -4,11 +4,13 @@
 package quotatest
 
 import (
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -40,8 +42,20 @@ func Btrfs(t testing.TB, quota bool) string {
 		t.Fatalf("mount %s on %s: %v", dev, mnt, err)
 	}
 	t.Cleanup(func() {
-		if err := unix.Unmount(mnt, 0); err != nil {
-			t.Errorf("unmount %s: %v", mnt, err)
+		// Code under test may close its descriptors on the file system just after the test
+		// (a provisioner's Run returning): wait for that, within a deadline.
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			err := unix.Unmount(mnt, 0)
+			if err == nil {
+				return
+			}
+			if !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
+				t.Errorf("unmount %s: %v", mnt, err)
+				unix.Unmount(mnt, unix.MNT_DETACH) // so the loop device can still go
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
 		}
 	})
 	if quota {
