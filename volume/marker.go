@@ -119,8 +119,8 @@ func decodeMarker(b []byte) (marker, error) {
 func VolumeQuota(fd int) (id quota.ID, ok bool, err error) {
 	buf := make([]byte, maxMarker)
 	n, err := unix.Fgetxattr(fd, volumeMarker, buf)
-	if errors.Is(err, unix.ENODATA) {
-		return quota.ID{}, false, nil
+	if errors.Is(err, unix.ENODATA) || xattrUnsupported(err) {
+		return quota.ID{}, false, nil // NFS, or not a volume of dirpv's
 	}
 	if err != nil {
 		return quota.ID{}, false, fmt.Errorf("read volume marker: %w", err)
