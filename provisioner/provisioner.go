@@ -275,6 +275,10 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 		var id quota.ID
 		created, id, err = root.MkdirAllLimited(rel, params.owner, owner, uint64(size.Value()))
 		attrs.Quota = id.String()
+		if err == nil && attrs.Quota == "" && params.capacity == EnforceRequired {
+			// Adopted from an attempt made while the base could not enforce.
+			return fmt.Errorf("volume %s was made without a size limit: %w", rel, quota.ErrNotEnforceable)
+		}
 		return err
 	})
 	var exists *volume.ExistsError
