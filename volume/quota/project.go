@@ -1,6 +1,7 @@
 package quota
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/fnv"
@@ -28,12 +29,16 @@ const (
 	fsIocFssetxattr    = 0x401c5820 // _IOW('X', 32, struct fsxattr)
 	fsXflagProjinherit = 0x00000200
 
-	prjQuota   = 2
-	qGetInfo   = 0x800005
-	qGetQuota  = 0x800007
-	qSetQuota  = 0x800008
-	qifBlimits = 1
-	qifIlimits = 4
+	prjQuota  = 2
+	qGetInfo  = 0x800005
+	qGetQuota = 0x800007
+	qSetQuota = 0x800008
+	// qXGetQStat is Q_XGETQSTAT, XQM_CMD(5); its struct fs_quota_stat has qs_flags, a u16,
+	// at offset 2.
+	qXGetQStat     = 'X'<<8 + 5
+	fsQuotaPdqEnfd = 0x0020
+	qifBlimits     = 1
+	qifIlimits     = 4
 	// qifDqblksize is the unit of if_dqblk's block limits.
 	qifDqblksize = 1024
 
@@ -67,11 +72,19 @@ func quotactlFd(fd int, cmd uint32, id uint32, addr unsafe.Pointer) error {
 	return nil
 }
 
-// probeProject succeeds if project quota accounting and enforcement are on.
+// probeProject succeeds if project quota accounting and enforcement are on: XFS can account
+// without enforcing (pqnoenforce).
 func probeProject(fd int) error {
 	var info ifDqinfo
 	if err := quotactlFd(fd, qGetInfo, 0, unsafe.Pointer(&info)); err != nil {
 		return fmt.Errorf("quotactl Q_GETINFO: %w", err)
+	}
+	var stat [256]byte // struct fs_quota_stat is 80 bytes
+	if err := quotactlFd(fd, qXGetQStat, 0, unsafe.Pointer(&stat)); err != nil {
+		return fmt.Errorf("quotactl Q_XGETQSTAT: %w", err)
+	}
+	if flags := binary.NativeEndian.Uint16(stat[2:]); flags&fsQuotaPdqEnfd == 0 {
+		return fmt.Errorf("project quota is accounted but not enforced (flags %#x)", flags)
 	}
 	return nil
 }

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -17,6 +18,12 @@ import (
 // quotaFS makes a file system (sparse, 320 MiB: mkfs.xfs wants more than 300 MB) of fstype on a loop file with project quota on and
 // returns its mount point.
 func quotaFS(t *testing.T, fstype string) string {
+	t.Helper()
+	return makeFS(t, fstype, "loop,prjquota")
+}
+
+// makeFS makes a file system of fstype on a loop file and mounts it with options.
+func makeFS(t *testing.T, fstype, options string) string {
 	t.Helper()
 	dir := t.TempDir()
 	img := filepath.Join(dir, fstype+".img")
@@ -36,7 +43,7 @@ func quotaFS(t *testing.T, fstype string) string {
 	if err := os.Mkdir(mnt, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	runCmd(t, "mount", "-t", fstype, "-o", "loop,prjquota", img, mnt)
+	runCmd(t, "mount", "-t", fstype, "-o", options, img, mnt)
 	t.Cleanup(func() {
 		if out, err := exec.Command("umount", "-d", mnt).CombinedOutput(); err != nil {
 			t.Errorf("umount %s: %v\n%s", mnt, err, out)
@@ -93,16 +100,22 @@ func TestQuotaProjectLimits(t *testing.T) {
 				if err := fs.Mkdir(base, name, 0o777); err != nil {
 					t.Fatal(err)
 				}
-				fd := dirFd(t, filepath.Join(mnt, name))
-				if err := unix.Fchmod(fd, 0o777); err != nil {
-					t.Fatal(err)
-				}
-				id, err := fs.SetLimit(fd, limit)
+				// Closed at once: an open directory is not freed when removed, and its
+				// inode keeps the project charged.
+				fd, err := unix.Open(filepath.Join(mnt, name), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 				if err != nil {
 					t.Fatal(err)
 				}
 				var st unix.Stat_t
-				if err := unix.Fstat(fd, &st); err != nil {
+				id, err := fs.SetLimit(fd, limit)
+				if err == nil {
+					err = unix.Fchmod(fd, 0o777)
+				}
+				if err == nil {
+					err = unix.Fstat(fd, &st)
+				}
+				unix.Close(fd)
+				if err != nil {
 					t.Fatal(err)
 				}
 				if id.Num != st.Ino {
@@ -123,8 +136,9 @@ func TestQuotaProjectLimits(t *testing.T) {
 			}
 
 			failed, out := writeAsTenant(t, filepath.Join(mnt, "a", "big"), 20)
-			if !failed || !strings.Contains(out, "quota exceeded") {
-				t.Errorf("writing 20 MiB into a 10 MiB volume: failed %v, dd said %q; want Disk quota exceeded", failed, out)
+			// XFS reports a full project as ENOSPC, ext4 as EDQUOT.
+			if !failed || !strings.Contains(out, "quota exceeded") && !strings.Contains(out, "No space left") {
+				t.Errorf("writing 20 MiB into a 10 MiB volume: failed %v, dd said %q; want EDQUOT or ENOSPC", failed, out)
 			}
 			if fi, err := os.Stat(filepath.Join(mnt, "a", "big")); err != nil || fi.Size() > limit {
 				t.Errorf("file in the full volume: %v, %v; want at most %d bytes", fi.Size(), err, limit)
@@ -143,13 +157,46 @@ func TestQuotaProjectLimits(t *testing.T) {
 			if err := os.RemoveAll(filepath.Join(mnt, "b")); err != nil {
 				t.Fatal(err)
 			}
-			if err := fs.Release(base, ids["b"]); err != nil {
+			// XFS frees removed inodes in the background: until then the project is still
+			// charged and Release leaves it alone, so it is retried as a retried Delete would.
+			deadline := time.Now().Add(30 * time.Second)
+			for {
+				if err := fs.Release(base, ids["b"]); err != nil {
+					t.Fatal(err)
+				}
+				u, err := fs.Usage(base, ids["b"])
+				if err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ESRCH) {
+					t.Fatalf("reading a released project: %v", err)
+				}
+				if err != nil || u.LimitBytes == 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("released project of a removed volume still has limit %d (usage %+v)", u.LimitBytes, u)
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+		})
+	}
+}
+
+// TestQuotaProbeRefuses: file systems that account no project quota, or do not enforce it,
+// are reported as unable to enforce, with the fix.
+func TestQuotaProbeRefuses(t *testing.T) {
+	for _, tc := range []struct{ fstype, options, want string }{
+		{"xfs", "loop", "prjquota"},
+		{"xfs", "loop,pqnoenforce", "not enforced"},
+		{"ext4", "loop", "prjquota"},
+	} {
+		t.Run(tc.fstype+" "+tc.options, func(t *testing.T) {
+			mnt := makeFS(t, tc.fstype, tc.options)
+			fs, err := quota.Probe(dirFd(t, mnt))
+			if err != nil {
 				t.Fatal(err)
 			}
-			if u, err := fs.Usage(base, ids["b"]); err == nil && u.LimitBytes != 0 {
-				t.Errorf("released project still has limit %d", u.LimitBytes)
-			} else if err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ESRCH) {
-				t.Errorf("reading a released project: %v", err)
+			err = fs.Enforces()
+			if !errors.Is(err, quota.ErrNotEnforceable) || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("Enforces = %v; want ErrNotEnforceable saying %q", err, tc.want)
 			}
 		})
 	}
