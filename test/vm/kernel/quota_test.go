@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -197,6 +198,70 @@ func TestQuotaProbeRefuses(t *testing.T) {
 			err = fs.Enforces()
 			if !errors.Is(err, quota.ErrNotEnforceable) || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("Enforces = %v; want ErrNotEnforceable saying %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// TestQuotaProjectIDInUseIsSkipped: a project ID someone else's files are charged to (here the
+// new directory's inode number, given by hand to a file outside dirpv) is never handed to a
+// volume (OpenEBS#359: two volumes sharing a project share a limit), and concurrent volumes get
+// distinct IDs.
+func TestQuotaProjectIDInUseIsSkipped(t *testing.T) {
+	for _, fstype := range []string{"xfs", "ext4"} {
+		t.Run(fstype, func(t *testing.T) {
+			mnt := quotaFS(t, fstype)
+			base := dirFd(t, mnt)
+			fs, err := quota.Probe(base)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := fs.Mkdir(base, "vol", 0o755); err != nil {
+				t.Fatal(err)
+			}
+			var st unix.Stat_t
+			if err := unix.Stat(filepath.Join(mnt, "vol"), &st); err != nil {
+				t.Fatal(err)
+			}
+			foreign := filepath.Join(mnt, "foreign")
+			if err := os.WriteFile(foreign, []byte("someone else's"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			runCmd(t, "chattr", "-p", strconv.FormatUint(st.Ino, 10), foreign)
+			id, err := fs.SetLimit(dirFd(t, filepath.Join(mnt, "vol")), 1<<20)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if id.Num == st.Ino {
+				t.Fatalf("volume got project %d, which a foreign file is charged to", id.Num)
+			}
+
+			// Concurrent provisioning: every volume its own ID.
+			const n = 16
+			ids := make(chan quota.ID, n)
+			var wg sync.WaitGroup
+			for i := range n {
+				name := "c" + strconv.Itoa(i)
+				if err := fs.Mkdir(base, name, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				fd := dirFd(t, filepath.Join(mnt, name))
+				wg.Go(func() {
+					id, err := fs.SetLimit(fd, 1<<20)
+					if err != nil {
+						t.Error(err)
+					}
+					ids <- id
+				})
+			}
+			wg.Wait()
+			close(ids)
+			seen := map[quota.ID]bool{id: true}
+			for id := range ids {
+				if seen[id] {
+					t.Errorf("project %v handed out twice", id)
+				}
+				seen[id] = true
 			}
 		})
 	}
