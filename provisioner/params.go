@@ -21,6 +21,21 @@ const (
 	ParamMode        = "mode"
 	ParamUID         = "uid"
 	ParamGID         = "gid"
+	// ParamCapacityEnforcement says whether a local claim's size must be a filesystem limit.
+	ParamCapacityEnforcement = "capacityEnforcement"
+)
+
+// CapacityEnforcement is what a local class asks of the file system under its base path.
+type CapacityEnforcement string
+
+const (
+	// EnforceBestEffort limits each volume to its claim's size where the base's file system
+	// can (XFS or ext4 with prjquota, btrfs with quota) and provisions it unlimited, with an
+	// event saying so, where it cannot: what dev clusters, whose nodes rarely have project
+	// quota, need to work at all.
+	EnforceBestEffort CapacityEnforcement = "bestEffort"
+	// EnforceRequired refuses claims on a base that cannot enforce their size.
+	EnforceRequired CapacityEnforcement = "required"
 )
 
 // DefaultBasePath is where local volumes live when a class names no basePath.
@@ -59,12 +74,13 @@ type classParams struct {
 	pattern  *pattern
 	onDelete OnDelete
 	owner    volume.Owner
+	capacity CapacityEnforcement
 }
 
 // parseParameters checks every parameter, so that a typo is reported on the claim rather than
 // silently ignored.
 func parseParameters(params map[string]string) (*classParams, error) {
-	known := []string{ParamBackend, ParamServer, ParamShare, ParamBasePath, ParamPathPattern, ParamOnDelete, ParamMode, ParamUID, ParamGID}
+	known := []string{ParamBackend, ParamServer, ParamShare, ParamBasePath, ParamPathPattern, ParamOnDelete, ParamMode, ParamUID, ParamGID, ParamCapacityEnforcement}
 	var unknown []string
 	for k := range params {
 		if !slices.Contains(known, k) {
@@ -88,8 +104,11 @@ func parseParameters(params map[string]string) (*classParams, error) {
 		if c.server == "" || c.share == "" {
 			return nil, fmt.Errorf("backend nfs needs parameters %s and %s", ParamServer, ParamShare)
 		}
-		if _, ok := params[ParamBasePath]; ok {
-			return nil, fmt.Errorf("parameter %s is for backend local, not nfs", ParamBasePath)
+		for _, p := range []string{ParamBasePath, ParamCapacityEnforcement} {
+			if _, ok := params[p]; ok {
+				// A client cannot set the server's quotas.
+				return nil, fmt.Errorf("parameter %s is for backend local, not nfs", p)
+			}
 		}
 	case volume.BackendLocal:
 		c.basePath = params[ParamBasePath]
@@ -102,6 +121,15 @@ func parseParameters(params map[string]string) (*classParams, error) {
 		for _, p := range []string{ParamServer, ParamShare} {
 			if _, ok := params[p]; ok {
 				return nil, fmt.Errorf("parameter %s is for backend nfs, not local", p)
+			}
+		}
+		c.capacity = EnforceBestEffort
+		if s, ok := params[ParamCapacityEnforcement]; ok {
+			switch e := CapacityEnforcement(s); e {
+			case EnforceBestEffort, EnforceRequired:
+				c.capacity = e
+			default:
+				return nil, fmt.Errorf("%s %s: want %q or %q", ParamCapacityEnforcement, volume.Quote(s), EnforceBestEffort, EnforceRequired)
 			}
 		}
 	case "":

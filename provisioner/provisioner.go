@@ -28,6 +28,7 @@ import (
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
 	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/quota"
 )
 
 // Annotations dirpv puts on the PVs it makes, so Delete never needs the StorageClass.
@@ -73,8 +74,9 @@ type Config struct {
 	OperationTimeout time.Duration
 	// IdleUnmount is how long an unused NFS mount stays mounted.
 	IdleUnmount time.Duration
-	// Events records events on PVs beyond those the lib records (role controller: volumes
-	// left on lost nodes). Nil records none.
+	// Events records events beyond those the lib records: on PVs of volumes left on lost
+	// nodes (role controller), on claims whose size is not enforced (role node). Nil records
+	// none.
 	Events record.EventRecorder
 }
 
@@ -249,9 +251,34 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 	}
 	owner := volume.Claim{UID: string(claim.UID), PVName: opts.PVName}
 	created := false
+	size := claim.Spec.Resources.Requests[v1.ResourceStorage]
+	// notEnforced says why a best-effort local volume got no limit.
+	var notEnforced error
 	err = p.onStore(ctx, attrs, opts.StorageClass.MountOptions, func(root *volume.Root) error {
 		var err error
-		created, err = root.MkdirAll(rel, params.owner, owner)
+		if attrs.Backend != volume.BackendLocal || size.Sign() <= 0 {
+			created, err = root.MkdirAll(rel, params.owner, owner)
+			return err
+		}
+		fs, err := root.Quota()
+		if err != nil {
+			return err
+		}
+		if why := fs.Enforces(); why != nil {
+			if params.capacity == EnforceRequired {
+				return why
+			}
+			notEnforced = why
+			created, err = root.MkdirAll(rel, params.owner, owner)
+			return err
+		}
+		var id quota.ID
+		created, id, err = root.MkdirAllLimited(rel, params.owner, owner, uint64(size.Value()))
+		attrs.Quota = id.String()
+		if err == nil && attrs.Quota == "" && params.capacity == EnforceRequired {
+			// Adopted from an attempt made while the base could not enforce.
+			return fmt.Errorf("volume %s was made without a size limit: %w", rel, quota.ErrNotEnforceable)
+		}
 		return err
 	})
 	var exists *volume.ExistsError
@@ -270,6 +297,11 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s: %w: the NFS server refused to give the directory to %d:%d; "+
 			"it may squash root (root_squash): export %s with no_root_squash, or drop %s and %s from the StorageClass",
 			rel, err, params.owner.UID, params.owner.GID, volume.ExportSource(attrs.Server, attrs.Share), ParamUID, ParamGID)
+	case errors.Is(err, quota.ErrNotEnforceable):
+		// Another node's base may well enforce sizes.
+		return nil, controller.ProvisioningReschedule, fmt.Errorf(
+			"the class asks for sizes to be enforced (%s: %s) but base path %s on node %s cannot: %w",
+			ParamCapacityEnforcement, EnforceRequired, attrs.BasePath, p.cfg.NodeName, err)
 	case errors.Is(err, errExportUnresponsive):
 		// An NFS server that did not answer may still create the directory; retrying adopts it.
 		return nil, controller.ProvisioningInBackground, fmt.Errorf("create directory %s: %w", rel, err)
@@ -285,8 +317,16 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 	case err != nil:
 		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s: %w", rel, err)
 	}
+	if notEnforced != nil && created {
+		logger.Info("Volume size is not enforced", "path", rel, "reason", notEnforced.Error())
+		if p.cfg.Events != nil {
+			p.cfg.Events.Eventf(claim, v1.EventTypeNormal, "SizeNotEnforced",
+				"the volume's size %s is not enforced on node %s (%s: %s): %v",
+				size.String(), p.cfg.NodeName, ParamCapacityEnforcement, EnforceBestEffort, notEnforced)
+		}
+	}
 	if created {
-		logger.Info("Provisioned volume", "path", rel, "backend", attrs.Backend)
+		logger.Info("Provisioned volume", "path", rel, "backend", attrs.Backend, "quota", attrs.Quota)
 	} else {
 		// A retry after the PV of an earlier attempt was never saved (a crash, a lost leader).
 		logger.Info("adopted existing directory", "path", rel, "backend", attrs.Backend)
@@ -475,7 +515,10 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 			return err
 		}
 		if policy == OnDeleteDelete {
-			return root.RemoveAll(attrs.Path)
+			if err := root.RemoveAll(attrs.Path); err != nil {
+				return err
+			}
+			return releaseQuota(root, attrs)
 		}
 		if _, err := root.Stat(attrs.Path); errors.Is(err, volume.ErrNotDirectory) {
 			// Archiving follows no symlink either; the link itself goes, its target stays.
@@ -492,6 +535,18 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 	}
 	logger.Info("Deleted volume directory", "path", attrs.Path, "onDelete", policy)
 	return nil
+}
+
+// releaseQuota frees the size limit of a removed volume, if it had one.
+func releaseQuota(root *volume.Root, attrs volume.Attributes) error {
+	if attrs.Quota == "" {
+		return nil
+	}
+	id, err := quota.ParseID(attrs.Quota)
+	if err != nil {
+		return err
+	}
+	return root.ReleaseQuota(id)
 }
 
 // checkOwnedBy refuses to delete or archive a directory whose marker names another claim than

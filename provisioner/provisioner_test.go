@@ -45,11 +45,19 @@ type fixture struct {
 	ctrl    *Provisioner
 	mounter *mount.FakeMounter
 	work    string
+	// events holds what the node instance recorded beyond the lib's events.
+	events *record.FakeRecorder
 }
 
 func newFixture(t *testing.T) *fixture {
 	t.Helper()
-	f := &fixture{t: t, base: t.TempDir(), work: t.TempDir(), mounter: mount.NewFakeMounter(nil)}
+	return newFixtureOn(t, t.TempDir())
+}
+
+// newFixtureOn is newFixture with local volumes under base.
+func newFixtureOn(t *testing.T, base string) *fixture {
+	t.Helper()
+	f := &fixture{t: t, base: base, work: t.TempDir(), mounter: mount.NewFakeMounter(nil), events: record.NewFakeRecorder(100)}
 	f.classes = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
 	client := fake.NewClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{
 		Name: testNode, Labels: map[string]string{v1.LabelHostname: "host-a"},
@@ -59,7 +67,7 @@ func newFixture(t *testing.T) *fixture {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f.node, err = New(Config{DriverName: testDriver, Role: RoleNode, NodeName: testNode, Client: client, Classes: lister, AllowedBases: bases})
+	f.node, err = New(Config{DriverName: testDriver, Role: RoleNode, NodeName: testNode, Client: client, Classes: lister, AllowedBases: bases, Events: f.events})
 	if err != nil {
 		t.Fatal(err)
 	}

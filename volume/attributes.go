@@ -9,6 +9,8 @@ import (
 	"path"
 	"sort"
 	"strings"
+
+	"github.com/dirpv/dirpv/volume/quota"
 )
 
 // Backend says where a volume's directory lives.
@@ -28,6 +30,7 @@ const (
 	AttrShare    = "share"
 	AttrBasePath = "basePath"
 	AttrPath     = "path"
+	AttrQuota    = "quota"
 )
 
 // Attributes locate a volume's directory. They are stored in the PV and carry nothing secret.
@@ -40,6 +43,9 @@ type Attributes struct {
 	BasePath string
 	// Path is the volume's directory relative to the share or base path, already cleaned.
 	Path string
+	// Quota names the volume's size limit, quota.ID's string form (local only; empty where
+	// the size is not enforced).
+	Quota string
 }
 
 // Map renders the attributes as PV volumeAttributes.
@@ -51,6 +57,9 @@ func (a Attributes) Map() map[string]string {
 		m[AttrShare] = a.Share
 	case BackendLocal:
 		m[AttrBasePath] = a.BasePath
+		if a.Quota != "" {
+			m[AttrQuota] = a.Quota
+		}
 	}
 	return m
 }
@@ -62,7 +71,7 @@ func ParseAttributes(m map[string]string) (Attributes, error) {
 	var unknown []string
 	for k := range m {
 		switch k {
-		case AttrBackend, AttrServer, AttrShare, AttrBasePath, AttrPath:
+		case AttrBackend, AttrServer, AttrShare, AttrBasePath, AttrPath, AttrQuota:
 		default:
 			if !strings.HasPrefix(k, "csi.storage.k8s.io/") {
 				unknown = append(unknown, k)
@@ -79,6 +88,7 @@ func ParseAttributes(m map[string]string) (Attributes, error) {
 		Share:    m[AttrShare],
 		BasePath: m[AttrBasePath],
 		Path:     m[AttrPath],
+		Quota:    m[AttrQuota],
 	}
 	return a, a.Validate()
 }
@@ -100,8 +110,8 @@ func (a Attributes) Validate() error {
 		if err := checkAbsDir(a.Share); err != nil {
 			return fmt.Errorf("attribute %s: %w", AttrShare, err)
 		}
-		if a.BasePath != "" {
-			return fmt.Errorf("attribute %s is not valid for backend nfs", AttrBasePath)
+		if a.BasePath != "" || a.Quota != "" {
+			return fmt.Errorf("attributes %s and %s are not valid for backend nfs", AttrBasePath, AttrQuota)
 		}
 	case BackendLocal:
 		if err := checkAbsDir(a.BasePath); err != nil {
@@ -109,6 +119,11 @@ func (a Attributes) Validate() error {
 		}
 		if a.Server != "" || a.Share != "" {
 			return fmt.Errorf("attributes %s and %s are not valid for backend local", AttrServer, AttrShare)
+		}
+		if a.Quota != "" {
+			if _, err := quota.ParseID(a.Quota); err != nil {
+				return fmt.Errorf("attribute %s: %w", AttrQuota, err)
+			}
 		}
 	default:
 		return fmt.Errorf("attribute %s %s: want %q or %q", AttrBackend, Quote(string(a.Backend)), BackendNFS, BackendLocal)

@@ -9,6 +9,8 @@ func TestAttributesRoundTrip(t *testing.T) {
 	for _, a := range []Attributes{
 		{Backend: BackendNFS, Server: "nfs.example.com", Share: "/export", Path: "ns-claim-pv"},
 		{Backend: BackendLocal, BasePath: "/var/lib/dirpv", Path: "a/b"},
+		{Backend: BackendLocal, BasePath: "/var/lib/dirpv", Path: "a/b", Quota: "project/4242"},
+		{Backend: BackendLocal, BasePath: "/var/lib/dirpv", Path: "a/b", Quota: "btrfs/257"},
 	} {
 		got, err := ParseAttributes(a.Map())
 		if err != nil || got != a {
@@ -38,6 +40,8 @@ func TestParseAttributesRefuses(t *testing.T) {
 		"nfs with base":    {"backend": "nfs", "server": "s", "share": "/s", "basePath": "/b", "path": "p"},
 		"local with share": {"backend": "local", "basePath": "/b", "share": "/s", "path": "p"},
 		"empty path":       {"backend": "local", "basePath": "/b"},
+		"bad quota":        {"backend": "local", "basePath": "/b", "path": "p", "quota": "project/0"},
+		"nfs with quota":   {"backend": "nfs", "server": "s", "share": "/s", "path": "p", "quota": "project/1"},
 	} {
 		if _, err := ParseAttributes(m); err == nil {
 			t.Errorf("%s: ParseAttributes(%v) succeeded", name, m)

@@ -13,6 +13,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/dirpv/dirpv/volume/quota"
 )
 
 // Claim identifies the claim a volume directory was made for. It is recorded in the volume's
@@ -85,10 +87,18 @@ var legacyMarker = []byte("1")
 type marker struct {
 	marked bool
 	owner  Claim
+	// quota names the volume's size limit (quota.ID's string form), empty if it has none.
+	quota string
 }
 
-func encodeMarker(c Claim) []byte {
-	b, _ := json.Marshal(c) // two strings: cannot fail
+// markerJSON is the marker's stored form.
+type markerJSON struct {
+	Claim
+	Quota string `json:"quota,omitempty"`
+}
+
+func encodeMarker(c Claim, quota string) []byte {
+	b, _ := json.Marshal(markerJSON{Claim: c, Quota: quota}) // strings only: cannot fail
 	return b
 }
 
@@ -96,11 +106,34 @@ func decodeMarker(b []byte) (marker, error) {
 	if bytes.Equal(b, legacyMarker) {
 		return marker{marked: true}, nil
 	}
-	var c Claim
-	if err := json.Unmarshal(b, &c); err != nil {
+	var m markerJSON
+	if err := json.Unmarshal(b, &m); err != nil {
 		return marker{}, fmt.Errorf("volume marker %q: %w", b, err)
 	}
-	return marker{marked: true, owner: c}, nil
+	return marker{marked: true, owner: m.Claim, quota: m.Quota}, nil
+}
+
+// VolumeQuota reads the quota ID from the marker of the volume directory open at fd (its own
+// trusted attribute: the local volumes that have quotas keep it there). ok is false if the
+// directory has no marker or its marker names no quota.
+func VolumeQuota(fd int) (id quota.ID, ok bool, err error) {
+	buf := make([]byte, maxMarker)
+	n, err := unix.Fgetxattr(fd, volumeMarker, buf)
+	if errors.Is(err, unix.ENODATA) || xattrUnsupported(err) {
+		return quota.ID{}, false, nil // NFS, or not a volume of dirpv's
+	}
+	if err != nil {
+		return quota.ID{}, false, fmt.Errorf("read volume marker: %w", err)
+	}
+	m, err := decodeMarker(buf[:n])
+	if err != nil || m.quota == "" {
+		return quota.ID{}, false, err
+	}
+	id, err = quota.ParseID(m.quota)
+	if err != nil {
+		return quota.ID{}, false, fmt.Errorf("volume marker: %w", err)
+	}
+	return id, true, nil
 }
 
 // xattrUnsupported reports whether a trusted attribute cannot be used here, so that the record
@@ -153,9 +186,10 @@ func (r *Root) readMarker(parentFd, fd int) (marker, error) {
 	return decodeMarker(b)
 }
 
-// writeMarker marks the directory open at fd, in parentFd, as the volume of c.
-func (r *Root) writeMarker(parentFd, fd int, c Claim) error {
-	b := encodeMarker(c)
+// writeMarker marks the directory open at fd, in parentFd, as the volume of c, limited by
+// the quota named quota (empty: none).
+func (r *Root) writeMarker(parentFd, fd int, c Claim, quota string) error {
+	b := encodeMarker(c, quota)
 	switch err := unix.Fsetxattr(fd, r.xattr, b, 0); {
 	case err == nil:
 		return nil

@@ -10,6 +10,8 @@ import (
 	"sync"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/dirpv/dirpv/volume/quota"
 )
 
 // resolveBeneath makes the kernel refuse any lookup that would leave the directory it starts
@@ -33,6 +35,10 @@ type Root struct {
 	// (NFS), so that two of this process's workers cannot both find a name free; a rename
 	// onto an empty directory would otherwise replace it.
 	renameMu sync.Mutex
+
+	quotaOnce sync.Once
+	quotaFS   *quota.FS
+	quotaErr  error
 }
 
 // OpenRoot opens the base directory at an absolute path. The base itself may be reached through
@@ -118,18 +124,79 @@ type Owner struct {
 // different depths cannot put one tenant's volume inside another's, and (ErrReservedName) paths
 // through names dirpv keeps for itself.
 func (r *Root) MkdirAll(rel string, owner Owner, claim Claim) (created bool, err error) {
+	created, _, err = r.mkdirAll(rel, owner, claim, 0)
+	return created, err
+}
+
+// MkdirAllLimited is MkdirAll for a volume limited to limit bytes by the base's file system
+// (see Quota). The limit is set on the volume while it still has its temporary name, before
+// its marker, which records the quota's ID, so no volume exists in place without its limit.
+// It returns the ID; an adopted volume returns the one its marker names, which is empty if
+// it was made without a limit. It fails, changing nothing, if the file system cannot enforce
+// limits (the error wraps quota.ErrNotEnforceable).
+func (r *Root) MkdirAllLimited(rel string, owner Owner, claim Claim, limit uint64) (created bool, id quota.ID, err error) {
+	if limit == 0 {
+		return false, quota.ID{}, fmt.Errorf("volume %s: a limit of 0 bytes", rel)
+	}
+	fs, err := r.Quota()
+	if err != nil {
+		return false, quota.ID{}, err
+	}
+	if err := fs.Enforces(); err != nil {
+		return false, quota.ID{}, fmt.Errorf("base %s: %w", r.path, err)
+	}
+	return r.mkdirAll(rel, owner, claim, limit)
+}
+
+// Quota probes, once, what the base's file system can enforce.
+func (r *Root) Quota() (*quota.FS, error) {
+	r.quotaOnce.Do(func() {
+		fd, err := r.openDir("", unix.O_RDONLY)
+		if err != nil {
+			r.quotaErr = err
+			return
+		}
+		defer unix.Close(fd)
+		r.quotaFS, r.quotaErr = quota.Probe(fd)
+		if r.quotaErr != nil {
+			r.quotaErr = fmt.Errorf("base %s: %w", r.path, r.quotaErr)
+		}
+	})
+	return r.quotaFS, r.quotaErr
+}
+
+// ReleaseQuota clears the limit of a volume that is gone, so its ID can be used again.
+func (r *Root) ReleaseQuota(id quota.ID) error {
+	fs, err := r.Quota()
+	if err != nil {
+		return err
+	}
+	fd, err := r.openDir("", unix.O_RDONLY)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	if err := fs.Release(fd, id); err != nil {
+		return fmt.Errorf("base %s: %w", r.path, err)
+	}
+	return nil
+}
+
+// mkdirAll is MkdirAll with a limit of limit bytes, none if 0.
+func (r *Root) mkdirAll(rel string, owner Owner, claim Claim, limit uint64) (created bool, id quota.ID, err error) {
 	if _, err := CleanRelPath(rel); err != nil {
-		return false, err
+		return false, quota.ID{}, err
 	}
 	if err := checkReserved(rel); err != nil {
-		return false, err
+		return false, quota.ID{}, err
 	}
 	if claim.UID == "" {
-		return false, fmt.Errorf("volume %s: the owning claim's UID is required", rel)
+		return false, quota.ID{}, fmt.Errorf("volume %s: the owning claim's UID is required", rel)
 	}
-	parentFd, err := r.openDir("", unix.O_PATH)
+	// Read-only, not O_PATH: a btrfs subvolume is created by an ioctl on its parent.
+	parentFd, err := r.openDir("", unix.O_RDONLY)
 	if err != nil {
-		return false, err
+		return false, quota.ID{}, err
 	}
 	defer func() { unix.Close(parentFd) }()
 	components := strings.Split(rel, "/")
@@ -138,11 +205,11 @@ func (r *Root) MkdirAll(rel string, owner Owner, claim Claim) (created bool, err
 		err := unix.Mkdirat(parentFd, name, 0o755)
 		made := err == nil
 		if err != nil && !errors.Is(err, unix.EEXIST) {
-			return false, fmt.Errorf("mkdir %s in %s: %w", where, r.path, err)
+			return false, quota.ID{}, fmt.Errorf("mkdir %s in %s: %w", where, r.path, err)
 		}
 		fd, err := r.openChild(parentFd, name, where)
 		if err != nil {
-			return false, err
+			return false, quota.ID{}, err
 		}
 		if made {
 			// A fresh directory's inode may be a deleted volume's, whose record was left by a
@@ -156,12 +223,12 @@ func (r *Root) MkdirAll(rel string, owner Owner, claim Claim) (created bool, err
 		unix.Close(parentFd)
 		parentFd = fd
 		if errors.Is(err, ErrInsideVolume) {
-			return false, fmt.Errorf("%s in %s %w", where, r.path, err)
+			return false, quota.ID{}, fmt.Errorf("%s in %s %w", where, r.path, err)
 		} else if err != nil {
-			return false, fmt.Errorf("%s in %s: %w", where, r.path, err)
+			return false, quota.ID{}, fmt.Errorf("%s in %s: %w", where, r.path, err)
 		}
 	}
-	return r.createVolume(parentFd, components[len(components)-1], rel, owner, claim)
+	return r.createVolume(parentFd, components[len(components)-1], rel, owner, claim, limit)
 }
 
 // openChild opens the directory name in parentFd for reading, refusing symlinks.
@@ -176,79 +243,105 @@ func (r *Root) openChild(parentFd int, name, where string) (int, error) {
 	return fd, nil
 }
 
-// createVolume makes the volume name in parentFd for claim, or adopts it if it is claim's.
-func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim Claim) (bool, error) {
+// createVolume makes the volume name in parentFd for claim, limited to limit bytes (0: no
+// limit), or adopts it if it is claim's.
+func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim Claim, limit uint64) (bool, quota.ID, error) {
 	// An existing volume is judged before anything is made, so a refusal changes nothing.
-	if err := r.adopt(parentFd, name, rel, claim); !errors.Is(err, os.ErrNotExist) {
-		return false, err
+	if id, err := r.adopt(parentFd, name, rel, claim); !errors.Is(err, os.ErrNotExist) {
+		return false, id, err
 	}
 	mnt, err := mountID(parentFd)
 	if err != nil {
-		return false, fmt.Errorf("%s in %s: %w", rel, r.path, err)
+		return false, quota.ID{}, fmt.Errorf("%s in %s: %w", rel, r.path, err)
 	}
 	tmp := tempName(claim, name)
 	if err := removeVolumeAt(parentFd, tmp, mnt); err != nil {
-		return false, fmt.Errorf("remove what an earlier attempt left of %s in %s: %w", rel, r.path, err)
+		return false, quota.ID{}, fmt.Errorf("remove what an earlier attempt left of %s in %s: %w", rel, r.path, err)
 	}
-	if err := r.makeMarked(parentFd, tmp, owner, claim); err != nil {
+	id, err := r.makeMarked(parentFd, tmp, owner, claim, limit)
+	if err != nil {
 		err = fmt.Errorf("%s in %s: %w", rel, r.path, err)
 		if rerr := removeVolumeAt(parentFd, tmp, mnt); rerr != nil {
 			err = errors.Join(err, fmt.Errorf("remove the half-made directory: %w", rerr))
 		}
-		return false, err
+		return false, quota.ID{}, err
 	}
 	err = r.renameNoReplace(parentFd, tmp, parentFd, name)
 	if err == nil {
-		return true, nil
+		return true, id, nil
 	}
 	if rerr := removeVolumeAt(parentFd, tmp, mnt); rerr != nil {
 		err = errors.Join(err, fmt.Errorf("remove the unused new directory: %w", rerr))
 	}
 	if errors.Is(err, unix.EEXIST) || errors.Is(err, unix.ENOTEMPTY) {
 		// Another worker made it meanwhile: the same judgement as above applies.
-		return false, r.adopt(parentFd, name, rel, claim)
+		id, err := r.adopt(parentFd, name, rel, claim)
+		return false, id, err
 	}
-	return false, fmt.Errorf("rename new volume into place as %s in %s: %w", rel, r.path, err)
+	return false, quota.ID{}, fmt.Errorf("rename new volume into place as %s in %s: %w", rel, r.path, err)
 }
 
-// adopt returns nil if the directory name in parentFd is claim's volume, an error wrapping
-// os.ErrNotExist if there is none, and an *ExistsError if it is not claim's.
-func (r *Root) adopt(parentFd int, name, rel string, claim Claim) error {
+// adopt returns the quota ID of the directory name in parentFd if it is claim's volume, an
+// error wrapping os.ErrNotExist if there is none, and an *ExistsError if it is not claim's.
+func (r *Root) adopt(parentFd int, name, rel string, claim Claim) (quota.ID, error) {
 	fd, err := r.openChild(parentFd, name, rel)
 	if err != nil {
-		return err
+		return quota.ID{}, err
 	}
 	defer unix.Close(fd)
 	m, err := r.readMarker(parentFd, fd)
 	if err != nil {
-		return fmt.Errorf("%s in %s: %w", rel, r.path, err)
+		return quota.ID{}, fmt.Errorf("%s in %s: %w", rel, r.path, err)
 	}
 	if !m.marked || m.owner.UID != claim.UID {
-		return &ExistsError{Path: rel, Marked: m.marked, Owner: m.owner}
+		return quota.ID{}, &ExistsError{Path: rel, Marked: m.marked, Owner: m.owner}
 	}
-	return nil
+	if m.quota == "" {
+		return quota.ID{}, nil
+	}
+	id, err := quota.ParseID(m.quota)
+	if err != nil {
+		return quota.ID{}, fmt.Errorf("%s in %s: volume marker: %w", rel, r.path, err)
+	}
+	return id, nil
 }
 
-// makeMarked makes the directory name in parentFd with exactly owner's mode and ids, marked
-// as claim's volume.
-func (r *Root) makeMarked(parentFd int, name string, owner Owner, claim Claim) error {
-	if err := unix.Mkdirat(parentFd, name, owner.Mode&0o777); err != nil {
-		return fmt.Errorf("mkdir: %w", err)
+// makeMarked makes the directory name in parentFd with exactly owner's mode and ids and a
+// limit of limit bytes (0: none), marked as claim's volume.
+func (r *Root) makeMarked(parentFd int, name string, owner Owner, claim Claim, limit uint64) (quota.ID, error) {
+	var fs *quota.FS
+	if limit > 0 {
+		var err error
+		if fs, err = r.Quota(); err != nil {
+			return quota.ID{}, err
+		}
+		err = fs.Mkdir(parentFd, name, owner.Mode&0o777)
+		if err != nil {
+			return quota.ID{}, err
+		}
+	} else if err := unix.Mkdirat(parentFd, name, owner.Mode&0o777); err != nil {
+		return quota.ID{}, fmt.Errorf("mkdir: %w", err)
 	}
 	fd, err := r.openChild(parentFd, name, name)
 	if err != nil {
-		return err
+		return quota.ID{}, err
 	}
 	defer unix.Close(fd)
 	// chown first: it clears setuid/setgid, and mkdir applied the umask, so the mode is set
 	// exactly afterwards.
 	if err := unix.Fchown(fd, owner.UID, owner.GID); err != nil {
-		return fmt.Errorf("chown to %d:%d: %w", owner.UID, owner.GID, err)
+		return quota.ID{}, fmt.Errorf("chown to %d:%d: %w", owner.UID, owner.GID, err)
 	}
 	if err := unix.Fchmod(fd, owner.Mode&0o7777); err != nil {
-		return fmt.Errorf("chmod to %o: %w", owner.Mode, err)
+		return quota.ID{}, fmt.Errorf("chmod to %o: %w", owner.Mode, err)
 	}
-	return r.writeMarker(parentFd, fd, claim)
+	var id quota.ID
+	if fs != nil {
+		if id, err = fs.SetLimit(fd, limit); err != nil {
+			return quota.ID{}, fmt.Errorf("set size limit: %w", err)
+		}
+	}
+	return id, r.writeMarker(parentFd, fd, claim, id.String())
 }
 
 // VolumeOwner returns the claim the marker of the volume directory rel names. marked is false

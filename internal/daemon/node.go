@@ -5,7 +5,11 @@ import (
 	"fmt"
 	"path/filepath"
 
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/record"
 	"k8s.io/mount-utils"
 
 	"github.com/dirpv/dirpv/csinode"
@@ -72,7 +76,12 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			return err
 		}
 		factory := informers.NewSharedInformerFactory(client, cfg.Provisioner.Resync)
+		// Claims whose size this node cannot enforce are told so on the claim.
+		broadcaster := record.NewBroadcaster(record.WithContext(ctx))
+		broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
+		defer broadcaster.Shutdown()
 		p, err := provisioner.New(provisioner.Config{
+			Events:           broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: DriverName + "-node", Host: cfg.NodeName}),
 			DriverName:       DriverName,
 			Role:             provisioner.RoleNode,
 			NodeName:         cfg.NodeName,

@@ -714,7 +714,7 @@ func TestHelmCustomValues(t *testing.T) {
 		t.Fatalf("classes %v", got)
 	}
 	wantParams := map[string]map[string]string{
-		"fast":   {"backend": "local", "basePath": "/mnt/ssd/dirpv", "onDelete": "archive", "mode": "0770", "uid": "1000", "gid": "1000"},
+		"fast":   {"backend": "local", "basePath": "/mnt/ssd/dirpv", "onDelete": "archive", "capacityEnforcement": "required", "mode": "0770", "uid": "1000", "gid": "1000"},
 		"bulk":   {"backend": "local", "basePath": "/srv/dirpv", "pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}"},
 		"shared": {"backend": "nfs", "server": "nfs.example.com", "share": "/srv/nfs", "onDelete": "retain"},
 	}
@@ -773,9 +773,10 @@ func TestHelmRejects(t *testing.T) {
 		"base in kubelet":  {[]string{"node.allowedBasePaths[0]=/var/lib/kubelet/pods"}, "inside kubeletRootDir"},
 		"class in kubelet": {[]string{"storageClasses[0].name=x", "storageClasses[0].basePath=/var/lib/kubelet"}, "inside kubeletRootDir"},
 		// values.schema.json catches these before the templates do.
-		"bad backend":  {[]string{"storageClasses[0].name=x", "storageClasses[0].backend=ceph"}, "'local', 'nfs'"},
-		"typo":         {[]string{"controller.replicaz=3"}, "replicaz"},
-		"bad onDelete": {[]string{"storageClasses[0].name=x", "storageClasses[0].onDelete=trash"}, "onDelete"},
+		"bad backend":             {[]string{"storageClasses[0].name=x", "storageClasses[0].backend=ceph"}, "'local', 'nfs'"},
+		"typo":                    {[]string{"controller.replicaz=3"}, "replicaz"},
+		"bad onDelete":            {[]string{"storageClasses[0].name=x", "storageClasses[0].onDelete=trash"}, "onDelete"},
+		"bad capacityEnforcement": {[]string{"storageClasses[0].name=x", "storageClasses[0].capacityEnforcement=always"}, "capacityEnforcement"},
 		// --set on a list index replaces the whole default list: this entry has no name.
 		"no name":    {[]string{"storageClasses[0].backend=local"}, "needs a name"},
 		"latest tag": {[]string{"image.tag=latest"}, "latest refused"},

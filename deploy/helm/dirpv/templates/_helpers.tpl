@@ -77,7 +77,7 @@ parameters:
   server: {{ $c.server | quote }}
   share: {{ $c.share | quote }}
   {{- end }}
-  {{- range $k := list "pathPattern" "onDelete" "mode" "uid" "gid" }}
+  {{- range $k := list "pathPattern" "onDelete" "mode" "uid" "gid" "capacityEnforcement" }}
   {{- if hasKey $c $k }}
   {{ $k }}: {{ index $c $k | toString | quote }}
   {{- end }}

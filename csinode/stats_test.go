@@ -1,0 +1,96 @@
+package csinode
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"k8s.io/mount-utils"
+
+	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
+)
+
+// TestVolumeStatsOfLimitedVolume: on a btrfs base with quota, a half-full 20 MiB volume
+// reports its own size and usage, not the file system's; its empty neighbour on the same file
+// system reports its own; a volume without a limit reports the file system's figures.
+func TestVolumeStatsOfLimitedVolume(t *testing.T) {
+	ctx := context.Background()
+	base := quotatest.Btrfs(t, true)
+	root, err := volume.OpenRoot(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	const limit = 20 << 20
+	owner := volume.Owner{Mode: 0o777, UID: -1, GID: -1}
+	_, ns := newTestDriver(t, mount.New(""), 10*time.Second)
+	rw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	publish := func(name string, limited bool) string {
+		t.Helper()
+		attrs := volume.Attributes{Backend: volume.BackendLocal, BasePath: base, Path: name}
+		claim := volume.Claim{UID: "uid-" + name, PVName: "pv-" + name}
+		if limited {
+			_, id, err := root.MkdirAllLimited(name, owner, claim, limit)
+			if err != nil {
+				t.Fatal(err)
+			}
+			attrs.Quota = id.String()
+		} else if _, err := root.MkdirAll(name, owner, claim); err != nil {
+			t.Fatal(err)
+		}
+		target := newTarget(t)
+		if _, err := ns.NodePublishVolume(ctx, publishReq(name, target, attrs, rw, false)); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			ns.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: name, TargetPath: target})
+		})
+		return target
+	}
+	half, empty, unlimited := publish("half", true), publish("empty", true), publish("unlimited", false)
+	if err := os.WriteFile(filepath.Join(half, "data"), make([]byte, 10<<20), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	unix.Sync() // btrfs accounts qgroups at transaction commit
+
+	stats := func(id, target string) (bytes, inodes *csi.VolumeUsage) {
+		t.Helper()
+		st, err := ns.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: target})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, u := range st.GetUsage() {
+			switch u.GetUnit() {
+			case csi.VolumeUsage_BYTES:
+				bytes = u
+			case csi.VolumeUsage_INODES:
+				inodes = u
+			}
+		}
+		if bytes == nil || inodes == nil {
+			t.Fatalf("stats of %s: %v, want bytes and inodes", id, st.GetUsage())
+		}
+		return bytes, inodes
+	}
+	b, _ := stats("half", half)
+	if b.GetTotal() != limit || b.GetUsed() < 10<<20 || b.GetUsed() > 10<<20+512<<10 || b.GetAvailable() != limit-b.GetUsed() {
+		t.Errorf("half-full 20 MiB volume: %v; want total %d, used ~10 MiB, available the rest", b, limit)
+	}
+	b, _ = stats("empty", empty)
+	if b.GetTotal() != limit || b.GetUsed() > 64<<10 {
+		t.Errorf("empty neighbour: %v; want total %d and next to nothing used", b, limit)
+	}
+	var sfs unix.Statfs_t
+	if err := unix.Statfs(base, &sfs); err != nil {
+		t.Fatal(err)
+	}
+	b, _ = stats("unlimited", unlimited)
+	if fsTotal := int64(sfs.Blocks) * sfs.Bsize; b.GetTotal() != fsTotal {
+		t.Errorf("volume without a limit: total %d, want the file system's %d", b.GetTotal(), fsTotal)
+	}
+}

@@ -1,0 +1,161 @@
+package provisioner
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/quota"
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
+)
+
+func sizedClaim(name, size string) *v1.PersistentVolumeClaim {
+	c := claim(name)
+	c.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse(size)
+	return c
+}
+
+// writeMiB writes up to n MiB to p, syncing each, and returns how many went in and the
+// error that stopped it.
+func writeMiB(t *testing.T, p string, n int) (int, error) {
+	t.Helper()
+	f, err := os.Create(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	buf := make([]byte, 1<<20)
+	for i := range buf {
+		buf[i] = byte(i*13 + 1)
+	}
+	for i := range n {
+		if _, err := f.Write(buf); err != nil {
+			return i, err
+		}
+		if err := f.Sync(); err != nil {
+			return i, err
+		}
+	}
+	return n, nil
+}
+
+// TestProvisionLocalEnforcesSize: on a btrfs base with quota, the claim's size is the volume's
+// limit from the moment its PV exists: writes past it fail with EDQUOT, a neighbour is
+// unaffected, the PV names the quota, and Delete removes the volume and frees the quota.
+func TestProvisionLocalEnforcesSize(t *testing.T) {
+	for _, enforcement := range []string{"", string(EnforceRequired)} {
+		t.Run("capacityEnforcement="+enforcement, func(t *testing.T) {
+			f := newFixtureOn(t, quotatest.Btrfs(t, true))
+			params := map[string]string{}
+			if enforcement != "" {
+				params[ParamCapacityEnforcement] = enforcement
+			}
+			class := f.localClass(params)
+			pv, state, err := f.node.Provision(context.Background(), opts(class, sizedClaim("a", "10Mi")))
+			if err != nil || state != controller.ProvisioningFinished {
+				t.Fatalf("Provision = %v, %v", state, err)
+			}
+			neighbour, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("b", "10Mi")))
+			if err != nil {
+				t.Fatal(err)
+			}
+			attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
+			if err != nil {
+				t.Fatal(err)
+			}
+			id, err := quota.ParseID(attrs.Quota)
+			if err != nil || id.Kind != quota.Btrfs {
+				t.Fatalf("PV attribute %s = %q (%v), want a btrfs quota", volume.AttrQuota, attrs.Quota, err)
+			}
+			if n, err := writeMiB(t, filepath.Join(f.base, attrs.Path, "big"), 20); !errors.Is(err, unix.EDQUOT) || n > 10 {
+				t.Errorf("writing 20 MiB into a 10Mi claim: %d MiB went in, err %v; want EDQUOT by 10 MiB", n, err)
+			}
+			nrel := neighbour.Spec.CSI.VolumeAttributes[volume.AttrPath]
+			if n, err := writeMiB(t, filepath.Join(f.base, nrel, "file"), 8); err != nil {
+				t.Errorf("neighbour: %d of 8 MiB went in: %v", n, err)
+			}
+			// Retried Provision (its PV was never saved) adopts the volume and its quota.
+			again, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("a", "10Mi")))
+			if err != nil || again.Spec.CSI.VolumeAttributes[volume.AttrQuota] != attrs.Quota {
+				t.Errorf("retried Provision: quota %q, %v; want %q", again.Spec.CSI.VolumeAttributes[volume.AttrQuota], err, attrs.Quota)
+			}
+			if err := f.node.Delete(context.Background(), pv); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := os.Lstat(filepath.Join(f.base, attrs.Path)); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("volume still there after Delete: %v", err)
+			}
+			if err := f.node.Delete(context.Background(), pv); err != nil {
+				t.Errorf("repeated Delete: %v", err)
+			}
+			select {
+			case e := <-f.events.Events:
+				t.Errorf("unexpected event %q", e)
+			default:
+			}
+		})
+	}
+}
+
+// TestProvisionLocalRequiredRefusedWithoutQuota: a class that requires enforcement on a base
+// that cannot enforce gets its claim refused, with a message that says how to fix it, and
+// nothing on disk.
+func TestProvisionLocalRequiredRefusedWithoutQuota(t *testing.T) {
+	f := newFixtureOn(t, quotatest.Btrfs(t, false))
+	class := f.localClass(map[string]string{ParamCapacityEnforcement: string(EnforceRequired)})
+	_, state, err := f.node.Provision(context.Background(), opts(class, sizedClaim("a", "10Mi")))
+	if err == nil || state != controller.ProvisioningReschedule {
+		t.Fatalf("Provision = %v, %v; want a refusal that lets another node try", state, err)
+	}
+	for _, want := range []string{"capacityEnforcement: required", f.base, "btrfs quota enable"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("refusal %q does not say %q", err, want)
+		}
+	}
+	if tree := listTree(t, f.base); len(tree) != 0 {
+		t.Errorf("refused claim left %v", tree)
+	}
+}
+
+// TestProvisionLocalBestEffortWithoutQuota: by default a base without quota still provisions,
+// without a quota in the PV, and the claim gets an event saying its size is not enforced.
+func TestProvisionLocalBestEffortWithoutQuota(t *testing.T) {
+	f := newFixture(t)
+	class := f.localClass(nil)
+	pv, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("a", "10Mi")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q, ok := pv.Spec.CSI.VolumeAttributes[volume.AttrQuota]; ok {
+		t.Errorf("PV names quota %q on a base without quota", q)
+	}
+	select {
+	case e := <-f.events.Events:
+		if !strings.Contains(e, "SizeNotEnforced") || !strings.Contains(e, "10Mi") || !strings.Contains(e, "prjquota") {
+			t.Errorf("event %q: want SizeNotEnforced naming the size and the fix", e)
+		}
+	default:
+		t.Error("no event says the size is not enforced")
+	}
+}
+
+func TestCapacityEnforcementParameter(t *testing.T) {
+	for name, params := range map[string]map[string]string{
+		"bad value": {"backend": "local", ParamCapacityEnforcement: "always"},
+		"on nfs":    {"backend": "nfs", "server": "s", "share": "/s", ParamCapacityEnforcement: "required"},
+	} {
+		if _, err := parseParameters(params); err == nil || !strings.Contains(err.Error(), ParamCapacityEnforcement) {
+			t.Errorf("%s: parseParameters = %v, want an error naming %s", name, err, ParamCapacityEnforcement)
+		}
+	}
+}

@@ -1,0 +1,268 @@
+package kernel
+
+import (
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dirpv/dirpv/volume/quota"
+)
+
+// quotaFS makes a file system (sparse, 320 MiB: mkfs.xfs wants more than 300 MB) of fstype on a loop file with project quota on and
+// returns its mount point.
+func quotaFS(t *testing.T, fstype string) string {
+	t.Helper()
+	return makeFS(t, fstype, "loop,prjquota")
+}
+
+// makeFS makes a file system of fstype on a loop file and mounts it with options.
+func makeFS(t *testing.T, fstype, options string) string {
+	t.Helper()
+	dir := t.TempDir()
+	img := filepath.Join(dir, fstype+".img")
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 320<<20); err != nil {
+		t.Fatal(err)
+	}
+	switch fstype {
+	case "xfs":
+		runCmd(t, "mkfs.xfs", "-q", img)
+	case "ext4":
+		runCmd(t, "mkfs.ext4", "-q", "-O", "quota,project", img)
+	}
+	mnt := filepath.Join(dir, "mnt")
+	if err := os.Mkdir(mnt, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	runCmd(t, "mount", "-t", fstype, "-o", options, img, mnt)
+	t.Cleanup(func() {
+		if out, err := exec.Command("umount", "-d", mnt).CombinedOutput(); err != nil {
+			t.Errorf("umount %s: %v\n%s", mnt, err, out)
+		}
+	})
+	return mnt
+}
+
+func runCmd(t *testing.T, name string, args ...string) {
+	t.Helper()
+	if out, err := exec.Command(name, args...).CombinedOutput(); err != nil {
+		t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out)
+	}
+}
+
+func dirFd(t *testing.T, p string) int {
+	t.Helper()
+	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	return fd
+}
+
+// writeAsTenant writes mib MiB to p as a pod's process would: without CAP_SYS_RESOURCE, which
+// ext4 lets bypass quota limits. It returns dd's error output if the write failed.
+func writeAsTenant(t *testing.T, p string, mib int) (failed bool, out string) {
+	t.Helper()
+	cmd := exec.Command("setpriv", "--inh-caps=-sys_resource", "--bounding-set=-sys_resource",
+		"dd", "if=/dev/urandom", "of="+p, "bs=1M", "count="+strconv.Itoa(mib), "conv=fsync")
+	b, err := cmd.CombinedOutput()
+	return err != nil, string(b)
+}
+
+// TestQuotaProjectLimits: on XFS and ext4 mounted with prjquota, a volume given a 10 MiB
+// limit stops a tenant's write at 10 MiB with EDQUOT, statfs of the volume reports 10 MiB, a
+// neighbour on the same file system is unaffected, and usage reads back from the quota.
+func TestQuotaProjectLimits(t *testing.T) {
+	for _, fstype := range []string{"xfs", "ext4"} {
+		t.Run(fstype, func(t *testing.T) {
+			mnt := quotaFS(t, fstype)
+			base := dirFd(t, mnt)
+			fs, err := quota.Probe(base)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := fs.Enforces(); err != nil || fs.Kind() != quota.Project {
+				t.Fatalf("%s with prjquota: Kind %q, Enforces %v", fstype, fs.Kind(), err)
+			}
+			const limit = 10 << 20
+			ids := map[string]quota.ID{}
+			for _, name := range []string{"a", "b"} {
+				if err := fs.Mkdir(base, name, 0o777); err != nil {
+					t.Fatal(err)
+				}
+				// Closed at once: an open directory is not freed when removed, and its
+				// inode keeps the project charged.
+				fd, err := unix.Open(filepath.Join(mnt, name), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				var st unix.Stat_t
+				id, err := fs.SetLimit(fd, limit)
+				if err == nil {
+					err = unix.Fchmod(fd, 0o777)
+				}
+				if err == nil {
+					err = unix.Fstat(fd, &st)
+				}
+				unix.Close(fd)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if id.Num != st.Ino {
+					t.Errorf("volume %s (inode %d) got project %v, want its inode number", name, st.Ino, id)
+				}
+				ids[name] = id
+			}
+			if ids["a"] == ids["b"] {
+				t.Fatalf("two volumes share quota ID %v", ids["a"])
+			}
+
+			var sfs unix.Statfs_t
+			if err := unix.Statfs(filepath.Join(mnt, "a"), &sfs); err != nil {
+				t.Fatal(err)
+			}
+			if got := sfs.Blocks * uint64(sfs.Bsize); got != limit {
+				t.Errorf("statfs of the volume reports size %d, want the limit %d", got, limit)
+			}
+
+			failed, out := writeAsTenant(t, filepath.Join(mnt, "a", "big"), 20)
+			// XFS reports a full project as ENOSPC, ext4 as EDQUOT.
+			if !failed || !strings.Contains(out, "quota exceeded") && !strings.Contains(out, "No space left") {
+				t.Errorf("writing 20 MiB into a 10 MiB volume: failed %v, dd said %q; want EDQUOT or ENOSPC", failed, out)
+			}
+			if fi, err := os.Stat(filepath.Join(mnt, "a", "big")); err != nil || fi.Size() > limit {
+				t.Errorf("file in the full volume: %v, %v; want at most %d bytes", fi.Size(), err, limit)
+			}
+			if failed, out := writeAsTenant(t, filepath.Join(mnt, "b", "file"), 8); failed {
+				t.Errorf("neighbour volume: 8 MiB write failed: %s", out)
+			}
+			u, err := fs.Usage(base, ids["b"])
+			if err != nil {
+				t.Fatal(err)
+			}
+			if u.LimitBytes != limit || u.UsedBytes < 8<<20 || u.UsedBytes > 9<<20 || !u.HasInodes || u.UsedInodes != 2 {
+				t.Errorf("neighbour holding one 8 MiB file: usage %+v; want limit %d, ~8 MiB and 2 inodes used", u, limit)
+			}
+
+			if err := os.RemoveAll(filepath.Join(mnt, "b")); err != nil {
+				t.Fatal(err)
+			}
+			// XFS frees removed inodes in the background: until then the project is still
+			// charged and Release leaves it alone, so it is retried as a retried Delete would.
+			deadline := time.Now().Add(30 * time.Second)
+			for {
+				if err := fs.Release(base, ids["b"]); err != nil {
+					t.Fatal(err)
+				}
+				u, err := fs.Usage(base, ids["b"])
+				if err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ESRCH) {
+					t.Fatalf("reading a released project: %v", err)
+				}
+				if err != nil || u.LimitBytes == 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("released project of a removed volume still has limit %d (usage %+v)", u.LimitBytes, u)
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+		})
+	}
+}
+
+// TestQuotaProbeRefuses: file systems that account no project quota, or do not enforce it,
+// are reported as unable to enforce, with the fix.
+func TestQuotaProbeRefuses(t *testing.T) {
+	for _, tc := range []struct{ fstype, options, want string }{
+		{"xfs", "loop", "prjquota"},
+		{"xfs", "loop,pqnoenforce", "not enforced"},
+		{"ext4", "loop", "prjquota"},
+	} {
+		t.Run(tc.fstype+" "+tc.options, func(t *testing.T) {
+			mnt := makeFS(t, tc.fstype, tc.options)
+			fs, err := quota.Probe(dirFd(t, mnt))
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = fs.Enforces()
+			if !errors.Is(err, quota.ErrNotEnforceable) || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("Enforces = %v; want ErrNotEnforceable saying %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// TestQuotaProjectIDInUseIsSkipped: a project ID someone else's files are charged to (here the
+// new directory's inode number, given by hand to a file outside dirpv) is never handed to a
+// volume (OpenEBS#359: two volumes sharing a project share a limit), and concurrent volumes get
+// distinct IDs.
+func TestQuotaProjectIDInUseIsSkipped(t *testing.T) {
+	for _, fstype := range []string{"xfs", "ext4"} {
+		t.Run(fstype, func(t *testing.T) {
+			mnt := quotaFS(t, fstype)
+			base := dirFd(t, mnt)
+			fs, err := quota.Probe(base)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := fs.Mkdir(base, "vol", 0o755); err != nil {
+				t.Fatal(err)
+			}
+			var st unix.Stat_t
+			if err := unix.Stat(filepath.Join(mnt, "vol"), &st); err != nil {
+				t.Fatal(err)
+			}
+			foreign := filepath.Join(mnt, "foreign")
+			if err := os.WriteFile(foreign, []byte("someone else's"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			runCmd(t, "chattr", "-p", strconv.FormatUint(st.Ino, 10), foreign)
+			id, err := fs.SetLimit(dirFd(t, filepath.Join(mnt, "vol")), 1<<20)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if id.Num == st.Ino {
+				t.Fatalf("volume got project %d, which a foreign file is charged to", id.Num)
+			}
+
+			// Concurrent provisioning: every volume its own ID.
+			const n = 16
+			ids := make(chan quota.ID, n)
+			var wg sync.WaitGroup
+			for i := range n {
+				name := "c" + strconv.Itoa(i)
+				if err := fs.Mkdir(base, name, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				fd := dirFd(t, filepath.Join(mnt, name))
+				wg.Go(func() {
+					id, err := fs.SetLimit(fd, 1<<20)
+					if err != nil {
+						t.Error(err)
+					}
+					ids <- id
+				})
+			}
+			wg.Wait()
+			close(ids)
+			seen := map[quota.ID]bool{id: true}
+			for id := range ids {
+				if seen[id] {
+					t.Errorf("project %v handed out twice", id)
+				}
+				seen[id] = true
+			}
+		})
+	}
+}

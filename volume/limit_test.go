@@ -1,0 +1,140 @@
+package volume
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/dirpv/dirpv/volume/quota"
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
+)
+
+// TestMkdirAllLimitedOnBtrfs: a limited volume appears in place already limited, with its
+// quota ID in its marker; a retry adopts it with the same ID; RemoveAll removes it (a btrfs
+// subvolume) and the ID can be released.
+func TestMkdirAllLimitedOnBtrfs(t *testing.T) {
+	mnt := quotatest.Btrfs(t, true)
+	r, err := OpenRoot(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	claim := Claim{UID: "uid-a", PVName: "pv-a"}
+	created, id, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o2770, UID: 1234, GID: 5678}, claim, 5<<20)
+	if err != nil || !created || id.Kind != quota.Btrfs {
+		t.Fatalf("MkdirAllLimited = %v, %v, %v; want created with a btrfs quota", created, id, err)
+	}
+	st, err := r.Stat("ns/vol")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Mode&0o7777 != 0o2770 || st.Uid != 1234 || st.Gid != 5678 {
+		t.Errorf("volume mode %o owner %d:%d, want 2770 1234:5678", st.Mode&0o7777, st.Uid, st.Gid)
+	}
+	f, err := os.Open(filepath.Join(mnt, "ns/vol"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, ok, err := VolumeQuota(int(f.Fd()))
+	if err != nil || !ok || got != id {
+		t.Errorf("VolumeQuota = %v, %v, %v; want %v from the marker", got, ok, err, id)
+	}
+	fs, _ := r.Quota()
+	u, err := fs.Usage(int(f.Fd()), id)
+	f.Close()
+	if err != nil || u.LimitBytes != 5<<20 {
+		t.Errorf("Usage = %+v, %v; want a limit of 5 MiB", u, err)
+	}
+	entries, _ := os.ReadDir(filepath.Join(mnt, "ns"))
+	if len(entries) != 1 {
+		t.Errorf("ns holds %d entries, want only the volume", len(entries))
+	}
+
+	created, again, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o700}, claim, 5<<20)
+	if err != nil || created || again != id {
+		t.Errorf("retry = %v, %v, %v; want adopted with %v", created, again, err, id)
+	}
+
+	if err := os.WriteFile(filepath.Join(mnt, "ns/vol/file"), []byte("data"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.RemoveAll("ns/vol"); err != nil {
+		t.Fatalf("RemoveAll of a limited volume: %v", err)
+	}
+	if _, err := os.Lstat(filepath.Join(mnt, "ns/vol")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("volume still there after RemoveAll: %v", err)
+	}
+	if err := r.ReleaseQuota(id); err != nil {
+		t.Error(err)
+	}
+}
+
+// TestMkdirAllLimitedRefusedWhereNotEnforceable: on a base that cannot enforce, nothing is
+// made and the error says so.
+func TestMkdirAllLimitedRefusedWhereNotEnforceable(t *testing.T) {
+	base := t.TempDir()
+	r, err := OpenRoot(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	_, _, err = r.MkdirAllLimited("vol", Owner{Mode: 0o755}, Claim{UID: "u", PVName: "p"}, 1<<20)
+	if !errors.Is(err, quota.ErrNotEnforceable) {
+		t.Fatalf("MkdirAllLimited on %s = %v, want ErrNotEnforceable", base, err)
+	}
+	if entries, _ := os.ReadDir(base); len(entries) != 0 {
+		t.Errorf("base holds %d entries after a refusal", len(entries))
+	}
+}
+
+// TestMkdirAllLimitedAfterCrash: what a crash between setting the limit and renaming into
+// place leaves (a limited, unmarked subvolume under the temporary name) is removed by the next
+// attempt, which makes the volume in place with its own limit.
+func TestMkdirAllLimitedAfterCrash(t *testing.T) {
+	mnt := quotatest.Btrfs(t, true)
+	r, err := OpenRoot(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	fs, err := r.Quota()
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim := Claim{UID: "uid-a", PVName: "pv-a"}
+	base, err := os.Open(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer base.Close()
+	tmp := tempName(claim, "vol")
+	if err := fs.Mkdir(int(base.Fd()), tmp, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	left, err := os.Open(filepath.Join(mnt, tmp))
+	if err != nil {
+		t.Fatal(err)
+	}
+	leftID, err := fs.SetLimit(int(left.Fd()), 1<<20)
+	left.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	created, id, err := r.MkdirAllLimited("vol", Owner{Mode: 0o755}, claim, 5<<20)
+	if err != nil || !created || id == leftID {
+		t.Fatalf("MkdirAllLimited after a crash = %v, %v, %v; want a new volume with its own quota (not %v)", created, id, err, leftID)
+	}
+	entries, _ := os.ReadDir(mnt)
+	if len(entries) != 1 || entries[0].Name() != "vol" {
+		t.Errorf("base holds %v, want only the volume", entries)
+	}
+	f, err := os.Open(filepath.Join(mnt, "vol"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if u, err := fs.Usage(int(f.Fd()), id); err != nil || u.LimitBytes != 5<<20 {
+		t.Errorf("new volume's quota: %+v, %v; want a 5 MiB limit", u, err)
+	}
+}

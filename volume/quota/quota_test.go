@@ -1,0 +1,178 @@
+package quota_test
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dirpv/dirpv/volume/quota"
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
+)
+
+func openDir(t *testing.T, p string) int {
+	t.Helper()
+	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	return fd
+}
+
+func probe(t *testing.T, fd int) *quota.FS {
+	t.Helper()
+	fs, err := quota.Probe(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fs
+}
+
+// makeLimited makes base/name with a limit of bytes and returns its ID.
+func makeLimited(t *testing.T, fs *quota.FS, base, name string, bytes uint64) quota.ID {
+	t.Helper()
+	if err := fs.Mkdir(openDir(t, base), name, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	id, err := fs.SetLimit(openDir(t, filepath.Join(base, name)), bytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// fill writes up to n bytes of data to a new file at p, syncing, and returns how much went in
+// and the error that stopped it.
+func fill(t *testing.T, p string, n int) (int, error) {
+	t.Helper()
+	f, err := os.Create(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	buf := make([]byte, 1<<20)
+	for i := range buf {
+		buf[i] = byte(i*7 + 3) // not zeros, so nothing compresses or is skipped
+	}
+	written := 0
+	for written < n {
+		m, err := f.Write(buf[:min(len(buf), n-written)])
+		written += m
+		if err == nil {
+			err = f.Sync()
+		}
+		if err != nil {
+			return written, err
+		}
+	}
+	return written, f.Sync()
+}
+
+func TestBtrfsLimitStopsWritesAtTheLimit(t *testing.T) {
+	mnt := quotatest.Btrfs(t, true)
+	fs := probe(t, openDir(t, mnt))
+	if err := fs.Enforces(); err != nil || fs.Kind() != quota.Btrfs {
+		t.Fatalf("btrfs with quota: Kind %q, Enforces %v; want btrfs, nil", fs.Kind(), err)
+	}
+	const limit = 10 << 20
+	id := makeLimited(t, fs, mnt, "a", limit)
+	neighbour := makeLimited(t, fs, mnt, "b", limit)
+	if id == neighbour || id.Kind != quota.Btrfs {
+		t.Fatalf("IDs %v and %v: want two distinct btrfs IDs", id, neighbour)
+	}
+	round, err := quota.ParseID(id.String())
+	if err != nil || round != id {
+		t.Fatalf("ParseID(%q) = %v, %v", id.String(), round, err)
+	}
+
+	n, err := fill(t, filepath.Join(mnt, "a", "big"), 20<<20)
+	if !errors.Is(err, unix.EDQUOT) {
+		t.Fatalf("writing 20 MiB into a 10 MiB volume: wrote %d bytes, err %v; want EDQUOT", n, err)
+	}
+	if n > limit {
+		t.Errorf("wrote %d bytes into a volume limited to %d", n, limit)
+	}
+	if n < limit/2 {
+		t.Errorf("only %d bytes went into a volume limited to %d", n, limit)
+	}
+	// The neighbour on the same file system still takes its full size.
+	if n, err := fill(t, filepath.Join(mnt, "b", "file"), 8<<20); err != nil {
+		t.Fatalf("neighbour volume: wrote %d bytes of 8 MiB: %v", n, err)
+	}
+	// btrfs accounts qgroups at transaction commit.
+	unix.Sync()
+	u, err := fs.Usage(openDir(t, mnt), neighbour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u.LimitBytes != limit {
+		t.Errorf("neighbour's limit reads %d, want %d", u.LimitBytes, limit)
+	}
+	if u.UsedBytes < 8<<20 || u.UsedBytes > 9<<20 {
+		t.Errorf("neighbour holding 8 MiB reads %d bytes used", u.UsedBytes)
+	}
+}
+
+func TestBtrfsReleaseAfterDelete(t *testing.T) {
+	mnt := quotatest.Btrfs(t, true)
+	base := openDir(t, mnt)
+	fs := probe(t, base)
+	id := makeLimited(t, fs, mnt, "a", 1<<20)
+	// A plain directory would put the limit on the subvolume holding it: refused.
+	if err := os.Mkdir(filepath.Join(mnt, "plain"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if id, err := fs.SetLimit(openDir(t, filepath.Join(mnt, "plain")), 1<<20); err == nil {
+		t.Fatalf("SetLimit on a plain btrfs directory gave %v, want an error", id)
+	}
+	// rmdir of an empty subvolume deletes it, which is how volume.RemoveAll ends.
+	if err := os.Remove(filepath.Join(mnt, "a")); err != nil {
+		t.Fatal(err)
+	}
+	if err := fs.Release(base, id); err != nil {
+		t.Fatal(err)
+	}
+	if err := fs.Release(base, id); err != nil {
+		t.Fatalf("second Release: %v", err)
+	}
+}
+
+func TestProbeSaysWhyNot(t *testing.T) {
+	for name, dir := range map[string]func(*testing.T) string{
+		"btrfs without quota":     func(t *testing.T) string { return quotatest.Btrfs(t, false) },
+		"the temp dir (no quota)": func(t *testing.T) string { return t.TempDir() },
+	} {
+		t.Run(name, func(t *testing.T) {
+			d := dir(t)
+			var sfs unix.Statfs_t
+			if err := unix.Statfs(d, &sfs); err != nil {
+				t.Fatal(err)
+			}
+			fs := probe(t, openDir(t, d))
+			err := fs.Enforces()
+			if !errors.Is(err, quota.ErrNotEnforceable) {
+				t.Fatalf("Enforces on %s (type %#x) = %v, want ErrNotEnforceable", name, sfs.Type, err)
+			}
+			if _, err := fs.SetLimit(openDir(t, d), 1<<20); !errors.Is(err, quota.ErrNotEnforceable) {
+				t.Errorf("SetLimit = %v, want ErrNotEnforceable", err)
+			}
+			t.Logf("%s: %v", name, err)
+		})
+	}
+}
+
+func TestParseID(t *testing.T) {
+	for _, s := range []string{"", "project", "project/0", "project/4294967296", "zfs/3", "btrfs/-1", "btrfs/x"} {
+		if id, err := quota.ParseID(s); err == nil {
+			t.Errorf("ParseID(%q) = %v, want an error", s, id)
+		}
+	}
+	for _, s := range []string{"project/4294967295", "btrfs/257"} {
+		if id, err := quota.ParseID(s); err != nil || id.String() != s {
+			t.Errorf("ParseID(%q) = %v, %v", s, id, err)
+		}
+	}
+}

@@ -1,0 +1,74 @@
+// Package quotatest makes real file systems with quotas on for tests: a btrfs file system on
+// a loop device of the test's own, with quota enabled. Everything it makes is removed when
+// the test ends, the loop device included (only that one).
+package quotatest
+
+import (
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Btrfs mounts a new 256 MiB btrfs file system, with quota enabled if quota is true, and
+// returns its mount point. It needs root, losetup, mkfs.btrfs and btrfs; without them the test
+// fails rather than skips, so that a machine that cannot run it is noticed.
+func Btrfs(t testing.TB, quota bool) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Fatal("quotatest.Btrfs needs root (loop devices and mount)")
+	}
+	dir := t.TempDir()
+	img := filepath.Join(dir, "btrfs.img")
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 256<<20); err != nil {
+		t.Fatal(err)
+	}
+	dev := strings.TrimSpace(run(t, "losetup", "-f", "--show", img))
+	t.Cleanup(func() { run(t, "losetup", "-d", dev) })
+	run(t, "mkfs.btrfs", "-q", "-f", dev)
+	mnt := filepath.Join(dir, "mnt")
+	if err := os.Mkdir(mnt, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount(dev, mnt, "btrfs", 0, ""); err != nil {
+		t.Fatalf("mount %s on %s: %v", dev, mnt, err)
+	}
+	t.Cleanup(func() {
+		// Code under test may close its descriptors on the file system just after the test
+		// (a provisioner's Run returning): wait for that, within a deadline.
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			err := unix.Unmount(mnt, 0)
+			if err == nil {
+				return
+			}
+			if !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
+				t.Errorf("unmount %s: %v", mnt, err)
+				unix.Unmount(mnt, unix.MNT_DETACH) // so the loop device can still go
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	})
+	if quota {
+		run(t, "btrfs", "quota", "enable", mnt)
+	}
+	return mnt
+}
+
+func run(t testing.TB, name string, args ...string) string {
+	t.Helper()
+	out, err := exec.Command(name, args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
