@@ -798,7 +798,8 @@ func checkParameters(t *testing.T, sc *storagev1.StorageClass) {
 	t.Helper()
 	known := map[string]bool{}
 	for _, p := range []string{provisioner.ParamBackend, provisioner.ParamServer, provisioner.ParamShare, provisioner.ParamBasePath,
-		provisioner.ParamPathPattern, provisioner.ParamOnDelete, provisioner.ParamMode, provisioner.ParamUID, provisioner.ParamGID} {
+		provisioner.ParamPathPattern, provisioner.ParamOnDelete, provisioner.ParamMode, provisioner.ParamUID, provisioner.ParamGID,
+		provisioner.ParamCapacityEnforcement} {
 		known[p] = true
 	}
 	for k, v := range sc.Parameters {
@@ -809,6 +810,10 @@ func checkParameters(t *testing.T, sc *storagev1.StorageClass) {
 		case "onDelete":
 			if v != "delete" && v != "retain" && v != "archive" {
 				t.Errorf("class %s: onDelete %q", sc.Name, v)
+			}
+		case "capacityEnforcement":
+			if v != "bestEffort" && v != "required" || sc.Parameters["backend"] != "local" {
+				t.Errorf("class %s: capacityEnforcement %q on backend %q", sc.Name, v, sc.Parameters["backend"])
 			}
 		case "basePath", "share":
 			if !path.IsAbs(v) || path.Clean(v) != v {
