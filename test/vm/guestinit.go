@@ -47,7 +47,12 @@ exec switch_root /newroot /bin/sh ` + GuestShareDir + `/stage2.sh
 const stage2 = `#!/bin/sh
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
+# The guest's /tmp is its own tmpfs, which would hide a checkout under the host's /tmp (CI
+# clones anywhere): the top directory holding the working directory is carried over.
+wd=%[3]s
+case "$wd" in /tmp/?*) keep=/tmp/$(echo "$wd" | cut -d/ -f3); mkdir -p /.dirpv-keep && mount --bind "$keep" /.dirpv-keep ;; *) keep= ;; esac
 mount -t tmpfs -o mode=1777 tmpfs /tmp
+if [ -n "$keep" ]; then mkdir -p "$keep" && mount --move /.dirpv-keep "$keep"; fi
 mount -t tmpfs -o mode=0755 tmpfs /run
 mkdir -p /dev/pts /dev/shm
 mount -t devpts devpts /dev/pts
@@ -60,7 +65,7 @@ export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/r
 export DIRPV_IN_VM=1 DIRPV_VM_RESULTS=` + GuestResultsDir + `
 %[4]s
 : > ` + GuestShareDir + `/booted
-{ cd %[3]s && %[5]s; } > ` + GuestShareDir + `/output 2>&1 < /dev/null
+{ cd "$wd" && %[5]s; } > ` + GuestShareDir + `/output 2>&1 < /dev/null
 echo $? > ` + GuestShareDir + `/rc.tmp
 mv ` + GuestShareDir + `/rc.tmp ` + GuestShareDir + `/rc
 sync
