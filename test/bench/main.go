@@ -52,6 +52,7 @@ var (
 	flagDirpv    = flag.String("dirpv-args", "", "extra flags for both dirpv processes, space-separated (e.g. \"--kube-api-qps=50\")")
 	flagEnv      = flag.String("dirpv-env", "", "extra environment for both dirpv processes, space-separated (e.g. \"GOGC=50\")")
 	flagTimeout  = flag.Duration("phase-timeout", 10*time.Minute, "deadline of each phase")
+	flagBin      = flag.String("dirpv-bin", "", "run this dirpv binary instead of building ./cmd/dirpv (e.g. to compare two builds)")
 	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,nfs,publish,rss); empty: all. ceiling is always run")
 )
 
@@ -85,6 +86,7 @@ type Report struct {
 	KCMArgs   []string                      `json:"kcmArgs"`
 	DirpvArgs []string                      `json:"dirpvArgs"`
 	DirpvEnv  []string                      `json:"dirpvEnv,omitempty"`
+	DirpvBin  string                        `json:"dirpvBin,omitempty"`
 	CPUs      int                           `json:"cpus"`
 	LoadAvg   string                        `json:"loadAvg"`
 	Rows      []Row                         `json:"rows"`
@@ -257,13 +259,16 @@ func (b *bench) setup() error {
 	if err := b.cl.RegisterCSIDriver(b.ctx, nodeName, "dirpv.io"); err != nil {
 		return err
 	}
-	if b.dirpvBin, err = framework.BuildDirpv(b.ctx, work); err != nil {
-		return err
+	if b.dirpvBin = *flagBin; b.dirpvBin == "" {
+		if b.dirpvBin, err = framework.BuildDirpv(b.ctx, work); err != nil {
+			return err
+		}
 	}
 	b.common = []string{"--kubeconfig", b.cl.Kubeconfig, "--v=2"}
 	b.common = append(b.common, strings.Fields(*flagDirpv)...)
 	b.report.DirpvArgs = strings.Fields(*flagDirpv)
 	b.report.DirpvEnv = strings.Fields(*flagEnv)
+	b.report.DirpvBin = *flagBin
 	if *flagNFS && (len(b.only) == 0 || b.only["nfs"]) {
 		if b.helper, err = nfs.BuildMountHelper(b.ctx); err != nil {
 			return err
