@@ -106,7 +106,7 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 		return err
 	}
 	reg := newRegistry()
-	factory := informers.NewSharedInformerFactory(client, cfg.Provisioner.Resync)
+	factory := newInformerFactory(client, cfg.Provisioner.Resync)
 	broadcaster := record.NewBroadcaster(record.WithContext(ctx))
 	broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
 	defer broadcaster.Shutdown()
@@ -161,6 +161,11 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 		controller.LeaderElection(false),
 		controller.Threadiness(cfg.Workers),
 		controller.ResyncPeriod(cfg.Resync),
+		// The lib's informers are the process's shared, trimmed ones (newInformerFactory). They
+		// run from startup, in a standby controller too, so that a new leader starts with a
+		// warm cache instead of listing every claim and volume when it takes over.
+		controller.ClaimsInformer(factory.Core().V1().PersistentVolumeClaims().Informer()),
+		controller.VolumesInformer(factory.Core().V1().PersistentVolumes().Informer()),
 		controller.ClassesInformer(factory.Storage().V1().StorageClasses().Informer()),
 		controller.MetricsInstance(m),
 		// The lib's own metrics server would listen on the default mux; ours serves them.

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"path/filepath"
 
-	"k8s.io/client-go/informers"
 	"k8s.io/mount-utils"
 
 	"github.com/dirpv/dirpv/csinode"
@@ -71,7 +70,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 		if err != nil {
 			return err
 		}
-		factory := informers.NewSharedInformerFactory(client, cfg.Provisioner.Resync)
+		factory := newInformerFactory(client, cfg.Provisioner.Resync)
 		p, err := provisioner.New(provisioner.Config{
 			DriverName:       DriverName,
 			Role:             provisioner.RoleNode,
