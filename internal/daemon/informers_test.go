@@ -83,7 +83,11 @@ func TestInformerCacheDropsOnlyWhatNobodyReads(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	factory.Start(ctx.Done())
-	defer factory.Shutdown()
+	defer func() {
+		// Shutdown waits for the informers, which stop only with ctx.
+		cancel()
+		factory.Shutdown()
+	}()
 	for what, synced := range factory.WaitForCacheSync(ctx.Done()) {
 		if !synced {
 			t.Fatalf("%v informer never synced", what)
