@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"sync"
 	"time"
 
@@ -85,6 +86,8 @@ type ControllerConfig struct {
 	IdleUnmount    time.Duration
 	LeaderElection LeaderElectionConfig
 	HTTPAddress    string
+	// Profiling serves Go's /debug/pprof/ on HTTPAddress too.
+	Profiling bool
 	// WedgedExportLimit is how long an NFS export may have every call slot held by calls its
 	// server does not answer before /healthz fails, so that kubelet restarts the controller.
 	// Zero or less disables the check.
@@ -136,7 +139,7 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 		}
 	}
 	healthy := func() error { return p.Healthy(cfg.WedgedExportLimit) }
-	return runAll(ctx, cfg.HTTPAddress, reg, healthy, run, runInformers(factory))
+	return runAll(ctx, httpConfig{cfg.HTTPAddress, cfg.Profiling}, reg, healthy, run, runInformers(factory))
 }
 
 // provisioning returns what runs the lib's ProvisionController around p until its context is
@@ -209,9 +212,17 @@ func newRegistry() *prometheus.Registry {
 	return reg
 }
 
+// httpConfig says where to serve /healthz and /metrics (no server if address is empty), and
+// whether to serve /debug/pprof/ there too.
+type httpConfig struct {
+	address   string
+	profiling bool
+}
+
 // runAll runs every function until ctx is done or one fails, plus the HTTP server for
 // /healthz (ready reports nil once the process can serve) and /metrics.
-func runAll(ctx context.Context, httpAddress string, reg *prometheus.Registry, ready func() error, fns ...func(context.Context) error) error {
+func runAll(ctx context.Context, hc httpConfig, reg *prometheus.Registry, ready func() error, fns ...func(context.Context) error) error {
+	httpAddress := hc.address
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	errs := make(chan error, len(fns)+1)
@@ -222,6 +233,13 @@ func runAll(ctx context.Context, httpAddress string, reg *prometheus.Registry, r
 	if httpAddress != "" {
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+		if hc.profiling {
+			mux.HandleFunc("/debug/pprof/", pprof.Index)
+			mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+			mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+			mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+			mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		}
 		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
 			if ready != nil {
 				if err := ready(); err != nil {

@@ -26,6 +26,8 @@ type NodeConfig struct {
 	// LocalProvisioning runs the local-class provisioner on this node.
 	LocalProvisioning bool
 	HTTPAddress       string
+	// Profiling serves Go's /debug/pprof/ on HTTPAddress too.
+	Profiling bool
 	// KubeletRootDir is kubelet's root directory; no local volume is ever in or around it.
 	KubeletRootDir string
 	// AllowedBasePaths are the host directories at or beneath which local volumes may live:
@@ -90,7 +92,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			return nil
 		}, runInformers(factory))
 	}
-	return runAll(ctx, cfg.HTTPAddress, reg, driver.Ready, fns...)
+	return runAll(ctx, httpConfig{cfg.HTTPAddress, cfg.Profiling}, reg, driver.Ready, fns...)
 }
 
 // DefaultRegistrationDir is kubelet's plugin registration directory under its root dir.

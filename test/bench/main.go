@@ -770,11 +770,27 @@ func (b *bench) rss() error {
 		anon, _ := procStatusKB(pid, "RssAnon")
 		file, _ := procStatusKB(pid, "RssFile")
 		b.ms["rss.floor"] = float64(hwm) / 1024
+		secs, _ := residentBySection(pid, b.dirpvBin)
+		note := fmt.Sprintf("%.1f anon + %.1f file-backed (%s)", float64(anon)/1024, float64(file)/1024, sectionsNote(secs))
 		b.add(Row{Name: "floor: dirpv node, CSI only, no API client (VmHWM)", Value: float64(hwm) / 1024, Unit: "MiB",
-			Ref: "node goal", RefValue: 30, Note: fmt.Sprintf("%.1f anon + %.1f file-backed", float64(anon)/1024, float64(file)/1024)})
-		fmt.Printf("   (floor now: %.1f MiB anonymous + %.1f MiB file-backed)\n", float64(anon)/1024, float64(file)/1024)
+			Ref: "node goal", RefValue: 30, Note: note})
+		fmt.Printf("   (floor now: %s)\n", note)
 	}
 	floor.Stop(10 * time.Second)
+	// The Go heap of each process before it has seen a claim or volume, for the growth per PV.
+	heap0 := map[string]float64{}
+	for _, p := range []*framework.Process{b.node, b.ctrl} {
+		pid, err := findPID("--http-address", p.HTTPAddr)
+		if err != nil {
+			return err
+		}
+		waitIdle(pid, 30*time.Second)
+		m, err := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_heap_inuse_bytes")
+		if err != nil {
+			return err
+		}
+		heap0[p.Args[0]] = m["go_memstats_heap_inuse_bytes"]
+	}
 	if err := b.localClass("bench-rss", filepath.Join(b.work, "base-rss")); err != nil {
 		return err
 	}
@@ -796,19 +812,26 @@ func (b *bench) rss() error {
 			rss, _ := procStatusKB(pid, "VmRSS")
 			anon, _ := procStatusKB(pid, "RssAnon")
 			file, _ := procStatusKB(pid, "RssFile")
-			m, _ := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_heap_inuse_bytes")
+			m, _ := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes")
+			secs, _ := residentBySection(pid, b.dirpvBin)
+			heap := m["go_memstats_heap_inuse_bytes"]
 			key := "rss." + p.Args[0] + "." + what
 			b.ms[key] = float64(hwm) / 1024
 			goal := 50.0
 			if p.Args[0] == "node" {
 				goal = 30
 			}
+			note := fmt.Sprintf("now %.1f MiB RSS = %.1f anon (Go heap in use %.1f, stacks %.1f) + %.1f file-backed (%s)",
+				float64(rss)/1024, float64(anon)/1024, heap/(1<<20), m["go_memstats_stack_inuse_bytes"]/(1<<20),
+				float64(file)/1024, sectionsNote(secs))
 			b.add(Row{Name: fmt.Sprintf("dirpv %s peak RSS (VmHWM), %s", p.Args[0], what), Value: float64(hwm) / 1024, Unit: "MiB",
-				Ref: "goal", RefValue: goal,
-				Note: fmt.Sprintf("now %.1f MiB RSS = %.1f anon + %.1f file-backed (the binary); Go heap in use %.1f MiB",
-					float64(rss)/1024, float64(anon)/1024, float64(file)/1024, m["go_memstats_heap_inuse_bytes"]/(1<<20))})
-			fmt.Printf("   (%s now: %.1f MiB RSS = %.1f MiB anonymous + %.1f MiB file-backed; Go heap in use %.1f MiB)\n",
-				p.Args[0], float64(rss)/1024, float64(anon)/1024, float64(file)/1024, m["go_memstats_heap_inuse_bytes"]/(1<<20))
+				Ref: "goal", RefValue: goal, Note: note})
+			fmt.Printf("   (%s %s)\n", p.Args[0], note)
+			growth := (heap - heap0[p.Args[0]]) / (1 << 20)
+			b.ms["heap."+p.Args[0]+"."+what] = growth
+			b.add(Row{Name: fmt.Sprintf("dirpv %s Go heap growth, %s", p.Args[0], what), Value: growth, Unit: "MiB",
+				Ref: "goal", RefValue: 8 * float64(*flagRSSN) / 1000,
+				Note: fmt.Sprintf("heap in use %.1f MiB, %.1f MiB before the first claim", heap/(1<<20), heap0[p.Args[0]]/(1<<20))})
 		}
 		return nil
 	}
@@ -859,7 +882,7 @@ func (b *bench) goals() {
 	g("publish+unpublish p50 vs bare bind mount (mount-utils)", "<= 3x", r, r <= 3)
 	r = b.ms["pub.p50"] / b.ms["sys.p50"]
 	g("publish+unpublish p50 vs bare bind mount (mount(2))", "<= 3x", r, r <= 3)
-	var c, n float64
+	var c, n, hc, hn float64
 	for k, v := range b.ms {
 		if strings.HasPrefix(k, "rss.controller.") {
 			c = max(c, v)
@@ -867,7 +890,16 @@ func (b *bench) goals() {
 		if strings.HasPrefix(k, "rss.node.") {
 			n = max(n, v)
 		}
+		if strings.HasPrefix(k, "heap.controller.") {
+			hc = max(hc, v)
+		}
+		if strings.HasPrefix(k, "heap.node.") {
+			hn = max(hn, v)
+		}
 	}
+	heapGoal := 8 * float64(*flagRSSN) / 1000
+	g(fmt.Sprintf("controller Go heap growth with %d PVs (MiB)", *flagRSSN), fmt.Sprintf("< %g", heapGoal), hc, hc < heapGoal)
+	g(fmt.Sprintf("node Go heap growth with %d PVs (MiB)", *flagRSSN), fmt.Sprintf("< %g", heapGoal), hn, hn < heapGoal)
 	g(fmt.Sprintf("controller peak RSS with %d PVs (MiB)", *flagRSSN), "< 50", c, c < 50)
 	g(fmt.Sprintf("node peak RSS with %d PVs (MiB)", *flagRSSN), "< 30", n, n < 30)
 }

@@ -3,6 +3,8 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"debug/elf"
+	"encoding/binary"
 	"fmt"
 	"io"
 	"net/http"
@@ -125,4 +127,58 @@ func scrape(url string, names ...string) (map[string]float64, error) {
 		}
 	}
 	return out, nil
+}
+
+// residentBySection returns how many bytes of each loaded section of the ELF binary at path
+// are resident in process pid (from /proc/<pid>/pagemap, which needs root), in file order.
+// It tells which part of the binary's file-backed RSS is code (.text), constant data
+// (.rodata) and the runtime's function tables (.gopclntab).
+func residentBySection(pid int, path string) ([]sectionRSS, error) {
+	f, err := elf.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	pm, err := os.Open(fmt.Sprintf("/proc/%d/pagemap", pid))
+	if err != nil {
+		return nil, err
+	}
+	defer pm.Close()
+	page := uint64(os.Getpagesize())
+	var out []sectionRSS
+	for _, s := range f.Sections {
+		if s.Type != elf.SHT_PROGBITS || s.Flags&elf.SHF_ALLOC == 0 || s.Size < page {
+			continue
+		}
+		first, end := s.Addr/page, (s.Addr+s.Size+page-1)/page
+		buf := make([]byte, (end-first)*8)
+		if _, err := pm.ReadAt(buf, int64(first*8)); err != nil {
+			return nil, fmt.Errorf("pagemap of %d: %w", pid, err)
+		}
+		var present uint64
+		for i := 0; i < len(buf); i += 8 {
+			// Bit 63 of each entry: the page is present in RAM.
+			if binary.LittleEndian.Uint64(buf[i:])>>63 == 1 {
+				present++
+			}
+		}
+		out = append(out, sectionRSS{Name: s.Name, Size: s.Size, Resident: present * page})
+	}
+	return out, nil
+}
+
+type sectionRSS struct {
+	Name           string
+	Size, Resident uint64
+}
+
+// sectionsNote formats residentBySection's result, e.g. ".text 12.8/25.9 MiB, ...".
+func sectionsNote(secs []sectionRSS) string {
+	var parts []string
+	for _, s := range secs {
+		if s.Resident >= 1<<20 {
+			parts = append(parts, fmt.Sprintf("%s %.1f/%.1f MiB", s.Name, float64(s.Resident)/(1<<20), float64(s.Size)/(1<<20)))
+		}
+	}
+	return strings.Join(parts, ", ")
 }
