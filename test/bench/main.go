@@ -827,6 +827,9 @@ func (b *bench) rss() error {
 			b.add(Row{Name: fmt.Sprintf("dirpv %s peak RSS (VmHWM), %s", p.Args[0], what), Value: float64(hwm) / 1024, Unit: "MiB",
 				Ref: "goal", RefValue: goal, Note: note})
 			fmt.Printf("   (%s %s)\n", p.Args[0], note)
+			if prof, err := saveHeapProfile("http://"+p.HTTPAddr, filepath.Join(b.logDir, p.Name+".heap.pprof")); err == nil {
+				fmt.Printf("   (%s heap profile: %s)\n", p.Args[0], prof)
+			}
 			growth := (heap - heap0[p.Args[0]]) / (1 << 20)
 			b.ms["heap."+p.Args[0]+"."+what] = growth
 			b.add(Row{Name: fmt.Sprintf("dirpv %s Go heap growth, %s", p.Args[0], what), Value: growth, Unit: "MiB",

@@ -182,3 +182,26 @@ func sectionsNote(secs []sectionRSS) string {
 	}
 	return strings.Join(parts, ", ")
 }
+
+// saveHeapProfile writes the heap profile of the dirpv process serving base (run with
+// --profiling) to path, and returns path.
+func saveHeapProfile(base, path string) (string, error) {
+	hc := &http.Client{Timeout: 30 * time.Second}
+	resp, err := hc.Get(base + "/debug/pprof/heap")
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return "", fmt.Errorf("heap profile: %s (run dirpv with --profiling)", resp.Status)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return "", err
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return "", err
+	}
+	return path, f.Close()
+}
