@@ -34,7 +34,7 @@ func objectMeta(name, namespace string) metav1.ObjectMeta {
 		Finalizers: []string{"kubernetes.io/pvc-protection", "external-provisioner.volume.kubernetes.io/finalizer"},
 		ManagedFields: []metav1.ManagedFieldsEntry{{
 			Manager: "kube-controller-manager", Operation: metav1.ManagedFieldsOperationUpdate, APIVersion: "v1",
-			FieldsType: "FieldsV1", FieldsV1: &metav1.FieldsV1{Raw: []byte(`{"f:metadata":{"f:annotations":{}}}`)},
+			FieldsType: "FieldsV1", FieldsV1: metav1.NewFieldsV1(`{"f:metadata":{"f:annotations":{}}}`),
 		}},
 	}
 }
