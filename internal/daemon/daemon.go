@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
@@ -60,6 +61,11 @@ func (k KubeConfig) client() (kubernetes.Interface, error) {
 	}
 	cfg.QPS, cfg.Burst = k.QPS, k.Burst
 	cfg.UserAgent = "dirpv/" + Version
+	// Every type dirpv reads and writes is built in, so protobuf works, as for kube-scheduler
+	// and kube-controller-manager: the initial list of every claim and volume decodes with far
+	// fewer transient allocations (the process's peak heap) and less CPU than JSON.
+	cfg.ContentType = runtime.ContentTypeProtobuf
+	cfg.AcceptContentTypes = runtime.ContentTypeProtobuf + "," + runtime.ContentTypeJSON
 	client, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("kubernetes client: %w", err)
