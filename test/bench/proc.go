@@ -243,3 +243,12 @@ func pageOutBinary(pid int) error {
 	}
 	return nil
 }
+
+// copyFile copies the executable src to dst (a new inode, not a link).
+func copyFile(src, dst string) error {
+	b, err := os.ReadFile(src)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(dst, b, 0o755)
+}
