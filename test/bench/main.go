@@ -102,19 +102,20 @@ type bench struct {
 	work     string
 	logDir   string
 	dirpvBin string
-	// ctrlBin is a copy of dirpvBin for the controller, as on a real cluster where the two
-	// rarely share a node: no page of the binary is mapped by both processes, so each one's
-	// file-backed RSS is its own, and the kernel can page out either's (binaryWorkingSet).
-	ctrlBin  string
-	common   []string
-	node     *framework.Process
-	ctrl     *framework.Process
-	nfs      *nfs.Server
-	helper   string
-	cleanups *framework.Cleanups
-	report   Report
-	ms       map[string]float64 // named figures for goals
-	only     map[string]bool
+	// nodeBin and ctrlBin are copies of dirpvBin for the node and the controller, as on a real
+	// cluster where the two rarely share a node: no page of the binary is mapped by both
+	// processes, so each one's file-backed RSS is its own, and the kernel can page out either's
+	// (binaryWorkingSet).
+	nodeBin, ctrlBin string
+	common           []string
+	node             *framework.Process
+	ctrl             *framework.Process
+	nfs              *nfs.Server
+	helper           string
+	cleanups         *framework.Cleanups
+	report           Report
+	ms               map[string]float64 // named figures for goals
+	only             map[string]bool
 }
 
 func main() {
@@ -268,9 +269,11 @@ func (b *bench) setup() error {
 			return err
 		}
 	}
-	b.ctrlBin = filepath.Join(work, "dirpv-controller")
-	if err := copyFile(b.dirpvBin, b.ctrlBin); err != nil {
-		return err
+	b.nodeBin, b.ctrlBin = filepath.Join(work, "dirpv-node"), filepath.Join(work, "dirpv-controller")
+	for _, dst := range []string{b.nodeBin, b.ctrlBin} {
+		if err := copyUncached(b.dirpvBin, dst); err != nil {
+			return err
+		}
 	}
 	b.common = []string{"--kubeconfig", b.cl.Kubeconfig, "--v=2"}
 	b.common = append(b.common, strings.Fields(*flagDirpv)...)
@@ -573,7 +576,7 @@ func (b *bench) startProcesses(suffix string) (node, ctrl *framework.Process, er
 		os.Setenv(k, v)
 		defer os.Unsetenv(k)
 	}
-	node, err = framework.StartDirpv(b.ctx, b.dirpvBin, "node"+suffix, b.logDir, "node", append([]string{
+	node, err = framework.StartDirpv(b.ctx, b.nodeBin, "node"+suffix, b.logDir, "node", append([]string{
 		"--node-name", nodeName, "--allowed-base-paths", b.work,
 		"--csi-endpoint", "unix://" + b.csiSocket(),
 		"--plugin-registration-dir", "-"}, b.common...)...)
@@ -766,7 +769,7 @@ func (b *bench) rss() error {
 		return err
 	}
 	// The floor: the same binary serving CSI only (no API client, no informers, no PVs).
-	floor, err := framework.StartDirpv(b.ctx, b.dirpvBin, "node-floor", b.logDir, "node", "--node-name", nodeName,
+	floor, err := framework.StartDirpv(b.ctx, b.nodeBin, "node-floor", b.logDir, "node", "--node-name", nodeName,
 		"--local-provisioning=false", "--csi-endpoint", "unix://"+filepath.Join(b.work, "floor.sock"), "--plugin-registration-dir", "-")
 	if err != nil {
 		return err

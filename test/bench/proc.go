@@ -244,11 +244,29 @@ func pageOutBinary(pid int) error {
 	return nil
 }
 
-// copyFile copies the executable src to dst (a new inode, not a link).
-func copyFile(src, dst string) error {
+// copyUncached copies the executable src to dst (a new inode, not a link) and drops dst from
+// the page cache, so that a process started from it reads it from disk as after a reboot.
+// A freshly written file is cached in large folios, and a process mapping it then has whole
+// folios resident: the entire binary, measured at 59 MiB here, instead of what it touches.
+func copyUncached(src, dst string) error {
 	b, err := os.ReadFile(src)
 	if err != nil {
 		return err
 	}
-	return os.WriteFile(dst, b, 0o755)
+	f, err := os.OpenFile(dst, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o755)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if _, err := f.Write(b); err != nil {
+		return err
+	}
+	// Dirty pages cannot be dropped: write them out first.
+	if err := f.Sync(); err != nil {
+		return err
+	}
+	if err := unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED); err != nil {
+		return fmt.Errorf("drop %s from the page cache: %w", dst, err)
+	}
+	return f.Close()
 }
