@@ -796,11 +796,9 @@ func (b *bench) rss() error {
 			return err
 		}
 		waitIdle(pid, 30*time.Second)
-		m, err := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_heap_inuse_bytes")
-		if err != nil {
+		if heap0[p.Args[0]], _, err = b.heapInUse(p, "-start"); err != nil {
 			return err
 		}
-		heap0[p.Args[0]] = m["go_memstats_heap_inuse_bytes"]
 	}
 	if err := b.localClass("bench-rss", filepath.Join(b.work, "base-rss")); err != nil {
 		return err
@@ -838,14 +836,15 @@ func (b *bench) rss() error {
 			b.add(Row{Name: fmt.Sprintf("dirpv %s peak RSS (VmHWM), %s", p.Args[0], what), Value: float64(hwm) / 1024, Unit: "MiB",
 				Ref: "goal", RefValue: goal, Note: note})
 			fmt.Printf("   (%s %s)\n", p.Args[0], note)
-			if prof, err := saveHeapProfile("http://"+p.HTTPAddr, filepath.Join(b.logDir, p.Name+".heap.pprof")); err == nil {
-				fmt.Printf("   (%s heap profile: %s)\n", p.Args[0], prof)
+			live, how, err := b.heapInUse(p, "")
+			if err != nil {
+				return err
 			}
-			growth := (heap - heap0[p.Args[0]]) / (1 << 20)
+			growth := (live - heap0[p.Args[0]]) / (1 << 20)
 			b.ms["heap."+p.Args[0]+"."+what] = growth
 			b.add(Row{Name: fmt.Sprintf("dirpv %s Go heap growth, %s", p.Args[0], what), Value: growth, Unit: "MiB",
 				Ref: "goal", RefValue: 8 * float64(*flagRSSN) / 1000,
-				Note: fmt.Sprintf("heap in use %.1f MiB, %.1f MiB before the first claim", heap/(1<<20), heap0[p.Args[0]]/(1<<20))})
+				Note: fmt.Sprintf("heap in use %.1f MiB, %.1f MiB before the first claim (%s)", live/(1<<20), heap0[p.Args[0]]/(1<<20), how)})
 		}
 		return nil
 	}
@@ -861,6 +860,22 @@ func (b *bench) rss() error {
 		return err
 	}
 	return b.binaryWorkingSet()
+}
+
+// heapInUse returns the Go heap in use of dirpv process p. With --profiling it saves a heap
+// profile to the log dir (name suffix) first, which runs a GC, so that the figure is the live
+// heap; otherwise it includes whatever garbage the last GC left, and says so.
+func (b *bench) heapInUse(p *framework.Process, suffix string) (float64, string, error) {
+	how := "not collected: run dirpv with --profiling for the live heap"
+	if prof, err := saveHeapProfile("http://"+p.HTTPAddr, filepath.Join(b.logDir, p.Name+suffix+".heap.pprof")); err == nil {
+		fmt.Printf("   (%s heap profile: %s)\n", p.Args[0], prof)
+		how = "live, after the GC of the heap profile"
+	}
+	m, err := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_heap_inuse_bytes")
+	if err != nil {
+		return 0, "", err
+	}
+	return m["go_memstats_heap_inuse_bytes"], how, nil
 }
 
 // binaryWorkingSet has the kernel reclaim the binary's read-only pages of both processes,

@@ -187,10 +187,11 @@ func sectionsNote(secs []sectionRSS) string {
 }
 
 // saveHeapProfile writes the heap profile of the dirpv process serving base (run with
-// --profiling) to path, and returns path.
+// --profiling) to path, and returns path. The process runs a GC first (gc=1), so that the
+// profile, and the heap figures read right after it, show the live heap.
 func saveHeapProfile(base, path string) (string, error) {
 	hc := &http.Client{Timeout: 30 * time.Second}
-	resp, err := hc.Get(base + "/debug/pprof/heap")
+	resp, err := hc.Get(base + "/debug/pprof/heap?gc=1")
 	if err != nil {
 		return "", err
 	}
