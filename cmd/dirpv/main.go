@@ -71,7 +71,7 @@ func main() {
 // The API client and worker defaults come from `make bench`: client-go's own default of
 // 5 QPS caps any provisioner at a few claims per second, far below what the cluster's
 // controller-manager can bind. See README "Performance".
-func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfig, *string) {
+func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfig, *string, *bool) {
 	kube := &daemon.KubeConfig{}
 	prov := &daemon.ProvisionerConfig{}
 	fs.StringVar(&kube.Path, "kubeconfig", "", "Path to a kubeconfig file. Empty: in-cluster configuration.")
@@ -83,7 +83,8 @@ func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfi
 		"Deadline of each call that can hang on storage: NFS mounts, directory creation and removal on NFS, unmounts.")
 	fs.DurationVar(&prov.Resync, "resync-period", 15*time.Minute, "Informer resync period.")
 	httpAddr := fs.String("http-address", ":9809", "Address for /healthz and /metrics. Empty disables them.")
-	return kube, prov, httpAddr
+	profiling := fs.Bool("profiling", false, "Also serve Go's /debug/pprof/ on --http-address (heap and CPU profiles).")
+	return kube, prov, httpAddr, profiling
 }
 
 func float32Flag(p *float32) func(string) error {
@@ -99,7 +100,7 @@ func float32Flag(p *float32) func(string) error {
 
 func controllerFlags(fs *flag.FlagSet) func(context.Context) error {
 	cfg := daemon.ControllerConfig{}
-	kube, prov, httpAddr := commonFlags(fs)
+	kube, prov, httpAddr, profiling := commonFlags(fs)
 	fs.StringVar(&cfg.WorkDir, "work-dir", "/var/lib/dirpv-controller", "Directory under which NFS exports are mounted.")
 	fs.StringVar(&cfg.Mounter, "nfs-mount-helper", "", "Program run instead of mount(8) for NFS mounts (tests only). Empty: the system's mount.")
 	fs.DurationVar(&cfg.IdleUnmount, "idle-unmount", 5*time.Minute, "Unmount an NFS export after it has been unused this long.")
@@ -115,14 +116,14 @@ func controllerFlags(fs *flag.FlagSet) func(context.Context) error {
 		"How long the leader retries renewing its lease before it stops and exits.")
 	fs.DurationVar(&le.RetryPeriod, "leader-election-retry-period", 2*time.Second, "Interval between attempts to acquire or renew the lease.")
 	return func(ctx context.Context) error {
-		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress = *kube, *prov, *httpAddr
+		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress, cfg.Profiling = *kube, *prov, *httpAddr, *profiling
 		return daemon.RunController(ctx, cfg)
 	}
 }
 
 func nodeFlags(fs *flag.FlagSet) func(context.Context) error {
 	cfg := daemon.NodeConfig{}
-	kube, prov, httpAddr := commonFlags(fs)
+	kube, prov, httpAddr, profiling := commonFlags(fs)
 	fs.StringVar(&cfg.NodeName, "node-name", os.Getenv("NODE_NAME"), "This node's name. Default: $NODE_NAME.")
 	fs.StringVar(&cfg.KubeletRootDir, "kubelet-root-dir", "/var/lib/kubelet", "kubelet's root directory. No local volume is ever mounted from in or around it.")
 	cfg.AllowedBasePaths = []string{daemon.DefaultBasePath}
@@ -142,7 +143,7 @@ func nodeFlags(fs *flag.FlagSet) func(context.Context) error {
 	fs.StringVar(&cfg.Mounter, "nfs-mount-helper", "", "Program run instead of mount(8) for NFS mounts (tests only). Empty: the system's mount.")
 	fs.BoolVar(&cfg.LocalProvisioning, "local-provisioning", true, "Provision local-class volumes scheduled to this node.")
 	return func(ctx context.Context) error {
-		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress = *kube, *prov, *httpAddr
+		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress, cfg.Profiling = *kube, *prov, *httpAddr, *profiling
 		if cfg.CSIEndpoint == "" {
 			cfg.CSIEndpoint = daemon.DefaultCSIEndpoint(cfg.KubeletRootDir)
 		}

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"sync"
 	"time"
 
@@ -16,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
@@ -59,6 +61,11 @@ func (k KubeConfig) client() (kubernetes.Interface, error) {
 	}
 	cfg.QPS, cfg.Burst = k.QPS, k.Burst
 	cfg.UserAgent = "dirpv/" + Version
+	// Every type dirpv reads and writes is built in, so protobuf works, as for kube-scheduler
+	// and kube-controller-manager: the initial list of every claim and volume decodes with far
+	// fewer transient allocations (the process's peak heap) and less CPU than JSON.
+	cfg.ContentType = runtime.ContentTypeProtobuf
+	cfg.AcceptContentTypes = runtime.ContentTypeProtobuf + "," + runtime.ContentTypeJSON
 	client, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("kubernetes client: %w", err)
@@ -85,6 +92,8 @@ type ControllerConfig struct {
 	IdleUnmount    time.Duration
 	LeaderElection LeaderElectionConfig
 	HTTPAddress    string
+	// Profiling serves Go's /debug/pprof/ on HTTPAddress too.
+	Profiling bool
 	// WedgedExportLimit is how long an NFS export may have every call slot held by calls its
 	// server does not answer before /healthz fails, so that kubelet restarts the controller.
 	// Zero or less disables the check.
@@ -106,7 +115,7 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 		return err
 	}
 	reg := newRegistry()
-	factory := informers.NewSharedInformerFactory(client, cfg.Provisioner.Resync)
+	factory := newInformerFactory(client, cfg.Provisioner.Resync)
 	broadcaster := record.NewBroadcaster(record.WithContext(ctx))
 	broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
 	defer broadcaster.Shutdown()
@@ -136,7 +145,7 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 		}
 	}
 	healthy := func() error { return p.Healthy(cfg.WedgedExportLimit) }
-	return runAll(ctx, cfg.HTTPAddress, reg, healthy, run, runInformers(factory))
+	return runAll(ctx, httpConfig{cfg.HTTPAddress, cfg.Profiling}, reg, healthy, run, runInformers(factory))
 }
 
 // provisioning returns what runs the lib's ProvisionController around p until its context is
@@ -161,6 +170,11 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 		controller.LeaderElection(false),
 		controller.Threadiness(cfg.Workers),
 		controller.ResyncPeriod(cfg.Resync),
+		// The lib's informers are the process's shared, trimmed ones (newInformerFactory). They
+		// run from startup, in a standby controller too, so that a new leader starts with a
+		// warm cache instead of listing every claim and volume when it takes over.
+		controller.ClaimsInformer(factory.Core().V1().PersistentVolumeClaims().Informer()),
+		controller.VolumesInformer(factory.Core().V1().PersistentVolumes().Informer()),
 		controller.ClassesInformer(factory.Storage().V1().StorageClasses().Informer()),
 		controller.MetricsInstance(m),
 		// The lib's own metrics server would listen on the default mux; ours serves them.
@@ -204,9 +218,17 @@ func newRegistry() *prometheus.Registry {
 	return reg
 }
 
+// httpConfig says where to serve /healthz and /metrics (no server if address is empty), and
+// whether to serve /debug/pprof/ there too.
+type httpConfig struct {
+	address   string
+	profiling bool
+}
+
 // runAll runs every function until ctx is done or one fails, plus the HTTP server for
 // /healthz (ready reports nil once the process can serve) and /metrics.
-func runAll(ctx context.Context, httpAddress string, reg *prometheus.Registry, ready func() error, fns ...func(context.Context) error) error {
+func runAll(ctx context.Context, hc httpConfig, reg *prometheus.Registry, ready func() error, fns ...func(context.Context) error) error {
+	httpAddress := hc.address
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	errs := make(chan error, len(fns)+1)
@@ -217,6 +239,13 @@ func runAll(ctx context.Context, httpAddress string, reg *prometheus.Registry, r
 	if httpAddress != "" {
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+		if hc.profiling {
+			mux.HandleFunc("/debug/pprof/", pprof.Index)
+			mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+			mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+			mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+			mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		}
 		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) {
 			if ready != nil {
 				if err := ready(); err != nil {

@@ -39,7 +39,7 @@ func TestHealthzFollowsTheHealthCheck(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
-		done <- runAll(ctx, addr, newRegistry(), healthy, func(ctx context.Context) error { <-ctx.Done(); return nil })
+		done <- runAll(ctx, httpConfig{address: addr}, newRegistry(), healthy, func(ctx context.Context) error { <-ctx.Done(); return nil })
 	}()
 	get := func() (int, string) {
 		resp, err := http.Get("http://" + addr + "/healthz")
@@ -86,6 +86,40 @@ func TestRefuseOldKernelAtStartup(t *testing.T) {
 	} {
 		if err := run(); !errors.Is(err, tooOld) {
 			t.Errorf("%s started on an old kernel: %v", name, err)
+		}
+	}
+}
+
+// /debug/pprof/ is served only with --profiling: a heap profile is what tells where a
+// process's memory goes, and is not something every scraper of /metrics should be able to pull.
+func TestProfilingOnlyWhenAsked(t *testing.T) {
+	for _, profiling := range []bool{false, true} {
+		addr := freeAddr(t)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() {
+			done <- runAll(ctx, httpConfig{address: addr, profiling: profiling}, newRegistry(), nil,
+				func(ctx context.Context) error { <-ctx.Done(); return nil })
+		}()
+		var code int
+		err := wait.PollUntilContextTimeout(context.Background(), 20*time.Millisecond, 5*time.Second, true, func(context.Context) (bool, error) {
+			resp, err := http.Get("http://" + addr + "/debug/pprof/heap")
+			if err != nil {
+				return false, nil
+			}
+			resp.Body.Close()
+			code = resp.StatusCode
+			return true, nil
+		})
+		if err != nil {
+			t.Fatalf("profiling=%v: server never answered: %v", profiling, err)
+		}
+		if want := map[bool]int{false: http.StatusNotFound, true: http.StatusOK}[profiling]; code != want {
+			t.Errorf("profiling=%v: /debug/pprof/heap answered %d, want %d", profiling, code, want)
+		}
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("runAll: %v", err)
 		}
 	}
 }

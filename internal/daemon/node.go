@@ -6,7 +6,6 @@ import (
 	"path/filepath"
 
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/record"
@@ -31,6 +30,8 @@ type NodeConfig struct {
 	// LocalProvisioning runs the local-class provisioner on this node.
 	LocalProvisioning bool
 	HTTPAddress       string
+	// Profiling serves Go's /debug/pprof/ on HTTPAddress too.
+	Profiling bool
 	// KubeletRootDir is kubelet's root directory; no local volume is ever in or around it.
 	KubeletRootDir string
 	// AllowedBasePaths are the host directories at or beneath which local volumes may live:
@@ -75,7 +76,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 		if err != nil {
 			return err
 		}
-		factory := informers.NewSharedInformerFactory(client, cfg.Provisioner.Resync)
+		factory := newInformerFactory(client, cfg.Provisioner.Resync)
 		// Claims whose size this node cannot enforce are told so on the claim.
 		broadcaster := record.NewBroadcaster(record.WithContext(ctx))
 		broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
@@ -100,7 +101,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			return nil
 		}, runInformers(factory))
 	}
-	return runAll(ctx, cfg.HTTPAddress, reg, driver.Ready, fns...)
+	return runAll(ctx, httpConfig{cfg.HTTPAddress, cfg.Profiling}, reg, driver.Ready, fns...)
 }
 
 // DefaultRegistrationDir is kubelet's plugin registration directory under its root dir.

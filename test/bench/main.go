@@ -52,6 +52,7 @@ var (
 	flagDirpv    = flag.String("dirpv-args", "", "extra flags for both dirpv processes, space-separated (e.g. \"--kube-api-qps=50\")")
 	flagEnv      = flag.String("dirpv-env", "", "extra environment for both dirpv processes, space-separated (e.g. \"GOGC=50\")")
 	flagTimeout  = flag.Duration("phase-timeout", 10*time.Minute, "deadline of each phase")
+	flagBin      = flag.String("dirpv-bin", "", "run this dirpv binary instead of building ./cmd/dirpv (e.g. to compare two builds)")
 	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,nfs,publish,rss); empty: all. ceiling is always run")
 )
 
@@ -85,6 +86,7 @@ type Report struct {
 	KCMArgs   []string                      `json:"kcmArgs"`
 	DirpvArgs []string                      `json:"dirpvArgs"`
 	DirpvEnv  []string                      `json:"dirpvEnv,omitempty"`
+	DirpvBin  string                        `json:"dirpvBin,omitempty"`
 	CPUs      int                           `json:"cpus"`
 	LoadAvg   string                        `json:"loadAvg"`
 	Rows      []Row                         `json:"rows"`
@@ -100,15 +102,20 @@ type bench struct {
 	work     string
 	logDir   string
 	dirpvBin string
-	common   []string
-	node     *framework.Process
-	ctrl     *framework.Process
-	nfs      *nfs.Server
-	helper   string
-	cleanups *framework.Cleanups
-	report   Report
-	ms       map[string]float64 // named figures for goals
-	only     map[string]bool
+	// nodeBin and ctrlBin are copies of dirpvBin for the node and the controller, as on a real
+	// cluster where the two rarely share a node: no page of the binary is mapped by both
+	// processes, so each one's file-backed RSS is its own, and the kernel can page out either's
+	// (binaryWorkingSet).
+	nodeBin, ctrlBin string
+	common           []string
+	node             *framework.Process
+	ctrl             *framework.Process
+	nfs              *nfs.Server
+	helper           string
+	cleanups         *framework.Cleanups
+	report           Report
+	ms               map[string]float64 // named figures for goals
+	only             map[string]bool
 }
 
 func main() {
@@ -257,13 +264,22 @@ func (b *bench) setup() error {
 	if err := b.cl.RegisterCSIDriver(b.ctx, nodeName, "dirpv.io"); err != nil {
 		return err
 	}
-	if b.dirpvBin, err = framework.BuildDirpv(b.ctx, work); err != nil {
-		return err
+	if b.dirpvBin = *flagBin; b.dirpvBin == "" {
+		if b.dirpvBin, err = framework.BuildDirpv(b.ctx, work); err != nil {
+			return err
+		}
+	}
+	b.nodeBin, b.ctrlBin = filepath.Join(work, "dirpv-node"), filepath.Join(work, "dirpv-controller")
+	for _, dst := range []string{b.nodeBin, b.ctrlBin} {
+		if err := copyUncached(b.dirpvBin, dst); err != nil {
+			return err
+		}
 	}
 	b.common = []string{"--kubeconfig", b.cl.Kubeconfig, "--v=2"}
 	b.common = append(b.common, strings.Fields(*flagDirpv)...)
 	b.report.DirpvArgs = strings.Fields(*flagDirpv)
 	b.report.DirpvEnv = strings.Fields(*flagEnv)
+	b.report.DirpvBin = *flagBin
 	if *flagNFS && (len(b.only) == 0 || b.only["nfs"]) {
 		if b.helper, err = nfs.BuildMountHelper(b.ctx); err != nil {
 			return err
@@ -560,7 +576,7 @@ func (b *bench) startProcesses(suffix string) (node, ctrl *framework.Process, er
 		os.Setenv(k, v)
 		defer os.Unsetenv(k)
 	}
-	node, err = framework.StartDirpv(b.ctx, b.dirpvBin, "node"+suffix, b.logDir, "node", append([]string{
+	node, err = framework.StartDirpv(b.ctx, b.nodeBin, "node"+suffix, b.logDir, "node", append([]string{
 		"--node-name", nodeName, "--allowed-base-paths", b.work,
 		"--csi-endpoint", "unix://" + b.csiSocket(),
 		"--plugin-registration-dir", "-"}, b.common...)...)
@@ -572,7 +588,7 @@ func (b *bench) startProcesses(suffix string) (node, ctrl *framework.Process, er
 	if b.helper != "" {
 		args = append(args, "--nfs-mount-helper", b.helper)
 	}
-	ctrl, err = framework.StartDirpv(b.ctx, b.dirpvBin, "controller"+suffix, b.logDir, "controller", append(args, b.common...)...)
+	ctrl, err = framework.StartDirpv(b.ctx, b.ctrlBin, "controller"+suffix, b.logDir, "controller", append(args, b.common...)...)
 	if err != nil {
 		return node, nil, err
 	}
@@ -753,7 +769,7 @@ func (b *bench) rss() error {
 		return err
 	}
 	// The floor: the same binary serving CSI only (no API client, no informers, no PVs).
-	floor, err := framework.StartDirpv(b.ctx, b.dirpvBin, "node-floor", b.logDir, "node", "--node-name", nodeName,
+	floor, err := framework.StartDirpv(b.ctx, b.nodeBin, "node-floor", b.logDir, "node", "--node-name", nodeName,
 		"--local-provisioning=false", "--csi-endpoint", "unix://"+filepath.Join(b.work, "floor.sock"), "--plugin-registration-dir", "-")
 	if err != nil {
 		return err
@@ -765,11 +781,25 @@ func (b *bench) rss() error {
 		anon, _ := procStatusKB(pid, "RssAnon")
 		file, _ := procStatusKB(pid, "RssFile")
 		b.ms["rss.floor"] = float64(hwm) / 1024
+		secs, _ := residentBySection(pid, b.dirpvBin)
+		note := fmt.Sprintf("%.1f anon + %.1f file-backed (%s)", float64(anon)/1024, float64(file)/1024, sectionsNote(secs))
 		b.add(Row{Name: "floor: dirpv node, CSI only, no API client (VmHWM)", Value: float64(hwm) / 1024, Unit: "MiB",
-			Ref: "node goal", RefValue: 30, Note: fmt.Sprintf("%.1f anon + %.1f file-backed", float64(anon)/1024, float64(file)/1024)})
-		fmt.Printf("   (floor now: %.1f MiB anonymous + %.1f MiB file-backed)\n", float64(anon)/1024, float64(file)/1024)
+			Ref: "node goal", RefValue: 30, Note: note})
+		fmt.Printf("   (floor now: %s)\n", note)
 	}
 	floor.Stop(10 * time.Second)
+	// The Go heap of each process before it has seen a claim or volume, for the growth per PV.
+	heap0 := map[string]float64{}
+	for _, p := range []*framework.Process{b.node, b.ctrl} {
+		pid, err := findPID("--http-address", p.HTTPAddr)
+		if err != nil {
+			return err
+		}
+		waitIdle(pid, 30*time.Second)
+		if heap0[p.Args[0]], _, err = b.heapInUse(p, "-start"); err != nil {
+			return err
+		}
+	}
 	if err := b.localClass("bench-rss", filepath.Join(b.work, "base-rss")); err != nil {
 		return err
 	}
@@ -791,19 +821,30 @@ func (b *bench) rss() error {
 			rss, _ := procStatusKB(pid, "VmRSS")
 			anon, _ := procStatusKB(pid, "RssAnon")
 			file, _ := procStatusKB(pid, "RssFile")
-			m, _ := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_heap_inuse_bytes")
+			m, _ := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes")
+			secs, _ := residentBySection(pid, b.dirpvBin)
+			heap := m["go_memstats_heap_inuse_bytes"]
 			key := "rss." + p.Args[0] + "." + what
 			b.ms[key] = float64(hwm) / 1024
 			goal := 50.0
 			if p.Args[0] == "node" {
 				goal = 30
 			}
+			note := fmt.Sprintf("now %.1f MiB RSS = %.1f anon (Go heap in use %.1f, stacks %.1f) + %.1f file-backed (%s)",
+				float64(rss)/1024, float64(anon)/1024, heap/(1<<20), m["go_memstats_stack_inuse_bytes"]/(1<<20),
+				float64(file)/1024, sectionsNote(secs))
 			b.add(Row{Name: fmt.Sprintf("dirpv %s peak RSS (VmHWM), %s", p.Args[0], what), Value: float64(hwm) / 1024, Unit: "MiB",
-				Ref: "goal", RefValue: goal,
-				Note: fmt.Sprintf("now %.1f MiB RSS = %.1f anon + %.1f file-backed (the binary); Go heap in use %.1f MiB",
-					float64(rss)/1024, float64(anon)/1024, float64(file)/1024, m["go_memstats_heap_inuse_bytes"]/(1<<20))})
-			fmt.Printf("   (%s now: %.1f MiB RSS = %.1f MiB anonymous + %.1f MiB file-backed; Go heap in use %.1f MiB)\n",
-				p.Args[0], float64(rss)/1024, float64(anon)/1024, float64(file)/1024, m["go_memstats_heap_inuse_bytes"]/(1<<20))
+				Ref: "goal", RefValue: goal, Note: note})
+			fmt.Printf("   (%s %s)\n", p.Args[0], note)
+			live, how, err := b.heapInUse(p, "")
+			if err != nil {
+				return err
+			}
+			growth := (live - heap0[p.Args[0]]) / (1 << 20)
+			b.ms["heap."+p.Args[0]+"."+what] = growth
+			b.add(Row{Name: fmt.Sprintf("dirpv %s Go heap growth, %s", p.Args[0], what), Value: growth, Unit: "MiB",
+				Ref: "goal", RefValue: 8 * float64(*flagRSSN) / 1000,
+				Note: fmt.Sprintf("heap in use %.1f MiB, %.1f MiB before the first claim (%s)", live/(1<<20), heap0[p.Args[0]]/(1<<20), how)})
 		}
 		return nil
 	}
@@ -815,7 +856,61 @@ func (b *bench) rss() error {
 	if b.node, b.ctrl, err = b.startProcesses("-rss2"); err != nil {
 		return err
 	}
-	return read(fmt.Sprintf("restarted over %d", *flagRSSN))
+	if err := read(fmt.Sprintf("restarted over %d", *flagRSSN)); err != nil {
+		return err
+	}
+	return b.binaryWorkingSet()
+}
+
+// heapInUse returns the Go heap in use of dirpv process p. With --profiling it saves a heap
+// profile to the log dir (name suffix) first, which runs a GC, so that the figure is the live
+// heap; otherwise it includes whatever garbage the last GC left, and says so.
+func (b *bench) heapInUse(p *framework.Process, suffix string) (float64, string, error) {
+	how := "not collected: run dirpv with --profiling for the live heap"
+	if prof, err := saveHeapProfile("http://"+p.HTTPAddr, filepath.Join(b.logDir, p.Name+suffix+".heap.pprof")); err == nil {
+		fmt.Printf("   (%s heap profile: %s)\n", p.Args[0], prof)
+		how = "live, after the GC of the heap profile"
+	}
+	m, err := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_heap_inuse_bytes")
+	if err != nil {
+		return 0, "", err
+	}
+	return m["go_memstats_heap_inuse_bytes"], how, nil
+}
+
+// binaryWorkingSet has the kernel reclaim the binary's read-only pages of both processes,
+// binds a few more claims through them, and reports how much of the binary is resident again:
+// its working set, as opposed to the pages only startup touched.
+func (b *bench) binaryWorkingSet() error {
+	procs := []*framework.Process{b.node, b.ctrl}
+	pids := make([]int, len(procs))
+	for i, p := range procs {
+		pid, err := findPID("--http-address", p.HTTPAddr)
+		if err != nil {
+			return err
+		}
+		if err := pageOutBinary(pid); err != nil {
+			return err
+		}
+		pids[i] = pid
+	}
+	const n = 20
+	if _, err := b.bulk("rss-ws", "bench-rss", nodeName, n); err != nil {
+		return err
+	}
+	for i, p := range procs {
+		waitIdle(pids[i], 30*time.Second)
+		// A scrape, as Prometheus would do, is part of the steady state.
+		if _, err := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_heap_inuse_bytes"); err != nil {
+			return err
+		}
+		rss, _ := procStatusKB(pids[i], "VmRSS")
+		file, _ := procStatusKB(pids[i], "RssFile")
+		secs, _ := residentBySection(pids[i], b.dirpvBin)
+		b.add(Row{Name: fmt.Sprintf("dirpv %s binary working set (file-backed RSS)", p.Args[0]), Value: float64(file) / 1024, Unit: "MiB",
+			Note: fmt.Sprintf("after MADV_PAGEOUT of the binary and %d more claims; VmRSS now %.1f MiB (%s)", n, float64(rss)/1024, sectionsNote(secs))})
+	}
+	return nil
 }
 
 // waitIdle waits until the process used less than 20 ms of CPU in a second.
@@ -854,7 +949,7 @@ func (b *bench) goals() {
 	g("publish+unpublish p50 vs bare bind mount (mount-utils)", "<= 3x", r, r <= 3)
 	r = b.ms["pub.p50"] / b.ms["sys.p50"]
 	g("publish+unpublish p50 vs bare bind mount (mount(2))", "<= 3x", r, r <= 3)
-	var c, n float64
+	var c, n, hc, hn float64
 	for k, v := range b.ms {
 		if strings.HasPrefix(k, "rss.controller.") {
 			c = max(c, v)
@@ -862,7 +957,16 @@ func (b *bench) goals() {
 		if strings.HasPrefix(k, "rss.node.") {
 			n = max(n, v)
 		}
+		if strings.HasPrefix(k, "heap.controller.") {
+			hc = max(hc, v)
+		}
+		if strings.HasPrefix(k, "heap.node.") {
+			hn = max(hn, v)
+		}
 	}
+	heapGoal := 8 * float64(*flagRSSN) / 1000
+	g(fmt.Sprintf("controller Go heap growth with %d PVs (MiB)", *flagRSSN), fmt.Sprintf("< %g", heapGoal), hc, hc < heapGoal)
+	g(fmt.Sprintf("node Go heap growth with %d PVs (MiB)", *flagRSSN), fmt.Sprintf("< %g", heapGoal), hn, hn < heapGoal)
 	g(fmt.Sprintf("controller peak RSS with %d PVs (MiB)", *flagRSSN), "< 50", c, c < 50)
 	g(fmt.Sprintf("node peak RSS with %d PVs (MiB)", *flagRSSN), "< 30", n, n < 30)
 }

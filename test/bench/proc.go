@@ -3,6 +3,8 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"debug/elf"
+	"encoding/binary"
 	"fmt"
 	"io"
 	"net/http"
@@ -11,6 +13,9 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 // findPID returns the PID of the process whose command line has all of args (in any position).
@@ -125,4 +130,144 @@ func scrape(url string, names ...string) (map[string]float64, error) {
 		}
 	}
 	return out, nil
+}
+
+// residentBySection returns how many bytes of each loaded section of the ELF binary at path
+// are resident in process pid (from /proc/<pid>/pagemap, which needs root), in file order.
+// It tells which part of the binary's file-backed RSS is code (.text), constant data
+// (.rodata) and the runtime's function tables (.gopclntab).
+func residentBySection(pid int, path string) ([]sectionRSS, error) {
+	f, err := elf.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	pm, err := os.Open(fmt.Sprintf("/proc/%d/pagemap", pid))
+	if err != nil {
+		return nil, err
+	}
+	defer pm.Close()
+	page := uint64(os.Getpagesize())
+	var out []sectionRSS
+	for _, s := range f.Sections {
+		if s.Type != elf.SHT_PROGBITS || s.Flags&elf.SHF_ALLOC == 0 || s.Size < page {
+			continue
+		}
+		first, end := s.Addr/page, (s.Addr+s.Size+page-1)/page
+		buf := make([]byte, (end-first)*8)
+		if _, err := pm.ReadAt(buf, int64(first*8)); err != nil {
+			return nil, fmt.Errorf("pagemap of %d: %w", pid, err)
+		}
+		var present uint64
+		for i := 0; i < len(buf); i += 8 {
+			// Bit 63 of each entry: the page is present in RAM.
+			if binary.LittleEndian.Uint64(buf[i:])>>63 == 1 {
+				present++
+			}
+		}
+		out = append(out, sectionRSS{Name: s.Name, Size: s.Size, Resident: present * page})
+	}
+	return out, nil
+}
+
+type sectionRSS struct {
+	Name           string
+	Size, Resident uint64
+}
+
+// sectionsNote formats residentBySection's result, e.g. ".text 12.8/25.9 MiB, ...".
+func sectionsNote(secs []sectionRSS) string {
+	var parts []string
+	for _, s := range secs {
+		if s.Resident >= 1<<20 {
+			parts = append(parts, fmt.Sprintf("%s %.1f/%.1f MiB", s.Name, float64(s.Resident)/(1<<20), float64(s.Size)/(1<<20)))
+		}
+	}
+	return strings.Join(parts, ", ")
+}
+
+// saveHeapProfile writes the heap profile of the dirpv process serving base (run with
+// --profiling) to path, and returns path. The process runs a GC first (gc=1), so that the
+// profile, and the heap figures read right after it, show the live heap.
+func saveHeapProfile(base, path string) (string, error) {
+	hc := &http.Client{Timeout: 30 * time.Second}
+	resp, err := hc.Get(base + "/debug/pprof/heap?gc=1")
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return "", fmt.Errorf("heap profile: %s (run dirpv with --profiling)", resp.Status)
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return "", err
+	}
+	if _, err := io.Copy(f, resp.Body); err != nil {
+		f.Close()
+		return "", err
+	}
+	return path, f.Close()
+}
+
+// pageOutBinary asks the kernel to reclaim the pages of pid's own executable that are mapped
+// read-only (code, constants, function tables), with process_madvise(MADV_PAGEOUT). What
+// faults back in afterwards is the binary's working set; the rest was touched only at startup.
+func pageOutBinary(pid int) error {
+	exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", pid))
+	if err != nil {
+		return err
+	}
+	maps, err := os.ReadFile(fmt.Sprintf("/proc/%d/maps", pid))
+	if err != nil {
+		return err
+	}
+	pidfd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return fmt.Errorf("pidfd_open %d: %w", pid, err)
+	}
+	defer unix.Close(pidfd)
+	for _, line := range strings.Split(string(maps), "\n") {
+		fs := strings.Fields(line)
+		if len(fs) < 6 || fs[5] != exe || strings.Contains(fs[1], "w") {
+			continue
+		}
+		var start, end uintptr
+		if _, err := fmt.Sscanf(fs[0], "%x-%x", &start, &end); err != nil {
+			return fmt.Errorf("maps line %q: %w", line, err)
+		}
+		// An iovec of the other process's address space: plain integers, never dereferenced here.
+		iov := [2]uintptr{start, end - start}
+		if _, _, errno := unix.Syscall6(unix.SYS_PROCESS_MADVISE, uintptr(pidfd), uintptr(unsafe.Pointer(&iov)), 1, unix.MADV_PAGEOUT, 0, 0); errno != 0 {
+			return fmt.Errorf("process_madvise %d %s: %w", pid, fs[0], errno)
+		}
+	}
+	return nil
+}
+
+// copyUncached copies the executable src to dst (a new inode, not a link) and drops dst from
+// the page cache, so that a process started from it reads it from disk as after a reboot.
+// A freshly written file is cached in large folios, and a process mapping it then has whole
+// folios resident: the entire binary, measured at 59 MiB here, instead of what it touches.
+func copyUncached(src, dst string) error {
+	b, err := os.ReadFile(src)
+	if err != nil {
+		return err
+	}
+	f, err := os.OpenFile(dst, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o755)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if _, err := f.Write(b); err != nil {
+		return err
+	}
+	// Dirty pages cannot be dropped: write them out first.
+	if err := f.Sync(); err != nil {
+		return err
+	}
+	if err := unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_DONTNEED); err != nil {
+		return fmt.Errorf("drop %s from the page cache: %w", dst, err)
+	}
+	return f.Close()
 }
