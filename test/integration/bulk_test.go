@@ -25,7 +25,7 @@ func createClaims(t *testing.T, ns, class string, n int) {
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			c := newClaim(ns, fmt.Sprintf("c-%03d", i), class, onNode(nodeA))
+			c := framework.NewClaim(ns, fmt.Sprintf("c-%03d", i), class, framework.OnNode(nodeA))
 			if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
 				errs <- err
 			}
@@ -57,7 +57,7 @@ func checkOneDirectoryPerPV(t *testing.T, ns, base string, n int, wait time.Dura
 }
 
 func TestTwoHundredClaimsAtOnce(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
 	start := time.Now()
 	createClaims(t, ns, class.Name, 200)
@@ -135,7 +135,7 @@ func checkAdopted(t *testing.T, ns string, snap *framework.KillSnapshot, held []
 // is orphaned.
 func TestKilledMidwayRecovers(t *testing.T) {
 	ctx := context.Background()
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
 	const n = 100
 	held := []string{"c-000", "c-001", "c-002"}

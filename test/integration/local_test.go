@@ -17,9 +17,9 @@ import (
 // A user creates a claim and a pod; the real scheduler picks node-a, dirpv's node-a instance
 // creates the directory there with the class's mode and owner, and the claim binds.
 func TestLocalClaimBindsOnScheduledNode(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, map[string]string{"mode": "2770", "uid": "1001", "gid": "2002"})
-	createClaim(t, ns, "data", class.Name)
+	suite.CreateClaim(t, ns, "data", class.Name)
 	createPod(t, ns, "app", "data", nodeA)
 	pvc, pv := waitBound(t, ns, "data")
 
@@ -62,13 +62,13 @@ func TestOnDeleteAndReclaimPolicy(t *testing.T) {
 		{"reclaim-retain", "delete", true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			ns := newNamespace(t)
-			var opts []classOpt
+			ns := suite.NewNamespace(t)
+			var opts []framework.ClassOption
 			if tc.retain {
-				opts = append(opts, reclaimRetain)
+				opts = append(opts, framework.ReclaimRetain)
 			}
 			class, base := localClass(t, map[string]string{"onDelete": tc.onDelete}, opts...)
-			createClaim(t, ns, "c", class.Name, onNode(nodeA))
+			suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
 			_, pv := waitBound(t, ns, "c")
 			rel := pv.Spec.CSI.VolumeAttributes["path"]
 			deleteClaim(t, ns, "c")
@@ -109,33 +109,33 @@ func TestRejectionsAreEventsAndTouchNothing(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
 		params map[string]string
-		class  []classOpt
-		claim  []claimOpt
+		class  []framework.ClassOption
+		claim  []framework.ClaimOption
 		want   string
 	}{
 		{name: "unknown-parameter", params: map[string]string{"basepath": "/tmp"}, want: "unknown StorageClass parameters"},
 		{name: "bad-template", params: map[string]string{"pathPattern": "${pvc.uid}"}, want: "unknown variable"},
 		{name: "template-outside-base", params: map[string]string{"pathPattern": "../${pvc.metadata.name}"}, want: "component"},
 		{name: "escaping-annotation", params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"},
-			claim: []claimOpt{func(c *v1.PersistentVolumeClaim) { c.Annotations["dir"] = "../../etc" }}, want: "may not appear"},
+			claim: []framework.ClaimOption{func(c *v1.PersistentVolumeClaim) { c.Annotations["dir"] = "../../etc" }}, want: "may not appear"},
 		{name: "unknown-ondelete", params: map[string]string{"onDelete": "shred"}, want: "onDelete"},
-		{name: "block-mode", claim: []claimOpt{func(c *v1.PersistentVolumeClaim) {
+		{name: "block-mode", claim: []framework.ClaimOption{func(c *v1.PersistentVolumeClaim) {
 			b := v1.PersistentVolumeBlock
 			c.Spec.VolumeMode = &b
 		}}, want: "block volume"},
-		{name: "rwx-on-local", claim: []claimOpt{accessModes(v1.ReadWriteMany)}, want: "ReadWriteMany"},
-		{name: "immediate-local", class: []classOpt{immediate}, want: "WaitForFirstConsumer"},
+		{name: "rwx-on-local", claim: []framework.ClaimOption{framework.AccessModes(v1.ReadWriteMany)}, want: "ReadWriteMany"},
+		{name: "immediate-local", class: []framework.ClassOption{framework.Immediate}, want: "WaitForFirstConsumer"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			ns := newNamespace(t)
+			ns := suite.NewNamespace(t)
 			class, base := localClass(t, tc.params, tc.class...)
-			opts := append([]claimOpt{}, tc.claim...)
+			opts := append([]framework.ClaimOption{}, tc.claim...)
 			if class.VolumeBindingMode != nil {
-				opts = append([]claimOpt{onNode(nodeA)}, opts...)
+				opts = append([]framework.ClaimOption{framework.OnNode(nodeA)}, opts...)
 			} else {
-				opts = append([]claimOpt{func(c *v1.PersistentVolumeClaim) { c.Annotations = map[string]string{} }}, opts...)
+				opts = append([]framework.ClaimOption{func(c *v1.PersistentVolumeClaim) { c.Annotations = map[string]string{} }}, opts...)
 			}
-			createClaim(t, ns, "c", class.Name, opts...)
+			suite.CreateClaim(t, ns, "c", class.Name, opts...)
 			if _, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", tc.want, timeout); err != nil {
 				t.Fatal(err)
 			}
@@ -147,9 +147,9 @@ func TestRejectionsAreEventsAndTouchNothing(t *testing.T) {
 }
 
 func TestNFSClassWithoutServerIsRefused(t *testing.T) {
-	ns := newNamespace(t)
-	class := createClass(t, "nfs-no-server", map[string]string{"backend": "nfs", "share": "/export"}, immediate)
-	createClaim(t, ns, "c", class.Name, accessModes(v1.ReadWriteMany))
+	ns := suite.NewNamespace(t)
+	class := suite.CreateClass(t, "nfs-no-server", map[string]string{"backend": "nfs", "share": "/export"}, framework.Immediate)
+	suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	if _, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "server and share", timeout); err != nil {
 		t.Fatal(err)
 	}
@@ -157,11 +157,11 @@ func TestNFSClassWithoutServerIsRefused(t *testing.T) {
 
 // A claim placed on a node without a dirpv instance is left alone by node-a's instance.
 func TestOtherNodesClaimIsLeftAlone(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
-	createClaim(t, ns, "elsewhere", class.Name)
+	suite.CreateClaim(t, ns, "elsewhere", class.Name)
 	createPod(t, ns, "elsewhere", "elsewhere", nodeC)
-	createClaim(t, ns, "here", class.Name)
+	suite.CreateClaim(t, ns, "here", class.Name)
 	createPod(t, ns, "here", "here", nodeA)
 	// Both claims were created before either was placed; once node-a's is bound, node-a's
 	// instance has seen node-c's claim too.

@@ -29,8 +29,6 @@ import (
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/mount-utils"
 
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/test/nfs"
@@ -52,13 +50,13 @@ func nfsClassName(t *testing.T) string {
 // nfsClass creates an Immediate StorageClass for srv's export. Its mountOptions are srv's
 // port options (the portmapper only knows the last server started) followed by extra; tests
 // pass distinct extra options so that their class gets its own controller mount.
-func nfsClass(t *testing.T, srv *nfs.Server, extra []string, params map[string]string, opts ...classOpt) *storagev1.StorageClass {
+func nfsClass(t *testing.T, srv *nfs.Server, extra []string, params map[string]string, opts ...framework.ClassOption) *storagev1.StorageClass {
 	t.Helper()
 	p := map[string]string{"backend": "nfs", "server": srv.Addr, "share": srv.Share}
 	maps.Copy(p, params)
 	mo := append(srv.MountOptions(), extra...)
-	opts = append([]classOpt{immediate, func(c *storagev1.StorageClass) { c.MountOptions = mo }}, opts...)
-	return createClass(t, nfsClassName(t), p, opts...)
+	opts = append([]framework.ClassOption{framework.Immediate, func(c *storagev1.StorageClass) { c.MountOptions = mo }}, opts...)
+	return suite.CreateClass(t, nfsClassName(t), p, opts...)
 }
 
 // waitNFSBound is waitBound with the controller's log in the failure message.
@@ -103,14 +101,13 @@ type nfsMount struct {
 // once each.
 func controllerMountsOf(t *testing.T, srv *nfs.Server, options []string) []nfsMount {
 	t.Helper()
-	work := controllerWorkDir(t)
-	infos, err := mount.ParseMountInfo("/proc/self/mountinfo")
+	infos, err := framework.MountInfosUnder(controllerWorkDir(t))
 	if err != nil {
-		t.Fatalf("read mount table: %v", err)
+		t.Fatal(err)
 	}
 	var out []nfsMount
 	for _, mi := range infos {
-		if mi.FsType != "fuse.nfs" || !strings.HasPrefix(mi.MountPoint, work+"/") {
+		if mi.FsType != "fuse.nfs" {
 			continue
 		}
 		rec, err := nfs.ReadMountRecord(mi.MountPoint)
@@ -137,36 +134,13 @@ func claimsOnServer(t *testing.T, srv *nfs.Server, ns string) []string {
 	return out
 }
 
-// nfsWaitPVGone waits until the PV is deleted, showing the PV's events (VolumeFailedDelete
-// says why) on failure.
-func nfsWaitPVGone(t *testing.T, name string) {
-	t.Helper()
-	if err := framework.WaitForPVDeleted(context.Background(), client, name, timeout); err != nil {
-		t.Fatalf("%v\nevents: %s", err, eventsOf("", "PersistentVolume", name))
-	}
-}
-
-// eventsOf lists an object's events as "reason: message" lines, for failure messages.
-func eventsOf(ns, kind, name string) string {
-	sel := fields.Set{"involvedObject.kind": kind, "involvedObject.name": name}.AsSelector().String()
-	evs, err := client.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{FieldSelector: sel})
-	if err != nil {
-		return err.Error()
-	}
-	var b strings.Builder
-	for _, e := range evs.Items {
-		fmt.Fprintf(&b, "\n  %s (x%d): %s", e.Reason, max(e.Count, 1), e.Message)
-	}
-	return b.String()
-}
-
 // waitClaimEvent waits for a ProvisioningFailed event on the claim mentioning substr; on
 // failure it shows the claim's events and the controller's log.
 func waitClaimEvent(t *testing.T, ns, claim, substr string, within time.Duration) *v1.Event {
 	t.Helper()
 	ev, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", claim, "ProvisioningFailed", substr, within)
 	if err != nil {
-		t.Fatalf("%v\nclaim events: %s\n--- controller log tail:\n%s", err, eventsOf(ns, "PersistentVolumeClaim", claim), ctrlProc.Tail(4000))
+		t.Fatalf("%v\nclaim events: %s\n--- controller log tail:\n%s", err, framework.EventsOf(context.Background(), client, ns, "PersistentVolumeClaim", claim), ctrlProc.Tail(4000))
 	}
 	return ev
 }
@@ -175,9 +149,9 @@ func waitClaimEvent(t *testing.T, ns, claim, substr string, within time.Duration
 // the server with the class's mode and owner, and the PV carries everything needed to mount it
 // on any node.
 func TestNFSClaimBindsRWX(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class := nfsClass(t, nfsServer, []string{"nolock", "actimeo=1"}, map[string]string{"mode": "0750", "uid": "1001", "gid": "2002"})
-	createClaim(t, ns, "shared", class.Name, accessModes(v1.ReadWriteMany))
+	suite.CreateClaim(t, ns, "shared", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	_, pv := waitNFSBound(t, ns, "shared")
 
 	rel := ns + "-shared-" + pv.Name
@@ -210,9 +184,9 @@ func TestNFSClaimBindsRWX(t *testing.T) {
 func TestNFSOnDelete(t *testing.T) {
 	for _, policy := range []string{"delete", "retain", "archive"} {
 		t.Run(policy, func(t *testing.T) {
-			ns := newNamespace(t)
+			ns := suite.NewNamespace(t)
 			class := nfsClass(t, nfsServer, []string{"nolock"}, map[string]string{"onDelete": policy})
-			createClaim(t, ns, "c", class.Name, accessModes(v1.ReadWriteMany))
+			suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
 			_, pv := waitNFSBound(t, ns, "c")
 			rel := pv.Spec.CSI.VolumeAttributes["path"]
 			// A file inside, so that delete has a tree to remove and archive something to keep.
@@ -220,7 +194,7 @@ func TestNFSOnDelete(t *testing.T) {
 				t.Fatal(err)
 			}
 			deleteClaim(t, ns, "c")
-			nfsWaitPVGone(t, pv.Name)
+			waitPVGone(t, pv.Name)
 			got := claimsOnServer(t, nfsServer, ns)
 			switch policy {
 			case "delete":
@@ -254,10 +228,10 @@ func TestNFSOnDelete(t *testing.T) {
 
 // The class's mountOptions are what the controller mounts the export with.
 func TestNFSMountOptionsReachControllerMount(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	extra := []string{"nolock", "noatime", "timeo=123", "vers=3"}
 	class := nfsClass(t, nfsServer, extra, nil)
-	createClaim(t, ns, "c", class.Name, accessModes(v1.ReadWriteMany))
+	suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	waitNFSBound(t, ns, "c")
 
 	// Idle unmount (5m) is far away, so the mount is still there.
@@ -275,14 +249,14 @@ func TestNFSMountOptionsReachControllerMount(t *testing.T) {
 // Many claims on one class cost one mount of the export, not one each.
 func TestNFSManyClaimsShareOneMount(t *testing.T) {
 	const n = 20
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class := nfsClass(t, nfsServer, []string{"nolock", "actimeo=20"}, nil)
 	start := time.Now()
 	var wg sync.WaitGroup
 	errs := make(chan error, n)
 	for i := range n {
 		wg.Go(func() {
-			c := newClaim(ns, fmt.Sprintf("c-%02d", i), class.Name, accessModes(v1.ReadWriteMany))
+			c := framework.NewClaim(ns, fmt.Sprintf("c-%02d", i), class.Name, framework.AccessModes(v1.ReadWriteMany))
 			if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
 				errs <- err
 			}
@@ -341,21 +315,21 @@ func fillOnServer(t *testing.T, dir string, files int) {
 // the tree is eventually gone from the server.
 func TestNFSLargeDeleteKeepsExportServing(t *testing.T) {
 	const files = 100_000
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class := nfsClass(t, nfsServer, []string{"nolock", "actimeo=2"}, nil)
-	createClaim(t, ns, "big", class.Name, accessModes(v1.ReadWriteMany))
+	suite.CreateClaim(t, ns, "big", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	_, pv := waitNFSBound(t, ns, "big")
 	rel := pv.Spec.CSI.VolumeAttributes["path"]
 	fillOnServer(t, filepath.Join(nfsServer.ExportDir, rel), files)
 
 	start := time.Now()
 	deleteClaim(t, ns, "big")
-	nfsWaitPVGone(t, pv.Name)
+	waitPVGone(t, pv.Name)
 	pvGone := time.Since(start)
 	if _, err := os.Lstat(filepath.Join(nfsServer.ExportDir, rel)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("volume directory on the server after its PV is gone: %v, want it gone from its name", err)
 	}
-	createClaim(t, ns, "meanwhile", class.Name, accessModes(v1.ReadWriteMany))
+	suite.CreateClaim(t, ns, "meanwhile", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	waitNFSBound(t, ns, "meanwhile")
 	bound := time.Since(start)
 	trashed := filepath.Join(nfsServer.ExportDir, trashOnServer, pv.Name)
@@ -445,14 +419,14 @@ func TestNFSDeadServer(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()
-			ns := newNamespace(t)
+			ns := suite.NewNamespace(t)
 			warm := nfsClass(t, nfsServer, []string{"nolock", "retrans=" + tc.name + "-warm"}, nil)
 			// The cold class's options are unique to this run, so no earlier mount exists.
-			cold := createClass(t, nfsClassName(t)+"-cold", map[string]string{"backend": "nfs", "server": nfsServer.Addr, "share": nfsServer.Share},
-				immediate, func(c *storagev1.StorageClass) {
+			cold := suite.CreateClass(t, nfsClassName(t)+"-cold", map[string]string{"backend": "nfs", "server": nfsServer.Addr, "share": nfsServer.Share},
+				framework.Immediate, func(c *storagev1.StorageClass) {
 					c.MountOptions = append(nfsServer.MountOptions(), "nolock", fmt.Sprintf("retrans=%s-%d", tc.name, time.Now().UnixNano()))
 				})
-			createClaim(t, ns, "before", warm.Name, accessModes(v1.ReadWriteMany))
+			suite.CreateClaim(t, ns, "before", warm.Name, framework.AccessModes(v1.ReadWriteMany))
 			waitNFSBound(t, ns, "before")
 			baseline, err := controllerGoroutines(ctx)
 			if err != nil {
@@ -479,8 +453,8 @@ func TestNFSDeadServer(t *testing.T) {
 			})
 
 			down := time.Now()
-			createClaim(t, ns, "warm", warm.Name, accessModes(v1.ReadWriteMany))
-			createClaim(t, ns, "cold", cold.Name, accessModes(v1.ReadWriteMany))
+			suite.CreateClaim(t, ns, "warm", warm.Name, framework.AccessModes(v1.ReadWriteMany))
+			suite.CreateClaim(t, ns, "cold", cold.Name, framework.AccessModes(v1.ReadWriteMany))
 			// Meanwhile, sample the controller's goroutines: abandoned calls must not pile up.
 			peak := baseline
 			sampleDone := make(chan struct{})
@@ -585,9 +559,9 @@ func TestNFSRootSquash(t *testing.T) {
 	t.Cleanup(func() { srv.Stop() })
 
 	t.Run("uid-gid", func(t *testing.T) {
-		ns := newNamespace(t)
+		ns := suite.NewNamespace(t)
 		class := nfsClass(t, srv, []string{"nolock"}, map[string]string{"uid": "1001", "gid": "2002"})
-		createClaim(t, ns, "c", class.Name, accessModes(v1.ReadWriteMany))
+		suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
 		ev := waitClaimEvent(t, ns, "c", "root_squash", timeout)
 		t.Logf("event: %s", ev.Message)
 		for _, want := range []string{"chown", "1001:2002", "no_root_squash"} {
@@ -616,16 +590,16 @@ func TestNFSRootSquash(t *testing.T) {
 			t.Fatal(err)
 		}
 		if pvc.Status.Phase != v1.ClaimPending {
-			t.Errorf("claim after the retry is %s, want Pending (events: %s)", pvc.Status.Phase, eventsOf(ns, "PersistentVolumeClaim", "c"))
+			t.Errorf("claim after the retry is %s, want Pending (events: %s)", pvc.Status.Phase, framework.EventsOf(context.Background(), client, ns, "PersistentVolumeClaim", "c"))
 		}
 		if got := claimsOnServer(t, srv, ns); len(got) != 0 {
 			t.Errorf("a refused claim left %v on the server", got)
 		}
 	})
 	t.Run("no-owner", func(t *testing.T) {
-		ns := newNamespace(t)
+		ns := suite.NewNamespace(t)
 		class := nfsClass(t, srv, []string{"nolock", "noac"}, nil)
-		createClaim(t, ns, "c", class.Name, accessModes(v1.ReadWriteMany))
+		suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
 		_, pv := waitNFSBound(t, ns, "c")
 		var st unix.Stat_t
 		if err := unix.Stat(filepath.Join(srv.ExportDir, pv.Spec.CSI.VolumeAttributes["path"]), &st); err != nil {

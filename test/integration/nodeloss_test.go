@@ -21,8 +21,8 @@ func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 		t.Fatal(err)
 	}
 	work := t.TempDir()
-	proc, err := framework.StartDirpv(ctx, dirpvBin, "node-b", logDir, "node", "--kubeconfig", testCluster.Kubeconfig,
-		"--v=2", "--node-name", nodeB, "--allowed-base-paths", baseRoot,
+	proc, err := suite.StartDirpv(ctx, "node-b", "node",
+		"--v=2", "--node-name", nodeB, "--allowed-base-paths", suite.Work.BaseRoot,
 		"--csi-endpoint", "unix://"+filepath.Join(work, "csi.sock"), "--plugin-registration-dir", "-")
 	if err != nil {
 		t.Fatal(err)
@@ -32,9 +32,9 @@ func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
-	createClaim(t, ns, "lost", class.Name, onNode(nodeB))
+	suite.CreateClaim(t, ns, "lost", class.Name, framework.OnNode(nodeB))
 	_, pv := waitBound(t, ns, "lost")
 
 	proc.Kill()
@@ -51,6 +51,6 @@ func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 	}
 
 	// Other claims keep flowing.
-	createClaim(t, ns, "after", class.Name, onNode(nodeA))
+	suite.CreateClaim(t, ns, "after", class.Name, framework.OnNode(nodeA))
 	waitBound(t, ns, "after")
 }

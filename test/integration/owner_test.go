@@ -126,13 +126,13 @@ func logSize(t *testing.T, log string) int64 {
 // restarted dirpv finds the directory by name alone: it is the claim's own, so it is adopted,
 // data, mode and owner as they were, and the claim binds with exactly that one directory.
 func TestCrashBeforePVIsSavedAdoptsDirectory(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, map[string]string{
 		"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}", "mode": "2750", "uid": "1234", "gid": "5678",
 	})
 	allow := denyPVsFor(t, ns)
 	offset := logSize(t, nodeProc.Log)
-	c := createClaim(t, ns, "crashy", class.Name, onNode(nodeA))
+	c := suite.CreateClaim(t, ns, "crashy", class.Name, framework.OnNode(nodeA))
 	pvName := "pvc-" + string(c.UID)
 	waitForLog(t, nodeProc.Log, offset, "Failed to save persistentvolume", pvName)
 	dir := filepath.Join(base, ns+"-crashy")
@@ -184,9 +184,9 @@ func TestCrashBeforePVIsSavedAdoptsDirectory(t *testing.T) {
 // made anew for another claim) is released: its Delete is refused with an event, and the
 // volume and its data stay.
 func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, map[string]string{"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}"})
-	createClaim(t, ns, "owner", class.Name, onNode(nodeA))
+	suite.CreateClaim(t, ns, "owner", class.Name, framework.OnNode(nodeA))
 	_, owned := waitBound(t, ns, "owner")
 	data := filepath.Join(base, owned.Spec.CSI.VolumeAttributes["path"], "data")
 	if err := os.WriteFile(data, []byte("owner's data"), 0o600); err != nil {
@@ -207,7 +207,7 @@ func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
 		client.CoreV1().PersistentVolumes().Patch(ctx, stale.Name, types.MergePatchType, patch, metav1.PatchOptions{})
 		client.CoreV1().PersistentVolumes().Delete(ctx, stale.Name, metav1.DeleteOptions{})
 	})
-	claim := newClaim(ns, "stale", class.Name, onNode(nodeA))
+	claim := framework.NewClaim(ns, "stale", class.Name, framework.OnNode(nodeA))
 	claim.Spec.VolumeName = stale.Name
 	if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), claim, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -252,19 +252,19 @@ func ownerRecords(t *testing.T, dir string, uid types.UID) []string {
 // marker is a record file beside the volume on the server, which no tenant can reach. It goes
 // when the volume is deleted.
 func TestNFSVolumeInsideAnotherVolume(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	shallow := nfsClass(t, nfsServer, []string{"nolock"}, map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"})
-	deep := createClass(t, nfsClassName(t)+"-deep", map[string]string{
+	deep := suite.CreateClass(t, nfsClassName(t)+"-deep", map[string]string{
 		"backend": "nfs", "server": nfsServer.Addr, "share": nfsServer.Share,
 		"pathPattern": "${pvc.metadata.labels['team']}/${pvc.metadata.namespace}-${pvc.metadata.name}",
-	}, immediate, func(c *storagev1.StorageClass) { c.MountOptions = append(nfsServer.MountOptions(), "nolock") })
+	}, framework.Immediate, func(c *storagev1.StorageClass) { c.MountOptions = append(nfsServer.MountOptions(), "nolock") })
 	team := ns + "-finance"
-	squatter := createClaim(t, ns, "squatter", shallow.Name, accessModes(v1.ReadWriteMany), withAnnotation("dir", team))
+	squatter := suite.CreateClaim(t, ns, "squatter", shallow.Name, framework.AccessModes(v1.ReadWriteMany), framework.Annotation("dir", team))
 	_, pv := waitNFSBound(t, ns, "squatter")
 	if got := ownerRecords(t, nfsServer.ExportDir, squatter.UID); len(got) != 1 {
 		t.Errorf("records naming the squatter on the server: %q, want one", got)
 	}
-	createClaim(t, ns, "victim", deep.Name, accessModes(v1.ReadWriteMany), withLabel("team", team))
+	suite.CreateClaim(t, ns, "victim", deep.Name, framework.AccessModes(v1.ReadWriteMany), withLabel("team", team))
 	ev := waitClaimEvent(t, ns, "victim", "another volume's directory", timeout)
 	t.Logf("victim refused: %s", ev.Message)
 	noPVFor(t, ns, "victim")
@@ -273,7 +273,7 @@ func TestNFSVolumeInsideAnotherVolume(t *testing.T) {
 	}
 	deleteClaim(t, ns, "victim")
 	deleteClaim(t, ns, "squatter")
-	nfsWaitPVGone(t, pv.Name)
+	waitPVGone(t, pv.Name)
 	if got := ownerRecords(t, nfsServer.ExportDir, squatter.UID); len(got) != 0 {
 		t.Errorf("records naming the deleted squatter are left: %q", got)
 	}
