@@ -27,8 +27,8 @@ import (
 )
 
 func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
-	ns := newNamespace(t)
-	top := filepath.Join(baseRoot, "symlink")
+	ns := suite.NewNamespace(t)
+	top := filepath.Join(suite.Work.BaseRoot, "symlink")
 	base := filepath.Join(top, "base")
 	decoy := filepath.Join(top, "decoy")
 	for f, content := range map[string]string{"decoy/data": "beside the base", "decoy/sub/deeper": "deeper"} {
@@ -40,12 +40,12 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	createClass(t, "e2e-symlink-delete", map[string]string{"backend": "local", "basePath": base, "onDelete": "delete"}, true)
-	createClass(t, "e2e-symlink-archive", map[string]string{"backend": "local", "basePath": base, "onDelete": "archive"}, true)
+	suite.CreateClass(t, "e2e-symlink-delete", map[string]string{"backend": "local", "basePath": base, "onDelete": "delete"})
+	suite.CreateClass(t, "e2e-symlink-archive", map[string]string{"backend": "local", "basePath": base, "onDelete": "archive"})
 
 	// The victim: another tenant's claim with data.
-	createClaim(t, ns, "victim", "e2e-symlink-delete", v1.ReadWriteOnce)
-	createPod(t, podSpec(ns, "victim", "victim", "echo victim-data > /data/data && mkdir /data/sub && echo more > /data/sub/f", false))
+	suite.CreateClaim(t, ns, "victim", "e2e-symlink-delete")
+	createPod(t, suite.BusyboxPod(ns, "victim", "victim", "echo victim-data > /data/data && mkdir /data/sub && echo more > /data/sub/f", false))
 	waitPodPhase(t, ns, "victim", v1.PodSucceeded)
 	victimPV := boundPV(t, ns, "victim")
 	victimDir := filepath.Join(base, victimPV.Spec.CSI.VolumeAttributes["path"])
@@ -78,8 +78,8 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 	}
 	attackers := []*attacker{{claim: "attacker-delete", class: "e2e-symlink-delete"}, {claim: "attacker-archive", class: "e2e-symlink-archive"}}
 	for _, a := range attackers {
-		createClaim(t, ns, a.claim, a.class, v1.ReadWriteOnce)
-		createPod(t, podSpec(ns, a.claim, a.claim, script.String(), false))
+		suite.CreateClaim(t, ns, a.claim, a.class)
+		createPod(t, suite.BusyboxPod(ns, a.claim, a.claim, script.String(), false))
 	}
 	for _, a := range attackers {
 		a.pod = waitPodPhase(t, ns, a.claim, v1.PodRunning)

@@ -299,3 +299,19 @@ func WaitForPodDeleted(ctx context.Context, c kubernetes.Interface, ns, name str
 		return string(p.Status.Phase), nil
 	})
 }
+
+// WaitForPodPhase waits until the pod is in phase and returns it.
+func WaitForPodPhase(ctx context.Context, c kubernetes.Interface, ns, name string, phase v1.PodPhase, timeout time.Duration) (*v1.Pod, error) {
+	var pod *v1.Pod
+	err := Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		var err error
+		if pod, err = c.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{}); err != nil {
+			return false, err
+		}
+		return pod.Status.Phase == phase, fmt.Errorf("pod %s/%s is %s: %+v", ns, name, pod.Status.Phase, pod.Status.ContainerStatuses)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("wait for pod %s/%s to be %s: %w", ns, name, phase, err)
+	}
+	return pod, nil
+}
