@@ -17,11 +17,9 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
-	"k8s.io/utils/ptr"
 
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
@@ -36,27 +34,35 @@ const (
 var (
 	// auditLog records every request of dirpv's ServiceAccounts, for the RBAC test.
 	auditLog    string
+	suite       *framework.Suite
 	testCluster *cluster.Cluster
 	client      kubernetes.Interface
 	inst        *framework.Installation
 )
 
 func TestMain(m *testing.M) {
-	os.Exit(run(m))
+	os.Exit(framework.RunSuite(m, framework.SuiteOptions{
+		Name:          "install",
+		Cluster:       cluster.Options{WithNode: true, Logf: klog.Infof},
+		BeforeCluster: beforeCluster,
+	}, func(ctx context.Context, s *framework.Suite) error {
+		suite, client, testCluster = s, s.Client, s.Cluster
+		var err error
+		if inst, err = framework.Install(ctx, testCluster, klog.Infof); err != nil {
+			return fmt.Errorf("install dirpv: %w", err)
+		}
+		return nil
+	}))
 }
 
-func run(m *testing.M) int {
-	ctx := context.Background()
-	cleanups := framework.NewCleanups()
-	defer cleanups.Run()
-	fail := func(what string, err error) int {
-		fmt.Fprintf(os.Stderr, "%s: %v\n", what, err)
-		return 1
-	}
+// beforeCluster makes the apiserver audit dirpv's ServiceAccounts into the workspace, and
+// registers the removal of this suite's volumes.
+func beforeCluster(s *framework.Suite, opts *cluster.Options) error {
 	// Volumes of this suite's namespaces live in the host's /var/lib/dirpv, as for a user;
-	// remove them once the cluster is gone (cleanups run last first), and the base too if this suite created it.
+	// remove them once the cluster is gone (cleanups run last first), and the base too if
+	// this suite created it.
 	_, baseErr := os.Stat(basePath)
-	cleanups.Add(func() {
+	s.Cleanups.Add(func() {
 		leftovers, _ := filepath.Glob(filepath.Join(basePath, "install-*"))
 		for _, d := range leftovers {
 			os.RemoveAll(d)
@@ -65,67 +71,16 @@ func run(m *testing.M) int {
 			os.Remove(basePath)
 		}
 	})
-	auditDir, err := os.MkdirTemp("", "dirpv-audit-")
-	if err != nil {
-		return fail("audit dir", err)
+	auditDir := filepath.Join(s.Work.Dir, "audit")
+	if err := os.MkdirAll(auditDir, 0o755); err != nil {
+		return fmt.Errorf("audit dir: %w", err)
 	}
-	cleanups.Add(func() { os.RemoveAll(auditDir) })
 	auditArgs, err := auditPolicy(auditDir)
 	if err != nil {
-		return fail("audit policy", err)
+		return fmt.Errorf("audit policy: %w", err)
 	}
-	testCluster, err = cluster.Start(ctx, cluster.Options{WithNode: true, Logf: klog.Infof, APIServerArgs: auditArgs})
-	if err != nil {
-		return fail("start cluster", err)
-	}
-	cleanups.Add(func() { testCluster.Stop() })
-	if client, err = testCluster.Client(); err != nil {
-		return fail("client", err)
-	}
-	if inst, err = framework.Install(ctx, testCluster, klog.Infof); err != nil {
-		return fail("install dirpv", err)
-	}
-	return m.Run()
-}
-
-func newNamespace(t *testing.T) string {
-	t.Helper()
-	ns, err := client.CoreV1().Namespaces().Create(context.Background(),
-		&v1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "install-"}}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { client.CoreV1().Namespaces().Delete(context.Background(), ns.Name, metav1.DeleteOptions{}) })
-	return ns.Name
-}
-
-// claim has no storageClassName: the default class is what a user gets.
-func claim(ns, name string, annotations map[string]string) *v1.PersistentVolumeClaim {
-	return &v1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Annotations: annotations},
-		Spec: v1.PersistentVolumeClaimSpec{
-			AccessModes: []v1.PersistentVolumeAccessMode{v1.ReadWriteOnce},
-			Resources:   v1.VolumeResourceRequirements{Requests: v1.ResourceList{v1.ResourceStorage: resource.MustParse("1Gi")}},
-		},
-	}
-}
-
-func pod(ns, name, claim, script string) *v1.Pod {
-	return &v1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-		Spec: v1.PodSpec{
-			RestartPolicy:                 v1.RestartPolicyNever,
-			TerminationGracePeriodSeconds: ptr.To[int64](1),
-			Containers: []v1.Container{{
-				Name: "c", Image: testCluster.BusyboxImage, ImagePullPolicy: v1.PullNever,
-				Command:      []string{"sh", "-c", script},
-				VolumeMounts: []v1.VolumeMount{{Name: "data", MountPath: "/data"}},
-			}},
-			Volumes: []v1.Volume{{Name: "data", VolumeSource: v1.VolumeSource{
-				PersistentVolumeClaim: &v1.PersistentVolumeClaimVolumeSource{ClaimName: claim},
-			}}},
-		},
-	}
+	opts.APIServerArgs = append(opts.APIServerArgs, auditArgs...)
+	return nil
 }
 
 // volumeDir returns the host directory of a bound claim.
@@ -141,14 +96,7 @@ func volumeDir(t *testing.T, ns, name string) string {
 
 func waitRunning(t *testing.T, ns, name string) {
 	t.Helper()
-	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-		p, err := client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return false, err
-		}
-		return p.Status.Phase == v1.PodRunning, fmt.Errorf("pod %s is %s", name, p.Status.Phase)
-	})
-	if err != nil {
+	if _, err := framework.WaitForPodPhase(context.Background(), client, ns, name, v1.PodRunning, timeout); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -187,11 +135,11 @@ func TestDefaultClassIsDirpvLocal(t *testing.T) {
 	if !slices.Equal(defaults, []string{"dirpv-local"}) {
 		t.Errorf("default classes = %v, want [dirpv-local]", defaults)
 	}
-	ns := newNamespace(t)
-	if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim(ns, "data", nil), metav1.CreateOptions{}); err != nil {
+	ns := suite.NewNamespace(t)
+	if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, framework.NewClaim(ns, "data", ""), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := client.CoreV1().Pods(ns).Create(ctx, pod(ns, "w", "data", "echo installed > /data/f"), metav1.CreateOptions{}); err != nil {
+	if _, err := client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "w", "data", "echo installed > /data/f", false), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	dir := volumeDir(t, ns, "data")
@@ -210,11 +158,11 @@ func TestDefaultClassIsDirpvLocal(t *testing.T) {
 // Replacing the node plugin pod (an upgrade, a crash) must not take running pods' volumes.
 func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
 	ctx := context.Background()
-	ns := newNamespace(t)
-	if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim(ns, "data", nil), metav1.CreateOptions{}); err != nil {
+	ns := suite.NewNamespace(t)
+	if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, framework.NewClaim(ns, "data", ""), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := client.CoreV1().Pods(ns).Create(ctx, pod(ns, "writer", "data", "while true; do date >> /data/log; sleep 1; done"), metav1.CreateOptions{}); err != nil {
+	if _, err := client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "writer", "data", "while true; do date >> /data/log; sleep 1; done", false), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	waitRunning(t, ns, "writer")
@@ -248,7 +196,7 @@ func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
 	}
 	readGrows(t, logFile, size)
 	// The workload keeps writing, and a new pod on the same claim still reads its data.
-	if _, err := client.CoreV1().Pods(ns).Create(ctx, pod(ns, "reader", "data", "test -s /data/log"), metav1.CreateOptions{}); err == nil {
+	if _, err := client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "reader", "data", "test -s /data/log", false), metav1.CreateOptions{}); err == nil {
 		// The claim is RWO on one node: a second pod on the same node may use it.
 		err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 			p, err := client.CoreV1().Pods(ns).Get(ctx, "reader", metav1.GetOptions{})
@@ -289,7 +237,7 @@ func nodePlugin(ctx context.Context, t *testing.T) (*v1.Pod, v1.ContainerStatus)
 // directory is orphaned.
 func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	ctx := context.Background()
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	const n = 50
 	held := []string{"c-00", "c-01", "c-02"}
 	unblock, err := framework.BlockPVCreation(ctx, client, ns, held)
@@ -313,7 +261,7 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			c := claim(ns, fmt.Sprintf("c-%02d", i), map[string]string{"volume.kubernetes.io/selected-node": testCluster.NodeName})
+			c := framework.NewClaim(ns, fmt.Sprintf("c-%02d", i), "", framework.OnNode(testCluster.NodeName))
 			if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, c, metav1.CreateOptions{}); err != nil {
 				t.Error(err)
 			}
