@@ -5,7 +5,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
@@ -13,12 +12,12 @@ import (
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
 	"github.com/onsi/ginkgo/v2"
 	"github.com/onsi/gomega"
-	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"k8s.io/mount-utils"
 
 	"github.com/dirpv/dirpv/csinode"
+	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/volume"
 )
 
@@ -33,7 +32,7 @@ func TestSanity(t *testing.T) {
 		t.Skip("needs root: the node plugin makes real bind mounts")
 	}
 	tmp := t.TempDir()
-	t.Cleanup(func() { detachMountsUnder(t, tmp) })
+	t.Cleanup(func() { framework.DetachMountsUnder(tmp) })
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(cancel)
 
@@ -104,7 +103,11 @@ func TestSanity(t *testing.T) {
 	sc.Finalize()
 
 	// The suite unpublished everything it published: nothing may stay mounted.
-	if left := mountsUnder(t, tmp); len(left) > 0 {
+	left, err := framework.MountsUnder(tmp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(left) > 0 {
 		t.Errorf("mounts left behind: %v", left)
 	}
 	entries, err := os.ReadDir(base)
@@ -143,27 +146,5 @@ func waitReady(t *testing.T, d *csinode.Driver, runErr <-chan error) {
 			t.Fatalf("node plugin not ready: %v", d.Ready())
 		}
 		time.Sleep(10 * time.Millisecond) // poll interval
-	}
-}
-
-func mountsUnder(t *testing.T, dir string) []string {
-	t.Helper()
-	infos, err := mount.ParseMountInfo("/proc/self/mountinfo")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out []string
-	for _, mi := range infos {
-		if strings.HasPrefix(mi.MountPoint, dir+"/") {
-			out = append(out, mi.MountPoint)
-		}
-	}
-	return out
-}
-
-// detachMountsUnder makes sure a failed run leaves no mounts on the host.
-func detachMountsUnder(t *testing.T, dir string) {
-	for _, m := range mountsUnder(t, dir) {
-		unix.Unmount(m, unix.MNT_DETACH)
 	}
 }
