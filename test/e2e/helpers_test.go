@@ -16,7 +16,7 @@ const timeout = 2 * time.Minute
 
 func createPod(t *testing.T, pod *v1.Pod) *v1.Pod {
 	t.Helper()
-	pod, err := client.CoreV1().Pods(pod.Namespace).Create(context.Background(), pod, metav1.CreateOptions{})
+	pod, err := suite.Client.CoreV1().Pods(pod.Namespace).Create(context.Background(), pod, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -26,7 +26,7 @@ func createPod(t *testing.T, pod *v1.Pod) *v1.Pod {
 // waitPodPhase waits for the pod to reach phase.
 func waitPodPhase(t *testing.T, ns, name string, phase v1.PodPhase) *v1.Pod {
 	t.Helper()
-	pod, err := framework.WaitForPodPhase(context.Background(), client, ns, name, phase, timeout)
+	pod, err := framework.WaitForPodPhase(context.Background(), suite.Client, ns, name, phase, timeout)
 	if err != nil {
 		t.Fatalf("%v\n--- node plugin log tail:\n%s", err, nodeProc.Tail(3000))
 	}
@@ -36,7 +36,7 @@ func waitPodPhase(t *testing.T, ns, name string, phase v1.PodPhase) *v1.Pod {
 // podLogs returns what the pod printed, through the API server and kubelet as kubectl logs does.
 func podLogs(t *testing.T, ns, name string) string {
 	t.Helper()
-	b, err := client.CoreV1().Pods(ns).GetLogs(name, &v1.PodLogOptions{}).DoRaw(context.Background())
+	b, err := suite.Client.CoreV1().Pods(ns).GetLogs(name, &v1.PodLogOptions{}).DoRaw(context.Background())
 	if err != nil {
 		t.Fatalf("logs of %s/%s: %v", ns, name, err)
 	}
@@ -46,17 +46,17 @@ func podLogs(t *testing.T, ns, name string) string {
 func deletePod(t *testing.T, ns, name string) {
 	t.Helper()
 	ctx := context.Background()
-	if err := client.CoreV1().Pods(ns).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+	if err := suite.Client.CoreV1().Pods(ns).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if err := framework.WaitForPodDeleted(ctx, client, ns, name, timeout); err != nil {
+	if err := framework.WaitForPodDeleted(ctx, suite.Client, ns, name, timeout); err != nil {
 		t.Fatal(err)
 	}
 }
 
 func boundPV(t *testing.T, ns, claim string) *v1.PersistentVolume {
 	t.Helper()
-	pv, err := framework.WaitForBoundPV(context.Background(), client, ns, claim, timeout)
+	pv, err := framework.WaitForBoundPV(context.Background(), suite.Client, ns, claim, timeout)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -65,7 +65,7 @@ func boundPV(t *testing.T, ns, claim string) *v1.PersistentVolume {
 
 // volumeTarget is where kubelet asks a CSI plugin to publish the pod's volume.
 func volumeTarget(pod *v1.Pod, pvName string) string {
-	return filepath.Join(testCluster.KubeletRootDir, "pods", string(pod.UID), "volumes", "kubernetes.io~csi", pvName, "mount")
+	return filepath.Join(suite.Cluster.KubeletRootDir, "pods", string(pod.UID), "volumes", "kubernetes.io~csi", pvName, "mount")
 }
 
 // mountsUnder lists mount points at or below dir, of the given types if any.

@@ -13,22 +13,17 @@ import (
 
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
-	"github.com/dirpv/dirpv/test/nfs"
 )
 
 var (
-	suite       *framework.Suite
-	client      kubernetes.Interface
-	testCluster *cluster.Cluster
-	nodeProc    *framework.Process
-	ctrlProc    *framework.Process
-	nfsServer   *nfs.Server
+	suite    *framework.Suite
+	nodeProc *framework.Process
+	ctrlProc *framework.Process
 )
 
 func TestMain(m *testing.M) {
@@ -44,7 +39,7 @@ func TestMain(m *testing.M) {
 // itself with the suite's kubelet; local classes get their base directories under
 // suite.Work.BaseRoot.
 func setup(ctx context.Context, s *framework.Suite) error {
-	suite, client, testCluster, nfsServer = s, s.Client, s.Cluster, s.NFS
+	suite = s
 	if err := createCSIDriver(ctx); err != nil {
 		return fmt.Errorf("CSIDriver: %w", err)
 	}
@@ -58,13 +53,13 @@ func setup(ctx context.Context, s *framework.Suite) error {
 	// Started after the cluster, so stopped before it: kubelet must still be there to
 	// unpublish what pods used.
 	nodeProc, err = s.StartDirpv(ctx, "node", "node", append(common,
-		"--node-name", testCluster.NodeName, "--kubelet-root-dir", testCluster.KubeletRootDir,
+		"--node-name", suite.Cluster.NodeName, "--kubelet-root-dir", suite.Cluster.KubeletRootDir,
 		"--allowed-base-paths", s.Work.BaseRoot)...)
 	if err != nil {
 		return fmt.Errorf("start node plugin: %w", err)
 	}
 	s.Daemons = append(s.Daemons, ctrlProc, nodeProc)
-	if err := framework.WaitForDriverRegistered(ctx, client, testCluster.NodeName, 60*time.Second); err != nil {
+	if err := framework.WaitForDriverRegistered(ctx, suite.Client, suite.Cluster.NodeName, 60*time.Second); err != nil {
 		return fmt.Errorf("node plugin registration: %w\n%s", err, nodeProc.Tail(3000))
 	}
 	return nil
@@ -83,6 +78,6 @@ func createCSIDriver(ctx context.Context) error {
 			VolumeLifecycleModes: []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent},
 		},
 	}
-	_, err := client.StorageV1().CSIDrivers().Create(ctx, d, metav1.CreateOptions{})
+	_, err := suite.Client.StorageV1().CSIDrivers().Create(ctx, d, metav1.CreateOptions{})
 	return err
 }

@@ -26,8 +26,8 @@ import (
 // the mount at this server (the portmapper only knows the last one started).
 func nfsE2EClass(t *testing.T, name string) []string {
 	t.Helper()
-	opts := append(nfsServer.MountOptions(), "nolock", "actimeo=1")
-	suite.CreateClass(t, name, map[string]string{"backend": "nfs", "server": nfsServer.Addr, "share": nfsServer.Share}, framework.Immediate, framework.MountOptions(opts...))
+	opts := append(suite.NFS.MountOptions(), "nolock", "actimeo=1")
+	suite.CreateClass(t, name, map[string]string{"backend": "nfs", "server": suite.NFS.Addr, "share": suite.NFS.Share}, framework.Immediate, framework.MountOptions(opts...))
 	return opts
 }
 
@@ -43,7 +43,7 @@ func checkPodNFSMount(t *testing.T, pod *v1.Pod, pvName, path string, mountOptio
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := nfsServer.Source(path); rec.Source != want {
+	if want := suite.NFS.Source(path); rec.Source != want {
 		t.Errorf("pod %s mounts %s, want %s", pod.Name, rec.Source, want)
 	}
 	for _, o := range mountOptions {
@@ -88,8 +88,8 @@ func mountDaemon(t *testing.T, target string) int {
 func checkNoNFSMountsLeft(t *testing.T, daemons []int) {
 	t.Helper()
 	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-		if m := mountsUnder(t, testCluster.KubeletRootDir, "fuse.nfs"); len(m) > 0 {
-			return false, fmt.Errorf("fuse.nfs mounts left under %s: %v", testCluster.KubeletRootDir, m)
+		if m := mountsUnder(t, suite.Cluster.KubeletRootDir, "fuse.nfs"); len(m) > 0 {
+			return false, fmt.Errorf("fuse.nfs mounts left under %s: %v", suite.Cluster.KubeletRootDir, m)
 		}
 		for _, pid := range daemons {
 			if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); err == nil {
@@ -128,7 +128,7 @@ func TestNFSTwoPodsShareOneVolume(t *testing.T) {
 	if read != wrote {
 		t.Errorf("reader saw sha256 %s, writer wrote %s", read, wrote)
 	}
-	onServer, err := os.ReadFile(filepath.Join(nfsServer.ExportDir, path, "blob"))
+	onServer, err := os.ReadFile(filepath.Join(suite.NFS.ExportDir, path, "blob"))
 	if err != nil {
 		t.Fatalf("the file on the NFS server: %v", err)
 	}
@@ -149,7 +149,7 @@ func TestNFSTwoPodsShareOneVolume(t *testing.T) {
 	deletePod(t, ns, "reader")
 	checkNoNFSMountsLeft(t, daemons)
 	// The data outlives the pods.
-	if b, err := os.ReadFile(filepath.Join(nfsServer.ExportDir, path, "blob")); err != nil || len(b) != 1<<20 {
+	if b, err := os.ReadFile(filepath.Join(suite.NFS.ExportDir, path, "blob")); err != nil || len(b) != 1<<20 {
 		t.Errorf("the file after the pods are gone: %d bytes, %v", len(b), err)
 	}
 }
@@ -172,7 +172,7 @@ func TestNFSReadOnlyPodCannotWrite(t *testing.T) {
 	}
 	checkPodNFSMount(t, pod, pv.Name, path, mountOptions, true)
 	// A missing directory would read as empty: require it to be there.
-	if got, err := os.ReadDir(filepath.Join(nfsServer.ExportDir, path)); err != nil || len(got) != 0 {
+	if got, err := os.ReadDir(filepath.Join(suite.NFS.ExportDir, path)); err != nil || len(got) != 0 {
 		t.Errorf("read-only pod's volume directory on the server: %v %v, want it there and empty", got, err)
 	}
 	daemons := []int{mountDaemon(t, volumeTarget(pod, pv.Name))}

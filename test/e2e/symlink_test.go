@@ -133,7 +133,7 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 	}
 
 	// NodeGetVolumeStats, through the node plugin's own CSI socket as kubelet calls it.
-	sock := filepath.Join(testCluster.KubeletRootDir, "plugins", "dirpv.io", "csi.sock")
+	sock := filepath.Join(suite.Cluster.KubeletRootDir, "plugins", "dirpv.io", "csi.sock")
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
@@ -177,12 +177,12 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 	for _, a := range attackers {
 		deletePod(t, ns, a.claim)
 		waitNoMountsUnder(t, filepath.Dir(volumeTarget(a.pod, a.pv.Name)))
-		if err := client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), a.claim, metav1.DeleteOptions{}); err != nil {
+		if err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), a.claim, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	for _, a := range attackers {
-		if err := framework.WaitForPVDeleted(context.Background(), client, a.pv.Name, timeout); err != nil {
+		if err := framework.WaitForPVDeleted(context.Background(), suite.Client, a.pv.Name, timeout); err != nil {
 			t.Fatalf("%s: %v\n--- node plugin log tail:\n%s", a.claim, err, nodeProc.Tail(3000))
 		}
 	}

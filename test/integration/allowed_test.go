@@ -45,7 +45,7 @@ func TestLocalClassOutsideAllowedBases(t *testing.T) {
 	outside := t.TempDir() // not under suite.Work.BaseRoot
 	class := suite.CreateClass(t, "outside-allowed-bases", map[string]string{"backend": "local", "basePath": outside})
 	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
-	ev, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed",
+	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed",
 		"is not at or beneath a base path this node allows", timeout)
 	if err != nil {
 		t.Fatal(err)

@@ -26,7 +26,7 @@ func createClaims(t *testing.T, ns, class string, n int) {
 			sem <- struct{}{}
 			defer func() { <-sem }()
 			c := framework.NewClaim(ns, fmt.Sprintf("c-%03d", i), class, framework.OnNode(nodeA))
-			if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
+			if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
 				errs <- err
 			}
 		}()
@@ -43,11 +43,11 @@ func createClaims(t *testing.T, ns, class string, n int) {
 func checkOneDirectoryPerPV(t *testing.T, ns, base string, n int, wait time.Duration) {
 	t.Helper()
 	ctx := context.Background()
-	err := framework.WaitForClaimsBound(ctx, client, ns, n, wait)
+	err := framework.WaitForClaimsBound(ctx, suite.Client, ns, n, wait)
 	if err != nil {
 		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
 	}
-	problems, err := framework.CheckOnePVPerClaim(ctx, client, ns, entries(t, base))
+	problems, err := framework.CheckOnePVPerClaim(ctx, suite.Client, ns, entries(t, base))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -71,7 +71,7 @@ func TestTwoHundredClaimsAtOnce(t *testing.T) {
 // crash window between mkdir and PV creation, hit on every run rather than by luck.
 func blockPVsOf(t *testing.T, ns string, held []string) func() {
 	t.Helper()
-	unblock, err := framework.BlockPVCreation(context.Background(), client, ns, held)
+	unblock, err := framework.BlockPVCreation(context.Background(), suite.Client, ns, held)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,7 +120,7 @@ func checkKilledMidway(t *testing.T, ns string, snap *framework.KillSnapshot, n 
 // made.
 func checkAdopted(t *testing.T, ns string, snap *framework.KillSnapshot, held []string) {
 	t.Helper()
-	problems, err := snap.CheckAdopted(context.Background(), client, ns, held)
+	problems, err := snap.CheckAdopted(context.Background(), suite.Client, ns, held)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -142,7 +142,7 @@ func TestKilledMidwayRecovers(t *testing.T) {
 	lift := blockPVsOf(t, ns, held)
 	createClaims(t, ns, class.Name, n)
 	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		bound, _, err := framework.BoundClaims(ctx, client, ns)
+		bound, _, err := framework.BoundClaims(ctx, suite.Client, ns)
 		if err != nil {
 			return false, err
 		}
@@ -159,7 +159,7 @@ func TestKilledMidwayRecovers(t *testing.T) {
 		}
 	})
 	nodeProc.Kill()
-	snap, err := framework.TakeKillSnapshot(ctx, client, ns, base, func(string) bool { return true })
+	snap, err := framework.TakeKillSnapshot(ctx, suite.Client, ns, base, func(string) bool { return true })
 	if err != nil {
 		t.Fatal(err)
 	}

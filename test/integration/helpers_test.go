@@ -48,7 +48,7 @@ func createPod(t *testing.T, ns, name, claim, node string) {
 			}}},
 		},
 	}
-	if _, err := client.CoreV1().Pods(ns).Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
+	if _, err := suite.Client.CoreV1().Pods(ns).Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -56,11 +56,11 @@ func createPod(t *testing.T, ns, name, claim, node string) {
 func waitBound(t *testing.T, ns, name string) (*v1.PersistentVolumeClaim, *v1.PersistentVolume) {
 	t.Helper()
 	ctx := context.Background()
-	pvc, err := framework.WaitForPVCBound(ctx, client, ns, name, timeout)
+	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, name, timeout)
 	if err != nil {
 		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
 	}
-	pv, err := client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -69,7 +69,7 @@ func waitBound(t *testing.T, ns, name string) (*v1.PersistentVolumeClaim, *v1.Pe
 
 func deleteClaim(t *testing.T, ns, name string) {
 	t.Helper()
-	if err := client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), name, metav1.DeleteOptions{}); err != nil {
+	if err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -77,7 +77,7 @@ func deleteClaim(t *testing.T, ns, name string) {
 // waitPVGone waits until the PV object is deleted, i.e. the provisioner finished Delete.
 func waitPVGone(t *testing.T, name string) {
 	t.Helper()
-	if err := framework.WaitForPVDeleted(context.Background(), client, name, timeout); err != nil {
+	if err := framework.WaitForPVDeleted(context.Background(), suite.Client, name, timeout); err != nil {
 		t.Fatal(err)
 	}
 }

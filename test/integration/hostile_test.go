@@ -93,7 +93,7 @@ func checkBaseChildren(t *testing.T, base string, want []string) {
 // hasEvent says whether the claim has an event with reason whose message contains substr.
 func hasEvent(ctx context.Context, t *testing.T, ns, claim, reason, substr string) bool {
 	t.Helper()
-	evs, err := client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{
+	evs, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{
 		FieldSelector: "involvedObject.kind=PersistentVolumeClaim,involvedObject.name=" + claim})
 	if err != nil {
 		t.Fatal(err)
@@ -108,7 +108,7 @@ func hasEvent(ctx context.Context, t *testing.T, ns, claim, reason, substr strin
 // would already exist, and no waiting for a PV that does not come is needed.
 func noPVFor(t *testing.T, ns, name string) {
 	t.Helper()
-	pvs, err := client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
+	pvs, err := suite.Client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -183,7 +183,7 @@ func TestHostileMetadataValues(t *testing.T) {
 			a.class = byAnn.Name
 		}
 		opts := append([]framework.ClaimOption{framework.OnNode(nodeA)}, a.opts...)
-		_, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), framework.NewClaim(ns, a.claim, a.class, opts...), metav1.CreateOptions{})
+		_, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), framework.NewClaim(ns, a.claim, a.class, opts...), metav1.CreateOptions{})
 		if err != nil {
 			// The API server may refuse some values itself; that is a refusal too.
 			t.Logf("attack %s: the API server refused the claim: %v", a.claim, err)
@@ -196,16 +196,16 @@ func TestHostileMetadataValues(t *testing.T) {
 	}
 	// Values the API server must refuse: a label value that is a path.
 	for _, bad := range []string{"..", "../etc", "a/b", "."} {
-		_, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(),
+		_, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(),
 			framework.NewClaim(ns, "label-bad", byLabel.Name, framework.OnNode(nodeA), withLabel("team", bad)), metav1.CreateOptions{})
 		if err == nil {
 			t.Errorf("API server accepted label value %q; dirpv would see it", bad)
-			client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), "label-bad", metav1.DeleteOptions{})
+			suite.Client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), "label-bad", metav1.DeleteOptions{})
 		}
 	}
 	// Claim names are DNS subdomains: the API server refuses path-like ones.
 	for _, bad := range []string{"..", ".", "a/b", ".etc"} {
-		if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(),
+		if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(),
 			framework.NewClaim(ns, bad, byLabel.Name, framework.OnNode(nodeA), withLabel("team", "x")), metav1.CreateOptions{}); err == nil {
 			t.Errorf("API server accepted claim name %q", bad)
 		}
@@ -213,7 +213,7 @@ func TestHostileMetadataValues(t *testing.T) {
 
 	for _, a := range created {
 		if a.refusal != "" {
-			ev, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", a.claim, "ProvisioningFailed", a.refusal, timeout)
+			ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", a.claim, "ProvisioningFailed", a.refusal, timeout)
 			if err != nil {
 				t.Errorf("attack %s: %v", a.claim, err)
 				continue
@@ -278,7 +278,7 @@ func TestHostileCollidingClaims(t *testing.T) {
 			t.Fatal(err)
 		}
 		suite.CreateClaim(t, ns, "thief", class.Name, framework.OnNode(nodeA), framework.Annotation("dir", "shared"))
-		if _, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "thief", "ProvisioningFailed",
+		if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "thief", "ProvisioningFailed",
 			"directory shared already exists", timeout); err != nil {
 			t.Fatal(err)
 		}
@@ -301,7 +301,7 @@ func TestHostileCollidingClaims(t *testing.T) {
 		err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
 			bound, refused = nil, nil
 			for _, n := range names {
-				c, err := client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, n, metav1.GetOptions{})
+				c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, n, metav1.GetOptions{})
 				if err != nil {
 					return false, err
 				}
@@ -343,7 +343,7 @@ func TestHostileCollidingClaims(t *testing.T) {
 		deleteClaim(t, ns, "reused")
 		waitPVGone(t, pv.Name)
 		suite.CreateClaim(t, ns, "reused", retain.Name, framework.OnNode(nodeA))
-		if _, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "reused", "ProvisioningFailed",
+		if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "reused", "ProvisioningFailed",
 			"already exists", timeout); err != nil {
 			t.Fatal(err)
 		}
@@ -482,14 +482,14 @@ func TestHostileSecretsNeverLogged(t *testing.T) {
 		"backend": "local", "basePath": layout.base, "nfsPassword": canary,
 	})
 	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
-	ev, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "nfsPassword", timeout)
+	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "nfsPassword", timeout)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if strings.Contains(ev.Message, canary) {
 		t.Errorf("event carries the parameter's value: %s", ev.Message)
 	}
-	evs, err := client.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{})
+	evs, err := suite.Client.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -498,7 +498,7 @@ func TestHostileSecretsNeverLogged(t *testing.T) {
 			t.Errorf("event %s: %s", e.Reason, e.Message)
 		}
 	}
-	pvs, err := client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
+	pvs, err := suite.Client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -540,7 +540,7 @@ func TestHostileVolumeInsideAnotherVolume(t *testing.T) {
 	suite.CreateClaim(t, ns, "squatter", shallow.Name, framework.OnNode(nodeA), framework.Annotation("dir", "finance"))
 	waitBound(t, ns, "squatter")
 	suite.CreateClaim(t, ns, "victim", deep.Name, framework.OnNode(nodeA), withLabel("team", "finance"))
-	ev, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "victim", "ProvisioningFailed",
+	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "victim", "ProvisioningFailed",
 		"another volume's directory", timeout)
 	if err != nil {
 		t.Fatal(err)
@@ -555,7 +555,7 @@ func TestHostileVolumeInsideAnotherVolume(t *testing.T) {
 	suite.CreateClaim(t, ns, "ops-member", deep.Name, framework.OnNode(nodeA), withLabel("team", "ops"))
 	_, pv := waitBound(t, ns, "ops-member")
 	suite.CreateClaim(t, ns, "ops-squatter", shallow.Name, framework.OnNode(nodeA), framework.Annotation("dir", "ops"))
-	if _, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "ops-squatter", "ProvisioningFailed",
+	if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "ops-squatter", "ProvisioningFailed",
 		"directory ops already exists", timeout); err != nil {
 		t.Fatal(err)
 	}

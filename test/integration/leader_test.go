@@ -89,7 +89,7 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 	leader := ctrlProc
 
 	ns := suite.NewNamespace(t)
-	class := nfsClass(t, nfsServer, []string{"actimeo=2"}, nil)
+	class := nfsClass(t, suite.NFS, []string{"actimeo=2"}, nil)
 	const n = 50
 	held := []string{"c-00", "c-01", "c-02"}
 	lift := blockPVsOf(t, ns, held)
@@ -97,18 +97,18 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 		suite.CreateClaim(t, ns, fmt.Sprintf("c-%02d", i), class.Name, framework.AccessModes(v1.ReadWriteMany))
 	}
 	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		bound, _, err := framework.BoundClaims(ctx, client, ns)
+		bound, _, err := framework.BoundClaims(ctx, suite.Client, ns)
 		if err != nil {
 			return false, err
 		}
-		made := dirsOf(ns, held, claimsOnServer(t, nfsServer, ns))
+		made := dirsOf(ns, held, claimsOnServer(t, suite.NFS, ns))
 		return bound >= 5 && len(made) == len(held), fmt.Errorf("%d claims Bound, held claims' directories %v", bound, made)
 	})
 	if err != nil {
 		t.Fatalf("%v\n--- leader log tail:\n%s", err, leader.Tail(3000))
 	}
 	leader.Kill()
-	snap, err := framework.TakeKillSnapshot(ctx, client, ns, nfsServer.ExportDir, func(name string) bool {
+	snap, err := framework.TakeKillSnapshot(ctx, suite.Client, ns, suite.NFS.ExportDir, func(name string) bool {
 		return strings.HasPrefix(name, ns+"-")
 	})
 	if err != nil {
@@ -123,11 +123,11 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
 	}
 
-	err = framework.WaitForClaimsBound(ctx, client, ns, n, 3*time.Minute)
+	err = framework.WaitForClaimsBound(ctx, suite.Client, ns, n, 3*time.Minute)
 	if err != nil {
 		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
 	}
-	problems, err := framework.CheckOnePVPerClaim(ctx, client, ns, claimsOnServer(t, nfsServer, ns))
+	problems, err := framework.CheckOnePVPerClaim(ctx, suite.Client, ns, claimsOnServer(t, suite.NFS, ns))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -166,7 +166,7 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	ns := suite.NewNamespace(t)
-	class := nfsClass(t, nfsServer, []string{"actimeo=3"}, nil)
+	class := nfsClass(t, suite.NFS, []string{"actimeo=3"}, nil)
 	// A bound claim first, so that the leader holds an NFS mount to release.
 	suite.CreateClaim(t, ns, "before", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	waitBound(t, ns, "before")
@@ -210,7 +210,7 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	if left := slices.DeleteFunc(after, func(m string) bool { return slices.Contains(leftOver, m) }); len(left) != 0 {
 		t.Errorf("the stopped leader left NFS mounts behind: %v", left)
 	}
-	if err := framework.WaitForClaimsBound(ctx, client, ns, during+1, 2*time.Minute); err != nil {
+	if err := framework.WaitForClaimsBound(ctx, suite.Client, ns, during+1, 2*time.Minute); err != nil {
 		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
 	}
 	// The new leader's own metrics show the work it took over.

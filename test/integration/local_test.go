@@ -75,13 +75,13 @@ func TestOnDeleteAndReclaimPolicy(t *testing.T) {
 			if tc.retain {
 				// Kubernetes keeps the PV (Released) and never asks dirpv to delete anything.
 				err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-					pv, err := client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
+					pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
 					return err == nil && pv.Status.Phase == v1.VolumeReleased, err
 				})
 				if err != nil {
 					t.Fatal(err)
 				}
-				client.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{})
+				suite.Client.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{})
 			} else {
 				waitPVGone(t, pv.Name)
 			}
@@ -136,7 +136,7 @@ func TestRejectionsAreEventsAndTouchNothing(t *testing.T) {
 				opts = append([]framework.ClaimOption{func(c *v1.PersistentVolumeClaim) { c.Annotations = map[string]string{} }}, opts...)
 			}
 			suite.CreateClaim(t, ns, "c", class.Name, opts...)
-			if _, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", tc.want, timeout); err != nil {
+			if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", tc.want, timeout); err != nil {
 				t.Fatal(err)
 			}
 			if got := entries(t, base); len(got) != 0 {
@@ -150,7 +150,7 @@ func TestNFSClassWithoutServerIsRefused(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	class := suite.CreateClass(t, "nfs-no-server", map[string]string{"backend": "nfs", "share": "/export"}, framework.Immediate)
 	suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
-	if _, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "server and share", timeout); err != nil {
+	if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "server and share", timeout); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -167,13 +167,13 @@ func TestOtherNodesClaimIsLeftAlone(t *testing.T) {
 	// instance has seen node-c's claim too.
 	_, pv := waitBound(t, ns, "here")
 	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-		c, err := client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "elsewhere", metav1.GetOptions{})
+		c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "elsewhere", metav1.GetOptions{})
 		return err == nil && c.Annotations["volume.kubernetes.io/selected-node"] == nodeC, err
 	})
 	if err != nil {
 		t.Fatal("node-c's claim was never placed:", err)
 	}
-	c, err := client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "elsewhere", metav1.GetOptions{})
+	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "elsewhere", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}

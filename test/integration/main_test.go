@@ -11,12 +11,10 @@ import (
 	"path/filepath"
 	"testing"
 
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
-	"github.com/dirpv/dirpv/test/nfs"
 )
 
 const (
@@ -26,14 +24,9 @@ const (
 )
 
 var (
-	suite       *framework.Suite
-	client      kubernetes.Interface
-	testCluster *cluster.Cluster
-	nodeProc    *framework.Process
-	ctrlProc    *framework.Process
-	// nfsServer is a real NFS-Ganesha; the controller reaches it through the test-only FUSE
-	// mount helper (suite.MountHelper), since this kernel has no NFS client.
-	nfsServer *nfs.Server
+	suite    *framework.Suite
+	nodeProc *framework.Process
+	ctrlProc *framework.Process
 )
 
 func TestMain(m *testing.M) {
@@ -43,16 +36,18 @@ func TestMain(m *testing.M) {
 		// otherwise dominate the bulk tests (see shared notes on the binding ceiling).
 		Cluster: cluster.Options{ControllerManagerArgs: []string{"--kube-api-qps=200", "--kube-api-burst=400"}, Logf: klog.Infof},
 		Dirpv:   true,
-		NFS:     true,
+		// A real NFS-Ganesha; the controller reaches it through the test-only FUSE mount
+		// helper (suite.MountHelper), since this kernel has no NFS client.
+		NFS: true,
 	}, setup))
 }
 
 // setup starts a controller under leader election and node-a's node instance; local classes
 // get their base directories under suite.Work.BaseRoot.
 func setup(ctx context.Context, s *framework.Suite) error {
-	suite, client, testCluster, nfsServer = s, s.Client, s.Cluster, s.NFS
+	suite = s
 	for _, n := range []string{nodeA, nodeC} {
-		if err := testCluster.CreateReadyNode(ctx, n, map[string]string{"kubernetes.io/hostname": "host-" + n}); err != nil {
+		if err := suite.Cluster.CreateReadyNode(ctx, n, map[string]string{"kubernetes.io/hostname": "host-" + n}); err != nil {
 			return fmt.Errorf("create node: %w", err)
 		}
 	}
@@ -75,7 +70,7 @@ func setup(ctx context.Context, s *framework.Suite) error {
 	s.Daemons = append(s.Daemons, ctrlProc, nodeProc)
 	// node-a's plugin does not register with a kubelet (there is none): list it in node-a's
 	// CSINode as kubelet would, so the controller sees a node plugin there and not on node-c.
-	if err := testCluster.RegisterCSIDriver(ctx, nodeA, "dirpv.io"); err != nil {
+	if err := suite.Cluster.RegisterCSIDriver(ctx, nodeA, "dirpv.io"); err != nil {
 		return fmt.Errorf("register node-a's plugin: %w", err)
 	}
 	return nil

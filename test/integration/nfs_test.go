@@ -63,11 +63,11 @@ func nfsClass(t *testing.T, srv *nfs.Server, extra []string, params map[string]s
 func waitNFSBound(t *testing.T, ns, name string) (*v1.PersistentVolumeClaim, *v1.PersistentVolume) {
 	t.Helper()
 	ctx := context.Background()
-	pvc, err := framework.WaitForPVCBound(ctx, client, ns, name, timeout)
+	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, name, timeout)
 	if err != nil {
 		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(4000))
 	}
-	pv, err := client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatalf("get PV of claim %s/%s: %v", ns, name, err)
 	}
@@ -138,9 +138,9 @@ func claimsOnServer(t *testing.T, srv *nfs.Server, ns string) []string {
 // failure it shows the claim's events and the controller's log.
 func waitClaimEvent(t *testing.T, ns, claim, substr string, within time.Duration) *v1.Event {
 	t.Helper()
-	ev, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", claim, "ProvisioningFailed", substr, within)
+	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", claim, "ProvisioningFailed", substr, within)
 	if err != nil {
-		t.Fatalf("%v\nclaim events: %s\n--- controller log tail:\n%s", err, framework.EventsOf(context.Background(), client, ns, "PersistentVolumeClaim", claim), ctrlProc.Tail(4000))
+		t.Fatalf("%v\nclaim events: %s\n--- controller log tail:\n%s", err, framework.EventsOf(context.Background(), suite.Client, ns, "PersistentVolumeClaim", claim), ctrlProc.Tail(4000))
 	}
 	return ev
 }
@@ -150,14 +150,14 @@ func waitClaimEvent(t *testing.T, ns, claim, substr string, within time.Duration
 // on any node.
 func TestNFSClaimBindsRWX(t *testing.T) {
 	ns := suite.NewNamespace(t)
-	class := nfsClass(t, nfsServer, []string{"nolock", "actimeo=1"}, map[string]string{"mode": "0750", "uid": "1001", "gid": "2002"})
+	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=1"}, map[string]string{"mode": "0750", "uid": "1001", "gid": "2002"})
 	suite.CreateClaim(t, ns, "shared", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	_, pv := waitNFSBound(t, ns, "shared")
 
 	rel := ns + "-shared-" + pv.Name
 	var st unix.Stat_t
-	if err := unix.Stat(filepath.Join(nfsServer.ExportDir, rel), &st); err != nil {
-		t.Fatalf("volume directory on the server: %v (export holds %v)", err, entries(t, nfsServer.ExportDir))
+	if err := unix.Stat(filepath.Join(suite.NFS.ExportDir, rel), &st); err != nil {
+		t.Fatalf("volume directory on the server: %v (export holds %v)", err, entries(t, suite.NFS.ExportDir))
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFDIR || st.Mode&0o7777 != 0o750 || st.Uid != 1001 || st.Gid != 2002 {
 		t.Errorf("directory on the server: mode %o owner %d:%d, want a directory 0750 1001:2002", st.Mode, st.Uid, st.Gid)
@@ -168,7 +168,7 @@ func TestNFSClaimBindsRWX(t *testing.T) {
 	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != "dirpv.io" {
 		t.Fatalf("PV source = %+v, want CSI dirpv.io", pv.Spec.PersistentVolumeSource)
 	}
-	want := map[string]string{"backend": "nfs", "server": nfsServer.Addr, "share": nfsServer.Share, "path": rel}
+	want := map[string]string{"backend": "nfs", "server": suite.NFS.Addr, "share": suite.NFS.Share, "path": rel}
 	if got := pv.Spec.CSI.VolumeAttributes; !maps.Equal(got, want) {
 		t.Errorf("volume attributes = %v, want %v", got, want)
 	}
@@ -185,24 +185,24 @@ func TestNFSOnDelete(t *testing.T) {
 	for _, policy := range []string{"delete", "retain", "archive"} {
 		t.Run(policy, func(t *testing.T) {
 			ns := suite.NewNamespace(t)
-			class := nfsClass(t, nfsServer, []string{"nolock"}, map[string]string{"onDelete": policy})
+			class := nfsClass(t, suite.NFS, []string{"nolock"}, map[string]string{"onDelete": policy})
 			suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
 			_, pv := waitNFSBound(t, ns, "c")
 			rel := pv.Spec.CSI.VolumeAttributes["path"]
 			// A file inside, so that delete has a tree to remove and archive something to keep.
-			if err := os.WriteFile(filepath.Join(nfsServer.ExportDir, rel, "data"), []byte("keep me?"), 0o644); err != nil {
+			if err := os.WriteFile(filepath.Join(suite.NFS.ExportDir, rel, "data"), []byte("keep me?"), 0o644); err != nil {
 				t.Fatal(err)
 			}
 			deleteClaim(t, ns, "c")
 			waitPVGone(t, pv.Name)
-			got := claimsOnServer(t, nfsServer, ns)
+			got := claimsOnServer(t, suite.NFS, ns)
 			switch policy {
 			case "delete":
 				if len(got) != 0 {
 					t.Errorf("export after delete holds %v, want nothing of %s", got, ns)
 				}
 				// The tree itself goes in the background, from the trash.
-				trashed := filepath.Join(nfsServer.ExportDir, trashOnServer, pv.Name)
+				trashed := filepath.Join(suite.NFS.ExportDir, trashOnServer, pv.Name)
 				err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
 					_, err := os.Lstat(trashed)
 					return errors.Is(err, os.ErrNotExist), err
@@ -218,7 +218,7 @@ func TestNFSOnDelete(t *testing.T) {
 				if len(got) != 1 || !strings.HasPrefix(got[0], "archived-"+rel+"-") {
 					t.Fatalf("export after archive holds %v, want archived-%s-<time>", got, rel)
 				}
-				if b, err := os.ReadFile(filepath.Join(nfsServer.ExportDir, got[0], "data")); err != nil || string(b) != "keep me?" {
+				if b, err := os.ReadFile(filepath.Join(suite.NFS.ExportDir, got[0], "data")); err != nil || string(b) != "keep me?" {
 					t.Errorf("archived data = %q, %v; want the file kept", b, err)
 				}
 			}
@@ -230,18 +230,18 @@ func TestNFSOnDelete(t *testing.T) {
 func TestNFSMountOptionsReachControllerMount(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	extra := []string{"nolock", "noatime", "timeo=123", "vers=3"}
-	class := nfsClass(t, nfsServer, extra, nil)
+	class := nfsClass(t, suite.NFS, extra, nil)
 	suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	waitNFSBound(t, ns, "c")
 
 	// Idle unmount (5m) is far away, so the mount is still there.
-	mounts := controllerMountsOf(t, nfsServer, class.MountOptions)
+	mounts := controllerMountsOf(t, suite.NFS, class.MountOptions)
 	if len(mounts) != 1 {
-		t.Fatalf("controller mounts of %s with options %q: %d, want 1", nfsServer.Source(""), class.MountOptions, len(mounts))
+		t.Fatalf("controller mounts of %s with options %q: %d, want 1", suite.NFS.Source(""), class.MountOptions, len(mounts))
 	}
 	rec := mounts[0].rec
-	if rec.FSType != "nfs" || rec.Source != nfsServer.Source("") || rec.ReadOnly {
-		t.Errorf("mount record %+v, want a read-write nfs mount of %s", rec, nfsServer.Source(""))
+	if rec.FSType != "nfs" || rec.Source != suite.NFS.Source("") || rec.ReadOnly {
+		t.Errorf("mount record %+v, want a read-write nfs mount of %s", rec, suite.NFS.Source(""))
 	}
 	t.Logf("controller mount %s options %q", mounts[0].dir, rec.Options)
 }
@@ -250,14 +250,14 @@ func TestNFSMountOptionsReachControllerMount(t *testing.T) {
 func TestNFSManyClaimsShareOneMount(t *testing.T) {
 	const n = 20
 	ns := suite.NewNamespace(t)
-	class := nfsClass(t, nfsServer, []string{"nolock", "actimeo=20"}, nil)
+	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=20"}, nil)
 	start := time.Now()
 	var wg sync.WaitGroup
 	errs := make(chan error, n)
 	for i := range n {
 		wg.Go(func() {
 			c := framework.NewClaim(ns, fmt.Sprintf("c-%02d", i), class.Name, framework.AccessModes(v1.ReadWriteMany))
-			if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
+			if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
 				errs <- err
 			}
 		})
@@ -271,10 +271,10 @@ func TestNFSManyClaimsShareOneMount(t *testing.T) {
 		waitNFSBound(t, ns, fmt.Sprintf("c-%02d", i))
 	}
 	t.Logf("%d claims bound in %s", n, time.Since(start).Round(time.Millisecond))
-	if got := claimsOnServer(t, nfsServer, ns); len(got) != n {
+	if got := claimsOnServer(t, suite.NFS, ns); len(got) != n {
 		t.Errorf("export holds %d directories of %s, want %d: %v", len(got), ns, n, got)
 	}
-	if mounts := controllerMountsOf(t, nfsServer, class.MountOptions); len(mounts) != 1 {
+	if mounts := controllerMountsOf(t, suite.NFS, class.MountOptions); len(mounts) != 1 {
 		t.Errorf("controller mounts of the export for this class: %v, want exactly one", mounts)
 	}
 }
@@ -316,28 +316,28 @@ func fillOnServer(t *testing.T, dir string, files int) {
 func TestNFSLargeDeleteKeepsExportServing(t *testing.T) {
 	const files = 100_000
 	ns := suite.NewNamespace(t)
-	class := nfsClass(t, nfsServer, []string{"nolock", "actimeo=2"}, nil)
+	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=2"}, nil)
 	suite.CreateClaim(t, ns, "big", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	_, pv := waitNFSBound(t, ns, "big")
 	rel := pv.Spec.CSI.VolumeAttributes["path"]
-	fillOnServer(t, filepath.Join(nfsServer.ExportDir, rel), files)
+	fillOnServer(t, filepath.Join(suite.NFS.ExportDir, rel), files)
 
 	start := time.Now()
 	deleteClaim(t, ns, "big")
 	waitPVGone(t, pv.Name)
 	pvGone := time.Since(start)
-	if _, err := os.Lstat(filepath.Join(nfsServer.ExportDir, rel)); !errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Lstat(filepath.Join(suite.NFS.ExportDir, rel)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("volume directory on the server after its PV is gone: %v, want it gone from its name", err)
 	}
 	suite.CreateClaim(t, ns, "meanwhile", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	waitNFSBound(t, ns, "meanwhile")
 	bound := time.Since(start)
-	trashed := filepath.Join(nfsServer.ExportDir, trashOnServer, pv.Name)
+	trashed := filepath.Join(suite.NFS.ExportDir, trashOnServer, pv.Name)
 	if _, err := os.Lstat(trashed); err != nil {
 		t.Errorf("%s after the second claim bound: %v; want the tree still being removed, "+
 			"else this test cannot show that the export serves claims meanwhile", trashed, err)
 	}
-	if mounts := controllerMountsOf(t, nfsServer, class.MountOptions); len(mounts) != 1 {
+	if mounts := controllerMountsOf(t, suite.NFS, class.MountOptions); len(mounts) != 1 {
 		t.Errorf("controller mounts of the export while the tree is removed: %d, want the one it had", len(mounts))
 	}
 
@@ -390,7 +390,7 @@ func controllerGoroutines(ctx context.Context) (int, error) {
 // whose export the controller had mounted before the outage (calls fail on the mount), "cold"
 // ones a class it must mount during the outage.
 func TestNFSDeadServer(t *testing.T) {
-	src := regexp.QuoteMeta(volume.ExportSource(nfsServer.Addr, nfsServer.Share))
+	src := regexp.QuoteMeta(volume.ExportSource(suite.NFS.Addr, suite.NFS.Share))
 	// On a mounted export, either the NFS client gives up first (EIO: the test FUSE client has
 	// a 5 s deadline per call, like a soft kernel mount) or dirpv's operation deadline does.
 	warmSays := `create directory %s-warm-pvc-\S+: (mkdir \S+ in \S+: input/output error|NFS ` + src + `: NFS server did not answer in time)`
@@ -402,16 +402,16 @@ func TestNFSDeadServer(t *testing.T) {
 	}{
 		{
 			name: "killed",
-			down: nfsServer.Kill,
-			up:   func() error { return nfsServer.Resume(context.Background()) },
+			down: suite.NFS.Kill,
+			up:   func() error { return suite.NFS.Resume(context.Background()) },
 			// The mount helper is refused at once, and says so.
 			warmSays: warmSays,
 			coldSays: `(?s)create directory %s-cold-pvc-\S+: mount NFS ` + src + ` with options .*connection refused`,
 		},
 		{
 			name: "paused",
-			down: nfsServer.Pause,
-			up:   nfsServer.Unpause,
+			down: suite.NFS.Pause,
+			up:   suite.NFS.Unpause,
 			// The mount hangs until the controller's deadline gives up on it.
 			warmSays: warmSays,
 			coldSays: `create directory %s-cold-pvc-\S+: mount NFS ` + src + `: NFS server did not answer in time`,
@@ -420,11 +420,11 @@ func TestNFSDeadServer(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()
 			ns := suite.NewNamespace(t)
-			warm := nfsClass(t, nfsServer, []string{"nolock", "retrans=" + tc.name + "-warm"}, nil)
+			warm := nfsClass(t, suite.NFS, []string{"nolock", "retrans=" + tc.name + "-warm"}, nil)
 			// The cold class's options are unique to this run, so no earlier mount exists.
-			cold := suite.CreateClass(t, nfsClassName(t)+"-cold", map[string]string{"backend": "nfs", "server": nfsServer.Addr, "share": nfsServer.Share},
+			cold := suite.CreateClass(t, nfsClassName(t)+"-cold", map[string]string{"backend": "nfs", "server": suite.NFS.Addr, "share": suite.NFS.Share},
 				framework.Immediate, func(c *storagev1.StorageClass) {
-					c.MountOptions = append(nfsServer.MountOptions(), "nolock", fmt.Sprintf("retrans=%s-%d", tc.name, time.Now().UnixNano()))
+					c.MountOptions = append(suite.NFS.MountOptions(), "nolock", fmt.Sprintf("retrans=%s-%d", tc.name, time.Now().UnixNano()))
 				})
 			suite.CreateClaim(t, ns, "before", warm.Name, framework.AccessModes(v1.ReadWriteMany))
 			waitNFSBound(t, ns, "before")
@@ -484,7 +484,7 @@ func TestNFSDeadServer(t *testing.T) {
 			}
 			// Let the lib retry once more (every 15s) against the dead server.
 			err = framework.Poll(ctx, time.Minute, func(ctx context.Context) (bool, error) {
-				evs, err := client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "reason=ProvisioningFailed"})
+				evs, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "reason=ProvisioningFailed"})
 				if err != nil {
 					return false, err
 				}
@@ -509,7 +509,7 @@ func TestNFSDeadServer(t *testing.T) {
 				t.Errorf("controller goroutines went from %d to %d while the server was down; abandoned calls pile up", baseline, peak)
 			}
 			for _, c := range []string{"warm", "cold"} {
-				if pvc, err := client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, c, metav1.GetOptions{}); err != nil {
+				if pvc, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, c, metav1.GetOptions{}); err != nil {
 					t.Error(err)
 				} else if pvc.Status.Phase == v1.ClaimBound {
 					t.Errorf("claim %s bound while the server is down", c)
@@ -522,7 +522,7 @@ func TestNFSDeadServer(t *testing.T) {
 				waitNFSBound(t, ns, c)
 			}
 			t.Logf("claims bound %s after the server came back", time.Since(up).Round(time.Millisecond))
-			if got := claimsOnServer(t, nfsServer, ns); len(got) != 3 {
+			if got := claimsOnServer(t, suite.NFS, ns); len(got) != 3 {
 				t.Errorf("export holds %v for %s, want three directories", got, ns)
 			}
 			// Once the server answers, the abandoned calls end too.
@@ -538,7 +538,7 @@ func TestNFSDeadServer(t *testing.T) {
 			}
 			// Exactly one mount per class, not one left behind per failed attempt.
 			for _, c := range []*storagev1.StorageClass{warm, cold} {
-				if m := controllerMountsOf(t, nfsServer, c.MountOptions); len(m) != 1 {
+				if m := controllerMountsOf(t, suite.NFS, c.MountOptions); len(m) != 1 {
 					t.Errorf("controller mounts for class %s after recovery: %v, want one", c.Name, m)
 				}
 			}
@@ -572,7 +572,7 @@ func TestNFSRootSquash(t *testing.T) {
 		// The lib retries every 15s; a retry must fail the same way rather than find the
 		// directory the first attempt made and hand it over owned by nobody.
 		err := framework.Poll(context.Background(), time.Minute, func(ctx context.Context) (bool, error) {
-			evs, err := client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "reason=ProvisioningFailed"})
+			evs, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "reason=ProvisioningFailed"})
 			if err != nil {
 				return false, err
 			}
@@ -585,12 +585,12 @@ func TestNFSRootSquash(t *testing.T) {
 		if err != nil {
 			t.Errorf("no second attempt: %v", err)
 		}
-		pvc, err := client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "c", metav1.GetOptions{})
+		pvc, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "c", metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
 		if pvc.Status.Phase != v1.ClaimPending {
-			t.Errorf("claim after the retry is %s, want Pending (events: %s)", pvc.Status.Phase, framework.EventsOf(context.Background(), client, ns, "PersistentVolumeClaim", "c"))
+			t.Errorf("claim after the retry is %s, want Pending (events: %s)", pvc.Status.Phase, framework.EventsOf(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c"))
 		}
 		if got := claimsOnServer(t, srv, ns); len(got) != 0 {
 			t.Errorf("a refused claim left %v on the server", got)

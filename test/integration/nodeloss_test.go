@@ -17,7 +17,7 @@ import (
 func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 	const nodeB = "node-b"
 	ctx := context.Background()
-	if err := testCluster.CreateReadyNode(ctx, nodeB, map[string]string{"kubernetes.io/hostname": "host-" + nodeB}); err != nil {
+	if err := suite.Cluster.CreateReadyNode(ctx, nodeB, map[string]string{"kubernetes.io/hostname": "host-" + nodeB}); err != nil {
 		t.Fatal(err)
 	}
 	work := t.TempDir()
@@ -28,7 +28,7 @@ func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { proc.Stop(10 * time.Second) })
-	if err := testCluster.RegisterCSIDriver(ctx, nodeB, "dirpv.io"); err != nil {
+	if err := suite.Cluster.RegisterCSIDriver(ctx, nodeB, "dirpv.io"); err != nil {
 		t.Fatal(err)
 	}
 
@@ -38,12 +38,12 @@ func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 	_, pv := waitBound(t, ns, "lost")
 
 	proc.Kill()
-	if err := client.CoreV1().Nodes().Delete(ctx, nodeB, metav1.DeleteOptions{}); err != nil {
+	if err := suite.Client.CoreV1().Nodes().Delete(ctx, nodeB, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	deleteClaim(t, ns, "lost")
 	waitPVGone(t, pv.Name)
-	if _, err := framework.WaitForEvent(ctx, client, "", "PersistentVolume", pv.Name, "VolumeDataOnLostNode", nodeB, timeout); err != nil {
+	if _, err := framework.WaitForEvent(ctx, suite.Client, "", "PersistentVolume", pv.Name, "VolumeDataOnLostNode", nodeB, timeout); err != nil {
 		t.Error(err)
 	}
 	if got := entries(t, base); len(got) != 1 {

@@ -53,7 +53,7 @@ func denyPVsFor(t *testing.T, ns string) (allow func()) {
 			PolicyName: name, ValidationActions: []admissionv1.ValidationAction{admissionv1.Deny},
 		},
 	}
-	vap := client.AdmissionregistrationV1()
+	vap := suite.Client.AdmissionregistrationV1()
 	if _, err := vap.ValidatingAdmissionPolicies().Create(ctx, policy, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -76,7 +76,7 @@ func denyPVsFor(t *testing.T, ns string) (allow func()) {
 		},
 	}
 	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		_, err := client.CoreV1().PersistentVolumes().Create(ctx, probe, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		_, err := suite.Client.CoreV1().PersistentVolumes().Create(ctx, probe, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
 		return err != nil && strings.Contains(err.Error(), "PVs of this namespace are refused"), fmt.Errorf("dry-run PV create: %v", err)
 	})
 	if err != nil {
@@ -165,7 +165,7 @@ func TestCrashBeforePVIsSavedAdoptsDirectory(t *testing.T) {
 	if fi.Mode()&os.ModePerm != 0o750 || fi.Mode()&os.ModeSetgid == 0 || st.Uid != 1234 || st.Gid != 5678 {
 		t.Errorf("adopted directory mode %v owner %d:%d, want 2750 1234:5678", fi.Mode(), st.Uid, st.Gid)
 	}
-	pvs, err := client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
+	pvs, err := suite.Client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -198,23 +198,23 @@ func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
 	stale.Spec.CSI.VolumeHandle = "local:stale-" + ns
 	stale.Spec.ClaimRef = &v1.ObjectReference{Namespace: ns, Name: "stale"}
 	stale.Status = v1.PersistentVolumeStatus{}
-	if _, err := client.CoreV1().PersistentVolumes().Create(context.Background(), stale, metav1.CreateOptions{}); err != nil {
+	if _, err := suite.Client.CoreV1().PersistentVolumes().Create(context.Background(), stale, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
 		ctx := context.Background()
 		patch := []byte(`{"metadata":{"finalizers":null},"spec":{"persistentVolumeReclaimPolicy":"Retain"}}`)
-		client.CoreV1().PersistentVolumes().Patch(ctx, stale.Name, types.MergePatchType, patch, metav1.PatchOptions{})
-		client.CoreV1().PersistentVolumes().Delete(ctx, stale.Name, metav1.DeleteOptions{})
+		suite.Client.CoreV1().PersistentVolumes().Patch(ctx, stale.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+		suite.Client.CoreV1().PersistentVolumes().Delete(ctx, stale.Name, metav1.DeleteOptions{})
 	})
 	claim := framework.NewClaim(ns, "stale", class.Name, framework.OnNode(nodeA))
 	claim.Spec.VolumeName = stale.Name
-	if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), claim, metav1.CreateOptions{}); err != nil {
+	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), claim, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	waitBound(t, ns, "stale")
 	deleteClaim(t, ns, "stale")
-	ev, err := framework.WaitForEvent(context.Background(), client, "", "PersistentVolume", stale.Name, "VolumeFailedDelete",
+	ev, err := framework.WaitForEvent(context.Background(), suite.Client, "", "PersistentVolume", stale.Name, "VolumeFailedDelete",
 		"belongs to another claim", timeout)
 	if err != nil {
 		t.Fatal(err)
@@ -223,7 +223,7 @@ func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
 	if b, err := os.ReadFile(data); err != nil || string(b) != "owner's data" {
 		t.Errorf("owner's data after the refused Delete: %q %v", b, err)
 	}
-	if _, err := client.CoreV1().PersistentVolumes().Get(context.Background(), stale.Name, metav1.GetOptions{}); err != nil {
+	if _, err := suite.Client.CoreV1().PersistentVolumes().Get(context.Background(), stale.Name, metav1.GetOptions{}); err != nil {
 		t.Errorf("the refused PV: %v, want it kept", err)
 	}
 }
@@ -253,28 +253,28 @@ func ownerRecords(t *testing.T, dir string, uid types.UID) []string {
 // when the volume is deleted.
 func TestNFSVolumeInsideAnotherVolume(t *testing.T) {
 	ns := suite.NewNamespace(t)
-	shallow := nfsClass(t, nfsServer, []string{"nolock"}, map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"})
+	shallow := nfsClass(t, suite.NFS, []string{"nolock"}, map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"})
 	deep := suite.CreateClass(t, nfsClassName(t)+"-deep", map[string]string{
-		"backend": "nfs", "server": nfsServer.Addr, "share": nfsServer.Share,
+		"backend": "nfs", "server": suite.NFS.Addr, "share": suite.NFS.Share,
 		"pathPattern": "${pvc.metadata.labels['team']}/${pvc.metadata.namespace}-${pvc.metadata.name}",
-	}, framework.Immediate, func(c *storagev1.StorageClass) { c.MountOptions = append(nfsServer.MountOptions(), "nolock") })
+	}, framework.Immediate, func(c *storagev1.StorageClass) { c.MountOptions = append(suite.NFS.MountOptions(), "nolock") })
 	team := ns + "-finance"
 	squatter := suite.CreateClaim(t, ns, "squatter", shallow.Name, framework.AccessModes(v1.ReadWriteMany), framework.Annotation("dir", team))
 	_, pv := waitNFSBound(t, ns, "squatter")
-	if got := ownerRecords(t, nfsServer.ExportDir, squatter.UID); len(got) != 1 {
+	if got := ownerRecords(t, suite.NFS.ExportDir, squatter.UID); len(got) != 1 {
 		t.Errorf("records naming the squatter on the server: %q, want one", got)
 	}
 	suite.CreateClaim(t, ns, "victim", deep.Name, framework.AccessModes(v1.ReadWriteMany), withLabel("team", team))
 	ev := waitClaimEvent(t, ns, "victim", "another volume's directory", timeout)
 	t.Logf("victim refused: %s", ev.Message)
 	noPVFor(t, ns, "victim")
-	if got := entries(t, filepath.Join(nfsServer.ExportDir, pv.Spec.CSI.VolumeAttributes["path"])); len(got) != 0 {
+	if got := entries(t, filepath.Join(suite.NFS.ExportDir, pv.Spec.CSI.VolumeAttributes["path"])); len(got) != 0 {
 		t.Errorf("squatter's volume holds %q: a volume was created inside it, or its marker is visible to it", got)
 	}
 	deleteClaim(t, ns, "victim")
 	deleteClaim(t, ns, "squatter")
 	waitPVGone(t, pv.Name)
-	if got := ownerRecords(t, nfsServer.ExportDir, squatter.UID); len(got) != 0 {
+	if got := ownerRecords(t, suite.NFS.ExportDir, squatter.UID); len(got) != 0 {
 		t.Errorf("records naming the deleted squatter are left: %q", got)
 	}
 }

@@ -18,7 +18,6 @@ import (
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 
 	"github.com/dirpv/dirpv/test/cluster"
@@ -33,11 +32,9 @@ const (
 
 var (
 	// auditLog records every request of dirpv's ServiceAccounts, for the RBAC test.
-	auditLog    string
-	suite       *framework.Suite
-	testCluster *cluster.Cluster
-	client      kubernetes.Interface
-	inst        *framework.Installation
+	auditLog string
+	suite    *framework.Suite
+	inst     *framework.Installation
 )
 
 func TestMain(m *testing.M) {
@@ -46,9 +43,9 @@ func TestMain(m *testing.M) {
 		Cluster:       cluster.Options{WithNode: true, Logf: klog.Infof},
 		BeforeCluster: beforeCluster,
 	}, func(ctx context.Context, s *framework.Suite) error {
-		suite, client, testCluster = s, s.Client, s.Cluster
+		suite = s
 		var err error
-		if inst, err = framework.Install(ctx, testCluster, klog.Infof); err != nil {
+		if inst, err = framework.Install(ctx, suite.Cluster, klog.Infof); err != nil {
 			return fmt.Errorf("install dirpv: %w", err)
 		}
 		return nil
@@ -86,7 +83,7 @@ func beforeCluster(s *framework.Suite, opts *cluster.Options) error {
 // volumeDir returns the host directory of a bound claim.
 func volumeDir(t *testing.T, ns, name string) string {
 	t.Helper()
-	pv, err := framework.WaitForBoundPV(context.Background(), client, ns, name, timeout)
+	pv, err := framework.WaitForBoundPV(context.Background(), suite.Client, ns, name, timeout)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -96,7 +93,7 @@ func volumeDir(t *testing.T, ns, name string) string {
 
 func waitRunning(t *testing.T, ns, name string) {
 	t.Helper()
-	if _, err := framework.WaitForPodPhase(context.Background(), client, ns, name, v1.PodRunning, timeout); err != nil {
+	if _, err := framework.WaitForPodPhase(context.Background(), suite.Client, ns, name, v1.PodRunning, timeout); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -122,7 +119,7 @@ func readGrows(t *testing.T, path string, from int64) int64 {
 
 func TestDefaultClassIsDirpvLocal(t *testing.T) {
 	ctx := context.Background()
-	classes, err := client.StorageV1().StorageClasses().List(ctx, metav1.ListOptions{})
+	classes, err := suite.Client.StorageV1().StorageClasses().List(ctx, metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -136,10 +133,10 @@ func TestDefaultClassIsDirpvLocal(t *testing.T) {
 		t.Errorf("default classes = %v, want [dirpv-local]", defaults)
 	}
 	ns := suite.NewNamespace(t)
-	if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, framework.NewClaim(ns, "data", ""), metav1.CreateOptions{}); err != nil {
+	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, framework.NewClaim(ns, "data", ""), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "w", "data", "echo installed > /data/f", false), metav1.CreateOptions{}); err != nil {
+	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "w", "data", "echo installed > /data/f", false), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	dir := volumeDir(t, ns, "data")
@@ -159,25 +156,25 @@ func TestDefaultClassIsDirpvLocal(t *testing.T) {
 func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
 	ctx := context.Background()
 	ns := suite.NewNamespace(t)
-	if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, framework.NewClaim(ns, "data", ""), metav1.CreateOptions{}); err != nil {
+	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, framework.NewClaim(ns, "data", ""), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "writer", "data", "while true; do date >> /data/log; sleep 1; done", false), metav1.CreateOptions{}); err != nil {
+	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "writer", "data", "while true; do date >> /data/log; sleep 1; done", false), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	waitRunning(t, ns, "writer")
 	logFile := filepath.Join(volumeDir(t, ns, "data"), "log")
 	size := readGrows(t, logFile, 0)
 
-	old, err := client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
+	old, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
 	if err != nil || len(old.Items) != 1 {
 		t.Fatalf("node plugin pods: %v, %v", old, err)
 	}
-	if err := client.CoreV1().Pods("dirpv").Delete(ctx, old.Items[0].Name, metav1.DeleteOptions{}); err != nil {
+	if err := suite.Client.CoreV1().Pods("dirpv").Delete(ctx, old.Items[0].Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		pods, err := client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
+		pods, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
 		if err != nil {
 			return false, err
 		}
@@ -191,15 +188,15 @@ func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := framework.WaitForDriverRegistered(ctx, client, testCluster.NodeName, timeout); err != nil {
+	if err := framework.WaitForDriverRegistered(ctx, suite.Client, suite.Cluster.NodeName, timeout); err != nil {
 		t.Fatal(err)
 	}
 	readGrows(t, logFile, size)
 	// The workload keeps writing, and a new pod on the same claim still reads its data.
-	if _, err := client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "reader", "data", "test -s /data/log", false), metav1.CreateOptions{}); err == nil {
+	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "reader", "data", "test -s /data/log", false), metav1.CreateOptions{}); err == nil {
 		// The claim is RWO on one node: a second pod on the same node may use it.
 		err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-			p, err := client.CoreV1().Pods(ns).Get(ctx, "reader", metav1.GetOptions{})
+			p, err := suite.Client.CoreV1().Pods(ns).Get(ctx, "reader", metav1.GetOptions{})
 			if err != nil {
 				return false, err
 			}
@@ -219,7 +216,7 @@ func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
 // nodePlugin returns the node plugin's pod, which must have its one container running.
 func nodePlugin(ctx context.Context, t *testing.T) (*v1.Pod, v1.ContainerStatus) {
 	t.Helper()
-	pods, err := client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
+	pods, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -240,7 +237,7 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	const n = 50
 	held := []string{"c-00", "c-01", "c-02"}
-	unblock, err := framework.BlockPVCreation(ctx, client, ns, held)
+	unblock, err := framework.BlockPVCreation(ctx, suite.Client, ns, held)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -261,8 +258,8 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			c := framework.NewClaim(ns, fmt.Sprintf("c-%02d", i), "", framework.OnNode(testCluster.NodeName))
-			if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, c, metav1.CreateOptions{}); err != nil {
+			c := framework.NewClaim(ns, fmt.Sprintf("c-%02d", i), "", framework.OnNode(suite.Cluster.NodeName))
+			if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, c, metav1.CreateOptions{}); err != nil {
 				t.Error(err)
 			}
 		}()
@@ -281,7 +278,7 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	// makes PVs faster than kube-controller-manager binds them, so waiting for Bound claims
 	// would find nearly all the work done.
 	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		pvs, err := client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+		pvs, err := suite.Client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
 		if err != nil {
 			return false, err
 		}
@@ -295,7 +292,7 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	pid, err := testCluster.ContainerPID(ctx, before.ContainerID)
+	pid, err := suite.Cluster.ContainerPID(ctx, before.ContainerID)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -315,7 +312,7 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	}
 	// kubelet may already be starting the container again; the held claims cannot be Bound
 	// until lift, so the snapshot shows the kill mid-way whatever the new process did since.
-	snap, err := framework.TakeKillSnapshot(ctx, client, ns, basePath, mine)
+	snap, err := framework.TakeKillSnapshot(ctx, suite.Client, ns, basePath, mine)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -332,7 +329,7 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 
 	// The same pod, its container restarted by kubelet, not a new pod.
 	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		p, err := client.CoreV1().Pods("dirpv").Get(ctx, plugin.Name, metav1.GetOptions{})
+		p, err := suite.Client.CoreV1().Pods("dirpv").Get(ctx, plugin.Name, metav1.GetOptions{})
 		if err != nil {
 			return false, err
 		}
@@ -346,18 +343,18 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the node plugin container was not restarted: %v", err)
 	}
-	if err := framework.WaitForClaimsBound(ctx, client, ns, n, 3*time.Minute); err != nil {
+	if err := framework.WaitForClaimsBound(ctx, suite.Client, ns, n, 3*time.Minute); err != nil {
 		t.Fatal(err)
 	}
 	dirs, err := snap.Entries()
 	if err != nil {
 		t.Fatal(err)
 	}
-	problems, err := framework.CheckOnePVPerClaim(ctx, client, ns, dirs)
+	problems, err := framework.CheckOnePVPerClaim(ctx, suite.Client, ns, dirs)
 	if err != nil {
 		t.Fatal(err)
 	}
-	adoption, err := snap.CheckAdopted(ctx, client, ns, held)
+	adoption, err := snap.CheckAdopted(ctx, suite.Client, ns, held)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -374,7 +371,7 @@ func TestUninstallUnregistersFromKubelet(t *testing.T) {
 		t.Fatal(err)
 	}
 	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		n, err := client.StorageV1().CSINodes().Get(ctx, testCluster.NodeName, metav1.GetOptions{})
+		n, err := suite.Client.StorageV1().CSINodes().Get(ctx, suite.Cluster.NodeName, metav1.GetOptions{})
 		if err != nil {
 			return false, err
 		}
@@ -384,7 +381,7 @@ func TestUninstallUnregistersFromKubelet(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := os.Stat(filepath.Join(testCluster.PluginRegistryDir, "dirpv.io-reg.sock")); !os.IsNotExist(err) {
+	if _, err := os.Stat(filepath.Join(suite.Cluster.PluginRegistryDir, "dirpv.io-reg.sock")); !os.IsNotExist(err) {
 		t.Errorf("registration socket still there: %v", err)
 	}
 }
