@@ -13,8 +13,8 @@ import (
 	"github.com/dirpv/dirpv/test/framework"
 )
 
-// createClaims creates n claims placed on node-a, in parallel as a kind e2e suite would.
-func createClaims(t *testing.T, ns, class string, n int) {
+// createClaims creates n claims c-000, c-001... in parallel as a kind e2e suite would.
+func createClaims(t *testing.T, ns, class string, n int, opts ...framework.ClaimOption) {
 	t.Helper()
 	var wg sync.WaitGroup
 	errs := make(chan error, n)
@@ -25,7 +25,7 @@ func createClaims(t *testing.T, ns, class string, n int) {
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			c := framework.NewClaim(ns, fmt.Sprintf("c-%03d", i), class, framework.OnNode(nodeA))
+			c := framework.NewClaim(ns, fmt.Sprintf("c-%03d", i), class, opts...)
 			if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
 				errs <- err
 			}
@@ -60,7 +60,7 @@ func TestTwoHundredClaimsAtOnce(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
 	start := time.Now()
-	createClaims(t, ns, class.Name, 200)
+	createClaims(t, ns, class.Name, 200, framework.OnNode(nodeA))
 	checkOneDirectoryPerPV(t, ns, base, 200, 3*time.Minute)
 	t.Logf("200 claims created and Bound in %s", time.Since(start).Round(time.Millisecond))
 }
@@ -140,7 +140,7 @@ func TestKilledMidwayRecovers(t *testing.T) {
 	const n = 100
 	held := []string{"c-000", "c-001", "c-002"}
 	lift := blockPVsOf(t, ns, held)
-	createClaims(t, ns, class.Name, n)
+	createClaims(t, ns, class.Name, n, framework.OnNode(nodeA))
 	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 		bound, _, err := framework.BoundClaims(ctx, suite.Client, ns)
 		if err != nil {

@@ -21,7 +21,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -252,23 +251,9 @@ func TestNFSManyClaimsShareOneMount(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=20"}, nil)
 	start := time.Now()
-	var wg sync.WaitGroup
-	errs := make(chan error, n)
+	createClaims(t, ns, class.Name, n, framework.AccessModes(v1.ReadWriteMany))
 	for i := range n {
-		wg.Go(func() {
-			c := framework.NewClaim(ns, fmt.Sprintf("c-%02d", i), class.Name, framework.AccessModes(v1.ReadWriteMany))
-			if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
-				errs <- err
-			}
-		})
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
-	for i := range n {
-		waitNFSBound(t, ns, fmt.Sprintf("c-%02d", i))
+		waitNFSBound(t, ns, fmt.Sprintf("c-%03d", i))
 	}
 	t.Logf("%d claims bound in %s", n, time.Since(start).Round(time.Millisecond))
 	if got := claimsOnServer(t, suite.NFS, ns); len(got) != n {
