@@ -15,11 +15,12 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/dirpv/dirpv/test/framework"
 )
 
 const (
-	annSelectedNode = "volume.kubernetes.io/selected-node"
-	annStorageProv  = "volume.kubernetes.io/storage-provisioner"
+	annStorageProv = "volume.kubernetes.io/storage-provisioner"
 	// createParallelism is how many creates or deletes the bench has in flight, as a kind e2e
 	// suite creating claims would.
 	createParallelism = 16
@@ -27,20 +28,12 @@ const (
 
 var size1Gi = resource.MustParse("1Gi")
 
+// newClaim is a bench claim; node, if set, is where the scheduler would have placed its pod.
 func newClaim(ns, name, class, node string) *v1.PersistentVolumeClaim {
-	c := &v1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-		Spec: v1.PersistentVolumeClaimSpec{
-			StorageClassName: &class,
-			AccessModes:      []v1.PersistentVolumeAccessMode{v1.ReadWriteOnce},
-			Resources:        v1.VolumeResourceRequirements{Requests: v1.ResourceList{v1.ResourceStorage: size1Gi}},
-		},
+	if node == "" {
+		return framework.NewClaim(ns, name, class)
 	}
-	if node != "" {
-		// What the scheduler sets on a WaitForFirstConsumer claim once it placed the pod.
-		c.Annotations = map[string]string{annSelectedNode: node}
-	}
-	return c
+	return framework.NewClaim(ns, name, class, framework.OnNode(node))
 }
 
 // staticPV is a PV pre-bound to ns/claim (claimRef), of a class without a provisioner: the
@@ -66,23 +59,10 @@ func staticPV(name, class, ns, claim string, reclaim v1.PersistentVolumeReclaimP
 	}
 }
 
-func createClass(ctx context.Context, c kubernetes.Interface, name, provisioner string, params map[string]string, wffc bool, mountOptions []string) error {
-	mode := storagev1.VolumeBindingImmediate
-	if wffc {
-		mode = storagev1.VolumeBindingWaitForFirstConsumer
-	}
-	reclaim := v1.PersistentVolumeReclaimDelete
-	sc := &storagev1.StorageClass{
-		ObjectMeta:        metav1.ObjectMeta{Name: name},
-		Provisioner:       provisioner,
-		Parameters:        params,
-		VolumeBindingMode: &mode,
-		ReclaimPolicy:     &reclaim,
-		MountOptions:      mountOptions,
-	}
-	_, err := c.StorageV1().StorageClasses().Create(ctx, sc, metav1.CreateOptions{})
-	if err != nil {
-		return fmt.Errorf("create StorageClass %s: %w", name, err)
+// createClass creates a StorageClass made with framework.NewClass.
+func (b *bench) createClass(sc *storagev1.StorageClass) error {
+	if _, err := b.client.StorageV1().StorageClasses().Create(b.ctx, sc, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("create StorageClass %s: %w", sc.Name, err)
 	}
 	return nil
 }

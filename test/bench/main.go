@@ -30,12 +30,10 @@ import (
 
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
-	"github.com/dirpv/dirpv/test/nfs"
 )
 
 const (
 	nodeName      = "bench-node"
-	driverName    = "dirpv.io"
 	noProvisioner = "kubernetes.io/no-provisioner"
 	idealName     = "bench.invalid/ideal"
 )
@@ -96,26 +94,20 @@ type Report struct {
 }
 
 type bench struct {
-	ctx      context.Context
-	cl       *cluster.Cluster
-	client   kubernetes.Interface
-	work     string
-	logDir   string
-	dirpvBin string
-	// nodeBin and ctrlBin are copies of dirpvBin for the node and the controller, as on a real
-	// cluster where the two rarely share a node: no page of the binary is mapped by both
-	// processes, so each one's file-backed RSS is its own, and the kernel can page out either's
-	// (binaryWorkingSet).
-	nodeBin, ctrlBin string
-	common           []string
-	node             *framework.Process
-	ctrl             *framework.Process
-	nfs              *nfs.Server
-	helper           string
-	cleanups         *framework.Cleanups
-	report           Report
-	ms               map[string]float64 // named figures for goals
-	only             map[string]bool
+	ctx    context.Context
+	s      *framework.Suite
+	client kubernetes.Interface
+	// dirpvBin is the binary under test; nodeBin and ctrlBin are copies of it for the node
+	// and the controller, as on a real cluster where the two rarely share a node: no page of
+	// the binary is mapped by both processes, so each one's file-backed RSS is its own, and
+	// the kernel can page out either's (binaryWorkingSet).
+	dirpvBin, nodeBin, ctrlBin string
+	common                     []string
+	node                       *framework.Process
+	ctrl                       *framework.Process
+	report                     Report
+	ms                         map[string]float64 // named figures for goals
+	only                       map[string]bool
 }
 
 func main() {
@@ -130,8 +122,7 @@ func run() (err error) {
 	if os.Geteuid() != 0 {
 		return errors.New("needs root (bind mounts, NFS server)")
 	}
-	b := &bench{ctx: context.Background(), ms: map[string]float64{}, only: map[string]bool{}, cleanups: framework.NewCleanups()}
-	defer b.cleanups.Run()
+	b := &bench{ctx: context.Background(), ms: map[string]float64{}, only: map[string]bool{}}
 	b.report = Report{Started: time.Now(), N: *flagN, LatencyN: *flagLatN, PublishN: *flagPubN, RSSN: *flagRSSN,
 		KCM: *flagKCM, CPUs: runtime.NumCPU(), CPU: map[string]map[string]float64{}}
 	if la, err := os.ReadFile("/proc/loadavg"); err == nil {
@@ -152,6 +143,12 @@ func run() (err error) {
 	if err := b.setup(); err != nil {
 		return err
 	}
+	defer b.s.Close()
+	defer func() {
+		if err == nil {
+			b.s.Work.Succeeded()
+		}
+	}()
 	defer func() {
 		if err != nil {
 			for _, p := range []*framework.Process{b.node, b.ctrl} {
@@ -185,7 +182,7 @@ func run() (err error) {
 		}
 		if s.group == "publish" && !only["local"] && len(only) > 0 {
 			// publish needs a local claim from the latency phase
-			if err := b.localClass("bench-local-lat", filepath.Join(b.work, "base-lat")); err != nil {
+			if err := b.localClass("bench-local-lat", filepath.Join(b.s.Work.Dir, "base-lat")); err != nil {
 				return err
 			}
 			if _, err := b.latency("local-lat", "bench-local-lat", nodeName, 1, nil); err != nil {
@@ -218,35 +215,33 @@ func run() (err error) {
 }
 
 func (b *bench) setup() error {
-	work, err := os.MkdirTemp("", "dirpv-bench-")
+	t0 := time.Now()
+	var err error
+	b.s, err = framework.StartSuite(b.ctx, framework.SuiteOptions{
+		Name:     "bench",
+		Cluster:  cluster.Options{ControllerManagerArgs: b.report.KCMArgs, Logf: func(string, ...any) {}},
+		Dirpv:    true,
+		NFS:      *flagNFS && (len(b.only) == 0 || b.only["nfs"]),
+		KeepLogs: *flagKeepLogs,
+	})
 	if err != nil {
 		return err
 	}
-	b.work = work
-	b.logDir = filepath.Join(work, "logs")
-	os.MkdirAll(b.logDir, 0o755)
-	os.MkdirAll(filepath.Join(work, "targets"), 0o755)
-	ok := false
-	b.cleanups.Add(func() {
-		unmountUnder(filepath.Join(work, "targets"))
-		if *flagKeepLogs || !ok {
-			fmt.Fprintf(os.Stderr, "work dir and logs kept in %s\n", work)
-			return
-		}
-		os.RemoveAll(work)
-	})
-	defer func() { ok = err == nil }()
-	t0 := time.Now()
-	b.cl, err = cluster.Start(b.ctx, cluster.Options{
-		WorkDir:               filepath.Join(work, "c"),
-		ControllerManagerArgs: b.report.KCMArgs,
-		Logf:                  func(string, ...any) {},
-	})
-	if err != nil {
-		return fmt.Errorf("start cluster: %w", err)
+	if err := b.prepare(); err != nil {
+		b.s.Close()
+		return err
 	}
-	b.cleanups.Add(func() { b.cl.Stop() })
-	cfg, err := clientcmd.BuildConfigFromFlags("", b.cl.Kubeconfig)
+	fmt.Printf("setup %s: cluster (kube-controller-manager %s %v), node %s, dirpv built, work dir %s\n",
+		time.Since(t0).Round(time.Millisecond), *flagKCM, b.report.KCMArgs, nodeName, b.s.Work.Dir)
+	return nil
+}
+
+// prepare makes the bench's own client, its node and the dirpv arguments.
+func (b *bench) prepare() error {
+	if err := os.MkdirAll(filepath.Join(b.s.Work.Dir, "targets"), 0o755); err != nil {
+		return err
+	}
+	cfg, err := clientcmd.BuildConfigFromFlags("", b.s.Cluster.Kubeconfig)
 	if err != nil {
 		return err
 	}
@@ -256,50 +251,34 @@ func (b *bench) setup() error {
 	if b.client, err = kubernetes.NewForConfig(cfg); err != nil {
 		return err
 	}
-	if err := b.cl.CreateReadyNode(b.ctx, nodeName, nil); err != nil {
+	if err := b.s.Cluster.CreateReadyNode(b.ctx, nodeName, nil); err != nil {
 		return err
 	}
 	// dirpv node runs without kubelet registration here; list it as kubelet would, so the
 	// controller does not report (and look up) a missing node plugin for every claim.
-	if err := b.cl.RegisterCSIDriver(b.ctx, nodeName, "dirpv.io"); err != nil {
+	if err := b.s.Cluster.RegisterCSIDriver(b.ctx, nodeName, "dirpv.io"); err != nil {
 		return err
 	}
 	if b.dirpvBin = *flagBin; b.dirpvBin == "" {
-		if b.dirpvBin, err = framework.BuildDirpv(b.ctx, work); err != nil {
-			return err
-		}
+		b.dirpvBin = b.s.Dirpv
 	}
-	b.nodeBin, b.ctrlBin = filepath.Join(work, "dirpv-node"), filepath.Join(work, "dirpv-controller")
+	b.nodeBin, b.ctrlBin = filepath.Join(b.s.Work.Dir, "dirpv-node"), filepath.Join(b.s.Work.Dir, "dirpv-controller")
 	for _, dst := range []string{b.nodeBin, b.ctrlBin} {
 		if err := copyUncached(b.dirpvBin, dst); err != nil {
 			return err
 		}
 	}
-	b.common = []string{"--kubeconfig", b.cl.Kubeconfig, "--v=2"}
-	b.common = append(b.common, strings.Fields(*flagDirpv)...)
+	b.common = append([]string{"--v=2"}, strings.Fields(*flagDirpv)...)
 	b.report.DirpvArgs = strings.Fields(*flagDirpv)
 	b.report.DirpvEnv = strings.Fields(*flagEnv)
 	b.report.DirpvBin = *flagBin
-	if *flagNFS && (len(b.only) == 0 || b.only["nfs"]) {
-		if b.helper, err = nfs.BuildMountHelper(b.ctx); err != nil {
-			return err
-		}
-		exportDir := filepath.Join(work, "export")
-		os.MkdirAll(exportDir, 0o777)
-		if b.nfs, err = nfs.Start(b.ctx, nfs.Options{ExportDir: exportDir, WorkDir: filepath.Join(work, "ganesha")}); err != nil {
-			return fmt.Errorf("start NFS server: %w", err)
-		}
-		b.cleanups.Add(func() { b.nfs.Stop() })
-	}
-	fmt.Printf("setup %s: cluster (kube-controller-manager %s %v), node %s, dirpv built, work dir %s\n",
-		time.Since(t0).Round(time.Millisecond), *flagKCM, b.report.KCMArgs, nodeName, work)
 	return nil
 }
 
 // cpuSnapshot reads the CPU time used so far by the cluster's and dirpv's processes.
 func (b *bench) cpuSnapshot() map[string]time.Duration {
 	out := map[string]time.Duration{}
-	for _, p := range b.cl.Procs {
+	for _, p := range b.s.Cluster.Procs {
 		out[p.Name] += cpuTime(p.PID)
 	}
 	for _, p := range []*framework.Process{b.node, b.ctrl} {
@@ -429,7 +408,7 @@ func (b *bench) deleteAll(ns, class string, idealDeleter bool, done func() (bool
 
 func (b *bench) ceilingBulk() error {
 	n := *flagN
-	if err := createClass(b.ctx, b.client, "bench-static", noProvisioner, nil, false, nil); err != nil {
+	if err := b.createClass(framework.NewClass("bench-static", nil, framework.Provisioner(noProvisioner), framework.Immediate)); err != nil {
 		return err
 	}
 	const ns = "ceil-bulk"
@@ -472,7 +451,7 @@ func (b *bench) ceilingBulk() error {
 }
 
 func (b *bench) ceilingLatency() error {
-	if err := createClass(b.ctx, b.client, "bench-static-lat", noProvisioner, nil, false, nil); err != nil {
+	if err := b.createClass(framework.NewClass("bench-static-lat", nil, framework.Provisioner(noProvisioner), framework.Immediate)); err != nil {
 		return err
 	}
 	const ns = "ceil-lat"
@@ -502,10 +481,10 @@ func (b *bench) ceilingLatency() error {
 // what any external provisioner, dirpv included, can at best reach. The gap to the ceiling is
 // kube-controller-manager's extra step (it annotates the claim for the provisioner first).
 func (b *bench) idealExternal() error {
-	if err := createClass(b.ctx, b.client, "bench-ideal", idealName, nil, true, nil); err != nil {
+	if err := b.createClass(framework.NewClass("bench-ideal", nil, framework.Provisioner(idealName))); err != nil {
 		return err
 	}
-	if err := createClass(b.ctx, b.client, "bench-ideal-imm", idealName, nil, false, nil); err != nil {
+	if err := b.createClass(framework.NewClass("bench-ideal-imm", nil, framework.Provisioner(idealName), framework.Immediate)); err != nil {
 		return err
 	}
 	ip, err := startIdealProvisioner(b.ctx, b.client, idealName)
@@ -576,34 +555,32 @@ func (b *bench) startProcesses(suffix string) (node, ctrl *framework.Process, er
 		os.Setenv(k, v)
 		defer os.Unsetenv(k)
 	}
-	node, err = framework.StartDirpv(b.ctx, b.nodeBin, "node"+suffix, b.logDir, "node", append([]string{
-		"--node-name", nodeName, "--allowed-base-paths", b.work,
+	node, err = b.s.StartDirpvBin(b.ctx, b.nodeBin, "node"+suffix, "node", append([]string{
+		"--node-name", nodeName, "--allowed-base-paths", b.s.Work.Dir,
 		"--csi-endpoint", "unix://" + b.csiSocket(),
 		"--plugin-registration-dir", "-"}, b.common...)...)
 	if err != nil {
 		return nil, nil, err
 	}
-	b.cleanups.Add(func() { node.Stop(10 * time.Second) })
-	args := []string{"--work-dir", filepath.Join(b.work, "controller"), "--leader-election=false"}
-	if b.helper != "" {
-		args = append(args, "--nfs-mount-helper", b.helper)
+	args := []string{"--work-dir", filepath.Join(b.s.Work.Dir, "controller"), "--leader-election=false"}
+	if b.s.MountHelper != "" {
+		args = append(args, "--nfs-mount-helper", b.s.MountHelper)
 	}
-	ctrl, err = framework.StartDirpv(b.ctx, b.ctrlBin, "controller"+suffix, b.logDir, "controller", append(args, b.common...)...)
+	ctrl, err = b.s.StartDirpvBin(b.ctx, b.ctrlBin, "controller"+suffix, "controller", append(args, b.common...)...)
 	if err != nil {
 		return node, nil, err
 	}
-	b.cleanups.Add(func() { ctrl.Stop(10 * time.Second) })
 	return node, ctrl, nil
 }
 
-func (b *bench) csiSocket() string { return filepath.Join(b.work, "csi.sock") }
+func (b *bench) csiSocket() string { return filepath.Join(b.s.Work.Dir, "csi.sock") }
 
 func (b *bench) localClass(name, base string) error {
-	return createClass(b.ctx, b.client, name, driverName, map[string]string{"backend": "local", "basePath": base}, true, nil)
+	return b.createClass(framework.NewClass(name, map[string]string{"backend": "local", "basePath": base}))
 }
 
 func (b *bench) localBulk() error {
-	base := filepath.Join(b.work, "base-bulk")
+	base := filepath.Join(b.s.Work.Dir, "base-bulk")
 	if err := b.localClass("bench-local", base); err != nil {
 		return err
 	}
@@ -626,7 +603,7 @@ func (b *bench) localBulk() error {
 }
 
 func (b *bench) localLatency() error {
-	if err := b.localClass("bench-local-lat", filepath.Join(b.work, "base-lat")); err != nil {
+	if err := b.localClass("bench-local-lat", filepath.Join(b.s.Work.Dir, "base-lat")); err != nil {
 		return err
 	}
 	ds, err := b.latency("local-lat", "bench-local-lat", nodeName, *flagLatN, nil)
@@ -642,7 +619,7 @@ func (b *bench) localLatency() error {
 }
 
 func (b *bench) localDeletion() error {
-	base := filepath.Join(b.work, "base-bulk")
+	base := filepath.Join(b.s.Work.Dir, "base-bulk")
 	d, err := b.deleteAll("local-bulk", "bench-local", false, func() (bool, string) {
 		ents, err := os.ReadDir(base)
 		return err == nil && len(ents) == 0, fmt.Sprintf("%d directories left in %s", len(ents), base)
@@ -657,8 +634,8 @@ func (b *bench) localDeletion() error {
 }
 
 func (b *bench) nfsBulk() error {
-	params := map[string]string{"backend": "nfs", "server": b.nfs.Addr, "share": b.nfs.Share}
-	if err := createClass(b.ctx, b.client, "bench-nfs", driverName, params, false, b.nfs.MountOptions()); err != nil {
+	params := map[string]string{"backend": "nfs", "server": b.s.NFS.Addr, "share": b.s.NFS.Share}
+	if err := b.createClass(framework.NewClass("bench-nfs", params, framework.Immediate, framework.MountOptions(b.s.NFS.MountOptions()...))); err != nil {
 		return err
 	}
 	before := b.provisionStats()
@@ -673,7 +650,7 @@ func (b *bench) nfsBulk() error {
 		Note: fmt.Sprintf("%.2fx ideal external; mean lib provisioning op %.1f ms", d.Seconds()/b.ms["ideal.imm.bulk"], meanMS(before, after))})
 	fmt.Printf("   (%.2fx the ideal external provisioner; mean lib provisioning op (event+Provision+PV create) %.1f ms)\n", d.Seconds()/b.ms["ideal.imm.bulk"], meanMS(before, after))
 	d, err = b.deleteAll("nfs-bulk", "bench-nfs", false, func() (bool, string) {
-		ents, err := os.ReadDir(b.nfs.ExportDir)
+		ents, err := os.ReadDir(b.s.NFS.ExportDir)
 		return err == nil && len(ents) == 0, fmt.Sprintf("%d directories left in the export", len(ents))
 	})
 	if err != nil {
@@ -725,7 +702,7 @@ func (b *bench) publish() error {
 	}
 	attrs := pv.Spec.CSI.VolumeAttributes
 	src := filepath.Join(attrs["basePath"], attrs["path"])
-	targets := filepath.Join(b.work, "targets")
+	targets := filepath.Join(b.s.Work.Dir, "targets")
 	// Interleaved rounds, so that load from other users of the machine hits all three alike.
 	const rounds = 5
 	per := max(1, *flagPubN/rounds)
@@ -769,12 +746,12 @@ func (b *bench) rss() error {
 		return err
 	}
 	// The floor: the same binary serving CSI only (no API client, no informers, no PVs).
-	floor, err := framework.StartDirpv(b.ctx, b.nodeBin, "node-floor", b.logDir, "node", "--node-name", nodeName,
-		"--local-provisioning=false", "--csi-endpoint", "unix://"+filepath.Join(b.work, "floor.sock"), "--plugin-registration-dir", "-")
+	floor, err := framework.StartDirpv(b.ctx, b.nodeBin, "node-floor", b.s.Work.LogDir, "node", "--node-name", nodeName,
+		"--local-provisioning=false", "--csi-endpoint", "unix://"+filepath.Join(b.s.Work.Dir, "floor.sock"), "--plugin-registration-dir", "-")
 	if err != nil {
 		return err
 	}
-	b.cleanups.Add(func() { floor.Stop(10 * time.Second) })
+	b.s.Cleanups.Add(func() { floor.Stop(10 * time.Second) })
 	if pid, err := findPID("--http-address", floor.HTTPAddr); err == nil {
 		waitIdle(pid, 10*time.Second)
 		hwm, _ := procStatusKB(pid, "VmHWM")
@@ -800,7 +777,7 @@ func (b *bench) rss() error {
 			return err
 		}
 	}
-	if err := b.localClass("bench-rss", filepath.Join(b.work, "base-rss")); err != nil {
+	if err := b.localClass("bench-rss", filepath.Join(b.s.Work.Dir, "base-rss")); err != nil {
 		return err
 	}
 	if _, err := b.bulk("rss", "bench-rss", nodeName, *flagRSSN); err != nil {
@@ -867,7 +844,7 @@ func (b *bench) rss() error {
 // heap; otherwise it includes whatever garbage the last GC left, and says so.
 func (b *bench) heapInUse(p *framework.Process, suffix string) (float64, string, error) {
 	how := "not collected: run dirpv with --profiling for the live heap"
-	if prof, err := saveHeapProfile("http://"+p.HTTPAddr, filepath.Join(b.logDir, p.Name+suffix+".heap.pprof")); err == nil {
+	if prof, err := saveHeapProfile("http://"+p.HTTPAddr, filepath.Join(b.s.Work.LogDir, p.Name+suffix+".heap.pprof")); err == nil {
 		fmt.Printf("   (%s heap profile: %s)\n", p.Args[0], prof)
 		how = "live, after the GC of the heap profile"
 	}

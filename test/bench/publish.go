@@ -102,13 +102,3 @@ func bareBindMountUtils(src, targetParent string, iters int) ([]time.Duration, e
 	}
 	return out, nil
 }
-
-// unmountUnder lazily unmounts anything left mounted under dir (after an error or Ctrl-C).
-func unmountUnder(dir string) {
-	ents, _ := os.ReadDir(dir)
-	for _, e := range ents {
-		p := filepath.Join(dir, e.Name())
-		for unix.Unmount(p, unix.MNT_DETACH) == nil {
-		}
-	}
-}

@@ -16,12 +16,12 @@ import (
 // directory on the node, the pod goes away without leaving a mount, and the next pod on the
 // same claim sees the data.
 func TestLocalVolumeKeepsDataAcrossPods(t *testing.T) {
-	ns := newNamespace(t)
-	base := filepath.Join(baseRoot, "keeps-data")
-	createClass(t, "e2e-local", map[string]string{"backend": "local", "basePath": base}, true)
-	createClaim(t, ns, "data", "e2e-local", v1.ReadWriteOnce)
+	ns := suite.NewNamespace(t)
+	base := filepath.Join(suite.Work.BaseRoot, "keeps-data")
+	suite.CreateClass(t, "e2e-local", map[string]string{"backend": "local", "basePath": base})
+	suite.CreateClaim(t, ns, "data", "e2e-local")
 
-	createPod(t, podSpec(ns, "writer", "data", "echo hello-dirpv > /data/greeting && sync && sleep 3600", false))
+	createPod(t, suite.BusyboxPod(ns, "writer", "data", "echo hello-dirpv > /data/greeting && sync && sleep 3600", false))
 	writer := waitPodPhase(t, ns, "writer", v1.PodRunning)
 	pv := boundPV(t, ns, "data")
 	onDisk := filepath.Join(base, pv.Spec.CSI.VolumeAttributes["path"], "greeting")
@@ -43,7 +43,7 @@ func TestLocalVolumeKeepsDataAcrossPods(t *testing.T) {
 		t.Errorf("target %s still exists after unpublish: %v", target, err)
 	}
 
-	createPod(t, podSpec(ns, "reader", "data", `test "$(cat /data/greeting)" = hello-dirpv && echo read-ok`, false))
+	createPod(t, suite.BusyboxPod(ns, "reader", "data", `test "$(cat /data/greeting)" = hello-dirpv && echo read-ok`, false))
 	waitPodPhase(t, ns, "reader", v1.PodSucceeded)
 	if logs := podLogs(t, ns, "reader"); !strings.Contains(logs, "read-ok") {
 		t.Errorf("reader pod logs %q, want read-ok", logs)
@@ -52,11 +52,11 @@ func TestLocalVolumeKeepsDataAcrossPods(t *testing.T) {
 
 // A pod that mounts its claim read-only cannot write to it.
 func TestLocalReadOnlyMount(t *testing.T) {
-	ns := newNamespace(t)
-	base := filepath.Join(baseRoot, "read-only")
-	createClass(t, "e2e-local-ro", map[string]string{"backend": "local", "basePath": base}, true)
-	createClaim(t, ns, "data", "e2e-local-ro", v1.ReadWriteOnce)
-	createPod(t, podSpec(ns, "ro", "data", `if touch /data/x 2>/dev/null; then echo wrote; exit 1; fi; echo refused`, true))
+	ns := suite.NewNamespace(t)
+	base := filepath.Join(suite.Work.BaseRoot, "read-only")
+	suite.CreateClass(t, "e2e-local-ro", map[string]string{"backend": "local", "basePath": base})
+	suite.CreateClaim(t, ns, "data", "e2e-local-ro")
+	createPod(t, suite.BusyboxPod(ns, "ro", "data", `if touch /data/x 2>/dev/null; then echo wrote; exit 1; fi; echo refused`, true))
 	waitPodPhase(t, ns, "ro", v1.PodSucceeded)
 	pv := boundPV(t, ns, "data")
 	// A missing directory would read as empty: require it to be there.

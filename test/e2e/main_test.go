@@ -5,7 +5,6 @@ package e2e
 
 import (
 	"context"
-	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -14,98 +13,56 @@ import (
 
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
-	"github.com/dirpv/dirpv/test/nfs"
 )
 
 var (
-	client      kubernetes.Interface
-	testCluster *cluster.Cluster
-	logDir      string
-	baseRoot    string
-	nodeProc    *framework.Process
-	ctrlProc    *framework.Process
-	nfsServer   *nfs.Server
-	keepLogs    = flag.Bool("keep-logs", false, "keep the processes' logs after the run")
+	suite    *framework.Suite
+	nodeProc *framework.Process
+	ctrlProc *framework.Process
 )
 
 func TestMain(m *testing.M) {
-	flag.Parse()
-	os.Exit(run(m))
+	os.Exit(framework.RunSuite(m, framework.SuiteOptions{
+		Name:    "e2e",
+		Cluster: cluster.Options{WithNode: true, Logf: klog.Infof},
+		Dirpv:   true,
+		NFS:     true,
+	}, setup))
 }
 
-func run(m *testing.M) int {
-	ctx := context.Background()
-	cleanups := framework.NewCleanups()
-	defer cleanups.Run()
-	fail := func(what string, err error) int {
-		fmt.Fprintf(os.Stderr, "%s: %v\n", what, err)
-		return 1
-	}
-	work, err := framework.NewWorkspace("dirpv-e2e-", cleanups, *keepLogs)
-	if err != nil {
-		return fail("workspace", err)
-	}
-	logDir, baseRoot = work.LogDir, work.BaseRoot
-
-	start := time.Now()
-	testCluster, err = cluster.Start(ctx, cluster.Options{WithNode: true, Logf: klog.Infof})
-	if err != nil {
-		return fail("start cluster", err)
-	}
-	cleanups.Add(func() { testCluster.Stop() })
-	if client, err = testCluster.Client(); err != nil {
-		return fail("client", err)
-	}
-	dirpvBin, err := framework.BuildDirpv(ctx, work.Dir)
-	if err != nil {
-		return fail("build dirpv", err)
-	}
-	var mountHelper string
-	nfsServer, mountHelper, err = framework.StartNFS(ctx, work, cleanups)
-	if err != nil {
-		return fail("NFS", err)
-	}
-
+// setup runs the controller and the node plugin on the host, the node plugin registering
+// itself with the suite's kubelet; local classes get their base directories under
+// suite.Work.BaseRoot.
+func setup(ctx context.Context, s *framework.Suite) error {
+	suite = s
 	if err := createCSIDriver(ctx); err != nil {
-		return fail("CSIDriver", err)
+		return fmt.Errorf("CSIDriver: %w", err)
 	}
-	common := []string{"--kubeconfig", testCluster.Kubeconfig, "--v=2", "--operation-timeout=10s", "--nfs-mount-helper", mountHelper}
-	ctrlProc, err = framework.StartDirpv(ctx, dirpvBin, "controller", logDir, "controller", append(common,
-		"--work-dir", filepath.Join(work.Dir, "controller"), "--leader-election=false")...)
+	var err error
+	common := []string{"--v=2", "--operation-timeout=10s", "--nfs-mount-helper", s.MountHelper}
+	ctrlProc, err = s.StartDirpv(ctx, "controller", "controller", append(common,
+		"--work-dir", filepath.Join(s.Work.Dir, "controller"), "--leader-election=false")...)
 	if err != nil {
-		return fail("start controller", err)
+		return fmt.Errorf("start controller: %w", err)
 	}
-	cleanups.Add(func() { ctrlProc.Stop(10 * time.Second) })
-	nodeProc, err = framework.StartDirpv(ctx, dirpvBin, "node", logDir, "node", append(common,
-		"--node-name", testCluster.NodeName, "--kubelet-root-dir", testCluster.KubeletRootDir,
-		"--allowed-base-paths", baseRoot)...)
+	// Started after the cluster, so stopped before it: kubelet must still be there to
+	// unpublish what pods used.
+	nodeProc, err = s.StartDirpv(ctx, "node", "node", append(common,
+		"--node-name", suite.Cluster.NodeName, "--kubelet-root-dir", suite.Cluster.KubeletRootDir,
+		"--allowed-base-paths", s.Work.BaseRoot)...)
 	if err != nil {
-		return fail("start node plugin", err)
+		return fmt.Errorf("start node plugin: %w", err)
 	}
-	// Before the cluster stops: kubelet must still be there to unpublish what pods used.
-	cleanups.Add(func() { nodeProc.Stop(10 * time.Second) })
-	if err := waitRegistered(ctx); err != nil {
-		return fail("node plugin registration", fmt.Errorf("%w\n%s", err, nodeProc.Tail(3000)))
+	s.Daemons = append(s.Daemons, ctrlProc, nodeProc)
+	if err := framework.WaitForDriverRegistered(ctx, suite.Client, suite.Cluster.NodeName, 60*time.Second); err != nil {
+		return fmt.Errorf("node plugin registration: %w\n%s", err, nodeProc.Tail(3000))
 	}
-	fmt.Fprintf(os.Stderr, "e2e setup took %s\n", time.Since(start).Round(time.Millisecond))
-
-	code := m.Run()
-	for _, p := range []*framework.Process{ctrlProc, nodeProc} {
-		if exited, err := p.Exited(); exited {
-			fmt.Fprintf(os.Stderr, "%s exited during the tests: %v\n%s\n", p.Name, err, p.Tail(4000))
-			code = 1
-		}
-	}
-	if code == 0 {
-		work.Succeeded()
-	}
-	return code
+	return nil
 }
 
 // createCSIDriver creates the CSIDriver object as deploy/ does: no attach, so kubelet calls
@@ -121,11 +78,6 @@ func createCSIDriver(ctx context.Context) error {
 			VolumeLifecycleModes: []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent},
 		},
 	}
-	_, err := client.StorageV1().CSIDrivers().Create(ctx, d, metav1.CreateOptions{})
+	_, err := suite.Client.StorageV1().CSIDrivers().Create(ctx, d, metav1.CreateOptions{})
 	return err
-}
-
-// waitRegistered waits until kubelet lists dirpv.io in the node's CSINode object.
-func waitRegistered(ctx context.Context) error {
-	return framework.WaitForDriverRegistered(ctx, client, testCluster.NodeName, 60*time.Second)
 }

@@ -17,7 +17,6 @@ import (
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
-	"k8s.io/mount-utils"
 
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/test/nfs"
@@ -27,25 +26,9 @@ import (
 // the mount at this server (the portmapper only knows the last one started).
 func nfsE2EClass(t *testing.T, name string) []string {
 	t.Helper()
-	opts := append(nfsServer.MountOptions(), "nolock", "actimeo=1")
-	createClass(t, name, map[string]string{"backend": "nfs", "server": nfsServer.Addr, "share": nfsServer.Share}, false, opts...)
+	opts := append(suite.NFS.MountOptions(), "nolock", "actimeo=1")
+	suite.CreateClass(t, name, map[string]string{"backend": "nfs", "server": suite.NFS.Addr, "share": suite.NFS.Share}, framework.Immediate, framework.MountOptions(opts...))
 	return opts
-}
-
-// fuseNFSMountsUnder lists the fuse.nfs mounts (the helper's NFS mounts) at or below dir.
-func fuseNFSMountsUnder(t *testing.T, dir string) []string {
-	t.Helper()
-	infos, err := mount.ParseMountInfo("/proc/self/mountinfo")
-	if err != nil {
-		t.Fatalf("read mount table: %v", err)
-	}
-	var out []string
-	for _, mi := range infos {
-		if mi.FsType == "fuse.nfs" && (mi.MountPoint == dir || strings.HasPrefix(mi.MountPoint, dir+"/")) {
-			out = append(out, mi.MountPoint)
-		}
-	}
-	return out
 }
 
 // checkPodNFSMount checks that the pod's volume is an NFS mount of the volume's own directory
@@ -53,14 +36,14 @@ func fuseNFSMountsUnder(t *testing.T, dir string) []string {
 func checkPodNFSMount(t *testing.T, pod *v1.Pod, pvName, path string, mountOptions []string, readOnly bool) {
 	t.Helper()
 	target := volumeTarget(pod, pvName)
-	if m := fuseNFSMountsUnder(t, target); len(m) != 1 {
+	if m := mountsUnder(t, target, "fuse.nfs"); len(m) != 1 {
 		t.Fatalf("fuse.nfs mounts at pod %s's volume target %s: %v, want exactly one (all mounts there: %v)", pod.Name, target, m, mountsUnder(t, target))
 	}
 	rec, err := nfs.ReadMountRecord(target)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := nfsServer.Source(path); rec.Source != want {
+	if want := suite.NFS.Source(path); rec.Source != want {
 		t.Errorf("pod %s mounts %s, want %s", pod.Name, rec.Source, want)
 	}
 	for _, o := range mountOptions {
@@ -105,8 +88,8 @@ func mountDaemon(t *testing.T, target string) int {
 func checkNoNFSMountsLeft(t *testing.T, daemons []int) {
 	t.Helper()
 	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-		if m := fuseNFSMountsUnder(t, testCluster.KubeletRootDir); len(m) > 0 {
-			return false, fmt.Errorf("fuse.nfs mounts left under %s: %v", testCluster.KubeletRootDir, m)
+		if m := mountsUnder(t, suite.Cluster.KubeletRootDir, "fuse.nfs"); len(m) > 0 {
+			return false, fmt.Errorf("fuse.nfs mounts left under %s: %v", suite.Cluster.KubeletRootDir, m)
 		}
 		for _, pid := range daemons {
 			if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); err == nil {
@@ -126,16 +109,16 @@ var sumLine = regexp.MustCompile(`(?m)^([0-9a-f]{64})  /data/blob$`)
 // reads byte for byte, and the server holds the same bytes. Once the pods are gone, so are
 // their mounts.
 func TestNFSTwoPodsShareOneVolume(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	mountOptions := nfsE2EClass(t, "e2e-nfs-rwx")
-	createClaim(t, ns, "shared", "e2e-nfs-rwx", v1.ReadWriteMany)
+	suite.CreateClaim(t, ns, "shared", "e2e-nfs-rwx", framework.AccessModes(v1.ReadWriteMany))
 	pv := boundPV(t, ns, "shared")
 	path := pv.Spec.CSI.VolumeAttributes["path"]
 
 	// The writer renames into place so that the reader never sees a half-written file.
-	createPod(t, podSpec(ns, "writer", "shared",
+	createPod(t, suite.BusyboxPod(ns, "writer", "shared",
 		`head -c 1048576 /dev/urandom > /data/.blob && mv /data/.blob /data/blob && sha256sum /data/blob && sleep 3600`, false))
-	createPod(t, podSpec(ns, "reader", "shared",
+	createPod(t, suite.BusyboxPod(ns, "reader", "shared",
 		`until [ -f /data/blob ]; do sleep 0.2; done; sha256sum /data/blob; sleep 3600`, false))
 	writer := waitPodPhase(t, ns, "writer", v1.PodRunning)
 	reader := waitPodPhase(t, ns, "reader", v1.PodRunning)
@@ -145,7 +128,7 @@ func TestNFSTwoPodsShareOneVolume(t *testing.T) {
 	if read != wrote {
 		t.Errorf("reader saw sha256 %s, writer wrote %s", read, wrote)
 	}
-	onServer, err := os.ReadFile(filepath.Join(nfsServer.ExportDir, path, "blob"))
+	onServer, err := os.ReadFile(filepath.Join(suite.NFS.ExportDir, path, "blob"))
 	if err != nil {
 		t.Fatalf("the file on the NFS server: %v", err)
 	}
@@ -166,21 +149,21 @@ func TestNFSTwoPodsShareOneVolume(t *testing.T) {
 	deletePod(t, ns, "reader")
 	checkNoNFSMountsLeft(t, daemons)
 	// The data outlives the pods.
-	if b, err := os.ReadFile(filepath.Join(nfsServer.ExportDir, path, "blob")); err != nil || len(b) != 1<<20 {
+	if b, err := os.ReadFile(filepath.Join(suite.NFS.ExportDir, path, "blob")); err != nil || len(b) != 1<<20 {
 		t.Errorf("the file after the pods are gone: %d bytes, %v", len(b), err)
 	}
 }
 
 // A pod that mounts its NFS claim read-only gets a read-only NFS mount and EROFS on write.
 func TestNFSReadOnlyPodCannotWrite(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	mountOptions := nfsE2EClass(t, "e2e-nfs-ro")
-	createClaim(t, ns, "data", "e2e-nfs-ro", v1.ReadWriteMany)
+	suite.CreateClaim(t, ns, "data", "e2e-nfs-ro", framework.AccessModes(v1.ReadWriteMany))
 	pv := boundPV(t, ns, "data")
 	path := pv.Spec.CSI.VolumeAttributes["path"]
 
 	// The pod reports what the write did, then stays up so its mount can be inspected.
-	createPod(t, podSpec(ns, "ro", "data",
+	createPod(t, suite.BusyboxPod(ns, "ro", "data",
 		`if out=$(touch /data/x 2>&1); then echo "write: allowed"; else echo "write: refused: $out"; fi; sleep 3600`, true))
 	pod := waitPodPhase(t, ns, "ro", v1.PodRunning)
 	line := waitLogLine(t, ns, "ro", regexp.MustCompile(`write: (.*)`))[1]
@@ -189,7 +172,7 @@ func TestNFSReadOnlyPodCannotWrite(t *testing.T) {
 	}
 	checkPodNFSMount(t, pod, pv.Name, path, mountOptions, true)
 	// A missing directory would read as empty: require it to be there.
-	if got, err := os.ReadDir(filepath.Join(nfsServer.ExportDir, path)); err != nil || len(got) != 0 {
+	if got, err := os.ReadDir(filepath.Join(suite.NFS.ExportDir, path)); err != nil || len(got) != 0 {
 		t.Errorf("read-only pod's volume directory on the server: %v %v, want it there and empty", got, err)
 	}
 	daemons := []int{mountDaemon(t, volumeTarget(pod, pv.Name))}

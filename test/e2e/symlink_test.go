@@ -27,8 +27,8 @@ import (
 )
 
 func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
-	ns := newNamespace(t)
-	top := filepath.Join(baseRoot, "symlink")
+	ns := suite.NewNamespace(t)
+	top := filepath.Join(suite.Work.BaseRoot, "symlink")
 	base := filepath.Join(top, "base")
 	decoy := filepath.Join(top, "decoy")
 	for f, content := range map[string]string{"decoy/data": "beside the base", "decoy/sub/deeper": "deeper"} {
@@ -40,12 +40,12 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	createClass(t, "e2e-symlink-delete", map[string]string{"backend": "local", "basePath": base, "onDelete": "delete"}, true)
-	createClass(t, "e2e-symlink-archive", map[string]string{"backend": "local", "basePath": base, "onDelete": "archive"}, true)
+	suite.CreateClass(t, "e2e-symlink-delete", map[string]string{"backend": "local", "basePath": base, "onDelete": "delete"})
+	suite.CreateClass(t, "e2e-symlink-archive", map[string]string{"backend": "local", "basePath": base, "onDelete": "archive"})
 
 	// The victim: another tenant's claim with data.
-	createClaim(t, ns, "victim", "e2e-symlink-delete", v1.ReadWriteOnce)
-	createPod(t, podSpec(ns, "victim", "victim", "echo victim-data > /data/data && mkdir /data/sub && echo more > /data/sub/f", false))
+	suite.CreateClaim(t, ns, "victim", "e2e-symlink-delete")
+	createPod(t, suite.BusyboxPod(ns, "victim", "victim", "echo victim-data > /data/data && mkdir /data/sub && echo more > /data/sub/f", false))
 	waitPodPhase(t, ns, "victim", v1.PodSucceeded)
 	victimPV := boundPV(t, ns, "victim")
 	victimDir := filepath.Join(base, victimPV.Spec.CSI.VolumeAttributes["path"])
@@ -78,8 +78,8 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 	}
 	attackers := []*attacker{{claim: "attacker-delete", class: "e2e-symlink-delete"}, {claim: "attacker-archive", class: "e2e-symlink-archive"}}
 	for _, a := range attackers {
-		createClaim(t, ns, a.claim, a.class, v1.ReadWriteOnce)
-		createPod(t, podSpec(ns, a.claim, a.claim, script.String(), false))
+		suite.CreateClaim(t, ns, a.claim, a.class)
+		createPod(t, suite.BusyboxPod(ns, a.claim, a.claim, script.String(), false))
 	}
 	for _, a := range attackers {
 		a.pod = waitPodPhase(t, ns, a.claim, v1.PodRunning)
@@ -133,7 +133,7 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 	}
 
 	// NodeGetVolumeStats, through the node plugin's own CSI socket as kubelet calls it.
-	sock := filepath.Join(testCluster.KubeletRootDir, "plugins", "dirpv.io", "csi.sock")
+	sock := filepath.Join(suite.Cluster.KubeletRootDir, "plugins", "dirpv.io", "csi.sock")
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
@@ -177,12 +177,12 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 	for _, a := range attackers {
 		deletePod(t, ns, a.claim)
 		waitNoMountsUnder(t, filepath.Dir(volumeTarget(a.pod, a.pv.Name)))
-		if err := client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), a.claim, metav1.DeleteOptions{}); err != nil {
+		if err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), a.claim, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	for _, a := range attackers {
-		if err := framework.WaitForPVDeleted(context.Background(), client, a.pv.Name, timeout); err != nil {
+		if err := framework.WaitForPVDeleted(context.Background(), suite.Client, a.pv.Name, timeout); err != nil {
 			t.Fatalf("%s: %v\n--- node plugin log tail:\n%s", a.claim, err, nodeProc.Tail(3000))
 		}
 	}

@@ -259,15 +259,34 @@ func WaitForDeleted(ctx context.Context, timeout time.Duration, what string, get
 	return nil
 }
 
-// WaitForPVDeleted waits until the PV is gone, i.e. its provisioner finished Delete.
+// WaitForPVDeleted waits until the PV is gone, i.e. its provisioner finished Delete. If it is
+// not, the error lists the PV's events (VolumeFailedDelete says why).
 func WaitForPVDeleted(ctx context.Context, c kubernetes.Interface, name string, timeout time.Duration) error {
-	return WaitForDeleted(ctx, timeout, "PV "+name, func(ctx context.Context) (string, error) {
+	err := WaitForDeleted(ctx, timeout, "PV "+name, func(ctx context.Context) (string, error) {
 		pv, err := c.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			return "", err
 		}
 		return string(pv.Status.Phase), nil
 	})
+	if err != nil {
+		return fmt.Errorf("%w\nevents: %s", err, EventsOf(ctx, c, "", "PersistentVolume", name))
+	}
+	return nil
+}
+
+// EventsOf lists an object's events as "reason (xcount): message" lines, for failure messages.
+func EventsOf(ctx context.Context, c kubernetes.Interface, ns, kind, name string) string {
+	sel := fields.Set{"involvedObject.kind": kind, "involvedObject.name": name}.AsSelector().String()
+	evs, err := c.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: sel})
+	if err != nil {
+		return err.Error()
+	}
+	var b strings.Builder
+	for _, e := range evs.Items {
+		fmt.Fprintf(&b, "\n  %s (x%d): %s", e.Reason, max(e.Count, 1), e.Message)
+	}
+	return b.String()
 }
 
 // WaitForPodDeleted waits until the pod object is gone.
@@ -279,4 +298,20 @@ func WaitForPodDeleted(ctx context.Context, c kubernetes.Interface, ns, name str
 		}
 		return string(p.Status.Phase), nil
 	})
+}
+
+// WaitForPodPhase waits until the pod is in phase and returns it.
+func WaitForPodPhase(ctx context.Context, c kubernetes.Interface, ns, name string, phase v1.PodPhase, timeout time.Duration) (*v1.Pod, error) {
+	var pod *v1.Pod
+	err := Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		var err error
+		if pod, err = c.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{}); err != nil {
+			return false, err
+		}
+		return pod.Status.Phase == phase, fmt.Errorf("pod %s/%s is %s: %+v", ns, name, pod.Status.Phase, pod.Status.ContainerStatuses)
+	})
+	if err != nil {
+		return nil, fmt.Errorf("wait for pod %s/%s to be %s: %w", ns, name, phase, err)
+	}
+	return pod, nil
 }

@@ -1,31 +1,65 @@
 package framework
 
 import (
-	"bufio"
-	"os"
+	"context"
+	"fmt"
+	"slices"
 	"sort"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
+	"k8s.io/mount-utils"
 )
 
-// MountsUnder lists mount points at or below dir, deepest first, from this host's mount table.
-func MountsUnder(dir string) ([]string, error) {
-	f, err := os.Open("/proc/self/mountinfo")
+// MountInfosUnder lists the mounts at or below dir in this host's mount table (the tests share
+// the mount namespace of dirpv and kubelet), deepest mount point first. Mounts stacked on one
+// directory are listed once each.
+func MountInfosUnder(dir string) ([]mount.MountInfo, error) {
+	infos, err := mount.ParseMountInfo("/proc/self/mountinfo")
+	if err != nil {
+		return nil, fmt.Errorf("read mount table: %w", err)
+	}
+	var out []mount.MountInfo
+	for _, mi := range infos {
+		if mi.MountPoint == dir || strings.HasPrefix(mi.MountPoint, dir+"/") {
+			out = append(out, mi)
+		}
+	}
+	sort.SliceStable(out, func(i, j int) bool { return out[i].MountPoint > out[j].MountPoint })
+	return out, nil
+}
+
+// MountsUnder lists the mount points at or below dir, deepest first; with fsTypes, only
+// mounts of those types (e.g. "fuse.nfs", the test NFS helper's).
+func MountsUnder(dir string, fsTypes ...string) ([]string, error) {
+	infos, err := MountInfosUnder(dir)
 	if err != nil {
 		return nil, err
 	}
-	defer f.Close()
 	var out []string
-	s := bufio.NewScanner(f)
-	for s.Scan() {
-		fields := strings.Fields(s.Text())
-		if len(fields) > 4 && (fields[4] == dir || strings.HasPrefix(fields[4], dir+"/")) {
-			out = append(out, fields[4])
+	for _, mi := range infos {
+		if len(fsTypes) == 0 || slices.Contains(fsTypes, mi.FsType) {
+			out = append(out, mi.MountPoint)
 		}
 	}
-	sort.Sort(sort.Reverse(sort.StringSlice(out)))
-	return out, s.Err()
+	return out, nil
+}
+
+// WaitForNoMountsUnder waits until nothing is mounted at or below dir, e.g. after kubelet,
+// which unpublishes asynchronously once the pod object is gone.
+func WaitForNoMountsUnder(ctx context.Context, dir string, timeout time.Duration) error {
+	err := Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		m, err := MountsUnder(dir)
+		if err != nil {
+			return false, err
+		}
+		return len(m) == 0, fmt.Errorf("still mounted: %v", m)
+	})
+	if err != nil {
+		return fmt.Errorf("wait for no mounts under %s: %w", dir, err)
+	}
+	return nil
 }
 
 // DetachMountsUnder lazily unmounts everything at or below dir: what a killed dirpv left behind.

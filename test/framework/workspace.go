@@ -32,10 +32,11 @@ func NewWorkspace(prefix string, cleanups *Cleanups, keep bool) (*Workspace, err
 			return nil, err
 		}
 	}
-	cleanups.Add(func() { DetachMountsUnder(dir) })
 	cleanups.Add(func() {
+		// Detach first: RemoveAll would otherwise descend into what is still mounted here.
+		DetachMountsUnder(dir)
 		if !w.ok || keep {
-			fmt.Fprintf(os.Stderr, "logs kept in %s\n", w.LogDir)
+			fmt.Fprintf(os.Stderr, "workspace and logs kept in %s\n", dir)
 			return
 		}
 		os.RemoveAll(dir)

@@ -41,16 +41,16 @@ func nodeAClient(t *testing.T) csi.NodeClient {
 // basePath is elsewhere gets a claim event saying why and what to change, and no directory;
 // a PV naming that directory is refused by the plugin, with nothing mounted.
 func TestLocalClassOutsideAllowedBases(t *testing.T) {
-	ns := newNamespace(t)
-	outside := t.TempDir() // not under baseRoot
-	class := createClass(t, "outside-allowed-bases", map[string]string{"backend": "local", "basePath": outside})
-	createClaim(t, ns, "c", class.Name, onNode(nodeA))
-	ev, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed",
+	ns := suite.NewNamespace(t)
+	outside := t.TempDir() // not under suite.Work.BaseRoot
+	class := suite.CreateClass(t, "outside-allowed-bases", map[string]string{"backend": "local", "basePath": outside})
+	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
+	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed",
 		"is not at or beneath a base path this node allows", timeout)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{outside, baseRoot, "--allowed-base-paths"} {
+	for _, want := range []string{outside, suite.Work.BaseRoot, "--allowed-base-paths"} {
 		if !strings.Contains(ev.Message, want) {
 			t.Errorf("event %q does not say %q", ev.Message, want)
 		}

@@ -13,8 +13,8 @@ import (
 	"github.com/dirpv/dirpv/test/framework"
 )
 
-// createClaims creates n claims placed on node-a, in parallel as a kind e2e suite would.
-func createClaims(t *testing.T, ns, class string, n int) {
+// createClaims creates n claims c-000, c-001... in parallel as a kind e2e suite would.
+func createClaims(t *testing.T, ns, class string, n int, opts ...framework.ClaimOption) {
 	t.Helper()
 	var wg sync.WaitGroup
 	errs := make(chan error, n)
@@ -25,8 +25,8 @@ func createClaims(t *testing.T, ns, class string, n int) {
 			defer wg.Done()
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			c := newClaim(ns, fmt.Sprintf("c-%03d", i), class, onNode(nodeA))
-			if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
+			c := framework.NewClaim(ns, fmt.Sprintf("c-%03d", i), class, opts...)
+			if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
 				errs <- err
 			}
 		}()
@@ -43,11 +43,11 @@ func createClaims(t *testing.T, ns, class string, n int) {
 func checkOneDirectoryPerPV(t *testing.T, ns, base string, n int, wait time.Duration) {
 	t.Helper()
 	ctx := context.Background()
-	err := framework.WaitForClaimsBound(ctx, client, ns, n, wait)
+	err := framework.WaitForClaimsBound(ctx, suite.Client, ns, n, wait)
 	if err != nil {
 		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
 	}
-	problems, err := framework.CheckOnePVPerClaim(ctx, client, ns, entries(t, base))
+	problems, err := framework.CheckOnePVPerClaim(ctx, suite.Client, ns, entries(t, base))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -57,10 +57,10 @@ func checkOneDirectoryPerPV(t *testing.T, ns, base string, n int, wait time.Dura
 }
 
 func TestTwoHundredClaimsAtOnce(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
 	start := time.Now()
-	createClaims(t, ns, class.Name, 200)
+	createClaims(t, ns, class.Name, 200, framework.OnNode(nodeA))
 	checkOneDirectoryPerPV(t, ns, base, 200, 3*time.Minute)
 	t.Logf("200 claims created and Bound in %s", time.Since(start).Round(time.Millisecond))
 }
@@ -71,7 +71,7 @@ func TestTwoHundredClaimsAtOnce(t *testing.T) {
 // crash window between mkdir and PV creation, hit on every run rather than by luck.
 func blockPVsOf(t *testing.T, ns string, held []string) func() {
 	t.Helper()
-	unblock, err := framework.BlockPVCreation(context.Background(), client, ns, held)
+	unblock, err := framework.BlockPVCreation(context.Background(), suite.Client, ns, held)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,7 +120,7 @@ func checkKilledMidway(t *testing.T, ns string, snap *framework.KillSnapshot, n 
 // made.
 func checkAdopted(t *testing.T, ns string, snap *framework.KillSnapshot, held []string) {
 	t.Helper()
-	problems, err := snap.CheckAdopted(context.Background(), client, ns, held)
+	problems, err := snap.CheckAdopted(context.Background(), suite.Client, ns, held)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -135,14 +135,14 @@ func checkAdopted(t *testing.T, ns string, snap *framework.KillSnapshot, held []
 // is orphaned.
 func TestKilledMidwayRecovers(t *testing.T) {
 	ctx := context.Background()
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
 	const n = 100
 	held := []string{"c-000", "c-001", "c-002"}
 	lift := blockPVsOf(t, ns, held)
-	createClaims(t, ns, class.Name, n)
+	createClaims(t, ns, class.Name, n, framework.OnNode(nodeA))
 	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		bound, _, err := framework.BoundClaims(ctx, client, ns)
+		bound, _, err := framework.BoundClaims(ctx, suite.Client, ns)
 		if err != nil {
 			return false, err
 		}
@@ -159,7 +159,7 @@ func TestKilledMidwayRecovers(t *testing.T) {
 		}
 	})
 	nodeProc.Kill()
-	snap, err := framework.TakeKillSnapshot(ctx, client, ns, base, func(string) bool { return true })
+	snap, err := framework.TakeKillSnapshot(ctx, suite.Client, ns, base, func(string) bool { return true })
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -35,8 +35,8 @@ type hostileLayout struct {
 
 func newHostileLayout(t *testing.T) hostileLayout {
 	t.Helper()
-	// Under baseRoot, which node-a allows local volumes in.
-	top, err := os.MkdirTemp(baseRoot, "hostile-")
+	// Under suite.Work.BaseRoot, which node-a allows local volumes in.
+	top, err := os.MkdirTemp(suite.Work.BaseRoot, "hostile-")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -64,16 +64,7 @@ func (l hostileLayout) outside(t *testing.T) map[string]string {
 	return snapshotTree(t, l.top, func(rel string) bool { return strings.HasPrefix(rel, "parent/base/") })
 }
 
-func withAnnotation(k, v string) claimOpt {
-	return func(c *v1.PersistentVolumeClaim) {
-		if c.Annotations == nil {
-			c.Annotations = map[string]string{}
-		}
-		c.Annotations[k] = v
-	}
-}
-
-func withLabel(k, v string) claimOpt {
+func withLabel(k, v string) framework.ClaimOption {
 	return func(c *v1.PersistentVolumeClaim) {
 		if c.Labels == nil {
 			c.Labels = map[string]string{}
@@ -102,7 +93,7 @@ func checkBaseChildren(t *testing.T, base string, want []string) {
 // hasEvent says whether the claim has an event with reason whose message contains substr.
 func hasEvent(ctx context.Context, t *testing.T, ns, claim, reason, substr string) bool {
 	t.Helper()
-	evs, err := client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{
+	evs, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{
 		FieldSelector: "involvedObject.kind=PersistentVolumeClaim,involvedObject.name=" + claim})
 	if err != nil {
 		t.Fatal(err)
@@ -117,7 +108,7 @@ func hasEvent(ctx context.Context, t *testing.T, ns, claim, reason, substr strin
 // would already exist, and no waiting for a PV that does not come is needed.
 func noPVFor(t *testing.T, ns, name string) {
 	t.Helper()
-	pvs, err := client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
+	pvs, err := suite.Client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -130,14 +121,14 @@ func noPVFor(t *testing.T, ns, name string) {
 
 // Hostile annotation and label values against patterns that use them as a whole component.
 func TestHostileMetadataValues(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	layout := newHostileLayout(t)
 	before := layout.outside(t)
 
-	byAnn := createClass(t, "hostile-ann", map[string]string{
+	byAnn := suite.CreateClass(t, "hostile-ann", map[string]string{
 		"backend": "local", "basePath": layout.base, "pathPattern": "${pvc.metadata.annotations['dir']}",
 	})
-	byLabel := createClass(t, "hostile-label", map[string]string{
+	byLabel := suite.CreateClass(t, "hostile-label", map[string]string{
 		"backend": "local", "basePath": layout.base, "pathPattern": "${pvc.metadata.name}-${pvc.metadata.labels['team']}",
 	})
 
@@ -149,39 +140,39 @@ func TestHostileMetadataValues(t *testing.T) {
 	)
 	type attack struct {
 		claim, class string
-		opts         []claimOpt
+		opts         []framework.ClaimOption
 		// refusal is the event text expected; "" means the value is harmless and must be
 		// mapped to exactly dir, a direct child of the base.
 		refusal, dir string
 	}
 	attacks := []attack{
-		{claim: "dotdot", refusal: refuseName, opts: []claimOpt{withAnnotation("dir", "..")}},
-		{claim: "up-etc", refusal: refuseSlash, opts: []claimOpt{withAnnotation("dir", "../../etc")}},
-		{claim: "abs-etc", refusal: refuseSlash, opts: []claimOpt{withAnnotation("dir", "/etc")}},
-		{claim: "slash", refusal: refuseSlash, opts: []claimOpt{withAnnotation("dir", "a/b")}},
-		{claim: "trailing-slash", refusal: refuseSlash, opts: []claimOpt{withAnnotation("dir", "sentinel/")}},
-		{claim: "nul", refusal: refuseSlash, opts: []claimOpt{withAnnotation("dir", "x\x00y")}},
-		{claim: "nul-only", refusal: refuseSlash, opts: []claimOpt{withAnnotation("dir", "\x00")}},
-		{claim: "long", refusal: refuseLong, opts: []claimOpt{withAnnotation("dir", strings.Repeat("L", 300))}},
-		{claim: "dot", refusal: refuseName, opts: []claimOpt{withAnnotation("dir", ".")}},
-		{claim: "empty", refusal: refuseName, opts: []claimOpt{withAnnotation("dir", "")}},
-		{claim: "newline", refusal: refuseSlash, opts: []claimOpt{withAnnotation("dir", "a\nb")}},
-		{claim: "tab", refusal: refuseSlash, opts: []claimOpt{withAnnotation("dir", "\t")}},
-		{claim: "escape", refusal: refuseSlash, opts: []claimOpt{withAnnotation("dir", "\x1b[2Jx")}},
-		{claim: "del", refusal: refuseSlash, opts: []claimOpt{withAnnotation("dir", "x\x7f")}},
-		{claim: "c1-control", refusal: refuseSlash, opts: []claimOpt{withAnnotation("dir", "x\u0085")}},
+		{claim: "dotdot", refusal: refuseName, opts: []framework.ClaimOption{framework.Annotation("dir", "..")}},
+		{claim: "up-etc", refusal: refuseSlash, opts: []framework.ClaimOption{framework.Annotation("dir", "../../etc")}},
+		{claim: "abs-etc", refusal: refuseSlash, opts: []framework.ClaimOption{framework.Annotation("dir", "/etc")}},
+		{claim: "slash", refusal: refuseSlash, opts: []framework.ClaimOption{framework.Annotation("dir", "a/b")}},
+		{claim: "trailing-slash", refusal: refuseSlash, opts: []framework.ClaimOption{framework.Annotation("dir", "sentinel/")}},
+		{claim: "nul", refusal: refuseSlash, opts: []framework.ClaimOption{framework.Annotation("dir", "x\x00y")}},
+		{claim: "nul-only", refusal: refuseSlash, opts: []framework.ClaimOption{framework.Annotation("dir", "\x00")}},
+		{claim: "long", refusal: refuseLong, opts: []framework.ClaimOption{framework.Annotation("dir", strings.Repeat("L", 300))}},
+		{claim: "dot", refusal: refuseName, opts: []framework.ClaimOption{framework.Annotation("dir", ".")}},
+		{claim: "empty", refusal: refuseName, opts: []framework.ClaimOption{framework.Annotation("dir", "")}},
+		{claim: "newline", refusal: refuseSlash, opts: []framework.ClaimOption{framework.Annotation("dir", "a\nb")}},
+		{claim: "tab", refusal: refuseSlash, opts: []framework.ClaimOption{framework.Annotation("dir", "\t")}},
+		{claim: "escape", refusal: refuseSlash, opts: []framework.ClaimOption{framework.Annotation("dir", "\x1b[2Jx")}},
+		{claim: "del", refusal: refuseSlash, opts: []framework.ClaimOption{framework.Annotation("dir", "x\x7f")}},
+		{claim: "c1-control", refusal: refuseSlash, opts: []framework.ClaimOption{framework.Annotation("dir", "x\u0085")}},
 		// Invalid UTF-8 reaches the API server as U+FFFD (JSON), which dirpv refuses too.
-		{claim: "bad-utf8", refusal: refuseSlash, opts: []claimOpt{withAnnotation("dir", "x\xff")}},
+		{claim: "bad-utf8", refusal: refuseSlash, opts: []framework.ClaimOption{framework.Annotation("dir", "x\xff")}},
 		{claim: "no-annotation", refusal: refuseNoKey},
 		// Look-alikes of "/" and "..": ordinary characters to the kernel, so they are names.
-		{claim: "division-slash", dir: "\u2215etc", opts: []claimOpt{withAnnotation("dir", "\u2215etc")}},
-		{claim: "fullwidth-dots", dir: "\uff0e\uff0e", opts: []claimOpt{withAnnotation("dir", "\uff0e\uff0e")}},
-		{claim: "one-dot-leaders", dir: "\u2024\u2024", opts: []claimOpt{withAnnotation("dir", "\u2024\u2024")}},
-		{claim: "three-dots", dir: "...", opts: []claimOpt{withAnnotation("dir", "...")}},
-		{claim: "255-bytes", dir: strings.Repeat("M", 255), opts: []claimOpt{withAnnotation("dir", strings.Repeat("M", 255))}},
+		{claim: "division-slash", dir: "\u2215etc", opts: []framework.ClaimOption{framework.Annotation("dir", "\u2215etc")}},
+		{claim: "fullwidth-dots", dir: "\uff0e\uff0e", opts: []framework.ClaimOption{framework.Annotation("dir", "\uff0e\uff0e")}},
+		{claim: "one-dot-leaders", dir: "\u2024\u2024", opts: []framework.ClaimOption{framework.Annotation("dir", "\u2024\u2024")}},
+		{claim: "three-dots", dir: "...", opts: []framework.ClaimOption{framework.Annotation("dir", "...")}},
+		{claim: "255-bytes", dir: strings.Repeat("M", 255), opts: []framework.ClaimOption{framework.Annotation("dir", strings.Repeat("M", 255))}},
 		// Labels: the API server allows an empty value, which makes the component empty only
 		// when the label is the whole component; here it is "<name>-", a harmless name.
-		{claim: "label-empty", class: byLabel.Name, dir: "label-empty-", opts: []claimOpt{withLabel("team", "")}},
+		{claim: "label-empty", class: byLabel.Name, dir: "label-empty-", opts: []framework.ClaimOption{withLabel("team", "")}},
 		{claim: "label-missing", class: byLabel.Name, refusal: refuseNoKey},
 	}
 
@@ -191,8 +182,8 @@ func TestHostileMetadataValues(t *testing.T) {
 		if a.class == "" {
 			a.class = byAnn.Name
 		}
-		opts := append([]claimOpt{onNode(nodeA)}, a.opts...)
-		_, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), newClaim(ns, a.claim, a.class, opts...), metav1.CreateOptions{})
+		opts := append([]framework.ClaimOption{framework.OnNode(nodeA)}, a.opts...)
+		_, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), framework.NewClaim(ns, a.claim, a.class, opts...), metav1.CreateOptions{})
 		if err != nil {
 			// The API server may refuse some values itself; that is a refusal too.
 			t.Logf("attack %s: the API server refused the claim: %v", a.claim, err)
@@ -205,24 +196,24 @@ func TestHostileMetadataValues(t *testing.T) {
 	}
 	// Values the API server must refuse: a label value that is a path.
 	for _, bad := range []string{"..", "../etc", "a/b", "."} {
-		_, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(),
-			newClaim(ns, "label-bad", byLabel.Name, onNode(nodeA), withLabel("team", bad)), metav1.CreateOptions{})
+		_, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(),
+			framework.NewClaim(ns, "label-bad", byLabel.Name, framework.OnNode(nodeA), withLabel("team", bad)), metav1.CreateOptions{})
 		if err == nil {
 			t.Errorf("API server accepted label value %q; dirpv would see it", bad)
-			client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), "label-bad", metav1.DeleteOptions{})
+			suite.Client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), "label-bad", metav1.DeleteOptions{})
 		}
 	}
 	// Claim names are DNS subdomains: the API server refuses path-like ones.
 	for _, bad := range []string{"..", ".", "a/b", ".etc"} {
-		if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(),
-			newClaim(ns, bad, byLabel.Name, onNode(nodeA), withLabel("team", "x")), metav1.CreateOptions{}); err == nil {
+		if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(),
+			framework.NewClaim(ns, bad, byLabel.Name, framework.OnNode(nodeA), withLabel("team", "x")), metav1.CreateOptions{}); err == nil {
 			t.Errorf("API server accepted claim name %q", bad)
 		}
 	}
 
 	for _, a := range created {
 		if a.refusal != "" {
-			ev, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", a.claim, "ProvisioningFailed", a.refusal, timeout)
+			ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", a.claim, "ProvisioningFailed", a.refusal, timeout)
 			if err != nil {
 				t.Errorf("attack %s: %v", a.claim, err)
 				continue
@@ -272,22 +263,22 @@ func TestHostileMetadataValues(t *testing.T) {
 // Two claims that expand to the same directory: the second is refused with an event naming
 // the clash and never gets a PV; the first's data is untouched.
 func TestHostileCollidingClaims(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	layout := newHostileLayout(t)
 	before := layout.outside(t)
-	class := createClass(t, "hostile-collide", map[string]string{
+	class := suite.CreateClass(t, "hostile-collide", map[string]string{
 		"backend": "local", "basePath": layout.base, "pathPattern": "${pvc.metadata.annotations['dir']}",
 	})
 
 	t.Run("sequential", func(t *testing.T) {
-		createClaim(t, ns, "owner", class.Name, onNode(nodeA), withAnnotation("dir", "shared"))
+		suite.CreateClaim(t, ns, "owner", class.Name, framework.OnNode(nodeA), framework.Annotation("dir", "shared"))
 		_, pv := waitBound(t, ns, "owner")
 		secret := filepath.Join(layout.base, "shared", "secret")
 		if err := os.WriteFile(secret, []byte("owner's data"), 0o600); err != nil {
 			t.Fatal(err)
 		}
-		createClaim(t, ns, "thief", class.Name, onNode(nodeA), withAnnotation("dir", "shared"))
-		if _, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "thief", "ProvisioningFailed",
+		suite.CreateClaim(t, ns, "thief", class.Name, framework.OnNode(nodeA), framework.Annotation("dir", "shared"))
+		if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "thief", "ProvisioningFailed",
 			"directory shared already exists", timeout); err != nil {
 			t.Fatal(err)
 		}
@@ -304,13 +295,13 @@ func TestHostileCollidingClaims(t *testing.T) {
 		// Created back to back, provisioned by concurrent workers: mkdir decides, exactly one wins.
 		names := []string{"race-1", "race-2", "race-3", "race-4"}
 		for _, n := range names {
-			createClaim(t, ns, n, class.Name, onNode(nodeA), withAnnotation("dir", "contested"))
+			suite.CreateClaim(t, ns, n, class.Name, framework.OnNode(nodeA), framework.Annotation("dir", "contested"))
 		}
 		var bound, refused []string
 		err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
 			bound, refused = nil, nil
 			for _, n := range names {
-				c, err := client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, n, metav1.GetOptions{})
+				c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, n, metav1.GetOptions{})
 				if err != nil {
 					return false, err
 				}
@@ -339,11 +330,11 @@ func TestHostileCollidingClaims(t *testing.T) {
 	t.Run("left-from-earlier-pv", func(t *testing.T) {
 		// onDelete retain leaves the directory after its PV; a new claim of the same name, in
 		// a pattern without ${pv.metadata.name}, must not inherit it.
-		retain := createClass(t, "hostile-retain", map[string]string{
+		retain := suite.CreateClass(t, "hostile-retain", map[string]string{
 			"backend": "local", "basePath": layout.base, "onDelete": "retain",
 			"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}",
 		})
-		createClaim(t, ns, "reused", retain.Name, onNode(nodeA))
+		suite.CreateClaim(t, ns, "reused", retain.Name, framework.OnNode(nodeA))
 		_, pv := waitBound(t, ns, "reused")
 		dir := filepath.Join(layout.base, pv.Spec.CSI.VolumeAttributes["path"])
 		if err := os.WriteFile(filepath.Join(dir, "previous-tenant"), []byte("old data"), 0o600); err != nil {
@@ -351,8 +342,8 @@ func TestHostileCollidingClaims(t *testing.T) {
 		}
 		deleteClaim(t, ns, "reused")
 		waitPVGone(t, pv.Name)
-		createClaim(t, ns, "reused", retain.Name, onNode(nodeA))
-		if _, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "reused", "ProvisioningFailed",
+		suite.CreateClaim(t, ns, "reused", retain.Name, framework.OnNode(nodeA))
+		if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "reused", "ProvisioningFailed",
 			"already exists", timeout); err != nil {
 			t.Fatal(err)
 		}
@@ -372,15 +363,15 @@ func TestHostileCollidingClaims(t *testing.T) {
 func TestHostileDeleteStaysAtTheLeaf(t *testing.T) {
 	for _, onDelete := range []string{"delete", "archive"} {
 		t.Run(onDelete, func(t *testing.T) {
-			ns := newNamespace(t)
+			ns := suite.NewNamespace(t)
 			layout := newHostileLayout(t)
 			before := layout.outside(t)
-			class := createClass(t, "hostile-nested-"+onDelete, map[string]string{
+			class := suite.CreateClass(t, "hostile-nested-"+onDelete, map[string]string{
 				"backend": "local", "basePath": layout.base, "onDelete": onDelete,
 				"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}",
 			})
-			createClaim(t, ns, "gone", class.Name, onNode(nodeA))
-			createClaim(t, ns, "sibling", class.Name, onNode(nodeA))
+			suite.CreateClaim(t, ns, "gone", class.Name, framework.OnNode(nodeA))
+			suite.CreateClaim(t, ns, "sibling", class.Name, framework.OnNode(nodeA))
 			_, gonePV := waitBound(t, ns, "gone")
 			_, sibPV := waitBound(t, ns, "sibling")
 			if p := gonePV.Spec.CSI.VolumeAttributes["path"]; p != ns+"/gone" {
@@ -447,7 +438,7 @@ func TestHostileDeleteStaysAtTheLeaf(t *testing.T) {
 // PVs. dirpv uses no credentials; the CSI logging interceptor logs selected fields only.
 func TestHostileSecretsNeverLogged(t *testing.T) {
 	const canary = "canary-hunter2-9f1c"
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	layout := newHostileLayout(t)
 	if err := os.Mkdir(filepath.Join(layout.base, "vol"), 0o777); err != nil {
 		t.Fatal(err)
@@ -487,18 +478,18 @@ func TestHostileSecretsNeverLogged(t *testing.T) {
 		}
 	}
 	// A class with a secret-looking parameter is refused by name, never by value.
-	class := createClass(t, "hostile-secret-param", map[string]string{
+	class := suite.CreateClass(t, "hostile-secret-param", map[string]string{
 		"backend": "local", "basePath": layout.base, "nfsPassword": canary,
 	})
-	createClaim(t, ns, "c", class.Name, onNode(nodeA))
-	ev, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "nfsPassword", timeout)
+	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
+	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "nfsPassword", timeout)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if strings.Contains(ev.Message, canary) {
 		t.Errorf("event carries the parameter's value: %s", ev.Message)
 	}
-	evs, err := client.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{})
+	evs, err := suite.Client.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -507,7 +498,7 @@ func TestHostileSecretsNeverLogged(t *testing.T) {
 			t.Errorf("event %s: %s", e.Reason, e.Message)
 		}
 	}
-	pvs, err := client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
+	pvs, err := suite.Client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -535,21 +526,21 @@ func TestHostileSecretsNeverLogged(t *testing.T) {
 // directory inside the tenant's volume (where the tenant could read it, and its deletion
 // would delete it). The reverse order, the team directory first, refuses the shallow claim.
 func TestHostileVolumeInsideAnotherVolume(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	layout := newHostileLayout(t)
 	before := layout.outside(t)
-	shallow := createClass(t, "hostile-shallow", map[string]string{
+	shallow := suite.CreateClass(t, "hostile-shallow", map[string]string{
 		"backend": "local", "basePath": layout.base, "pathPattern": "${pvc.metadata.annotations['dir']}",
 	})
-	deep := createClass(t, "hostile-deep", map[string]string{
+	deep := suite.CreateClass(t, "hostile-deep", map[string]string{
 		"backend": "local", "basePath": layout.base,
 		"pathPattern": "${pvc.metadata.labels['team']}/${pvc.metadata.namespace}-${pvc.metadata.name}-${pv.metadata.name}",
 	})
 
-	createClaim(t, ns, "squatter", shallow.Name, onNode(nodeA), withAnnotation("dir", "finance"))
+	suite.CreateClaim(t, ns, "squatter", shallow.Name, framework.OnNode(nodeA), framework.Annotation("dir", "finance"))
 	waitBound(t, ns, "squatter")
-	createClaim(t, ns, "victim", deep.Name, onNode(nodeA), withLabel("team", "finance"))
-	ev, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "victim", "ProvisioningFailed",
+	suite.CreateClaim(t, ns, "victim", deep.Name, framework.OnNode(nodeA), withLabel("team", "finance"))
+	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "victim", "ProvisioningFailed",
 		"another volume's directory", timeout)
 	if err != nil {
 		t.Fatal(err)
@@ -561,10 +552,10 @@ func TestHostileVolumeInsideAnotherVolume(t *testing.T) {
 	}
 
 	// The other order: the deep class's team directory exists, the shallow claim is refused.
-	createClaim(t, ns, "ops-member", deep.Name, onNode(nodeA), withLabel("team", "ops"))
+	suite.CreateClaim(t, ns, "ops-member", deep.Name, framework.OnNode(nodeA), withLabel("team", "ops"))
 	_, pv := waitBound(t, ns, "ops-member")
-	createClaim(t, ns, "ops-squatter", shallow.Name, onNode(nodeA), withAnnotation("dir", "ops"))
-	if _, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "ops-squatter", "ProvisioningFailed",
+	suite.CreateClaim(t, ns, "ops-squatter", shallow.Name, framework.OnNode(nodeA), framework.Annotation("dir", "ops"))
+	if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "ops-squatter", "ProvisioningFailed",
 		"directory ops already exists", timeout); err != nil {
 		t.Fatal(err)
 	}

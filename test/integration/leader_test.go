@@ -29,9 +29,9 @@ func acquisitions(p *framework.Process) int {
 func startStandby(t *testing.T) (*framework.Process, string) {
 	t.Helper()
 	workDir := filepath.Join(t.TempDir(), "controller")
-	standby, err := framework.StartDirpv(context.Background(), dirpvBin, "controller-standby", logDir, "controller",
-		"--kubeconfig", testCluster.Kubeconfig, "--v=2", "--operation-timeout=10s",
-		"--work-dir", workDir, "--nfs-mount-helper", mountHelper,
+	standby, err := suite.StartDirpv(context.Background(), "controller-standby", "controller",
+		"--v=2", "--operation-timeout=10s",
+		"--work-dir", workDir, "--nfs-mount-helper", suite.MountHelper,
 		"--leader-election=true", "--leader-election-namespace=kube-system",
 		// client-go waits 1 to 2.2 retry periods between attempts to acquire: 1 s keeps a
 		// handover well inside the few seconds TestControllerRolloutHandsOverAtOnce allows.
@@ -88,27 +88,27 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 	standby, workDir := startStandby(t)
 	leader := ctrlProc
 
-	ns := newNamespace(t)
-	class := nfsClass(t, nfsServer, []string{"actimeo=2"}, nil)
+	ns := suite.NewNamespace(t)
+	class := nfsClass(t, suite.NFS, []string{"actimeo=2"}, nil)
 	const n = 50
 	held := []string{"c-00", "c-01", "c-02"}
 	lift := blockPVsOf(t, ns, held)
 	for i := 0; i < n; i++ {
-		createClaim(t, ns, fmt.Sprintf("c-%02d", i), class.Name, accessModes(v1.ReadWriteMany))
+		suite.CreateClaim(t, ns, fmt.Sprintf("c-%02d", i), class.Name, framework.AccessModes(v1.ReadWriteMany))
 	}
 	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		bound, _, err := framework.BoundClaims(ctx, client, ns)
+		bound, _, err := framework.BoundClaims(ctx, suite.Client, ns)
 		if err != nil {
 			return false, err
 		}
-		made := dirsOf(ns, held, claimsOnServer(t, nfsServer, ns))
+		made := dirsOf(ns, held, claimsOnServer(t, suite.NFS, ns))
 		return bound >= 5 && len(made) == len(held), fmt.Errorf("%d claims Bound, held claims' directories %v", bound, made)
 	})
 	if err != nil {
 		t.Fatalf("%v\n--- leader log tail:\n%s", err, leader.Tail(3000))
 	}
 	leader.Kill()
-	snap, err := framework.TakeKillSnapshot(ctx, client, ns, nfsServer.ExportDir, func(name string) bool {
+	snap, err := framework.TakeKillSnapshot(ctx, suite.Client, ns, suite.NFS.ExportDir, func(name string) bool {
 		return strings.HasPrefix(name, ns+"-")
 	})
 	if err != nil {
@@ -123,11 +123,11 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
 	}
 
-	err = framework.WaitForClaimsBound(ctx, client, ns, n, 3*time.Minute)
+	err = framework.WaitForClaimsBound(ctx, suite.Client, ns, n, 3*time.Minute)
 	if err != nil {
 		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
 	}
-	problems, err := framework.CheckOnePVPerClaim(ctx, client, ns, claimsOnServer(t, nfsServer, ns))
+	problems, err := framework.CheckOnePVPerClaim(ctx, suite.Client, ns, claimsOnServer(t, suite.NFS, ns))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -165,10 +165,10 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ns := newNamespace(t)
-	class := nfsClass(t, nfsServer, []string{"actimeo=3"}, nil)
+	ns := suite.NewNamespace(t)
+	class := nfsClass(t, suite.NFS, []string{"actimeo=3"}, nil)
 	// A bound claim first, so that the leader holds an NFS mount to release.
-	createClaim(t, ns, "before", class.Name, accessModes(v1.ReadWriteMany))
+	suite.CreateClaim(t, ns, "before", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	waitBound(t, ns, "before")
 	if m, _ := framework.MountsUnder(leaderWorkDir); len(m) <= len(leftOver) {
 		t.Fatalf("the leader holds no new NFS mount under %s after provisioning: %v", leaderWorkDir, m)
@@ -179,7 +179,7 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	leader.Terminate()
 	const during = 10
 	for i := 0; i < during; i++ {
-		createClaim(t, ns, fmt.Sprintf("during-%02d", i), class.Name, accessModes(v1.ReadWriteMany))
+		suite.CreateClaim(t, ns, fmt.Sprintf("during-%02d", i), class.Name, framework.AccessModes(v1.ReadWriteMany))
 	}
 	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
 		return acquisitions(standby) > before, fmt.Errorf("the standby has not taken the lease")
@@ -210,7 +210,7 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	if left := slices.DeleteFunc(after, func(m string) bool { return slices.Contains(leftOver, m) }); len(left) != 0 {
 		t.Errorf("the stopped leader left NFS mounts behind: %v", left)
 	}
-	if err := framework.WaitForClaimsBound(ctx, client, ns, during+1, 2*time.Minute); err != nil {
+	if err := framework.WaitForClaimsBound(ctx, suite.Client, ns, during+1, 2*time.Minute); err != nil {
 		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
 	}
 	// The new leader's own metrics show the work it took over.

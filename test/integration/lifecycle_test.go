@@ -32,7 +32,7 @@ type lifecycleBackend struct {
 	// class creates a class with the given onDelete and returns it with the directory holding
 	// its volumes.
 	class func(t *testing.T, onDelete string) (className, dir string)
-	claim []claimOpt
+	claim []framework.ClaimOption
 }
 
 func lifecycleBackends() []lifecycleBackend {
@@ -43,15 +43,15 @@ func lifecycleBackends() []lifecycleBackend {
 				c, base := localClass(t, map[string]string{"onDelete": onDelete})
 				return c.Name, base
 			},
-			claim: []claimOpt{onNode(nodeA)},
+			claim: []framework.ClaimOption{framework.OnNode(nodeA)},
 		},
 		{
 			name: "nfs",
 			class: func(t *testing.T, onDelete string) (string, string) {
-				c := nfsClass(t, nfsServer, []string{"nolock"}, map[string]string{"onDelete": onDelete})
-				return c.Name, nfsServer.ExportDir
+				c := nfsClass(t, suite.NFS, []string{"nolock"}, map[string]string{"onDelete": onDelete})
+				return c.Name, suite.NFS.ExportDir
 			},
-			claim: []claimOpt{accessModes(v1.ReadWriteMany)},
+			claim: []framework.ClaimOption{framework.AccessModes(v1.ReadWriteMany)},
 		},
 	}
 }
@@ -71,9 +71,9 @@ func TestDeletionOrderRunsOnDelete(t *testing.T) {
 		} {
 			t.Run(b.name+"/"+tc.name, func(t *testing.T) {
 				ctx := context.Background()
-				ns := newNamespace(t)
+				ns := suite.NewNamespace(t)
 				class, dir := b.class(t, tc.onDelete)
-				createClaim(t, ns, "c", class, b.claim...)
+				suite.CreateClaim(t, ns, "c", class, b.claim...)
 				_, pv := waitBound(t, ns, "c")
 				rel := pv.Spec.CSI.VolumeAttributes["path"]
 				volDir := filepath.Join(dir, rel)
@@ -85,13 +85,13 @@ func TestDeletionOrderRunsOnDelete(t *testing.T) {
 				}
 
 				if tc.pvFirst {
-					if err := client.CoreV1().PersistentVolumes().Delete(ctx, pv.Name, metav1.DeleteOptions{}); err != nil {
+					if err := suite.Client.CoreV1().PersistentVolumes().Delete(ctx, pv.Name, metav1.DeleteOptions{}); err != nil {
 						t.Fatal(err)
 					}
 					// The PV is marked for deletion but stays while its claim is bound, and
 					// nothing happens to the data yet.
 					err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-						got, err := client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
+						got, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
 						if err != nil {
 							return false, err
 						}
@@ -106,7 +106,7 @@ func TestDeletionOrderRunsOnDelete(t *testing.T) {
 				}
 				deleteClaim(t, ns, "c")
 				// Only NotFound counts, and the PV's events say why on failure.
-				nfsWaitPVGone(t, pv.Name)
+				waitPVGone(t, pv.Name)
 
 				_, err := os.Stat(volDir)
 				switch tc.onDelete {
@@ -128,7 +128,7 @@ func TestDeletionOrderRunsOnDelete(t *testing.T) {
 // repeats of one event into its count).
 func claimEventCount(ctx context.Context, ns, claim, reason string) (int32, error) {
 	sel := fields.Set{"involvedObject.kind": "PersistentVolumeClaim", "involvedObject.name": claim}.AsSelector().String()
-	evs, err := client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: sel})
+	evs, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: sel})
 	if err != nil {
 		return 0, err
 	}
@@ -145,10 +145,10 @@ func claimEventCount(ctx context.Context, ns, claim, reason string) (int32, erro
 // not every few seconds. Before, the lib retried after 15 s, 30 s, ... with an event each.
 func TestRefusedClaimIsNotRetriedHot(t *testing.T) {
 	ctx := context.Background()
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, map[string]string{"bsaePath": "/tmp"})
-	createClaim(t, ns, "c", class.Name, onNode(nodeA))
-	ev, err := framework.WaitForEvent(ctx, client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "unknown StorageClass parameters", timeout)
+	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
+	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "unknown StorageClass parameters", timeout)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -168,7 +168,7 @@ func TestRefusedClaimIsNotRetriedHot(t *testing.T) {
 				t.Fatal(err)
 			}
 			if n > 1 {
-				t.Fatalf("%d %s events within %s of the first: the refusal is retried hot\n%s", n, reason, window, eventsOf(ns, "PersistentVolumeClaim", "c"))
+				t.Fatalf("%d %s events within %s of the first: the refusal is retried hot\n%s", n, reason, window, framework.EventsOf(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c"))
 			}
 		}
 		time.Sleep(time.Second)
@@ -182,7 +182,7 @@ func TestRefusedClaimIsNotRetriedHot(t *testing.T) {
 // and hands the claim back to the scheduler by removing its selected node.
 func TestReadOnlyBaseReschedules(t *testing.T) {
 	ctx := context.Background()
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
 	if err := os.MkdirAll(base, 0o755); err != nil {
 		t.Fatal(err)
@@ -200,8 +200,8 @@ func TestReadOnlyBaseReschedules(t *testing.T) {
 		t.Fatalf("remount %s read-only: %v", base, err)
 	}
 
-	createClaim(t, ns, "c", class.Name, onNode(nodeA))
-	ev, err := framework.WaitForEvent(ctx, client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "node "+nodeA+" cannot hold the volume", timeout)
+	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
+	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "node "+nodeA+" cannot hold the volume", timeout)
 	if err != nil {
 		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
 	}
@@ -209,7 +209,7 @@ func TestReadOnlyBaseReschedules(t *testing.T) {
 		t.Errorf("event %q does not say what failed", ev.Message)
 	}
 	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		c, err := client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "c", metav1.GetOptions{})
+		c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "c", metav1.GetOptions{})
 		if err != nil {
 			return false, err
 		}
@@ -225,11 +225,11 @@ func TestReadOnlyBaseReschedules(t *testing.T) {
 // controller that names the node; one placed on node-a, which runs one, does not.
 func TestNodeWithoutPluginIsReported(t *testing.T) {
 	ctx := context.Background()
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, _ := localClass(t, nil)
-	createClaim(t, ns, "here", class.Name, onNode(nodeA))
-	createClaim(t, ns, "elsewhere", class.Name, onNode(nodeC))
-	ev, err := framework.WaitForEvent(ctx, client, ns, "PersistentVolumeClaim", "elsewhere", "NodePluginMissing", "node "+nodeC+" runs no dirpv.io node plugin", timeout)
+	suite.CreateClaim(t, ns, "here", class.Name, framework.OnNode(nodeA))
+	suite.CreateClaim(t, ns, "elsewhere", class.Name, framework.OnNode(nodeC))
+	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "elsewhere", "NodePluginMissing", "node "+nodeC+" runs no dirpv.io node plugin", timeout)
 	if err != nil {
 		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(3000))
 	}
@@ -238,7 +238,7 @@ func TestNodeWithoutPluginIsReported(t *testing.T) {
 	if n, err := claimEventCount(ctx, ns, "here", "NodePluginMissing"); err != nil || n != 0 {
 		t.Errorf("claim on node-a, which runs the plugin: %d NodePluginMissing events (%v)", n, err)
 	}
-	c, err := client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "elsewhere", metav1.GetOptions{})
+	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "elsewhere", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}

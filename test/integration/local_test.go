@@ -17,9 +17,9 @@ import (
 // A user creates a claim and a pod; the real scheduler picks node-a, dirpv's node-a instance
 // creates the directory there with the class's mode and owner, and the claim binds.
 func TestLocalClaimBindsOnScheduledNode(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, map[string]string{"mode": "2770", "uid": "1001", "gid": "2002"})
-	createClaim(t, ns, "data", class.Name)
+	suite.CreateClaim(t, ns, "data", class.Name)
 	createPod(t, ns, "app", "data", nodeA)
 	pvc, pv := waitBound(t, ns, "data")
 
@@ -62,26 +62,26 @@ func TestOnDeleteAndReclaimPolicy(t *testing.T) {
 		{"reclaim-retain", "delete", true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			ns := newNamespace(t)
-			var opts []classOpt
+			ns := suite.NewNamespace(t)
+			var opts []framework.ClassOption
 			if tc.retain {
-				opts = append(opts, reclaimRetain)
+				opts = append(opts, framework.ReclaimRetain)
 			}
 			class, base := localClass(t, map[string]string{"onDelete": tc.onDelete}, opts...)
-			createClaim(t, ns, "c", class.Name, onNode(nodeA))
+			suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
 			_, pv := waitBound(t, ns, "c")
 			rel := pv.Spec.CSI.VolumeAttributes["path"]
 			deleteClaim(t, ns, "c")
 			if tc.retain {
 				// Kubernetes keeps the PV (Released) and never asks dirpv to delete anything.
 				err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-					pv, err := client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
+					pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
 					return err == nil && pv.Status.Phase == v1.VolumeReleased, err
 				})
 				if err != nil {
 					t.Fatal(err)
 				}
-				client.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{})
+				suite.Client.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{})
 			} else {
 				waitPVGone(t, pv.Name)
 			}
@@ -109,34 +109,34 @@ func TestRejectionsAreEventsAndTouchNothing(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
 		params map[string]string
-		class  []classOpt
-		claim  []claimOpt
+		class  []framework.ClassOption
+		claim  []framework.ClaimOption
 		want   string
 	}{
 		{name: "unknown-parameter", params: map[string]string{"basepath": "/tmp"}, want: "unknown StorageClass parameters"},
 		{name: "bad-template", params: map[string]string{"pathPattern": "${pvc.uid}"}, want: "unknown variable"},
 		{name: "template-outside-base", params: map[string]string{"pathPattern": "../${pvc.metadata.name}"}, want: "component"},
 		{name: "escaping-annotation", params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"},
-			claim: []claimOpt{func(c *v1.PersistentVolumeClaim) { c.Annotations["dir"] = "../../etc" }}, want: "may not appear"},
+			claim: []framework.ClaimOption{func(c *v1.PersistentVolumeClaim) { c.Annotations["dir"] = "../../etc" }}, want: "may not appear"},
 		{name: "unknown-ondelete", params: map[string]string{"onDelete": "shred"}, want: "onDelete"},
-		{name: "block-mode", claim: []claimOpt{func(c *v1.PersistentVolumeClaim) {
+		{name: "block-mode", claim: []framework.ClaimOption{func(c *v1.PersistentVolumeClaim) {
 			b := v1.PersistentVolumeBlock
 			c.Spec.VolumeMode = &b
 		}}, want: "block volume"},
-		{name: "rwx-on-local", claim: []claimOpt{accessModes(v1.ReadWriteMany)}, want: "ReadWriteMany"},
-		{name: "immediate-local", class: []classOpt{immediate}, want: "WaitForFirstConsumer"},
+		{name: "rwx-on-local", claim: []framework.ClaimOption{framework.AccessModes(v1.ReadWriteMany)}, want: "ReadWriteMany"},
+		{name: "immediate-local", class: []framework.ClassOption{framework.Immediate}, want: "WaitForFirstConsumer"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			ns := newNamespace(t)
+			ns := suite.NewNamespace(t)
 			class, base := localClass(t, tc.params, tc.class...)
-			opts := append([]claimOpt{}, tc.claim...)
+			opts := append([]framework.ClaimOption{}, tc.claim...)
 			if class.VolumeBindingMode != nil {
-				opts = append([]claimOpt{onNode(nodeA)}, opts...)
+				opts = append([]framework.ClaimOption{framework.OnNode(nodeA)}, opts...)
 			} else {
-				opts = append([]claimOpt{func(c *v1.PersistentVolumeClaim) { c.Annotations = map[string]string{} }}, opts...)
+				opts = append([]framework.ClaimOption{func(c *v1.PersistentVolumeClaim) { c.Annotations = map[string]string{} }}, opts...)
 			}
-			createClaim(t, ns, "c", class.Name, opts...)
-			if _, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", tc.want, timeout); err != nil {
+			suite.CreateClaim(t, ns, "c", class.Name, opts...)
+			if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", tc.want, timeout); err != nil {
 				t.Fatal(err)
 			}
 			if got := entries(t, base); len(got) != 0 {
@@ -147,33 +147,33 @@ func TestRejectionsAreEventsAndTouchNothing(t *testing.T) {
 }
 
 func TestNFSClassWithoutServerIsRefused(t *testing.T) {
-	ns := newNamespace(t)
-	class := createClass(t, "nfs-no-server", map[string]string{"backend": "nfs", "share": "/export"}, immediate)
-	createClaim(t, ns, "c", class.Name, accessModes(v1.ReadWriteMany))
-	if _, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "server and share", timeout); err != nil {
+	ns := suite.NewNamespace(t)
+	class := suite.CreateClass(t, "nfs-no-server", map[string]string{"backend": "nfs", "share": "/export"}, framework.Immediate)
+	suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
+	if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "server and share", timeout); err != nil {
 		t.Fatal(err)
 	}
 }
 
 // A claim placed on a node without a dirpv instance is left alone by node-a's instance.
 func TestOtherNodesClaimIsLeftAlone(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
-	createClaim(t, ns, "elsewhere", class.Name)
+	suite.CreateClaim(t, ns, "elsewhere", class.Name)
 	createPod(t, ns, "elsewhere", "elsewhere", nodeC)
-	createClaim(t, ns, "here", class.Name)
+	suite.CreateClaim(t, ns, "here", class.Name)
 	createPod(t, ns, "here", "here", nodeA)
 	// Both claims were created before either was placed; once node-a's is bound, node-a's
 	// instance has seen node-c's claim too.
 	_, pv := waitBound(t, ns, "here")
 	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-		c, err := client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "elsewhere", metav1.GetOptions{})
+		c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "elsewhere", metav1.GetOptions{})
 		return err == nil && c.Annotations["volume.kubernetes.io/selected-node"] == nodeC, err
 	})
 	if err != nil {
 		t.Fatal("node-c's claim was never placed:", err)
 	}
-	c, err := client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "elsewhere", metav1.GetOptions{})
+	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "elsewhere", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -21,7 +21,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -29,8 +28,6 @@ import (
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/mount-utils"
 
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/test/nfs"
@@ -52,24 +49,24 @@ func nfsClassName(t *testing.T) string {
 // nfsClass creates an Immediate StorageClass for srv's export. Its mountOptions are srv's
 // port options (the portmapper only knows the last server started) followed by extra; tests
 // pass distinct extra options so that their class gets its own controller mount.
-func nfsClass(t *testing.T, srv *nfs.Server, extra []string, params map[string]string, opts ...classOpt) *storagev1.StorageClass {
+func nfsClass(t *testing.T, srv *nfs.Server, extra []string, params map[string]string, opts ...framework.ClassOption) *storagev1.StorageClass {
 	t.Helper()
 	p := map[string]string{"backend": "nfs", "server": srv.Addr, "share": srv.Share}
 	maps.Copy(p, params)
 	mo := append(srv.MountOptions(), extra...)
-	opts = append([]classOpt{immediate, func(c *storagev1.StorageClass) { c.MountOptions = mo }}, opts...)
-	return createClass(t, nfsClassName(t), p, opts...)
+	opts = append([]framework.ClassOption{framework.Immediate, func(c *storagev1.StorageClass) { c.MountOptions = mo }}, opts...)
+	return suite.CreateClass(t, nfsClassName(t), p, opts...)
 }
 
 // waitNFSBound is waitBound with the controller's log in the failure message.
 func waitNFSBound(t *testing.T, ns, name string) (*v1.PersistentVolumeClaim, *v1.PersistentVolume) {
 	t.Helper()
 	ctx := context.Background()
-	pvc, err := framework.WaitForPVCBound(ctx, client, ns, name, timeout)
+	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, name, timeout)
 	if err != nil {
 		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(4000))
 	}
-	pv, err := client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatalf("get PV of claim %s/%s: %v", ns, name, err)
 	}
@@ -103,14 +100,13 @@ type nfsMount struct {
 // once each.
 func controllerMountsOf(t *testing.T, srv *nfs.Server, options []string) []nfsMount {
 	t.Helper()
-	work := controllerWorkDir(t)
-	infos, err := mount.ParseMountInfo("/proc/self/mountinfo")
+	infos, err := framework.MountInfosUnder(controllerWorkDir(t))
 	if err != nil {
-		t.Fatalf("read mount table: %v", err)
+		t.Fatal(err)
 	}
 	var out []nfsMount
 	for _, mi := range infos {
-		if mi.FsType != "fuse.nfs" || !strings.HasPrefix(mi.MountPoint, work+"/") {
+		if mi.FsType != "fuse.nfs" {
 			continue
 		}
 		rec, err := nfs.ReadMountRecord(mi.MountPoint)
@@ -137,36 +133,13 @@ func claimsOnServer(t *testing.T, srv *nfs.Server, ns string) []string {
 	return out
 }
 
-// nfsWaitPVGone waits until the PV is deleted, showing the PV's events (VolumeFailedDelete
-// says why) on failure.
-func nfsWaitPVGone(t *testing.T, name string) {
-	t.Helper()
-	if err := framework.WaitForPVDeleted(context.Background(), client, name, timeout); err != nil {
-		t.Fatalf("%v\nevents: %s", err, eventsOf("", "PersistentVolume", name))
-	}
-}
-
-// eventsOf lists an object's events as "reason: message" lines, for failure messages.
-func eventsOf(ns, kind, name string) string {
-	sel := fields.Set{"involvedObject.kind": kind, "involvedObject.name": name}.AsSelector().String()
-	evs, err := client.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{FieldSelector: sel})
-	if err != nil {
-		return err.Error()
-	}
-	var b strings.Builder
-	for _, e := range evs.Items {
-		fmt.Fprintf(&b, "\n  %s (x%d): %s", e.Reason, max(e.Count, 1), e.Message)
-	}
-	return b.String()
-}
-
 // waitClaimEvent waits for a ProvisioningFailed event on the claim mentioning substr; on
 // failure it shows the claim's events and the controller's log.
 func waitClaimEvent(t *testing.T, ns, claim, substr string, within time.Duration) *v1.Event {
 	t.Helper()
-	ev, err := framework.WaitForEvent(context.Background(), client, ns, "PersistentVolumeClaim", claim, "ProvisioningFailed", substr, within)
+	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", claim, "ProvisioningFailed", substr, within)
 	if err != nil {
-		t.Fatalf("%v\nclaim events: %s\n--- controller log tail:\n%s", err, eventsOf(ns, "PersistentVolumeClaim", claim), ctrlProc.Tail(4000))
+		t.Fatalf("%v\nclaim events: %s\n--- controller log tail:\n%s", err, framework.EventsOf(context.Background(), suite.Client, ns, "PersistentVolumeClaim", claim), ctrlProc.Tail(4000))
 	}
 	return ev
 }
@@ -175,15 +148,15 @@ func waitClaimEvent(t *testing.T, ns, claim, substr string, within time.Duration
 // the server with the class's mode and owner, and the PV carries everything needed to mount it
 // on any node.
 func TestNFSClaimBindsRWX(t *testing.T) {
-	ns := newNamespace(t)
-	class := nfsClass(t, nfsServer, []string{"nolock", "actimeo=1"}, map[string]string{"mode": "0750", "uid": "1001", "gid": "2002"})
-	createClaim(t, ns, "shared", class.Name, accessModes(v1.ReadWriteMany))
+	ns := suite.NewNamespace(t)
+	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=1"}, map[string]string{"mode": "0750", "uid": "1001", "gid": "2002"})
+	suite.CreateClaim(t, ns, "shared", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	_, pv := waitNFSBound(t, ns, "shared")
 
 	rel := ns + "-shared-" + pv.Name
 	var st unix.Stat_t
-	if err := unix.Stat(filepath.Join(nfsServer.ExportDir, rel), &st); err != nil {
-		t.Fatalf("volume directory on the server: %v (export holds %v)", err, entries(t, nfsServer.ExportDir))
+	if err := unix.Stat(filepath.Join(suite.NFS.ExportDir, rel), &st); err != nil {
+		t.Fatalf("volume directory on the server: %v (export holds %v)", err, entries(t, suite.NFS.ExportDir))
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFDIR || st.Mode&0o7777 != 0o750 || st.Uid != 1001 || st.Gid != 2002 {
 		t.Errorf("directory on the server: mode %o owner %d:%d, want a directory 0750 1001:2002", st.Mode, st.Uid, st.Gid)
@@ -194,7 +167,7 @@ func TestNFSClaimBindsRWX(t *testing.T) {
 	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != "dirpv.io" {
 		t.Fatalf("PV source = %+v, want CSI dirpv.io", pv.Spec.PersistentVolumeSource)
 	}
-	want := map[string]string{"backend": "nfs", "server": nfsServer.Addr, "share": nfsServer.Share, "path": rel}
+	want := map[string]string{"backend": "nfs", "server": suite.NFS.Addr, "share": suite.NFS.Share, "path": rel}
 	if got := pv.Spec.CSI.VolumeAttributes; !maps.Equal(got, want) {
 		t.Errorf("volume attributes = %v, want %v", got, want)
 	}
@@ -210,25 +183,25 @@ func TestNFSClaimBindsRWX(t *testing.T) {
 func TestNFSOnDelete(t *testing.T) {
 	for _, policy := range []string{"delete", "retain", "archive"} {
 		t.Run(policy, func(t *testing.T) {
-			ns := newNamespace(t)
-			class := nfsClass(t, nfsServer, []string{"nolock"}, map[string]string{"onDelete": policy})
-			createClaim(t, ns, "c", class.Name, accessModes(v1.ReadWriteMany))
+			ns := suite.NewNamespace(t)
+			class := nfsClass(t, suite.NFS, []string{"nolock"}, map[string]string{"onDelete": policy})
+			suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
 			_, pv := waitNFSBound(t, ns, "c")
 			rel := pv.Spec.CSI.VolumeAttributes["path"]
 			// A file inside, so that delete has a tree to remove and archive something to keep.
-			if err := os.WriteFile(filepath.Join(nfsServer.ExportDir, rel, "data"), []byte("keep me?"), 0o644); err != nil {
+			if err := os.WriteFile(filepath.Join(suite.NFS.ExportDir, rel, "data"), []byte("keep me?"), 0o644); err != nil {
 				t.Fatal(err)
 			}
 			deleteClaim(t, ns, "c")
-			nfsWaitPVGone(t, pv.Name)
-			got := claimsOnServer(t, nfsServer, ns)
+			waitPVGone(t, pv.Name)
+			got := claimsOnServer(t, suite.NFS, ns)
 			switch policy {
 			case "delete":
 				if len(got) != 0 {
 					t.Errorf("export after delete holds %v, want nothing of %s", got, ns)
 				}
 				// The tree itself goes in the background, from the trash.
-				trashed := filepath.Join(nfsServer.ExportDir, trashOnServer, pv.Name)
+				trashed := filepath.Join(suite.NFS.ExportDir, trashOnServer, pv.Name)
 				err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
 					_, err := os.Lstat(trashed)
 					return errors.Is(err, os.ErrNotExist), err
@@ -244,7 +217,7 @@ func TestNFSOnDelete(t *testing.T) {
 				if len(got) != 1 || !strings.HasPrefix(got[0], "archived-"+rel+"-") {
 					t.Fatalf("export after archive holds %v, want archived-%s-<time>", got, rel)
 				}
-				if b, err := os.ReadFile(filepath.Join(nfsServer.ExportDir, got[0], "data")); err != nil || string(b) != "keep me?" {
+				if b, err := os.ReadFile(filepath.Join(suite.NFS.ExportDir, got[0], "data")); err != nil || string(b) != "keep me?" {
 					t.Errorf("archived data = %q, %v; want the file kept", b, err)
 				}
 			}
@@ -254,20 +227,20 @@ func TestNFSOnDelete(t *testing.T) {
 
 // The class's mountOptions are what the controller mounts the export with.
 func TestNFSMountOptionsReachControllerMount(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	extra := []string{"nolock", "noatime", "timeo=123", "vers=3"}
-	class := nfsClass(t, nfsServer, extra, nil)
-	createClaim(t, ns, "c", class.Name, accessModes(v1.ReadWriteMany))
+	class := nfsClass(t, suite.NFS, extra, nil)
+	suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	waitNFSBound(t, ns, "c")
 
 	// Idle unmount (5m) is far away, so the mount is still there.
-	mounts := controllerMountsOf(t, nfsServer, class.MountOptions)
+	mounts := controllerMountsOf(t, suite.NFS, class.MountOptions)
 	if len(mounts) != 1 {
-		t.Fatalf("controller mounts of %s with options %q: %d, want 1", nfsServer.Source(""), class.MountOptions, len(mounts))
+		t.Fatalf("controller mounts of %s with options %q: %d, want 1", suite.NFS.Source(""), class.MountOptions, len(mounts))
 	}
 	rec := mounts[0].rec
-	if rec.FSType != "nfs" || rec.Source != nfsServer.Source("") || rec.ReadOnly {
-		t.Errorf("mount record %+v, want a read-write nfs mount of %s", rec, nfsServer.Source(""))
+	if rec.FSType != "nfs" || rec.Source != suite.NFS.Source("") || rec.ReadOnly {
+		t.Errorf("mount record %+v, want a read-write nfs mount of %s", rec, suite.NFS.Source(""))
 	}
 	t.Logf("controller mount %s options %q", mounts[0].dir, rec.Options)
 }
@@ -275,32 +248,18 @@ func TestNFSMountOptionsReachControllerMount(t *testing.T) {
 // Many claims on one class cost one mount of the export, not one each.
 func TestNFSManyClaimsShareOneMount(t *testing.T) {
 	const n = 20
-	ns := newNamespace(t)
-	class := nfsClass(t, nfsServer, []string{"nolock", "actimeo=20"}, nil)
+	ns := suite.NewNamespace(t)
+	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=20"}, nil)
 	start := time.Now()
-	var wg sync.WaitGroup
-	errs := make(chan error, n)
+	createClaims(t, ns, class.Name, n, framework.AccessModes(v1.ReadWriteMany))
 	for i := range n {
-		wg.Go(func() {
-			c := newClaim(ns, fmt.Sprintf("c-%02d", i), class.Name, accessModes(v1.ReadWriteMany))
-			if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
-				errs <- err
-			}
-		})
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
-	for i := range n {
-		waitNFSBound(t, ns, fmt.Sprintf("c-%02d", i))
+		waitNFSBound(t, ns, fmt.Sprintf("c-%03d", i))
 	}
 	t.Logf("%d claims bound in %s", n, time.Since(start).Round(time.Millisecond))
-	if got := claimsOnServer(t, nfsServer, ns); len(got) != n {
+	if got := claimsOnServer(t, suite.NFS, ns); len(got) != n {
 		t.Errorf("export holds %d directories of %s, want %d: %v", len(got), ns, n, got)
 	}
-	if mounts := controllerMountsOf(t, nfsServer, class.MountOptions); len(mounts) != 1 {
+	if mounts := controllerMountsOf(t, suite.NFS, class.MountOptions); len(mounts) != 1 {
 		t.Errorf("controller mounts of the export for this class: %v, want exactly one", mounts)
 	}
 }
@@ -341,29 +300,29 @@ func fillOnServer(t *testing.T, dir string, files int) {
 // the tree is eventually gone from the server.
 func TestNFSLargeDeleteKeepsExportServing(t *testing.T) {
 	const files = 100_000
-	ns := newNamespace(t)
-	class := nfsClass(t, nfsServer, []string{"nolock", "actimeo=2"}, nil)
-	createClaim(t, ns, "big", class.Name, accessModes(v1.ReadWriteMany))
+	ns := suite.NewNamespace(t)
+	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=2"}, nil)
+	suite.CreateClaim(t, ns, "big", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	_, pv := waitNFSBound(t, ns, "big")
 	rel := pv.Spec.CSI.VolumeAttributes["path"]
-	fillOnServer(t, filepath.Join(nfsServer.ExportDir, rel), files)
+	fillOnServer(t, filepath.Join(suite.NFS.ExportDir, rel), files)
 
 	start := time.Now()
 	deleteClaim(t, ns, "big")
-	nfsWaitPVGone(t, pv.Name)
+	waitPVGone(t, pv.Name)
 	pvGone := time.Since(start)
-	if _, err := os.Lstat(filepath.Join(nfsServer.ExportDir, rel)); !errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Lstat(filepath.Join(suite.NFS.ExportDir, rel)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("volume directory on the server after its PV is gone: %v, want it gone from its name", err)
 	}
-	createClaim(t, ns, "meanwhile", class.Name, accessModes(v1.ReadWriteMany))
+	suite.CreateClaim(t, ns, "meanwhile", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	waitNFSBound(t, ns, "meanwhile")
 	bound := time.Since(start)
-	trashed := filepath.Join(nfsServer.ExportDir, trashOnServer, pv.Name)
+	trashed := filepath.Join(suite.NFS.ExportDir, trashOnServer, pv.Name)
 	if _, err := os.Lstat(trashed); err != nil {
 		t.Errorf("%s after the second claim bound: %v; want the tree still being removed, "+
 			"else this test cannot show that the export serves claims meanwhile", trashed, err)
 	}
-	if mounts := controllerMountsOf(t, nfsServer, class.MountOptions); len(mounts) != 1 {
+	if mounts := controllerMountsOf(t, suite.NFS, class.MountOptions); len(mounts) != 1 {
 		t.Errorf("controller mounts of the export while the tree is removed: %d, want the one it had", len(mounts))
 	}
 
@@ -416,7 +375,7 @@ func controllerGoroutines(ctx context.Context) (int, error) {
 // whose export the controller had mounted before the outage (calls fail on the mount), "cold"
 // ones a class it must mount during the outage.
 func TestNFSDeadServer(t *testing.T) {
-	src := regexp.QuoteMeta(volume.ExportSource(nfsServer.Addr, nfsServer.Share))
+	src := regexp.QuoteMeta(volume.ExportSource(suite.NFS.Addr, suite.NFS.Share))
 	// On a mounted export, either the NFS client gives up first (EIO: the test FUSE client has
 	// a 5 s deadline per call, like a soft kernel mount) or dirpv's operation deadline does.
 	// Errors other than dirpv's own deadline name the export ("in NFS export server:share").
@@ -430,16 +389,16 @@ func TestNFSDeadServer(t *testing.T) {
 	}{
 		{
 			name: "killed",
-			down: nfsServer.Kill,
-			up:   func() error { return nfsServer.Resume(context.Background()) },
+			down: suite.NFS.Kill,
+			up:   func() error { return suite.NFS.Resume(context.Background()) },
 			// The mount helper is refused at once, and says so.
 			warmSays: warmSays,
 			coldSays: `(?s)create directory %s-cold-pvc-\S+` + export + `: mount NFS ` + src + ` with options .*connection refused`,
 		},
 		{
 			name: "paused",
-			down: nfsServer.Pause,
-			up:   nfsServer.Unpause,
+			down: suite.NFS.Pause,
+			up:   suite.NFS.Unpause,
 			// The mount hangs until the controller's deadline gives up on it.
 			warmSays: warmSays,
 			coldSays: `create directory %s-cold-pvc-\S+: mount NFS ` + src + `: NFS server did not answer in time`,
@@ -447,14 +406,14 @@ func TestNFSDeadServer(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()
-			ns := newNamespace(t)
-			warm := nfsClass(t, nfsServer, []string{"nolock", "retrans=" + tc.name + "-warm"}, nil)
+			ns := suite.NewNamespace(t)
+			warm := nfsClass(t, suite.NFS, []string{"nolock", "retrans=" + tc.name + "-warm"}, nil)
 			// The cold class's options are unique to this run, so no earlier mount exists.
-			cold := createClass(t, nfsClassName(t)+"-cold", map[string]string{"backend": "nfs", "server": nfsServer.Addr, "share": nfsServer.Share},
-				immediate, func(c *storagev1.StorageClass) {
-					c.MountOptions = append(nfsServer.MountOptions(), "nolock", fmt.Sprintf("retrans=%s-%d", tc.name, time.Now().UnixNano()))
+			cold := suite.CreateClass(t, nfsClassName(t)+"-cold", map[string]string{"backend": "nfs", "server": suite.NFS.Addr, "share": suite.NFS.Share},
+				framework.Immediate, func(c *storagev1.StorageClass) {
+					c.MountOptions = append(suite.NFS.MountOptions(), "nolock", fmt.Sprintf("retrans=%s-%d", tc.name, time.Now().UnixNano()))
 				})
-			createClaim(t, ns, "before", warm.Name, accessModes(v1.ReadWriteMany))
+			suite.CreateClaim(t, ns, "before", warm.Name, framework.AccessModes(v1.ReadWriteMany))
 			waitNFSBound(t, ns, "before")
 			baseline, err := controllerGoroutines(ctx)
 			if err != nil {
@@ -481,8 +440,8 @@ func TestNFSDeadServer(t *testing.T) {
 			})
 
 			down := time.Now()
-			createClaim(t, ns, "warm", warm.Name, accessModes(v1.ReadWriteMany))
-			createClaim(t, ns, "cold", cold.Name, accessModes(v1.ReadWriteMany))
+			suite.CreateClaim(t, ns, "warm", warm.Name, framework.AccessModes(v1.ReadWriteMany))
+			suite.CreateClaim(t, ns, "cold", cold.Name, framework.AccessModes(v1.ReadWriteMany))
 			// Meanwhile, sample the controller's goroutines: abandoned calls must not pile up.
 			peak := baseline
 			sampleDone := make(chan struct{})
@@ -512,7 +471,7 @@ func TestNFSDeadServer(t *testing.T) {
 			}
 			// Let the lib retry once more (every 15s) against the dead server.
 			err = framework.Poll(ctx, time.Minute, func(ctx context.Context) (bool, error) {
-				evs, err := client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "reason=ProvisioningFailed"})
+				evs, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "reason=ProvisioningFailed"})
 				if err != nil {
 					return false, err
 				}
@@ -537,7 +496,7 @@ func TestNFSDeadServer(t *testing.T) {
 				t.Errorf("controller goroutines went from %d to %d while the server was down; abandoned calls pile up", baseline, peak)
 			}
 			for _, c := range []string{"warm", "cold"} {
-				if pvc, err := client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, c, metav1.GetOptions{}); err != nil {
+				if pvc, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, c, metav1.GetOptions{}); err != nil {
 					t.Error(err)
 				} else if pvc.Status.Phase == v1.ClaimBound {
 					t.Errorf("claim %s bound while the server is down", c)
@@ -550,7 +509,7 @@ func TestNFSDeadServer(t *testing.T) {
 				waitNFSBound(t, ns, c)
 			}
 			t.Logf("claims bound %s after the server came back", time.Since(up).Round(time.Millisecond))
-			if got := claimsOnServer(t, nfsServer, ns); len(got) != 3 {
+			if got := claimsOnServer(t, suite.NFS, ns); len(got) != 3 {
 				t.Errorf("export holds %v for %s, want three directories", got, ns)
 			}
 			// Once the server answers, the abandoned calls end too.
@@ -566,7 +525,7 @@ func TestNFSDeadServer(t *testing.T) {
 			}
 			// Exactly one mount per class, not one left behind per failed attempt.
 			for _, c := range []*storagev1.StorageClass{warm, cold} {
-				if m := controllerMountsOf(t, nfsServer, c.MountOptions); len(m) != 1 {
+				if m := controllerMountsOf(t, suite.NFS, c.MountOptions); len(m) != 1 {
 					t.Errorf("controller mounts for class %s after recovery: %v, want one", c.Name, m)
 				}
 			}
@@ -587,9 +546,9 @@ func TestNFSRootSquash(t *testing.T) {
 	t.Cleanup(func() { srv.Stop() })
 
 	t.Run("uid-gid", func(t *testing.T) {
-		ns := newNamespace(t)
+		ns := suite.NewNamespace(t)
 		class := nfsClass(t, srv, []string{"nolock"}, map[string]string{"uid": "1001", "gid": "2002"})
-		createClaim(t, ns, "c", class.Name, accessModes(v1.ReadWriteMany))
+		suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
 		ev := waitClaimEvent(t, ns, "c", "root_squash", timeout)
 		t.Logf("event: %s", ev.Message)
 		for _, want := range []string{"chown", "1001:2002", "no_root_squash"} {
@@ -600,7 +559,7 @@ func TestNFSRootSquash(t *testing.T) {
 		// The lib retries every 15s; a retry must fail the same way rather than find the
 		// directory the first attempt made and hand it over owned by nobody.
 		err := framework.Poll(context.Background(), time.Minute, func(ctx context.Context) (bool, error) {
-			evs, err := client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "reason=ProvisioningFailed"})
+			evs, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "reason=ProvisioningFailed"})
 			if err != nil {
 				return false, err
 			}
@@ -613,21 +572,21 @@ func TestNFSRootSquash(t *testing.T) {
 		if err != nil {
 			t.Errorf("no second attempt: %v", err)
 		}
-		pvc, err := client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "c", metav1.GetOptions{})
+		pvc, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "c", metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
 		if pvc.Status.Phase != v1.ClaimPending {
-			t.Errorf("claim after the retry is %s, want Pending (events: %s)", pvc.Status.Phase, eventsOf(ns, "PersistentVolumeClaim", "c"))
+			t.Errorf("claim after the retry is %s, want Pending (events: %s)", pvc.Status.Phase, framework.EventsOf(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c"))
 		}
 		if got := claimsOnServer(t, srv, ns); len(got) != 0 {
 			t.Errorf("a refused claim left %v on the server", got)
 		}
 	})
 	t.Run("no-owner", func(t *testing.T) {
-		ns := newNamespace(t)
+		ns := suite.NewNamespace(t)
 		class := nfsClass(t, srv, []string{"nolock", "noac"}, nil)
-		createClaim(t, ns, "c", class.Name, accessModes(v1.ReadWriteMany))
+		suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
 		_, pv := waitNFSBound(t, ns, "c")
 		var st unix.Stat_t
 		if err := unix.Stat(filepath.Join(srv.ExportDir, pv.Spec.CSI.VolumeAttributes["path"]), &st); err != nil {

@@ -17,33 +17,33 @@ import (
 func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 	const nodeB = "node-b"
 	ctx := context.Background()
-	if err := testCluster.CreateReadyNode(ctx, nodeB, map[string]string{"kubernetes.io/hostname": "host-" + nodeB}); err != nil {
+	if err := suite.Cluster.CreateReadyNode(ctx, nodeB, map[string]string{"kubernetes.io/hostname": "host-" + nodeB}); err != nil {
 		t.Fatal(err)
 	}
 	work := t.TempDir()
-	proc, err := framework.StartDirpv(ctx, dirpvBin, "node-b", logDir, "node", "--kubeconfig", testCluster.Kubeconfig,
-		"--v=2", "--node-name", nodeB, "--allowed-base-paths", baseRoot,
+	proc, err := suite.StartDirpv(ctx, "node-b", "node",
+		"--v=2", "--node-name", nodeB, "--allowed-base-paths", suite.Work.BaseRoot,
 		"--csi-endpoint", "unix://"+filepath.Join(work, "csi.sock"), "--plugin-registration-dir", "-")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { proc.Stop(10 * time.Second) })
-	if err := testCluster.RegisterCSIDriver(ctx, nodeB, "dirpv.io"); err != nil {
+	if err := suite.Cluster.RegisterCSIDriver(ctx, nodeB, "dirpv.io"); err != nil {
 		t.Fatal(err)
 	}
 
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
-	createClaim(t, ns, "lost", class.Name, onNode(nodeB))
+	suite.CreateClaim(t, ns, "lost", class.Name, framework.OnNode(nodeB))
 	_, pv := waitBound(t, ns, "lost")
 
 	proc.Kill()
-	if err := client.CoreV1().Nodes().Delete(ctx, nodeB, metav1.DeleteOptions{}); err != nil {
+	if err := suite.Client.CoreV1().Nodes().Delete(ctx, nodeB, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	deleteClaim(t, ns, "lost")
 	waitPVGone(t, pv.Name)
-	if _, err := framework.WaitForEvent(ctx, client, "", "PersistentVolume", pv.Name, "VolumeDataOnLostNode", nodeB, timeout); err != nil {
+	if _, err := framework.WaitForEvent(ctx, suite.Client, "", "PersistentVolume", pv.Name, "VolumeDataOnLostNode", nodeB, timeout); err != nil {
 		t.Error(err)
 	}
 	if got := entries(t, base); len(got) != 1 {
@@ -51,6 +51,6 @@ func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 	}
 
 	// Other claims keep flowing.
-	createClaim(t, ns, "after", class.Name, onNode(nodeA))
+	suite.CreateClaim(t, ns, "after", class.Name, framework.OnNode(nodeA))
 	waitBound(t, ns, "after")
 }

@@ -53,7 +53,7 @@ func denyPVsFor(t *testing.T, ns string) (allow func()) {
 			PolicyName: name, ValidationActions: []admissionv1.ValidationAction{admissionv1.Deny},
 		},
 	}
-	vap := client.AdmissionregistrationV1()
+	vap := suite.Client.AdmissionregistrationV1()
 	if _, err := vap.ValidatingAdmissionPolicies().Create(ctx, policy, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -76,7 +76,7 @@ func denyPVsFor(t *testing.T, ns string) (allow func()) {
 		},
 	}
 	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		_, err := client.CoreV1().PersistentVolumes().Create(ctx, probe, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
+		_, err := suite.Client.CoreV1().PersistentVolumes().Create(ctx, probe, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
 		return err != nil && strings.Contains(err.Error(), "PVs of this namespace are refused"), fmt.Errorf("dry-run PV create: %v", err)
 	})
 	if err != nil {
@@ -126,13 +126,13 @@ func logSize(t *testing.T, log string) int64 {
 // restarted dirpv finds the directory by name alone: it is the claim's own, so it is adopted,
 // data, mode and owner as they were, and the claim binds with exactly that one directory.
 func TestCrashBeforePVIsSavedAdoptsDirectory(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, map[string]string{
 		"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}", "mode": "2750", "uid": "1234", "gid": "5678",
 	})
 	allow := denyPVsFor(t, ns)
 	offset := logSize(t, nodeProc.Log)
-	c := createClaim(t, ns, "crashy", class.Name, onNode(nodeA))
+	c := suite.CreateClaim(t, ns, "crashy", class.Name, framework.OnNode(nodeA))
 	pvName := "pvc-" + string(c.UID)
 	waitForLog(t, nodeProc.Log, offset, "Failed to save persistentvolume", pvName)
 	dir := filepath.Join(base, ns+"-crashy")
@@ -165,7 +165,7 @@ func TestCrashBeforePVIsSavedAdoptsDirectory(t *testing.T) {
 	if fi.Mode()&os.ModePerm != 0o750 || fi.Mode()&os.ModeSetgid == 0 || st.Uid != 1234 || st.Gid != 5678 {
 		t.Errorf("adopted directory mode %v owner %d:%d, want 2750 1234:5678", fi.Mode(), st.Uid, st.Gid)
 	}
-	pvs, err := client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
+	pvs, err := suite.Client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -184,9 +184,9 @@ func TestCrashBeforePVIsSavedAdoptsDirectory(t *testing.T) {
 // made anew for another claim) is released: its Delete is refused with an event, and the
 // volume and its data stay.
 func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, base := localClass(t, map[string]string{"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}"})
-	createClaim(t, ns, "owner", class.Name, onNode(nodeA))
+	suite.CreateClaim(t, ns, "owner", class.Name, framework.OnNode(nodeA))
 	_, owned := waitBound(t, ns, "owner")
 	data := filepath.Join(base, owned.Spec.CSI.VolumeAttributes["path"], "data")
 	if err := os.WriteFile(data, []byte("owner's data"), 0o600); err != nil {
@@ -198,23 +198,23 @@ func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
 	stale.Spec.CSI.VolumeHandle = "local:stale-" + ns
 	stale.Spec.ClaimRef = &v1.ObjectReference{Namespace: ns, Name: "stale"}
 	stale.Status = v1.PersistentVolumeStatus{}
-	if _, err := client.CoreV1().PersistentVolumes().Create(context.Background(), stale, metav1.CreateOptions{}); err != nil {
+	if _, err := suite.Client.CoreV1().PersistentVolumes().Create(context.Background(), stale, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
 		ctx := context.Background()
 		patch := []byte(`{"metadata":{"finalizers":null},"spec":{"persistentVolumeReclaimPolicy":"Retain"}}`)
-		client.CoreV1().PersistentVolumes().Patch(ctx, stale.Name, types.MergePatchType, patch, metav1.PatchOptions{})
-		client.CoreV1().PersistentVolumes().Delete(ctx, stale.Name, metav1.DeleteOptions{})
+		suite.Client.CoreV1().PersistentVolumes().Patch(ctx, stale.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+		suite.Client.CoreV1().PersistentVolumes().Delete(ctx, stale.Name, metav1.DeleteOptions{})
 	})
-	claim := newClaim(ns, "stale", class.Name, onNode(nodeA))
+	claim := framework.NewClaim(ns, "stale", class.Name, framework.OnNode(nodeA))
 	claim.Spec.VolumeName = stale.Name
-	if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), claim, metav1.CreateOptions{}); err != nil {
+	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), claim, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	waitBound(t, ns, "stale")
 	deleteClaim(t, ns, "stale")
-	ev, err := framework.WaitForEvent(context.Background(), client, "", "PersistentVolume", stale.Name, "VolumeFailedDelete",
+	ev, err := framework.WaitForEvent(context.Background(), suite.Client, "", "PersistentVolume", stale.Name, "VolumeFailedDelete",
 		"belongs to another claim", timeout)
 	if err != nil {
 		t.Fatal(err)
@@ -223,7 +223,7 @@ func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
 	if b, err := os.ReadFile(data); err != nil || string(b) != "owner's data" {
 		t.Errorf("owner's data after the refused Delete: %q %v", b, err)
 	}
-	if _, err := client.CoreV1().PersistentVolumes().Get(context.Background(), stale.Name, metav1.GetOptions{}); err != nil {
+	if _, err := suite.Client.CoreV1().PersistentVolumes().Get(context.Background(), stale.Name, metav1.GetOptions{}); err != nil {
 		t.Errorf("the refused PV: %v, want it kept", err)
 	}
 }
@@ -252,29 +252,29 @@ func ownerRecords(t *testing.T, dir string, uid types.UID) []string {
 // marker is a record file beside the volume on the server, which no tenant can reach. It goes
 // when the volume is deleted.
 func TestNFSVolumeInsideAnotherVolume(t *testing.T) {
-	ns := newNamespace(t)
-	shallow := nfsClass(t, nfsServer, []string{"nolock"}, map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"})
-	deep := createClass(t, nfsClassName(t)+"-deep", map[string]string{
-		"backend": "nfs", "server": nfsServer.Addr, "share": nfsServer.Share,
+	ns := suite.NewNamespace(t)
+	shallow := nfsClass(t, suite.NFS, []string{"nolock"}, map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"})
+	deep := suite.CreateClass(t, nfsClassName(t)+"-deep", map[string]string{
+		"backend": "nfs", "server": suite.NFS.Addr, "share": suite.NFS.Share,
 		"pathPattern": "${pvc.metadata.labels['team']}/${pvc.metadata.namespace}-${pvc.metadata.name}",
-	}, immediate, func(c *storagev1.StorageClass) { c.MountOptions = append(nfsServer.MountOptions(), "nolock") })
+	}, framework.Immediate, func(c *storagev1.StorageClass) { c.MountOptions = append(suite.NFS.MountOptions(), "nolock") })
 	team := ns + "-finance"
-	squatter := createClaim(t, ns, "squatter", shallow.Name, accessModes(v1.ReadWriteMany), withAnnotation("dir", team))
+	squatter := suite.CreateClaim(t, ns, "squatter", shallow.Name, framework.AccessModes(v1.ReadWriteMany), framework.Annotation("dir", team))
 	_, pv := waitNFSBound(t, ns, "squatter")
-	if got := ownerRecords(t, nfsServer.ExportDir, squatter.UID); len(got) != 1 {
+	if got := ownerRecords(t, suite.NFS.ExportDir, squatter.UID); len(got) != 1 {
 		t.Errorf("records naming the squatter on the server: %q, want one", got)
 	}
-	createClaim(t, ns, "victim", deep.Name, accessModes(v1.ReadWriteMany), withLabel("team", team))
+	suite.CreateClaim(t, ns, "victim", deep.Name, framework.AccessModes(v1.ReadWriteMany), withLabel("team", team))
 	ev := waitClaimEvent(t, ns, "victim", "another volume's directory", timeout)
 	t.Logf("victim refused: %s", ev.Message)
 	noPVFor(t, ns, "victim")
-	if got := entries(t, filepath.Join(nfsServer.ExportDir, pv.Spec.CSI.VolumeAttributes["path"])); len(got) != 0 {
+	if got := entries(t, filepath.Join(suite.NFS.ExportDir, pv.Spec.CSI.VolumeAttributes["path"])); len(got) != 0 {
 		t.Errorf("squatter's volume holds %q: a volume was created inside it, or its marker is visible to it", got)
 	}
 	deleteClaim(t, ns, "victim")
 	deleteClaim(t, ns, "squatter")
-	nfsWaitPVGone(t, pv.Name)
-	if got := ownerRecords(t, nfsServer.ExportDir, squatter.UID); len(got) != 0 {
+	waitPVGone(t, pv.Name)
+	if got := ownerRecords(t, suite.NFS.ExportDir, squatter.UID); len(got) != 0 {
 		t.Errorf("records naming the deleted squatter are left: %q", got)
 	}
 }

@@ -17,11 +17,8 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
-	"k8s.io/utils/ptr"
 
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
@@ -35,28 +32,34 @@ const (
 
 var (
 	// auditLog records every request of dirpv's ServiceAccounts, for the RBAC test.
-	auditLog    string
-	testCluster *cluster.Cluster
-	client      kubernetes.Interface
-	inst        *framework.Installation
+	auditLog string
+	suite    *framework.Suite
+	inst     *framework.Installation
 )
 
 func TestMain(m *testing.M) {
-	os.Exit(run(m))
+	os.Exit(framework.RunSuite(m, framework.SuiteOptions{
+		Name:          "install",
+		Cluster:       cluster.Options{WithNode: true, Logf: klog.Infof},
+		BeforeCluster: beforeCluster,
+	}, func(ctx context.Context, s *framework.Suite) error {
+		suite = s
+		var err error
+		if inst, err = framework.Install(ctx, suite.Cluster, klog.Infof); err != nil {
+			return fmt.Errorf("install dirpv: %w", err)
+		}
+		return nil
+	}))
 }
 
-func run(m *testing.M) int {
-	ctx := context.Background()
-	cleanups := framework.NewCleanups()
-	defer cleanups.Run()
-	fail := func(what string, err error) int {
-		fmt.Fprintf(os.Stderr, "%s: %v\n", what, err)
-		return 1
-	}
+// beforeCluster makes the apiserver audit dirpv's ServiceAccounts into the workspace, and
+// registers the removal of this suite's volumes.
+func beforeCluster(s *framework.Suite, opts *cluster.Options) error {
 	// Volumes of this suite's namespaces live in the host's /var/lib/dirpv, as for a user;
-	// remove them once the cluster is gone (cleanups run last first), and the base too if this suite created it.
+	// remove them once the cluster is gone (cleanups run last first), and the base too if
+	// this suite created it.
 	_, baseErr := os.Stat(basePath)
-	cleanups.Add(func() {
+	s.Cleanups.Add(func() {
 		leftovers, _ := filepath.Glob(filepath.Join(basePath, "install-*"))
 		for _, d := range leftovers {
 			os.RemoveAll(d)
@@ -65,73 +68,22 @@ func run(m *testing.M) int {
 			os.Remove(basePath)
 		}
 	})
-	auditDir, err := os.MkdirTemp("", "dirpv-audit-")
-	if err != nil {
-		return fail("audit dir", err)
+	auditDir := filepath.Join(s.Work.Dir, "audit")
+	if err := os.MkdirAll(auditDir, 0o755); err != nil {
+		return fmt.Errorf("audit dir: %w", err)
 	}
-	cleanups.Add(func() { os.RemoveAll(auditDir) })
 	auditArgs, err := auditPolicy(auditDir)
 	if err != nil {
-		return fail("audit policy", err)
+		return fmt.Errorf("audit policy: %w", err)
 	}
-	testCluster, err = cluster.Start(ctx, cluster.Options{WithNode: true, Logf: klog.Infof, APIServerArgs: auditArgs})
-	if err != nil {
-		return fail("start cluster", err)
-	}
-	cleanups.Add(func() { testCluster.Stop() })
-	if client, err = testCluster.Client(); err != nil {
-		return fail("client", err)
-	}
-	if inst, err = framework.Install(ctx, testCluster, klog.Infof); err != nil {
-		return fail("install dirpv", err)
-	}
-	return m.Run()
-}
-
-func newNamespace(t *testing.T) string {
-	t.Helper()
-	ns, err := client.CoreV1().Namespaces().Create(context.Background(),
-		&v1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: "install-"}}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { client.CoreV1().Namespaces().Delete(context.Background(), ns.Name, metav1.DeleteOptions{}) })
-	return ns.Name
-}
-
-// claim has no storageClassName: the default class is what a user gets.
-func claim(ns, name string, annotations map[string]string) *v1.PersistentVolumeClaim {
-	return &v1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns, Annotations: annotations},
-		Spec: v1.PersistentVolumeClaimSpec{
-			AccessModes: []v1.PersistentVolumeAccessMode{v1.ReadWriteOnce},
-			Resources:   v1.VolumeResourceRequirements{Requests: v1.ResourceList{v1.ResourceStorage: resource.MustParse("1Gi")}},
-		},
-	}
-}
-
-func pod(ns, name, claim, script string) *v1.Pod {
-	return &v1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-		Spec: v1.PodSpec{
-			RestartPolicy:                 v1.RestartPolicyNever,
-			TerminationGracePeriodSeconds: ptr.To[int64](1),
-			Containers: []v1.Container{{
-				Name: "c", Image: testCluster.BusyboxImage, ImagePullPolicy: v1.PullNever,
-				Command:      []string{"sh", "-c", script},
-				VolumeMounts: []v1.VolumeMount{{Name: "data", MountPath: "/data"}},
-			}},
-			Volumes: []v1.Volume{{Name: "data", VolumeSource: v1.VolumeSource{
-				PersistentVolumeClaim: &v1.PersistentVolumeClaimVolumeSource{ClaimName: claim},
-			}}},
-		},
-	}
+	opts.APIServerArgs = append(opts.APIServerArgs, auditArgs...)
+	return nil
 }
 
 // volumeDir returns the host directory of a bound claim.
 func volumeDir(t *testing.T, ns, name string) string {
 	t.Helper()
-	pv, err := framework.WaitForBoundPV(context.Background(), client, ns, name, timeout)
+	pv, err := framework.WaitForBoundPV(context.Background(), suite.Client, ns, name, timeout)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -141,14 +93,7 @@ func volumeDir(t *testing.T, ns, name string) string {
 
 func waitRunning(t *testing.T, ns, name string) {
 	t.Helper()
-	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-		p, err := client.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return false, err
-		}
-		return p.Status.Phase == v1.PodRunning, fmt.Errorf("pod %s is %s", name, p.Status.Phase)
-	})
-	if err != nil {
+	if _, err := framework.WaitForPodPhase(context.Background(), suite.Client, ns, name, v1.PodRunning, timeout); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -174,7 +119,7 @@ func readGrows(t *testing.T, path string, from int64) int64 {
 
 func TestDefaultClassIsDirpvLocal(t *testing.T) {
 	ctx := context.Background()
-	classes, err := client.StorageV1().StorageClasses().List(ctx, metav1.ListOptions{})
+	classes, err := suite.Client.StorageV1().StorageClasses().List(ctx, metav1.ListOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -187,11 +132,11 @@ func TestDefaultClassIsDirpvLocal(t *testing.T) {
 	if !slices.Equal(defaults, []string{"dirpv-local"}) {
 		t.Errorf("default classes = %v, want [dirpv-local]", defaults)
 	}
-	ns := newNamespace(t)
-	if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim(ns, "data", nil), metav1.CreateOptions{}); err != nil {
+	ns := suite.NewNamespace(t)
+	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, framework.NewClaim(ns, "data", ""), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := client.CoreV1().Pods(ns).Create(ctx, pod(ns, "w", "data", "echo installed > /data/f"), metav1.CreateOptions{}); err != nil {
+	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "w", "data", "echo installed > /data/f", false), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	dir := volumeDir(t, ns, "data")
@@ -210,26 +155,26 @@ func TestDefaultClassIsDirpvLocal(t *testing.T) {
 // Replacing the node plugin pod (an upgrade, a crash) must not take running pods' volumes.
 func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
 	ctx := context.Background()
-	ns := newNamespace(t)
-	if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim(ns, "data", nil), metav1.CreateOptions{}); err != nil {
+	ns := suite.NewNamespace(t)
+	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, framework.NewClaim(ns, "data", ""), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := client.CoreV1().Pods(ns).Create(ctx, pod(ns, "writer", "data", "while true; do date >> /data/log; sleep 1; done"), metav1.CreateOptions{}); err != nil {
+	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "writer", "data", "while true; do date >> /data/log; sleep 1; done", false), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	waitRunning(t, ns, "writer")
 	logFile := filepath.Join(volumeDir(t, ns, "data"), "log")
 	size := readGrows(t, logFile, 0)
 
-	old, err := client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
+	old, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
 	if err != nil || len(old.Items) != 1 {
 		t.Fatalf("node plugin pods: %v, %v", old, err)
 	}
-	if err := client.CoreV1().Pods("dirpv").Delete(ctx, old.Items[0].Name, metav1.DeleteOptions{}); err != nil {
+	if err := suite.Client.CoreV1().Pods("dirpv").Delete(ctx, old.Items[0].Name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		pods, err := client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
+		pods, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
 		if err != nil {
 			return false, err
 		}
@@ -243,15 +188,15 @@ func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := framework.WaitForDriverRegistered(ctx, client, testCluster.NodeName, timeout); err != nil {
+	if err := framework.WaitForDriverRegistered(ctx, suite.Client, suite.Cluster.NodeName, timeout); err != nil {
 		t.Fatal(err)
 	}
 	readGrows(t, logFile, size)
 	// The workload keeps writing, and a new pod on the same claim still reads its data.
-	if _, err := client.CoreV1().Pods(ns).Create(ctx, pod(ns, "reader", "data", "test -s /data/log"), metav1.CreateOptions{}); err == nil {
+	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "reader", "data", "test -s /data/log", false), metav1.CreateOptions{}); err == nil {
 		// The claim is RWO on one node: a second pod on the same node may use it.
 		err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-			p, err := client.CoreV1().Pods(ns).Get(ctx, "reader", metav1.GetOptions{})
+			p, err := suite.Client.CoreV1().Pods(ns).Get(ctx, "reader", metav1.GetOptions{})
 			if err != nil {
 				return false, err
 			}
@@ -271,7 +216,7 @@ func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
 // nodePlugin returns the node plugin's pod, which must have its one container running.
 func nodePlugin(ctx context.Context, t *testing.T) (*v1.Pod, v1.ContainerStatus) {
 	t.Helper()
-	pods, err := client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
+	pods, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -289,10 +234,10 @@ func nodePlugin(ctx context.Context, t *testing.T) (*v1.Pod, v1.ContainerStatus)
 // directory is orphaned.
 func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	ctx := context.Background()
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	const n = 50
 	held := []string{"c-00", "c-01", "c-02"}
-	unblock, err := framework.BlockPVCreation(ctx, client, ns, held)
+	unblock, err := framework.BlockPVCreation(ctx, suite.Client, ns, held)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -313,8 +258,8 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			c := claim(ns, fmt.Sprintf("c-%02d", i), map[string]string{"volume.kubernetes.io/selected-node": testCluster.NodeName})
-			if _, err := client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, c, metav1.CreateOptions{}); err != nil {
+			c := framework.NewClaim(ns, fmt.Sprintf("c-%02d", i), "", framework.OnNode(suite.Cluster.NodeName))
+			if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, c, metav1.CreateOptions{}); err != nil {
 				t.Error(err)
 			}
 		}()
@@ -333,7 +278,7 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	// makes PVs faster than kube-controller-manager binds them, so waiting for Bound claims
 	// would find nearly all the work done.
 	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		pvs, err := client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+		pvs, err := suite.Client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
 		if err != nil {
 			return false, err
 		}
@@ -347,7 +292,7 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	pid, err := testCluster.ContainerPID(ctx, before.ContainerID)
+	pid, err := suite.Cluster.ContainerPID(ctx, before.ContainerID)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -367,7 +312,7 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	}
 	// kubelet may already be starting the container again; the held claims cannot be Bound
 	// until lift, so the snapshot shows the kill mid-way whatever the new process did since.
-	snap, err := framework.TakeKillSnapshot(ctx, client, ns, basePath, mine)
+	snap, err := framework.TakeKillSnapshot(ctx, suite.Client, ns, basePath, mine)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -384,7 +329,7 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 
 	// The same pod, its container restarted by kubelet, not a new pod.
 	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		p, err := client.CoreV1().Pods("dirpv").Get(ctx, plugin.Name, metav1.GetOptions{})
+		p, err := suite.Client.CoreV1().Pods("dirpv").Get(ctx, plugin.Name, metav1.GetOptions{})
 		if err != nil {
 			return false, err
 		}
@@ -398,18 +343,18 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the node plugin container was not restarted: %v", err)
 	}
-	if err := framework.WaitForClaimsBound(ctx, client, ns, n, 3*time.Minute); err != nil {
+	if err := framework.WaitForClaimsBound(ctx, suite.Client, ns, n, 3*time.Minute); err != nil {
 		t.Fatal(err)
 	}
 	dirs, err := snap.Entries()
 	if err != nil {
 		t.Fatal(err)
 	}
-	problems, err := framework.CheckOnePVPerClaim(ctx, client, ns, dirs)
+	problems, err := framework.CheckOnePVPerClaim(ctx, suite.Client, ns, dirs)
 	if err != nil {
 		t.Fatal(err)
 	}
-	adoption, err := snap.CheckAdopted(ctx, client, ns, held)
+	adoption, err := snap.CheckAdopted(ctx, suite.Client, ns, held)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -426,7 +371,7 @@ func TestUninstallUnregistersFromKubelet(t *testing.T) {
 		t.Fatal(err)
 	}
 	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		n, err := client.StorageV1().CSINodes().Get(ctx, testCluster.NodeName, metav1.GetOptions{})
+		n, err := suite.Client.StorageV1().CSINodes().Get(ctx, suite.Cluster.NodeName, metav1.GetOptions{})
 		if err != nil {
 			return false, err
 		}
@@ -436,7 +381,7 @@ func TestUninstallUnregistersFromKubelet(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := os.Stat(filepath.Join(testCluster.PluginRegistryDir, "dirpv.io-reg.sock")); !os.IsNotExist(err) {
+	if _, err := os.Stat(filepath.Join(suite.Cluster.PluginRegistryDir, "dirpv.io-reg.sock")); !os.IsNotExist(err) {
 		t.Errorf("registration socket still there: %v", err)
 	}
 }
