@@ -17,9 +17,9 @@ import (
 // never drop them from the cluster.
 func TestTrimmedCacheNeverTrimsTheServer(t *testing.T) {
 	ctx := context.Background()
-	ns := newNamespace(t)
+	ns := suite.NewNamespace(t)
 	class, _ := localClass(t, nil)
-	createClaim(t, ns, "c", class.Name, onNode(nodeA))
+	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
 	_, pv := waitBound(t, ns, "c")
 	const finalizer = "external-provisioner.volume.kubernetes.io/finalizer"
 	if !slices.Contains(pv.Finalizers, finalizer) {
@@ -30,17 +30,17 @@ func TestTrimmedCacheNeverTrimsTheServer(t *testing.T) {
 	applied := `{"apiVersion":"v1","kind":"PersistentVolume","spec":{"persistentVolumeReclaimPolicy":"Retain"}}`
 	pv.Annotations[v1.LastAppliedConfigAnnotation] = applied
 	pv.Spec.PersistentVolumeReclaimPolicy = v1.PersistentVolumeReclaimRetain
-	if _, err := client.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{FieldManager: "kubectl-client-side-apply"}); err != nil {
+	if _, err := suite.Client.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{FieldManager: "kubectl-client-side-apply"}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
-		client.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{})
+		suite.Client.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{})
 	})
 
 	var got *v1.PersistentVolume
 	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 		var err error
-		got, err = client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
+		got, err = suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
 		return err == nil && !slices.Contains(got.Finalizers, finalizer), err
 	})
 	if err != nil {
