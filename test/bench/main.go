@@ -20,6 +20,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"time"
 
@@ -30,6 +31,7 @@ import (
 
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/volume"
 )
 
 const (
@@ -649,9 +651,18 @@ func (b *bench) nfsBulk() error {
 		Ref: "ceiling", RefValue: b.ms["ceil.bulk"],
 		Note: fmt.Sprintf("%.2fx ideal external; mean lib provisioning op %.1f ms", d.Seconds()/b.ms["ideal.imm.bulk"], meanMS(before, after))})
 	fmt.Printf("   (%.2fx the ideal external provisioner; mean lib provisioning op (event+Provision+PV create) %.1f ms)\n", d.Seconds()/b.ms["ideal.imm.bulk"], meanMS(before, after))
+	// Deleted volumes go through the export's trash and leave it in the background: the
+	// delete is done when both the export (but for the trash itself) and the trash are empty.
+	trash := filepath.Join(b.s.NFS.ExportDir, volume.ReservedPrefix+"trash")
 	d, err = b.deleteAll("nfs-bulk", "bench-nfs", false, func() (bool, string) {
 		ents, err := os.ReadDir(b.s.NFS.ExportDir)
-		return err == nil && len(ents) == 0, fmt.Sprintf("%d directories left in the export", len(ents))
+		ents = slices.DeleteFunc(ents, func(e os.DirEntry) bool { return filepath.Join(b.s.NFS.ExportDir, e.Name()) == trash })
+		trashed, terr := os.ReadDir(trash)
+		if os.IsNotExist(terr) {
+			terr = nil
+		}
+		return err == nil && terr == nil && len(ents)+len(trashed) == 0,
+			fmt.Sprintf("%d directories left in the export, %d in its trash", len(ents), len(trashed))
 	})
 	if err != nil {
 		return err
