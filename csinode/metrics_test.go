@@ -7,45 +7,12 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/grpc/codes"
 	"k8s.io/mount-utils"
 
+	"github.com/dirpv/dirpv/internal/metricstest"
 	"github.com/dirpv/dirpv/volume"
 )
-
-// histogramCount returns the number of observations of the histogram name with exactly the
-// given labels, 0 if there is none.
-func histogramCount(t *testing.T, g prometheus.Gatherer, name string, labels map[string]string) uint64 {
-	t.Helper()
-	mfs, err := g.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if labelsEqual(m.GetLabel(), labels) {
-				return m.GetHistogram().GetSampleCount()
-			}
-		}
-	}
-	return 0
-}
-
-func labelsEqual(got []*dto.LabelPair, want map[string]string) bool {
-	if len(got) != len(want) {
-		return false
-	}
-	for _, l := range got {
-		if want[l.GetName()] != l.GetValue() {
-			return false
-		}
-	}
-	return true
-}
 
 // Publish and unpublish calls made through the plugin's gRPC endpoint, as kubelet makes them,
 // are counted and timed by backend and result: a real bind mount, its unmount, and a refused
@@ -103,12 +70,12 @@ func TestPublishMetrics(t *testing.T) {
 		{"dirpv_node_publish_duration_seconds", "InvalidArgument"},
 		{"dirpv_node_unpublish_duration_seconds", "success"},
 	} {
-		if n := histogramCount(t, reg, c.name, map[string]string{"backend": "local", "result": c.result}); n != 1 {
+		if n := metricstest.HistogramCount(t, reg, c.name, map[string]string{"backend": "local", "result": c.result}); n != 1 {
 			t.Errorf("%s{backend=local,result=%s} counted %d calls, want 1", c.name, c.result, n)
 		}
 	}
 	// Identity and other Node calls are not publish calls.
-	if n := histogramCount(t, reg, "dirpv_node_publish_duration_seconds", map[string]string{"backend": "nfs", "result": "success"}); n != 0 {
+	if n := metricstest.HistogramCount(t, reg, "dirpv_node_publish_duration_seconds", map[string]string{"backend": "nfs", "result": "success"}); n != 0 {
 		t.Errorf("nfs publishes counted: %d, want 0", n)
 	}
 }

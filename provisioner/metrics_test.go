@@ -5,46 +5,13 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/dirpv/dirpv/internal/metricstest"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
-	dto "github.com/prometheus/client_model/go"
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
-
-// histogramCount returns the number of observations of the histogram name with exactly the
-// given labels, 0 if there is none.
-func histogramCount(t *testing.T, g prometheus.Gatherer, name string, labels map[string]string) uint64 {
-	t.Helper()
-	mfs, err := g.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if labelsEqual(m.GetLabel(), labels) {
-				return m.GetHistogram().GetSampleCount()
-			}
-		}
-	}
-	return 0
-}
-
-func labelsEqual(got []*dto.LabelPair, want map[string]string) bool {
-	if len(got) != len(want) {
-		return false
-	}
-	for _, l := range got {
-		if want[l.GetName()] != l.GetValue() {
-			return false
-		}
-	}
-	return true
-}
 
 // A real local provision and delete on a temp dir, a refused claim, and a PV of another
 // backend are each counted once under their backend and result.
@@ -76,18 +43,18 @@ func TestProvisionMetricsLocal(t *testing.T) {
 	}
 
 	local := func(result string) map[string]string { return map[string]string{"backend": "local", "result": result} }
-	if n := histogramCount(t, reg, "dirpv_provision_duration_seconds", local("success")); n != 1 {
+	if n := metricstest.HistogramCount(t, reg, "dirpv_provision_duration_seconds", local("success")); n != 1 {
 		t.Errorf("successful local provisions: %d, want 1", n)
 	}
-	refused := histogramCount(t, reg, "dirpv_provision_duration_seconds", local("error")) +
-		histogramCount(t, reg, "dirpv_provision_duration_seconds", local("infeasible"))
+	refused := metricstest.HistogramCount(t, reg, "dirpv_provision_duration_seconds", local("error")) +
+		metricstest.HistogramCount(t, reg, "dirpv_provision_duration_seconds", local("infeasible"))
 	if refused != 1 {
 		t.Errorf("refused local provisions: %d, want 1", refused)
 	}
-	if n := histogramCount(t, reg, "dirpv_delete_duration_seconds", local("success")); n != 1 {
+	if n := metricstest.HistogramCount(t, reg, "dirpv_delete_duration_seconds", local("success")); n != 1 {
 		t.Errorf("successful local deletes: %d, want 1", n)
 	}
-	if n := histogramCount(t, reg, "dirpv_delete_duration_seconds", map[string]string{"backend": "nfs", "result": "ignored"}); n != 1 {
+	if n := metricstest.HistogramCount(t, reg, "dirpv_delete_duration_seconds", map[string]string{"backend": "nfs", "result": "ignored"}); n != 1 {
 		t.Errorf("ignored NFS deletes on a node: %d, want 1", n)
 	}
 	// A node has no NFS exports to report.
@@ -111,7 +78,7 @@ func TestExportMetrics(t *testing.T) {
 	if _, _, err := p.Provision(context.Background(), opts(class, c)); err != nil {
 		t.Fatal(err)
 	}
-	if n := histogramCount(t, reg, "dirpv_provision_duration_seconds", map[string]string{"backend": "nfs", "result": "success"}); n != 1 {
+	if n := metricstest.HistogramCount(t, reg, "dirpv_provision_duration_seconds", map[string]string{"backend": "nfs", "result": "success"}); n != 1 {
 		t.Errorf("successful NFS provisions: %d, want 1", n)
 	}
 	want := `

@@ -2,7 +2,6 @@ package nfs
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	mrand "math/rand/v2"
 	"net"
@@ -15,6 +14,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/dirpv/dirpv/test/internal/filelock"
 	"github.com/dirpv/dirpv/test/nfs/internal/nfs3"
 )
 
@@ -110,28 +110,11 @@ func lockState(ctx context.Context, name string) (unlock func(), err error) {
 	if err := os.MkdirAll(stateDir, 0o755); err != nil {
 		return nil, fmt.Errorf("nfs: creating %s: %w", stateDir, err)
 	}
-	f, err := os.OpenFile(filepath.Join(stateDir, name), os.O_CREATE|os.O_RDWR, 0o644)
+	unlock, err = filelock.Lock(ctx, filepath.Join(stateDir, name), 10*time.Millisecond)
 	if err != nil {
-		return nil, fmt.Errorf("nfs: opening lock %s: %w", name, err)
+		return nil, fmt.Errorf("nfs: %w", err)
 	}
-	tick := time.NewTicker(10 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
-		if err == nil {
-			return func() { f.Close() }, nil
-		}
-		if !errors.Is(err, syscall.EWOULDBLOCK) {
-			f.Close()
-			return nil, fmt.Errorf("nfs: locking %s: %w", name, err)
-		}
-		select {
-		case <-ctx.Done():
-			f.Close()
-			return nil, fmt.Errorf("nfs: waiting for lock %s: %w", name, ctx.Err())
-		case <-tick.C:
-		}
-	}
+	return unlock, nil
 }
 
 // Test servers take their ports from below the kernel's ephemeral range

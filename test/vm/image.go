@@ -13,8 +13,9 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"syscall"
 	"time"
+
+	"github.com/dirpv/dirpv/test/internal/filelock"
 )
 
 // Image is a Debian kernel and the initramfs that boots it with the host's root, cached under
@@ -78,7 +79,7 @@ func Prepare(ctx context.Context, progress io.Writer) (*Image, error) {
 	if err := os.MkdirAll(cache, 0o755); err != nil {
 		return nil, fmt.Errorf("vm: creating cache: %w", err)
 	}
-	unlock, err := lockFile(ctx, filepath.Join(cache, ".lock"))
+	unlock, err := filelock.Lock(ctx, filepath.Join(cache, ".lock"), 100*time.Millisecond)
 	if err != nil {
 		return nil, err
 	}
@@ -328,31 +329,4 @@ func buildInitramfs(ctx context.Context, img *Image) error {
 		return fmt.Errorf("vm: %w", err)
 	}
 	return nil
-}
-
-// lockFile takes an exclusive flock on path, polling so that ctx is honoured; it serialises
-// cache builds between processes.
-func lockFile(ctx context.Context, path string) (unlock func(), err error) {
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o644)
-	if err != nil {
-		return nil, fmt.Errorf("vm: %w", err)
-	}
-	tick := time.NewTicker(100 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
-		if err == nil {
-			return func() { f.Close() }, nil
-		}
-		if !errors.Is(err, syscall.EWOULDBLOCK) {
-			f.Close()
-			return nil, fmt.Errorf("vm: locking %s: %w", path, err)
-		}
-		select {
-		case <-ctx.Done():
-			f.Close()
-			return nil, fmt.Errorf("vm: waiting for %s (another process is preparing the VM): %w", path, ctx.Err())
-		case <-tick.C:
-		}
-	}
 }
