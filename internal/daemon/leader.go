@@ -94,6 +94,13 @@ func runElected(ctx context.Context, client kubernetes.Interface, cfg LeaderElec
 		Callbacks: leaderelection.LeaderCallbacks{
 			OnStartedLeading: func(leading context.Context) {
 				mu.Lock()
+				if ctx.Err() != nil {
+					// The lease was won in a race with shutdown: client-go starts this after
+					// acquiring, whatever happened meanwhile, and runElected may already have
+					// returned. Lead nothing; the elector releases the lease.
+					mu.Unlock()
+					return
+				}
 				started = true
 				mu.Unlock()
 				defer close(drained)
