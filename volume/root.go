@@ -30,12 +30,7 @@ type Root struct {
 	fd   int
 	// xattr is the volume marker's attribute name; tests point it at an unsupported namespace
 	// to exercise the record files NFS gets.
-	xattr string
-	// renameMu serialises check-then-rename where the file system has no RENAME_NOREPLACE
-	// (NFS), so that two of this process's workers cannot both find a name free; a rename
-	// onto an empty directory would otherwise replace it.
-	renameMu sync.Mutex
-
+	xattr     string
 	quotaOnce sync.Once
 	quotaFS   *quota.FS
 	quotaErr  error
@@ -728,19 +723,25 @@ func moveRecord(oldParentFd, dirFd int, newName string) {
 	_ = unix.Renameat(oldParentFd, rec, dirFd, rec)
 }
 
+// renameat2 is unix.Renameat2; tests replace it to act as the NFS client does.
+var renameat2 = unix.Renameat2
+
 // renameNoReplace renames name in parentFd to newName in dirFd, failing with EEXIST if newName
 // exists. The volume's marker goes with it when the directory stays in its parent: the
 // attribute is on the directory, a record file is named after its inode in the same parent.
 func (r *Root) renameNoReplace(parentFd int, name string, dirFd int, newName string) error {
-	err := unix.Renameat2(parentFd, name, dirFd, newName, unix.RENAME_NOREPLACE)
+	err := renameat2(parentFd, name, dirFd, newName, unix.RENAME_NOREPLACE)
 	if !errors.Is(err, unix.EINVAL) {
 		return err
 	}
 	// NFS (the kernel client, and so the test helper) has no RENAME_NOREPLACE. Check, then
-	// rename, one at a time in this process; dirpv's NFS volumes are all made by the one
-	// leader, so the race left is with a process outside dirpv writing the export.
-	r.renameMu.Lock()
-	defer r.renameMu.Unlock()
+	// rename, one at a time per target in this process; dirpv's NFS volumes are all made by
+	// the one leader, so the race left is with a process outside dirpv writing the export.
+	var dir unix.Stat_t
+	if err := unix.Fstat(dirFd, &dir); err != nil {
+		return fmt.Errorf("stat target directory: %w", err)
+	}
+	defer renameLocks.lock(renameTarget{dirIno: dir.Ino, name: newName})()
 	var st unix.Stat_t
 	switch serr := unix.Fstatat(dirFd, newName, &st, unix.AT_SYMLINK_NOFOLLOW); {
 	case serr == nil:
@@ -749,6 +750,54 @@ func (r *Root) renameNoReplace(parentFd int, name string, dirFd int, newName str
 		return unix.Renameat(parentFd, name, dirFd, newName)
 	default:
 		return serr
+	}
+}
+
+// renameLocks serialises renameNoReplace's check-then-rename per target, for the whole
+// process: every NFS call works on its own Root (Dup), and classes that differ in mount options
+// reach one export through separate mounts, so a lock per Root or per mount serialises
+// nothing, and a rename onto an empty directory replaces it, handing one directory to two
+// claims. The key is the target directory's inode number, which NFS takes from the server and
+// so is the same through every mount of an export, and the target's name; colliding inode
+// numbers of other file systems only serialise more. One lock per target rather than one for
+// the process, because a rename on a dead server holds its lock until the server answers,
+// which must not stop renames on other exports.
+var renameLocks = targetLocks{held: map[renameTarget]*targetLock{}}
+
+type renameTarget struct {
+	dirIno uint64
+	name   string
+}
+
+type targetLocks struct {
+	mu   sync.Mutex
+	held map[renameTarget]*targetLock
+}
+
+type targetLock struct {
+	mu sync.Mutex
+	// users counts holders and waiters, guarded by targetLocks.mu; the last one out deletes it.
+	users int
+}
+
+// lock locks target and returns the function that unlocks it.
+func (l *targetLocks) lock(target renameTarget) (unlock func()) {
+	l.mu.Lock()
+	t := l.held[target]
+	if t == nil {
+		t = &targetLock{}
+		l.held[target] = t
+	}
+	t.users++
+	l.mu.Unlock()
+	t.mu.Lock()
+	return func() {
+		t.mu.Unlock()
+		l.mu.Lock()
+		if t.users--; t.users == 0 {
+			delete(l.held, target)
+		}
+		l.mu.Unlock()
 	}
 }
 

@@ -143,10 +143,16 @@ func (f *controllerFixture) nfsClass(name, share string, mountOptions []string, 
 	return c
 }
 
-// provision runs Provision for a new RWX claim of class, as the lib's controller would.
+// provision runs Provision for a new RWX claim of class in namespace ns, as the lib's
+// controller would.
 func (f *controllerFixture) provision(ctx context.Context, class *storagev1.StorageClass, name string) (*v1.PersistentVolume, error) {
+	return f.provisionIn(ctx, class, "ns", name, types.UID("uid-"+name))
+}
+
+// provisionIn is provision for the claim namespace/name with uid.
+func (f *controllerFixture) provisionIn(ctx context.Context, class *storagev1.StorageClass, namespace, name string, uid types.UID) (*v1.PersistentVolume, error) {
 	pvc := &v1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "ns", UID: types.UID("uid-" + name)},
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: namespace, UID: uid},
 		Spec: v1.PersistentVolumeClaimSpec{
 			StorageClassName: &class.Name,
 			AccessModes:      []v1.PersistentVolumeAccessMode{v1.ReadWriteMany},

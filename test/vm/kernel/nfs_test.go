@@ -16,10 +16,13 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	v1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/test/vm/guest"
+	"github.com/dirpv/dirpv/volume"
 )
 
 // TestControllerMountOptions: a class's mountOptions reach the kernel's NFS client through the
@@ -469,4 +472,76 @@ func names(ents []os.DirEntry) []string {
 		out = append(out, e.Name())
 	}
 	return out
+}
+
+// TestSameNameClaimsAcrossMounts: claims of one name in different namespaces, provisioned at
+// once through two classes that mount one export with different options (two mounts, and no
+// RENAME_NOREPLACE in the kernel's NFS client) with pattern ${pvc.metadata.name}: exactly one
+// claim gets the directory, every other one is refused, and the directory on the server is
+// marked as the winner's.
+func TestSameNameClaimsAcrossMounts(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	optsA := []string{"nfsvers=4.2", "hard"}
+	optsB := []string{"nfsvers=4.2", "soft", "timeo=600"}
+	serverDir, share := exportFor(t, optsA, guest.NoRootSquash)
+	f := newController(t, time.Minute)
+	pattern := map[string]string{"pathPattern": "${pvc.metadata.name}"}
+	classes := []*storagev1.StorageClass{
+		f.nfsClass("nfs-a", share, optsA, pattern),
+		f.nfsClass("nfs-b", share, optsB, pattern),
+	}
+	server, err := volume.OpenRoot(serverDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer server.Close()
+	const rounds, claims = 10, 8
+	for round := range rounds {
+		name := fmt.Sprintf("data-%d", round)
+		var (
+			wg    sync.WaitGroup
+			start = make(chan struct{})
+			errs  = make([]error, claims)
+		)
+		uid := func(i int) types.UID { return types.UID(fmt.Sprintf("uid-%d-ns-%d", round, i)) }
+		for i := range claims {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				_, errs[i] = f.provisionIn(ctx, classes[i%2], fmt.Sprintf("ns-%d", i), name, uid(i))
+			}()
+		}
+		close(start)
+		wg.Wait()
+		winner := -1
+		for i, err := range errs {
+			switch {
+			case err == nil && winner >= 0:
+				t.Fatalf("round %d: claims ns-%d/%s and ns-%d/%s both got a PV for one directory", round, winner, name, i, name)
+			case err == nil:
+				winner = i
+			case !strings.Contains(err.Error(), "already exists"):
+				t.Fatalf("round %d: claim ns-%d/%s: %v, want a PV or a refusal because the directory exists", round, i, name, err)
+			}
+		}
+		if winner < 0 {
+			t.Fatalf("round %d: no claim got %s: %v", round, name, errs)
+		}
+		owner, marked, err := server.VolumeOwner(name)
+		if err != nil || !marked || owner.UID != string(uid(winner)) {
+			t.Fatalf("round %d: %s on the server is marked %v for %+v (%v), want the winner's claim %s", round, name, marked, owner, err, uid(winner))
+		}
+	}
+	source := guest.NFSAddr + ":" + share
+	var mounted []string
+	for _, mp := range nfsMounts(t) {
+		if mp.Device == source && strings.HasPrefix(mp.Path, f.work+"/") {
+			mounted = append(mounted, mp.Path)
+		}
+	}
+	if len(mounted) != 2 {
+		t.Fatalf("controller mounts of %s: %v, want one per class", source, mounted)
+	}
 }

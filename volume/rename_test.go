@@ -1,0 +1,169 @@
+package volume
+
+import (
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// withoutNoReplace makes renames behave as on the Linux NFS client, which refuses
+// RENAME_NOREPLACE with EINVAL, for the rest of the test.
+func withoutNoReplace(t *testing.T) {
+	t.Helper()
+	orig := renameat2
+	renameat2 = func(olddirfd int, oldpath string, newdirfd int, newpath string, flags uint) error {
+		if flags&unix.RENAME_NOREPLACE != 0 {
+			return unix.EINVAL
+		}
+		return orig(olddirfd, oldpath, newdirfd, newpath, flags)
+	}
+	t.Cleanup(func() { renameat2 = orig })
+}
+
+// TestMkdirAllWithoutNoReplaceOneClaimWins is two claims named alike in two namespaces,
+// provisioned at once by different workers, each on its own handle on the export (as every NFS
+// call is): exactly one of them gets the directory, every other claim is refused, and the
+// directory is the winner's.
+func TestMkdirAllWithoutNoReplaceOneClaimWins(t *testing.T) {
+	withoutNoReplace(t)
+	base := t.TempDir()
+	top, err := OpenRoot(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer top.Close()
+	const rounds, claims = 50, 8
+	for round := range rounds {
+		rel := fmt.Sprintf("data-%d", round)
+		roots := make([]*Root, claims)
+		for i := range roots {
+			if roots[i], err = top.Dup(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var (
+			wg      sync.WaitGroup
+			start   = make(chan struct{})
+			created = make([]bool, claims)
+			errs    = make([]error, claims)
+		)
+		for i := range claims {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer roots[i].Close()
+				<-start
+				created[i], errs[i] = roots[i].MkdirAll(rel, Owner{Mode: 0o755, UID: -1, GID: -1},
+					Claim{UID: fmt.Sprintf("uid-%d", i), PVName: fmt.Sprintf("pv-%d", i)})
+			}()
+		}
+		close(start)
+		wg.Wait()
+		winner := -1
+		for i := range claims {
+			var exists *ExistsError
+			switch {
+			case errs[i] == nil && created[i]:
+				if winner >= 0 {
+					t.Fatalf("round %d: claims %d and %d both created %s", round, winner, i, rel)
+				}
+				winner = i
+			case errors.As(errs[i], &exists):
+			default:
+				t.Fatalf("round %d: claim %d: created %v, err %v; want created or *ExistsError", round, i, created[i], errs[i])
+			}
+		}
+		if winner < 0 {
+			t.Fatalf("round %d: no claim created %s", round, rel)
+		}
+		owner, marked, err := top.VolumeOwner(rel)
+		if err != nil || !marked || owner.UID != fmt.Sprintf("uid-%d", winner) {
+			t.Fatalf("round %d: %s is owned by %+v (marked %v, err %v), want uid-%d", round, rel, owner, marked, err, winner)
+		}
+	}
+}
+
+// TestRenameWithoutNoReplaceKeepsEmptyTarget is an archive rename onto a name taken by an
+// empty directory where RENAME_NOREPLACE is refused: plain rename(2) would replace it.
+func TestRenameWithoutNoReplaceKeepsEmptyTarget(t *testing.T) {
+	withoutNoReplace(t)
+	base := t.TempDir()
+	r, err := OpenRoot(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	for _, d := range []string{"vol", "vol/file-dir", "taken"} {
+		if err := r.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := r.Rename("vol", "taken"); !errors.Is(err, unix.EEXIST) {
+		t.Fatalf("Rename onto an empty directory: %v, want EEXIST", err)
+	}
+	if names, err := r.List("taken"); err != nil || len(names) != 0 {
+		t.Fatalf("taken holds %v (err %v), want it empty and untouched", names, err)
+	}
+	if names, err := r.List("vol"); err != nil || len(names) != 1 {
+		t.Fatalf("vol holds %v (err %v), want it where it was", names, err)
+	}
+}
+
+// TestRenameLockIsPerTarget: a rename stuck on one target (a dead NFS server) holds only that
+// target; a second rename of it waits, a rename of another target does not.
+func TestRenameLockIsPerTarget(t *testing.T) {
+	var locks = targetLocks{held: map[renameTarget]*targetLock{}}
+	stuck := renameTarget{dirIno: 7, name: "data"}
+	unlockStuck := locks.lock(stuck)
+	other := make(chan struct{})
+	go func() {
+		locks.lock(renameTarget{dirIno: 8, name: "data"})()
+		locks.lock(renameTarget{dirIno: 7, name: "other"})()
+		close(other)
+	}()
+	select {
+	case <-other:
+	case <-time.After(10 * time.Second):
+		t.Fatal("a rename of another target waited for the stuck one")
+	}
+	same := make(chan struct{})
+	go func() {
+		locks.lock(stuck)()
+		close(same)
+	}()
+	// The second locker of stuck is counted once it waits; it must still be waiting then.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		locks.mu.Lock()
+		users := locks.held[stuck].users
+		locks.mu.Unlock()
+		if users == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("second rename of the stuck target never started waiting")
+		}
+		runtime.Gosched()
+	}
+	select {
+	case <-same:
+		t.Fatal("a second rename of the same target did not wait for the first")
+	default:
+	}
+	unlockStuck()
+	select {
+	case <-same:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the second rename of the target never got it after the first ended")
+	}
+	locks.mu.Lock()
+	defer locks.mu.Unlock()
+	if len(locks.held) != 0 {
+		t.Fatalf("%d targets still held after every rename ended", len(locks.held))
+	}
+}
