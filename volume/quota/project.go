@@ -143,8 +143,8 @@ func (f *FS) setProject(fd int, bytes uint64) (ID, error) {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return ID{}, fmt.Errorf("stat: %w", err)
 	}
-	f.allocMu.Lock()
-	defer f.allocMu.Unlock()
+	projectMu.Lock()
+	defer projectMu.Unlock()
 	for _, id := range candidates(st.Ino) {
 		free, err := projectFree(fd, id)
 		if err != nil {

@@ -81,10 +81,13 @@ type FS struct {
 	unit uint64
 	// reason says why limits cannot be enforced (kind is empty then).
 	reason error
-	// allocMu makes choosing a project ID and setting it on its directory one step for this
-	// process; across processes and restarts the ID is checked unused on disk.
-	allocMu sync.Mutex
 }
+
+// projectMu makes choosing a project ID and setting it on its directory one step against every
+// other allocation and Release in this process. It is one lock for the process, not one per FS:
+// each base path gets its own FS, and several bases can share a file system and so its project
+// IDs. Across processes and restarts the ID is checked unused on disk.
+var projectMu sync.Mutex
 
 // Probe opens nothing: it inspects the file system holding the directory open at fd (any
 // flags but O_PATH for btrfs) and reports what it can enforce. A file system that cannot
@@ -192,8 +195,8 @@ func (f *FS) Release(fd int, id ID) error {
 		return fmt.Errorf("quota %s is not of this file system (%s)", id, f.describe())
 	}
 	if id.Kind == Project {
-		f.allocMu.Lock()
-		defer f.allocMu.Unlock()
+		projectMu.Lock()
+		defer projectMu.Unlock()
 		if free, err := projectFree(fd, uint32(id.Num)); err != nil || !free {
 			return err
 		}
