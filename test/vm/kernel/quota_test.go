@@ -337,3 +337,54 @@ func TestQuotaReleaseRacingSetLimit(t *testing.T) {
 		})
 	}
 }
+
+// TestQuotaAdminProjectIsSkipped: a project an admin gave a limit to (block or inode, hard or
+// soft) but no files yet is not free: a new volume whose inode number is that project ID gets
+// another ID, and the admin's limit is left as it was.
+func TestQuotaAdminProjectIsSkipped(t *testing.T) {
+	for _, fstype := range []string{"xfs", "ext4"} {
+		for _, lim := range []string{"bhard=8m", "bsoft=8m", "ihard=100", "isoft=100"} {
+			t.Run(fstype+" "+lim, func(t *testing.T) {
+				mnt := quotaFS(t, fstype)
+				base := dirFd(t, mnt)
+				fs, err := quota.Probe(base)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := fs.Mkdir(base, "vol", 0o755); err != nil {
+					t.Fatal(err)
+				}
+				fd := dirFd(t, filepath.Join(mnt, "vol"))
+				var st unix.Stat_t
+				if err := unix.Fstat(fd, &st); err != nil {
+					t.Fatal(err)
+				}
+				proj := strconv.FormatUint(st.Ino, 10)
+				xq := []string{"-x"}
+				if fstype != "xfs" {
+					xq = append(xq, "-f") // xfs_quota on a foreign (non-XFS) file system
+				}
+				runCmd(t, "xfs_quota", append(xq, "-c", "limit -p "+lim+" "+proj, mnt)...)
+				admin := quota.ID{Kind: quota.Project, Num: st.Ino}
+				before, err := fs.Usage(base, admin)
+				if err != nil {
+					t.Fatal(err)
+				}
+				id, err := fs.SetLimit(fd, 1<<20)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if id == admin {
+					t.Fatalf("volume got project %v, which an admin set up with %s", id, lim)
+				}
+				after, err := fs.Usage(base, admin)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if after != before {
+					t.Errorf("admin's project %v: quota %+v after a volume was made, want it unchanged (%+v)", admin, after, before)
+				}
+			})
+		}
+	}
+}
