@@ -105,17 +105,36 @@ func setProjectLimit(fd int, id uint32, bytes uint64) error {
 	return nil
 }
 
-// projectFree reports whether no file is charged to project id. A directory of dirpv's holds
-// at least its own inode once its ID is set, so an ID seen free is not another volume's.
-func projectFree(fd int, id uint32) (bool, error) {
+// readProject reads project id's quota; a project XFS has no dquot for reads as all zeros.
+func readProject(fd int, id uint32) (ifDqblk, error) {
 	q, err := getProject(fd, id)
 	switch {
 	case errors.Is(err, unix.ENOENT), errors.Is(err, unix.ESRCH):
-		return true, nil // XFS: no dquot for the ID at all
+		return ifDqblk{}, nil
 	case err != nil:
-		return false, fmt.Errorf("read quota of project %d: %w", id, err)
+		return ifDqblk{}, fmt.Errorf("read quota of project %d: %w", id, err)
 	}
-	return q.Curinodes == 0 && q.Curspace == 0, nil
+	return q, nil
+}
+
+// charged reports whether any file is charged to the project. A directory of dirpv's holds at
+// least its own inode once its ID is set, so a project charged nothing is not a live volume's.
+func (q ifDqblk) charged() bool { return q.Curinodes != 0 || q.Curspace != 0 }
+
+// limited reports whether the project has any limit, hard or soft, on blocks or inodes.
+func (q ifDqblk) limited() bool {
+	return q.Bhardlimit != 0 || q.Bsoftlimit != 0 || q.Ihardlimit != 0 || q.Isoftlimit != 0
+}
+
+// releaseProject clears the limit of project id unless files are charged to it.
+func releaseProject(fd int, id uint32) error {
+	projectMu.Lock()
+	defer projectMu.Unlock()
+	q, err := readProject(fd, id)
+	if err != nil || q.charged() || !q.limited() {
+		return err
+	}
+	return setProjectLimit(fd, id, 0)
 }
 
 // candidates are the project IDs tried for a directory with inode ino: the inode number first
@@ -136,21 +155,23 @@ func candidates(ino uint64) []uint32 {
 	return ids
 }
 
-// setProject gives the directory at fd a free project ID with the inherit flag and a hard
-// limit of bytes.
+// setProject gives the directory at fd an unused project ID (no files charged, no limits), with
+// the inherit flag and a hard limit of bytes.
 func (f *FS) setProject(fd int, bytes uint64) (ID, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return ID{}, fmt.Errorf("stat: %w", err)
 	}
-	f.allocMu.Lock()
-	defer f.allocMu.Unlock()
+	projectMu.Lock()
+	defer projectMu.Unlock()
 	for _, id := range candidates(st.Ino) {
-		free, err := projectFree(fd, id)
+		q, err := readProject(fd, id)
 		if err != nil {
 			return ID{}, err
 		}
-		if !free {
+		// A limited project with no files yet is one an admin (or a volume whose Release has
+		// not run yet) set up: its limit is not ours to overwrite.
+		if q.charged() || q.limited() {
 			continue
 		}
 		// The limit goes on before the ID, so the directory is never in an unlimited project.
@@ -158,6 +179,10 @@ func (f *FS) setProject(fd int, bytes uint64) (ID, error) {
 			return ID{}, err
 		}
 		if err := setProjectID(fd, id); err != nil {
+			// A limited project counts as taken: left limited, the ID would be lost for good.
+			if uerr := setProjectLimit(fd, id, 0); uerr != nil {
+				return ID{}, fmt.Errorf("%w (and undoing its limit: %v)", err, uerr)
+			}
 			return ID{}, err
 		}
 		return ID{Kind: Project, Num: uint64(id)}, nil

@@ -81,10 +81,13 @@ type FS struct {
 	unit uint64
 	// reason says why limits cannot be enforced (kind is empty then).
 	reason error
-	// allocMu makes choosing a project ID and setting it on its directory one step for this
-	// process; across processes and restarts the ID is checked unused on disk.
-	allocMu sync.Mutex
 }
+
+// projectMu makes choosing a project ID and setting it on its directory one step against every
+// other allocation and Release in this process. It is one lock for the process, not one per FS:
+// each base path gets its own FS, and several bases can share a file system and so its project
+// IDs. Across processes and restarts the ID is checked unused on disk.
+var projectMu sync.Mutex
 
 // Probe opens nothing: it inspects the file system holding the directory open at fd (any
 // flags but O_PATH for btrfs) and reports what it can enforce. A file system that cannot
@@ -185,19 +188,17 @@ func (f *FS) Usage(fd int, id ID) (Usage, error) {
 // Release clears the limit of id once its volume is gone, through any directory on the file
 // system open at fd, so the ID can be used again. A released or unknown ID is not an error.
 // A project that files are still charged to is left alone: its volume's inode, and so its ID,
-// may already be a new volume's (a retried Delete), and an ID in use is never handed out, so
-// leaving it leaks nothing for good.
+// may already be a new volume's (a retried Delete). id must be the one the volume's marker
+// recorded: any limit of a project with no files is cleared. A project left limited with no
+// files (XFS frees removed inodes in the background, so a Release just after the removal can
+// still see them charged) is never handed out again: the next directory with that inode number
+// gets one of its other candidates.
 func (f *FS) Release(fd int, id ID) error {
 	if id.Kind != f.kind {
 		return fmt.Errorf("quota %s is not of this file system (%s)", id, f.describe())
 	}
 	if id.Kind == Project {
-		f.allocMu.Lock()
-		defer f.allocMu.Unlock()
-		if free, err := projectFree(fd, uint32(id.Num)); err != nil || !free {
-			return err
-		}
-		return setProjectLimit(fd, uint32(id.Num), 0)
+		return releaseProject(fd, uint32(id.Num))
 	}
 	return btrfsDestroyQgroup(fd, id.Num)
 }

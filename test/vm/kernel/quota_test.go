@@ -266,3 +266,125 @@ func TestQuotaProjectIDInUseIsSkipped(t *testing.T) {
 		})
 	}
 }
+
+// TestQuotaReleaseRacingSetLimit: two bases (two Roots, each with its own quota.FS) on one file
+// system. A Delete in base a, retried, releases the project ID of a removed volume while a
+// Provision in base b gives that ID to a new volume whose directory reuses the inode (the ID is
+// the inode number). However the two interleave, the new volume keeps its limit.
+func TestQuotaReleaseRacingSetLimit(t *testing.T) {
+	for _, fstype := range []string{"xfs", "ext4"} {
+		t.Run(fstype, func(t *testing.T) {
+			mnt := quotaFS(t, fstype)
+			var fss []*quota.FS
+			var bases []int
+			for _, name := range []string{"a", "b"} {
+				if err := os.Mkdir(filepath.Join(mnt, name), 0o755); err != nil {
+					t.Fatal(err)
+				}
+				fd := dirFd(t, filepath.Join(mnt, name))
+				fs, err := quota.Probe(fd)
+				if err != nil {
+					t.Fatal(err)
+				}
+				fss, bases = append(fss, fs), append(bases, fd)
+			}
+			const limit = 4 << 20
+			for i := range 300 {
+				name := "v" + strconv.Itoa(i)
+				if err := fss[1].Mkdir(bases[1], name, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				fd, err := unix.Open(filepath.Join(mnt, "b", name), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				var st unix.Stat_t
+				if err := unix.Fstat(fd, &st); err != nil {
+					t.Fatal(err)
+				}
+				// The ID the new volume asks for first, and the one a's old volume had.
+				stale := quota.ID{Kind: quota.Project, Num: st.Ino}
+				stop := make(chan struct{})
+				var wg sync.WaitGroup
+				wg.Go(func() {
+					for {
+						select {
+						case <-stop:
+							return
+						default:
+						}
+						if err := fss[0].Release(bases[0], stale); err != nil {
+							t.Error(err)
+							return
+						}
+					}
+				})
+				id, err := fss[1].SetLimit(fd, limit)
+				close(stop)
+				wg.Wait()
+				unix.Close(fd)
+				if err != nil {
+					t.Fatal(err)
+				}
+				u, err := fss[1].Usage(bases[1], id)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if u.LimitBytes != limit {
+					t.Fatalf("iteration %d: volume in project %v (inode %d), with a Release of that ID racing its SetLimit, has limit %d; want %d", i, id, st.Ino, u.LimitBytes, limit)
+				}
+			}
+		})
+	}
+}
+
+// TestQuotaAdminProjectIsSkipped: a project an admin gave a limit to (block or inode, hard or
+// soft) but no files yet is not free: a new volume whose inode number is that project ID gets
+// another ID, and the admin's limit is left as it was.
+func TestQuotaAdminProjectIsSkipped(t *testing.T) {
+	for _, fstype := range []string{"xfs", "ext4"} {
+		for _, lim := range []string{"bhard=8m", "bsoft=8m", "ihard=100", "isoft=100"} {
+			t.Run(fstype+" "+lim, func(t *testing.T) {
+				mnt := quotaFS(t, fstype)
+				base := dirFd(t, mnt)
+				fs, err := quota.Probe(base)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := fs.Mkdir(base, "vol", 0o755); err != nil {
+					t.Fatal(err)
+				}
+				fd := dirFd(t, filepath.Join(mnt, "vol"))
+				var st unix.Stat_t
+				if err := unix.Fstat(fd, &st); err != nil {
+					t.Fatal(err)
+				}
+				proj := strconv.FormatUint(st.Ino, 10)
+				xq := []string{"-x"}
+				if fstype != "xfs" {
+					xq = append(xq, "-f") // xfs_quota on a foreign (non-XFS) file system
+				}
+				runCmd(t, "xfs_quota", append(xq, "-c", "limit -p "+lim+" "+proj, mnt)...)
+				admin := quota.ID{Kind: quota.Project, Num: st.Ino}
+				before, err := fs.Usage(base, admin)
+				if err != nil {
+					t.Fatal(err)
+				}
+				id, err := fs.SetLimit(fd, 1<<20)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if id == admin {
+					t.Fatalf("volume got project %v, which an admin set up with %s", id, lim)
+				}
+				after, err := fs.Usage(base, admin)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if after != before {
+					t.Errorf("admin's project %v: quota %+v after a volume was made, want it unchanged (%+v)", admin, after, before)
+				}
+			})
+		}
+	}
+}
