@@ -503,7 +503,7 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 	if policy == OnDeleteDelete && attrs.Backend == volume.BackendNFS && p.exports != nil {
 		// A big tree takes longer than a dead server may: only the move to the trash is
 		// bounded by the operation timeout, the removal goes on in the background.
-		if err := p.exports.trash(ctx, attrs.Server, attrs.Share, pv.Spec.MountOptions, attrs.Path, pv.Name); err != nil {
+		if err := p.exports.trash(ctx, attrs.Server, attrs.Share, pv.Spec.MountOptions, attrs.Path, pv); err != nil {
 			return fmt.Errorf("onDelete %s of %s in %s: %w", policy, attrs.Path, storeName(attrs), err)
 		}
 		return nil
