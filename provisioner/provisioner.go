@@ -311,6 +311,11 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 		return nil, controller.ProvisioningReschedule, fmt.Errorf(
 			"node %s cannot hold the volume: create directory %s in base path %s: %w; asking the scheduler to choose another node",
 			p.cfg.NodeName, rel, attrs.BasePath, err)
+	case errors.Is(err, volume.ErrInsideVolume), errors.Is(err, volume.ErrNotDirectory):
+		// The path runs through another volume, or through a symlink or file: no retry helps
+		// until someone changes the pattern or removes what is in the way. A base path this
+		// node cannot use (a symlink in it, say) went back to the scheduler above instead.
+		return nil, controller.ProvisioningFinished, invalid(fmt.Errorf("create directory %s in %s: %w", rel, storeName(attrs), err))
 	case err != nil && attrs.Backend == volume.BackendNFS:
 		// The error names the controller's own mount point; the user needs the server.
 		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s in %s: %w", rel, storeName(attrs), err)

@@ -465,6 +465,60 @@ func TestStaleDeleteLeavesAnotherClaimsDirectory(t *testing.T) {
 	}
 }
 
+// A pattern whose path runs through another volume, or through a symlink or a file where a
+// directory should be, is refused for good: no retry changes that until the class or what is
+// in the way changes, so the lib must get InvalidArgument (its slow retries), and the base and
+// what a planted link points to are left as they were.
+func TestPathThroughVolumeOrLinkIsInfeasible(t *testing.T) {
+	for _, backend := range []volume.Backend{volume.BackendLocal, volume.BackendNFS} {
+		for name, tc := range map[string]struct {
+			plant func(t *testing.T, s *storeFixture, outside string)
+			want  string
+		}{
+			"inside another volume": {plant: func(t *testing.T, s *storeFixture, _ string) {
+				outer := s.class.DeepCopy()
+				outer.Parameters["pathPattern"] = "${pvc.metadata.namespace}"
+				if _, _, err := s.p.Provision(context.Background(), opts(outer, s.claim("outer"))); err != nil {
+					t.Fatal(err)
+				}
+			}, want: "never created inside another"},
+			"through a symlink": {plant: func(t *testing.T, s *storeFixture, outside string) {
+				if err := os.Symlink(outside, filepath.Join(s.base, "ns")); err != nil {
+					t.Fatal(err)
+				}
+			}, want: "symlinks are never followed"},
+			"through a file": {plant: func(t *testing.T, s *storeFixture, _ string) {
+				if err := os.WriteFile(filepath.Join(s.base, "ns"), nil, 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}, want: "not a directory"},
+		} {
+			t.Run(string(backend)+"/"+name, func(t *testing.T) {
+				s := newStoreFixture(t, backend, map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}"})
+				outside := t.TempDir()
+				tc.plant(t, s, outside)
+				before := listTree(t, s.base)
+				_, state, err := s.p.Provision(context.Background(), opts(s.class, s.claim("c")))
+				if err == nil || !strings.Contains(err.Error(), tc.want) {
+					t.Fatalf("Provision error = %v, want one mentioning %q", err, tc.want)
+				}
+				if state != controller.ProvisioningFinished {
+					t.Errorf("state = %s, want Finished", state)
+				}
+				if code := status.Code(err); code != codes.InvalidArgument {
+					t.Errorf("gRPC code = %s, want InvalidArgument so the lib does not retry hot", code)
+				}
+				if after := listTree(t, s.base); !slices.Equal(before, after) {
+					t.Errorf("refused claim changed the base: %v, was %v", after, before)
+				}
+				if entries := listTree(t, outside); len(entries) != 0 {
+					t.Errorf("refused claim made %v behind the symlink", entries)
+				}
+			})
+		}
+	}
+}
+
 // storeFixture is one Provisioner serving a class of the given backend, whose volumes are made
 // in base: a node instance on a local base path, or a controller on a stand-in NFS export.
 type storeFixture struct {
