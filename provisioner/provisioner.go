@@ -311,6 +311,11 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 		return nil, controller.ProvisioningReschedule, fmt.Errorf(
 			"node %s cannot hold the volume: create directory %s in base path %s: %w; asking the scheduler to choose another node",
 			p.cfg.NodeName, rel, attrs.BasePath, err)
+	case errors.Is(err, volume.ErrInsideVolume), errors.Is(err, volume.ErrNotDirectory):
+		// The path runs through another volume, or through a symlink or file: no retry helps
+		// until someone changes the pattern or removes what is in the way. A base path this
+		// node cannot use (a symlink in it, say) went back to the scheduler above instead.
+		return nil, controller.ProvisioningFinished, invalid(fmt.Errorf("create directory %s in %s: %w", rel, storeName(attrs), err))
 	case err != nil && attrs.Backend == volume.BackendNFS:
 		// The error names the controller's own mount point; the user needs the server.
 		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s in %s: %w", rel, storeName(attrs), err)
@@ -503,7 +508,7 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 	if policy == OnDeleteDelete && attrs.Backend == volume.BackendNFS && p.exports != nil {
 		// A big tree takes longer than a dead server may: only the move to the trash is
 		// bounded by the operation timeout, the removal goes on in the background.
-		if err := p.exports.trash(ctx, attrs.Server, attrs.Share, pv.Spec.MountOptions, attrs.Path, pv.Name); err != nil {
+		if err := p.exports.trash(ctx, attrs.Server, attrs.Share, pv.Spec.MountOptions, attrs.Path, pv); err != nil {
 			return fmt.Errorf("onDelete %s of %s in %s: %w", policy, attrs.Path, storeName(attrs), err)
 		}
 		return nil

@@ -407,59 +407,157 @@ func TestExistingDirectoryNotHandedToAnotherClaim(t *testing.T) {
 // the PV was deleted), and with a pattern without ${pv.metadata.name} the name may by then be
 // another claim's volume. That volume is left alone, whichever onDelete the stale PV has.
 func TestStaleDeleteLeavesAnotherClaimsDirectory(t *testing.T) {
-	for _, policy := range []string{"delete", "archive"} {
-		t.Run(policy, func(t *testing.T) {
-			f := newFixture(t)
-			class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}", "onDelete": policy})
-			first := claim("db")
-			stale, _, err := f.node.Provision(context.Background(), opts(class, first))
-			if err != nil {
-				t.Fatal(err)
-			}
-			// As the lib binds it.
-			stale.Spec.ClaimRef = &v1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: first.Namespace, Name: first.Name, UID: first.UID}
-			if err := f.node.Delete(context.Background(), stale); err != nil {
-				t.Fatal(err)
-			}
-			second := claim("db")
-			second.UID = "uid-db-2"
-			pv, _, err := f.node.Provision(context.Background(), opts(class, second))
-			if err != nil {
-				t.Fatalf("the name is free again, but the new claim was refused: %v", err)
-			}
-			data := filepath.Join(f.base, "ns/db/data")
-			if err := os.WriteFile(data, []byte("second's"), 0o600); err != nil {
-				t.Fatal(err)
-			}
-			before := listTree(t, f.base)
-			err = f.node.Delete(context.Background(), stale)
-			if err == nil || !strings.Contains(err.Error(), "belongs to another claim") {
-				t.Fatalf("stale PV's Delete = %v, want a refusal", err)
-			}
-			// Without a claimRef (never bound), the PV name decides.
-			stale.Spec.ClaimRef = nil
-			if err := f.node.Delete(context.Background(), stale); err == nil {
-				t.Fatal("stale unbound PV's Delete succeeded")
-			}
-			if after := listTree(t, f.base); !slices.Equal(before, after) {
-				t.Errorf("refused Delete changed the base: %v, was %v", after, before)
-			}
-			if b, err := os.ReadFile(data); err != nil || string(b) != "second's" {
-				t.Errorf("second claim's data: %q %v", b, err)
-			}
-			if policy == "archive" {
-				return // a second archive within the same second would clash with the first
-			}
-			// The owner's own Delete still works.
-			pv.Spec.ClaimRef = &v1.ObjectReference{UID: second.UID}
-			if err := f.node.Delete(context.Background(), pv); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := os.Stat(filepath.Join(f.base, "ns/db")); !os.IsNotExist(err) {
-				t.Errorf("owner's Delete left ns/db: %v", err)
-			}
-		})
+	for _, backend := range []volume.Backend{volume.BackendLocal, volume.BackendNFS} {
+		for _, policy := range []string{"delete", "archive"} {
+			t.Run(string(backend)+"/"+policy, func(t *testing.T) {
+				s := newStoreFixture(t, backend, map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}", "onDelete": policy})
+				first := s.claim("db")
+				stale, _, err := s.p.Provision(context.Background(), opts(s.class, first))
+				if err != nil {
+					t.Fatal(err)
+				}
+				// As the lib binds it.
+				stale.Spec.ClaimRef = &v1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: first.Namespace, Name: first.Name, UID: first.UID}
+				if err := s.p.Delete(context.Background(), stale); err != nil {
+					t.Fatal(err)
+				}
+				second := s.claim("db")
+				second.UID = "uid-db-2"
+				pv, _, err := s.p.Provision(context.Background(), opts(s.class, second))
+				if err != nil {
+					t.Fatalf("the name is free again, but the new claim was refused: %v", err)
+				}
+				data := filepath.Join(s.base, "ns/db/data")
+				if err := os.WriteFile(data, []byte("second's"), 0o600); err != nil {
+					t.Fatal(err)
+				}
+				s.settle(t)
+				before := listTree(t, s.base)
+				err = s.p.Delete(context.Background(), stale)
+				if err == nil || !strings.Contains(err.Error(), "belongs to another claim") {
+					t.Fatalf("stale PV's Delete = %v, want a refusal", err)
+				}
+				// Without a claimRef (never bound), the PV name decides.
+				stale.Spec.ClaimRef = nil
+				if err := s.p.Delete(context.Background(), stale); err == nil {
+					t.Fatal("stale unbound PV's Delete succeeded")
+				}
+				s.settle(t)
+				if after := listTree(t, s.base); !slices.Equal(before, after) {
+					t.Errorf("refused Delete changed the base: %v, was %v", after, before)
+				}
+				if b, err := os.ReadFile(data); err != nil || string(b) != "second's" {
+					t.Errorf("second claim's data: %q %v", b, err)
+				}
+				if policy == "archive" {
+					return // a second archive within the same second would clash with the first
+				}
+				// The owner's own Delete still works.
+				pv.Spec.ClaimRef = &v1.ObjectReference{UID: second.UID}
+				if err := s.p.Delete(context.Background(), pv); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := os.Stat(filepath.Join(s.base, "ns/db")); !os.IsNotExist(err) {
+					t.Errorf("owner's Delete left ns/db: %v", err)
+				}
+			})
+		}
 	}
+}
+
+// A pattern whose path runs through another volume, or through a symlink or a file where a
+// directory should be, is refused for good: no retry changes that until the class or what is
+// in the way changes, so the lib must get InvalidArgument (its slow retries), and the base and
+// what a planted link points to are left as they were.
+func TestPathThroughVolumeOrLinkIsInfeasible(t *testing.T) {
+	for _, backend := range []volume.Backend{volume.BackendLocal, volume.BackendNFS} {
+		for name, tc := range map[string]struct {
+			plant func(t *testing.T, s *storeFixture, outside string)
+			want  string
+		}{
+			"inside another volume": {plant: func(t *testing.T, s *storeFixture, _ string) {
+				outer := s.class.DeepCopy()
+				outer.Parameters["pathPattern"] = "${pvc.metadata.namespace}"
+				if _, _, err := s.p.Provision(context.Background(), opts(outer, s.claim("outer"))); err != nil {
+					t.Fatal(err)
+				}
+			}, want: "never created inside another"},
+			"through a symlink": {plant: func(t *testing.T, s *storeFixture, outside string) {
+				if err := os.Symlink(outside, filepath.Join(s.base, "ns")); err != nil {
+					t.Fatal(err)
+				}
+			}, want: "symlinks are never followed"},
+			"through a file": {plant: func(t *testing.T, s *storeFixture, _ string) {
+				if err := os.WriteFile(filepath.Join(s.base, "ns"), nil, 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}, want: "not a directory"},
+		} {
+			t.Run(string(backend)+"/"+name, func(t *testing.T) {
+				s := newStoreFixture(t, backend, map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}"})
+				outside := t.TempDir()
+				tc.plant(t, s, outside)
+				before := listTree(t, s.base)
+				_, state, err := s.p.Provision(context.Background(), opts(s.class, s.claim("c")))
+				if err == nil || !strings.Contains(err.Error(), tc.want) {
+					t.Fatalf("Provision error = %v, want one mentioning %q", err, tc.want)
+				}
+				if state != controller.ProvisioningFinished {
+					t.Errorf("state = %s, want Finished", state)
+				}
+				if code := status.Code(err); code != codes.InvalidArgument {
+					t.Errorf("gRPC code = %s, want InvalidArgument so the lib does not retry hot", code)
+				}
+				if after := listTree(t, s.base); !slices.Equal(before, after) {
+					t.Errorf("refused claim changed the base: %v, was %v", after, before)
+				}
+				if entries := listTree(t, outside); len(entries) != 0 {
+					t.Errorf("refused claim made %v behind the symlink", entries)
+				}
+			})
+		}
+	}
+}
+
+// storeFixture is one Provisioner serving a class of the given backend, whose volumes are made
+// in base: a node instance on a local base path, or a controller on a stand-in NFS export.
+type storeFixture struct {
+	p       *Provisioner
+	class   *storagev1.StorageClass
+	base    string
+	backend volume.Backend
+}
+
+func newStoreFixture(t *testing.T, backend volume.Backend, params map[string]string) *storeFixture {
+	t.Helper()
+	if backend == volume.BackendLocal {
+		f := newFixture(t)
+		return &storeFixture{p: f.node, class: f.localClass(params), base: f.base, backend: backend}
+	}
+	f := newTrashFixture(t, 5*time.Second)
+	for k, v := range params {
+		f.class.Parameters[k] = v
+	}
+	return &storeFixture{p: f.start(t), class: f.class, base: f.src, backend: backend}
+}
+
+// claim returns a claim as the lib hands it to the backend's instance.
+func (s *storeFixture) claim(name string) *v1.PersistentVolumeClaim {
+	c := claim(name)
+	if s.backend == volume.BackendNFS {
+		delete(c.Annotations, annSelectedNode)
+	}
+	return c
+}
+
+// settle waits until no NFS volume is left to remove in the background, so the base holds
+// still between two looks.
+func (s *storeFixture) settle(t *testing.T) {
+	t.Helper()
+	eventually(t, time.Minute, func() (bool, string) {
+		n := s.p.PendingDeletes()
+		return n == 0, fmt.Sprintf("%d deletes pending", n)
+	})
 }
 
 func TestProvisionNFSMountsOnceAndEmitsSelfDescribingPV(t *testing.T) {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
 
 	"github.com/dirpv/dirpv/volume"
@@ -44,10 +45,11 @@ type trashQueue struct {
 	walkers int
 }
 
-// trash moves the volume rel to the export's trash within the operation timeout and starts
-// removing it in the background. A volume already moved (a retried Delete) is not moved
-// again; its removal is started if it is not under way, for instance after a restart.
-func (e *exports) trash(ctx context.Context, server, share string, options []string, rel, pvName string) error {
+// trash moves the volume rel of pv to the export's trash within the operation timeout and
+// starts removing it in the background. A volume already moved (a retried Delete) is not moved
+// again; its removal is started if it is not under way, for instance after a restart. A
+// directory at rel that belongs to another claim is left alone (checkOwnedBy).
+func (e *exports) trash(ctx context.Context, server, share string, options []string, rel string, pv *v1.PersistentVolume) error {
 	ex := e.get(server, share, options)
 	var (
 		entry string
@@ -55,7 +57,7 @@ func (e *exports) trash(ctx context.Context, server, share string, options []str
 	)
 	err := e.run(ctx, ex, func(root *volume.Root) error {
 		var err error
-		entry, moved, err = moveToTrash(root, rel, pvName)
+		entry, moved, err = moveToTrash(root, rel, pv)
 		return err
 	})
 	if err != nil {
@@ -77,12 +79,19 @@ func (e *exports) trash(ctx context.Context, server, share string, options []str
 	return nil
 }
 
-// moveToTrash moves rel into trashDir as pvName. It returns the trash entry to remove ("" if
-// there is none) and whether this call moved it there.
-func moveToTrash(root *volume.Root, rel, pvName string) (string, bool, error) {
+// moveToTrash moves rel into trashDir as the PV's name, unless rel is another claim's volume.
+// It returns the trash entry to remove ("" if there is none) and whether this call moved it
+// there.
+func moveToTrash(root *volume.Root, rel string, pv *v1.PersistentVolume) (string, bool, error) {
+	// A stale PV's retried Delete must not send a new claim's volume at the same path to the
+	// background walk, which would remove that claim's data.
+	if err := checkOwnedBy(root, rel, pv); err != nil {
+		return "", false, err
+	}
 	if err := root.Mkdir(trashDir, 0o700); err != nil {
 		return "", false, err
 	}
+	pvName := pv.Name
 	entry := pvName
 	err := root.Move(rel, trashDir, entry)
 	if errors.Is(err, unix.EEXIST) {

@@ -29,9 +29,9 @@ const pvFinalizer = "external-provisioner.volume.kubernetes.io/finalizer"
 // lifecycleBackend makes a class of one backend and tells where its volumes land on disk.
 type lifecycleBackend struct {
 	name string
-	// class creates a class with the given onDelete and returns it with the directory holding
-	// its volumes.
-	class func(t *testing.T, onDelete string) (className, dir string)
+	// class creates a class with the given parameters and returns it with the directory
+	// holding its volumes.
+	class func(t *testing.T, params map[string]string) (className, dir string)
 	claim []framework.ClaimOption
 }
 
@@ -39,16 +39,16 @@ func lifecycleBackends() []lifecycleBackend {
 	return []lifecycleBackend{
 		{
 			name: "local",
-			class: func(t *testing.T, onDelete string) (string, string) {
-				c, base := localClass(t, map[string]string{"onDelete": onDelete})
+			class: func(t *testing.T, params map[string]string) (string, string) {
+				c, base := localClass(t, params)
 				return c.Name, base
 			},
 			claim: []framework.ClaimOption{framework.OnNode(nodeA)},
 		},
 		{
 			name: "nfs",
-			class: func(t *testing.T, onDelete string) (string, string) {
-				c := nfsClass(t, suite.NFS, []string{"nolock"}, map[string]string{"onDelete": onDelete})
+			class: func(t *testing.T, params map[string]string) (string, string) {
+				c := nfsClass(t, suite.NFS, []string{"nolock"}, params)
 				return c.Name, suite.NFS.ExportDir
 			},
 			claim: []framework.ClaimOption{framework.AccessModes(v1.ReadWriteMany)},
@@ -72,7 +72,7 @@ func TestDeletionOrderRunsOnDelete(t *testing.T) {
 			t.Run(b.name+"/"+tc.name, func(t *testing.T) {
 				ctx := context.Background()
 				ns := suite.NewNamespace(t)
-				class, dir := b.class(t, tc.onDelete)
+				class, dir := b.class(t, map[string]string{"onDelete": tc.onDelete})
 				suite.CreateClaim(t, ns, "c", class, b.claim...)
 				_, pv := waitBound(t, ns, "c")
 				rel := pv.Spec.CSI.VolumeAttributes["path"]

@@ -22,6 +22,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/volume"
 )
 
 // denyPVsFor makes the apiserver refuse to create PVs bound to claims in ns until the returned
@@ -182,49 +183,54 @@ func TestCrashBeforePVIsSavedAdoptsDirectory(t *testing.T) {
 
 // A PV written by hand that names another claim's volume (or a stale PV whose directory was
 // made anew for another claim) is released: its Delete is refused with an event, and the
-// volume and its data stay.
+// volume and its data stay. On NFS too, where onDelete delete moves the directory to the
+// trash, whose background walk would remove the other claim's data.
 func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
-	ns := suite.NewNamespace(t)
-	class, base := localClass(t, map[string]string{"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}"})
-	suite.CreateClaim(t, ns, "owner", class.Name, framework.OnNode(nodeA))
-	_, owned := waitBound(t, ns, "owner")
-	data := filepath.Join(base, owned.Spec.CSI.VolumeAttributes["path"], "data")
-	if err := os.WriteFile(data, []byte("owner's data"), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	for _, b := range lifecycleBackends() {
+		t.Run(b.name, func(t *testing.T) {
+			ns := suite.NewNamespace(t)
+			class, dir := b.class(t, map[string]string{"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}"})
+			suite.CreateClaim(t, ns, "owner", class, b.claim...)
+			_, owned := waitBound(t, ns, "owner")
+			data := filepath.Join(dir, owned.Spec.CSI.VolumeAttributes["path"], "data")
+			if err := os.WriteFile(data, []byte("owner's data"), 0o600); err != nil {
+				t.Fatal(err)
+			}
 
-	stale := owned.DeepCopy()
-	stale.ObjectMeta = metav1.ObjectMeta{Name: "stale-" + ns, Annotations: owned.Annotations}
-	stale.Spec.CSI.VolumeHandle = "local:stale-" + ns
-	stale.Spec.ClaimRef = &v1.ObjectReference{Namespace: ns, Name: "stale"}
-	stale.Status = v1.PersistentVolumeStatus{}
-	if _, err := suite.Client.CoreV1().PersistentVolumes().Create(context.Background(), stale, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx := context.Background()
-		patch := []byte(`{"metadata":{"finalizers":null},"spec":{"persistentVolumeReclaimPolicy":"Retain"}}`)
-		suite.Client.CoreV1().PersistentVolumes().Patch(ctx, stale.Name, types.MergePatchType, patch, metav1.PatchOptions{})
-		suite.Client.CoreV1().PersistentVolumes().Delete(ctx, stale.Name, metav1.DeleteOptions{})
-	})
-	claim := framework.NewClaim(ns, "stale", class.Name, framework.OnNode(nodeA))
-	claim.Spec.VolumeName = stale.Name
-	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), claim, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitBound(t, ns, "stale")
-	deleteClaim(t, ns, "stale")
-	ev, err := framework.WaitForEvent(context.Background(), suite.Client, "", "PersistentVolume", stale.Name, "VolumeFailedDelete",
-		"belongs to another claim", timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Logf("stale PV's Delete refused: %s", ev.Message)
-	if b, err := os.ReadFile(data); err != nil || string(b) != "owner's data" {
-		t.Errorf("owner's data after the refused Delete: %q %v", b, err)
-	}
-	if _, err := suite.Client.CoreV1().PersistentVolumes().Get(context.Background(), stale.Name, metav1.GetOptions{}); err != nil {
-		t.Errorf("the refused PV: %v, want it kept", err)
+			stale := owned.DeepCopy()
+			stale.ObjectMeta = metav1.ObjectMeta{Name: "stale-" + ns, Annotations: owned.Annotations}
+			stale.Spec.CSI.VolumeHandle = volume.Handle(volume.Backend(b.name), stale.Name)
+			stale.Spec.ClaimRef = &v1.ObjectReference{Namespace: ns, Name: "stale"}
+			stale.Status = v1.PersistentVolumeStatus{}
+			if _, err := suite.Client.CoreV1().PersistentVolumes().Create(context.Background(), stale, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				ctx := context.Background()
+				patch := []byte(`{"metadata":{"finalizers":null},"spec":{"persistentVolumeReclaimPolicy":"Retain"}}`)
+				suite.Client.CoreV1().PersistentVolumes().Patch(ctx, stale.Name, types.MergePatchType, patch, metav1.PatchOptions{})
+				suite.Client.CoreV1().PersistentVolumes().Delete(ctx, stale.Name, metav1.DeleteOptions{})
+			})
+			claim := framework.NewClaim(ns, "stale", class, b.claim...)
+			claim.Spec.VolumeName = stale.Name
+			if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), claim, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			waitBound(t, ns, "stale")
+			deleteClaim(t, ns, "stale")
+			ev, err := framework.WaitForEvent(context.Background(), suite.Client, "", "PersistentVolume", stale.Name, "VolumeFailedDelete",
+				"belongs to another claim", timeout)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("stale PV's Delete refused: %s", ev.Message)
+			if b, err := os.ReadFile(data); err != nil || string(b) != "owner's data" {
+				t.Errorf("owner's data after the refused Delete: %q %v", b, err)
+			}
+			if _, err := suite.Client.CoreV1().PersistentVolumes().Get(context.Background(), stale.Name, metav1.GetOptions{}); err != nil {
+				t.Errorf("the refused PV: %v, want it kept", err)
+			}
+		})
 	}
 }
 
