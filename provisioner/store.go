@@ -269,6 +269,15 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) error {
 		if err := os.MkdirAll(ex.dir, 0o700); err != nil {
 			return fmt.Errorf("create mount point: %w", err)
 		}
+		// A background delete checks for shutdown before it acquires the export, without
+		// ex.lock: closeAll may have unmounted everything since. Checked here, under ex.lock,
+		// which closeAll's unmount takes too, no mount starts after that unmount.
+		e.mu.Lock()
+		closed := e.closed
+		e.mu.Unlock()
+		if closed {
+			return fmt.Errorf("mount NFS %s: %w", ex.source, errShuttingDown)
+		}
 		start := time.Now()
 		if err := e.mounter.Mount(ex.source, ex.dir, "nfs", ex.options); err != nil {
 			return fmt.Errorf("mount NFS %s with options %q: %w", ex.source, ex.options, err)

@@ -308,3 +308,23 @@ func TestLazyUnmountLeavesNoMount(t *testing.T) {
 		t.Errorf("file held across the lazy unmount: %v", err)
 	}
 }
+
+// A background delete that passed its shutdown check just before closeAll acquires its export
+// after closeAll unmounted everything: it is refused, and nothing is mounted again behind
+// shutdown's back.
+func TestNoMountAfterShutdown(t *testing.T) {
+	m := mount.NewFakeMounter(nil)
+	e := newExports(m, t.TempDir(), time.Second)
+	ex := e.get("nfs.example", "/export", nil)
+	e.closeAll(context.Background())
+	root, _, err := e.acquire(context.Background(), ex)
+	if root != nil {
+		root.Close()
+	}
+	if !errors.Is(err, errShuttingDown) {
+		t.Errorf("acquire after closeAll: %v, want errShuttingDown", err)
+	}
+	if mps, _ := m.List(); len(mps) != 0 {
+		t.Errorf("mounts after shutdown: %v, want none", mps)
+	}
+}
