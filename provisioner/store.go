@@ -262,9 +262,12 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) error {
 		if err := os.MkdirAll(ex.dir, 0o700); err != nil {
 			return fmt.Errorf("create mount point: %w", err)
 		}
-		// A mount left by an earlier run of dirpv may be stale; mount afresh rather than trust it.
-		if err := mount.CleanupMountPoint(ex.dir, e.mounter, true); err != nil {
-			return fmt.Errorf("clean up earlier mount at %s: %w", ex.dir, err)
+		// A mount left by an earlier run of dirpv may be stale; mount afresh rather than trust
+		// it. Found in the mount table, which never waits on a server, and taken down with the
+		// bounded forced and lazy unmounts: a stat or umount(8) of a stale hard mount would
+		// hang with ex.lock held.
+		if err := e.dropLeftoverMount(logger, ex); err != nil {
+			return err
 		}
 		if err := os.MkdirAll(ex.dir, 0o700); err != nil {
 			return fmt.Errorf("create mount point: %w", err)
@@ -289,13 +292,22 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) error {
 		ex.root = r
 		ex.gen++
 		logger.Info("Mounted NFS export", "export", ex.source, "options", ex.options, "dir", ex.dir, "duration", time.Since(start))
+		// Volumes deleted before a restart, or whose removal stopped with the mount, are
+		// still in the trash: carry on with them. Listed on the mount just made, through a
+		// handle of its own, so that the listing never mounts again by itself; and after
+		// ex.lock is released, so that a server slow to list holds up no other call.
+		trashRoot, derr := r.Dup()
 		e.mu.Lock()
 		ex.mounted = true
+		if derr != nil {
+			logger.Error(derr, "Resuming the removal of deleted volumes", "export", ex.source)
+		} else if !e.background(&e.running, func() {
+			defer trashRoot.Close()
+			e.resumeTrash(e.logger, ex, trashRoot)
+		}) {
+			trashRoot.Close()
+		}
 		e.mu.Unlock()
-		// Volumes deleted before a restart, or whose removal stopped with the mount, are
-		// still in the trash: carry on with them. Listed here, on the mount just made, so
-		// that the listing never mounts again by itself.
-		e.resumeTrash(e.logger, ex, r)
 		return nil
 	})
 	if err != nil {
@@ -357,6 +369,16 @@ func (e *exports) unmountDir(logger klog.Logger, ex *export) (how string, err er
 		return "plain", nil
 	}
 	logger.Info("Unmount failed or does not finish; forcing it", "export", ex.source, "dir", ex.dir, "reason", err)
+	how, ferr := e.forceUnmountDir(logger, ex)
+	if ferr != nil {
+		return "", errors.Join(err, ferr)
+	}
+	return how, nil
+}
+
+// forceUnmountDir unmounts ex.dir with MNT_FORCE, then with MNT_DETACH, each bounded by
+// lazyUnmountTimeout, neither waiting on the server.
+func (e *exports) forceUnmountDir(logger klog.Logger, ex *export) (how string, err error) {
 	for _, how := range []struct {
 		name  string
 		flags int
@@ -372,6 +394,24 @@ func (e *exports) unmountDir(logger klog.Logger, ex *export) (how string, err er
 		err = errors.Join(err, fmt.Errorf("%s unmount: %w", how.name, ferr))
 	}
 	return "", err
+}
+
+// dropLeftoverMount unmounts whatever is mounted at ex.dir, which this process has not mounted
+// (the caller holds ex.lock and ex.root is nil): a mount left by an earlier run.
+func (e *exports) dropLeftoverMount(logger klog.Logger, ex *export) error {
+	mps, err := e.mounter.List()
+	if err != nil {
+		return fmt.Errorf("list mounts: %w", err)
+	}
+	if !slices.ContainsFunc(mps, func(mp mount.MountPoint) bool { return mp.Path == ex.dir }) {
+		return nil
+	}
+	how, err := e.forceUnmountDir(logger, ex)
+	if err != nil {
+		return fmt.Errorf("clean up earlier mount at %s: %w", ex.dir, err)
+	}
+	logger.Info("Unmounted a mount left by an earlier run", "export", ex.source, "dir", ex.dir, "unmount", how)
+	return nil
 }
 
 // removeMountPoint removes the now empty mount point; a later mount makes it again.
