@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -106,6 +107,9 @@ type export struct {
 	root *volume.Root
 	// gen counts mounts, so that a caller drops only the mount its call failed on.
 	gen uint64
+	// lockedSince is when lock was taken, in Unix nanoseconds, 0 while it is free: a lock
+	// held far longer than any bounded step means a step is hung (Healthy).
+	lockedSince atomic.Int64
 
 	// Guarded by exports.mu. users counts calls and background deletes under way: an export
 	// with users is never unmounted as idle.
@@ -119,6 +123,15 @@ func newExports(mounter mount.Interface, workDir string, timeout time.Duration) 
 	bg, stop := context.WithCancel(context.Background())
 	return &exports{mounter: mounter, workDir: workDir, timeout: timeout, logger: klog.Background(),
 		bg: bg, stopBg: stop, byKey: map[string]*export{}}
+}
+
+// locked records that the caller just took ex.lock.
+func (ex *export) locked() { ex.lockedSince.Store(time.Now().UnixNano()) }
+
+// unlock releases ex.lock.
+func (ex *export) unlock() {
+	ex.lockedSince.Store(0)
+	<-ex.lock
 }
 
 // get returns the export for (server, share, options), creating its record on first use.
@@ -217,18 +230,19 @@ func (e *exports) acquire(ctx context.Context, ex *export) (*volume.Root, uint64
 	for mounted := false; ; mounted = true {
 		select {
 		case ex.lock <- struct{}{}:
+			ex.locked()
 		case <-ctx.Done():
 			return nil, 0, fmt.Errorf("waiting to mount NFS %s: %w (%w)", ex.source, errExportUnresponsive, ctx.Err())
 		}
 		if ex.root != nil {
 			root, err := ex.root.Dup()
 			gen := ex.gen
-			<-ex.lock
+			ex.unlock()
 			return root, gen, err
 		}
 		if mounted {
 			// Unmounted again between our mount and now: the server just failed someone else.
-			<-ex.lock
+			ex.unlock()
 			return nil, 0, fmt.Errorf("NFS %s was dropped right after it was mounted: %w", ex.source, errExportUnresponsive)
 		}
 		if err := e.mountLocked(ctx, ex); err != nil {
@@ -258,7 +272,7 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) error {
 		}
 		started = true
 		mu.Unlock()
-		defer func() { <-ex.lock }()
+		defer ex.unlock()
 		if err := os.MkdirAll(ex.dir, 0o700); err != nil {
 			return fmt.Errorf("create mount point: %w", err)
 		}
@@ -314,7 +328,7 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) error {
 		mu.Lock()
 		gaveUp = true
 		if !started {
-			<-ex.lock
+			ex.unlock()
 		}
 		mu.Unlock()
 	}
@@ -328,11 +342,12 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) error {
 func (e *exports) unmount(logger klog.Logger, ex *export, gen uint64, idleOnly bool) {
 	select {
 	case ex.lock <- struct{}{}:
+		ex.locked()
 	case <-time.After(e.timeout):
 		logger.Info("Gave up unmounting NFS export: a mount of it is still under way", "export", ex.source, "dir", ex.dir)
 		return
 	}
-	defer func() { <-ex.lock }()
+	defer ex.unlock()
 	if ex.root == nil || (gen != 0 && gen != ex.gen) {
 		return
 	}
