@@ -80,6 +80,11 @@ type ExportStatus struct {
 	// on it fail at once; SaturatedSince is since when no slot has come free.
 	Saturated      bool
 	SaturatedSince time.Time
+	// MountLockHeldSince is since when a mount, unmount or lookup of the export's mount has
+	// held its lock, zero if none does. Every step under the lock is bounded, so a lock
+	// held far longer than the operation timeout means a step is hung and every call on
+	// the export waits in vain.
+	MountLockHeldSince time.Time
 }
 
 // Exports reports on every NFS export this controller knows, one entry per server:share (exports
@@ -90,13 +95,19 @@ func (p *Provisioner) Exports() []ExportStatus {
 	}
 	p.exports.mu.Lock()
 	slots := make(map[string][]*callSlots, len(p.exports.byKey))
+	lockedSince := make(map[string]time.Time, len(p.exports.byKey))
 	for _, ex := range p.exports.byKey {
 		slots[ex.source] = append(slots[ex.source], ex.sem)
+		if ns := ex.lockedSince.Load(); ns != 0 {
+			if t, ok := lockedSince[ex.source]; !ok || time.Unix(0, ns).Before(t) {
+				lockedSince[ex.source] = time.Unix(0, ns)
+			}
+		}
 	}
 	p.exports.mu.Unlock()
 	out := make([]ExportStatus, 0, len(slots))
 	for source, ss := range slots {
-		st := ExportStatus{Export: source}
+		st := ExportStatus{Export: source, MountLockHeldSince: lockedSince[source]}
 		for _, s := range ss {
 			s.mu.Lock()
 			st.Stuck += s.abandoned
@@ -112,8 +123,9 @@ func (p *Provisioner) Exports() []ExportStatus {
 }
 
 // Healthy returns an error if an NFS export has had all its call slots taken, none coming free,
-// for longer than limit: every claim on it fails, and only a restart (which the liveness probe
-// triggers) gets rid of calls stuck in the kernel. A limit of zero or less disables the check.
+// or its mount lock held, for longer than limit: every claim on it fails, and only a restart
+// (which the liveness probe triggers) gets rid of calls stuck in the kernel. A limit of zero or
+// less disables the check.
 func (p *Provisioner) Healthy(limit time.Duration) error {
 	if limit <= 0 {
 		return nil
@@ -123,6 +135,10 @@ func (p *Provisioner) Healthy(limit time.Duration) error {
 		if st.Saturated && time.Since(st.SaturatedSince) > limit {
 			wedged = append(wedged, fmt.Sprintf("%s (every call slot taken since %s, %d calls abandoned)",
 				st.Export, st.SaturatedSince.UTC().Format(time.RFC3339), st.Stuck))
+		}
+		if !st.MountLockHeldSince.IsZero() && time.Since(st.MountLockHeldSince) > limit {
+			wedged = append(wedged, fmt.Sprintf("%s (mount lock held since %s)",
+				st.Export, st.MountLockHeldSince.UTC().Format(time.RFC3339)))
 		}
 	}
 	if len(wedged) > 0 {

@@ -80,3 +80,33 @@ func TestHealthFailsWhileAnExportIsWedged(t *testing.T) {
 		return p.Healthy(limit) == nil && len(st) == 1 && st[0].Stuck == 0 && !st[0].Saturated
 	})
 }
+
+// A mount that never returns holds the export's mount lock, so every later call on the export
+// waits for it in vain while only one of its call slots is taken: the controller turns
+// unhealthy once the lock has been held longer than the limit, and healthy again once the
+// mount returns.
+func TestHealthFailsWhileAMountHoldsTheLock(t *testing.T) {
+	m := &slowMounter{FakeMounter: mount.NewFakeMounter(nil), release: make(chan struct{})}
+	e := newExports(m, t.TempDir(), 200*time.Millisecond)
+	p := &Provisioner{exports: e}
+	t.Cleanup(func() { e.closeAll(context.Background()) })
+	released := false
+	t.Cleanup(func() {
+		if !released {
+			close(m.release)
+		}
+	})
+	const limit = 400 * time.Millisecond
+
+	err := e.do(context.Background(), "nfs.example", "/export", nil, func(*volume.Root) error { return nil })
+	if !errors.Is(err, errExportUnresponsive) {
+		t.Fatalf("call against a hung mount: %v, want errExportUnresponsive", err)
+	}
+	pollUntil(t, 5*time.Second, "unhealthy while the mount hangs", func() bool {
+		err := p.Healthy(limit)
+		return err != nil && strings.Contains(err.Error(), "nfs.example:/export (mount lock held since")
+	})
+	close(m.release)
+	released = true
+	pollUntil(t, 5*time.Second, "healthy once the mount returned", func() bool { return p.Healthy(limit) == nil })
+}

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -106,6 +107,9 @@ type export struct {
 	root *volume.Root
 	// gen counts mounts, so that a caller drops only the mount its call failed on.
 	gen uint64
+	// lockedSince is when lock was taken, in Unix nanoseconds, 0 while it is free: a lock
+	// held far longer than any bounded step means a step is hung (Healthy).
+	lockedSince atomic.Int64
 
 	// Guarded by exports.mu. users counts calls and background deletes under way: an export
 	// with users is never unmounted as idle.
@@ -119,6 +123,15 @@ func newExports(mounter mount.Interface, workDir string, timeout time.Duration) 
 	bg, stop := context.WithCancel(context.Background())
 	return &exports{mounter: mounter, workDir: workDir, timeout: timeout, logger: klog.Background(),
 		bg: bg, stopBg: stop, byKey: map[string]*export{}}
+}
+
+// locked records that the caller just took ex.lock.
+func (ex *export) locked() { ex.lockedSince.Store(time.Now().UnixNano()) }
+
+// unlock releases ex.lock.
+func (ex *export) unlock() {
+	ex.lockedSince.Store(0)
+	<-ex.lock
 }
 
 // get returns the export for (server, share, options), creating its record on first use.
@@ -217,18 +230,19 @@ func (e *exports) acquire(ctx context.Context, ex *export) (*volume.Root, uint64
 	for mounted := false; ; mounted = true {
 		select {
 		case ex.lock <- struct{}{}:
+			ex.locked()
 		case <-ctx.Done():
 			return nil, 0, fmt.Errorf("waiting to mount NFS %s: %w (%w)", ex.source, errExportUnresponsive, ctx.Err())
 		}
 		if ex.root != nil {
 			root, err := ex.root.Dup()
 			gen := ex.gen
-			<-ex.lock
+			ex.unlock()
 			return root, gen, err
 		}
 		if mounted {
 			// Unmounted again between our mount and now: the server just failed someone else.
-			<-ex.lock
+			ex.unlock()
 			return nil, 0, fmt.Errorf("NFS %s was dropped right after it was mounted: %w", ex.source, errExportUnresponsive)
 		}
 		if err := e.mountLocked(ctx, ex); err != nil {
@@ -258,16 +272,28 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) error {
 		}
 		started = true
 		mu.Unlock()
-		defer func() { <-ex.lock }()
+		defer ex.unlock()
 		if err := os.MkdirAll(ex.dir, 0o700); err != nil {
 			return fmt.Errorf("create mount point: %w", err)
 		}
-		// A mount left by an earlier run of dirpv may be stale; mount afresh rather than trust it.
-		if err := mount.CleanupMountPoint(ex.dir, e.mounter, true); err != nil {
-			return fmt.Errorf("clean up earlier mount at %s: %w", ex.dir, err)
+		// A mount left by an earlier run of dirpv may be stale; mount afresh rather than trust
+		// it. Found in the mount table, which never waits on a server, and taken down with the
+		// bounded forced and lazy unmounts: a stat or umount(8) of a stale hard mount would
+		// hang with ex.lock held.
+		if err := e.dropLeftoverMount(logger, ex); err != nil {
+			return err
 		}
 		if err := os.MkdirAll(ex.dir, 0o700); err != nil {
 			return fmt.Errorf("create mount point: %w", err)
+		}
+		// A background delete checks for shutdown before it acquires the export, without
+		// ex.lock: closeAll may have unmounted everything since. Checked here, under ex.lock,
+		// which closeAll's unmount takes too, no mount starts after that unmount.
+		e.mu.Lock()
+		closed := e.closed
+		e.mu.Unlock()
+		if closed {
+			return fmt.Errorf("mount NFS %s: %w", ex.source, errShuttingDown)
 		}
 		start := time.Now()
 		if err := e.mounter.Mount(ex.source, ex.dir, "nfs", ex.options); err != nil {
@@ -280,20 +306,29 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) error {
 		ex.root = r
 		ex.gen++
 		logger.Info("Mounted NFS export", "export", ex.source, "options", ex.options, "dir", ex.dir, "duration", time.Since(start))
+		// Volumes deleted before a restart, or whose removal stopped with the mount, are
+		// still in the trash: carry on with them. Listed on the mount just made, through a
+		// handle of its own, so that the listing never mounts again by itself; and after
+		// ex.lock is released, so that a server slow to list holds up no other call.
+		trashRoot, derr := r.Dup()
 		e.mu.Lock()
 		ex.mounted = true
+		if derr != nil {
+			logger.Error(derr, "Resuming the removal of deleted volumes", "export", ex.source)
+		} else if !e.background(&e.running, func() {
+			defer trashRoot.Close()
+			e.resumeTrash(e.logger, ex, trashRoot)
+		}) {
+			trashRoot.Close()
+		}
 		e.mu.Unlock()
-		// Volumes deleted before a restart, or whose removal stopped with the mount, are
-		// still in the trash: carry on with them. Listed here, on the mount just made, so
-		// that the listing never mounts again by itself.
-		e.resumeTrash(e.logger, ex, r)
 		return nil
 	})
 	if err != nil {
 		mu.Lock()
 		gaveUp = true
 		if !started {
-			<-ex.lock
+			ex.unlock()
 		}
 		mu.Unlock()
 	}
@@ -307,11 +342,12 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) error {
 func (e *exports) unmount(logger klog.Logger, ex *export, gen uint64, idleOnly bool) {
 	select {
 	case ex.lock <- struct{}{}:
+		ex.locked()
 	case <-time.After(e.timeout):
 		logger.Info("Gave up unmounting NFS export: a mount of it is still under way", "export", ex.source, "dir", ex.dir)
 		return
 	}
-	defer func() { <-ex.lock }()
+	defer ex.unlock()
 	if ex.root == nil || (gen != 0 && gen != ex.gen) {
 		return
 	}
@@ -348,6 +384,16 @@ func (e *exports) unmountDir(logger klog.Logger, ex *export) (how string, err er
 		return "plain", nil
 	}
 	logger.Info("Unmount failed or does not finish; forcing it", "export", ex.source, "dir", ex.dir, "reason", err)
+	how, ferr := e.forceUnmountDir(logger, ex)
+	if ferr != nil {
+		return "", errors.Join(err, ferr)
+	}
+	return how, nil
+}
+
+// forceUnmountDir unmounts ex.dir with MNT_FORCE, then with MNT_DETACH, each bounded by
+// lazyUnmountTimeout, neither waiting on the server.
+func (e *exports) forceUnmountDir(logger klog.Logger, ex *export) (how string, err error) {
 	for _, how := range []struct {
 		name  string
 		flags int
@@ -363,6 +409,24 @@ func (e *exports) unmountDir(logger klog.Logger, ex *export) (how string, err er
 		err = errors.Join(err, fmt.Errorf("%s unmount: %w", how.name, ferr))
 	}
 	return "", err
+}
+
+// dropLeftoverMount unmounts whatever is mounted at ex.dir, which this process has not mounted
+// (the caller holds ex.lock and ex.root is nil): a mount left by an earlier run.
+func (e *exports) dropLeftoverMount(logger klog.Logger, ex *export) error {
+	mps, err := e.mounter.List()
+	if err != nil {
+		return fmt.Errorf("list mounts: %w", err)
+	}
+	if !slices.ContainsFunc(mps, func(mp mount.MountPoint) bool { return mp.Path == ex.dir }) {
+		return nil
+	}
+	how, err := e.forceUnmountDir(logger, ex)
+	if err != nil {
+		return fmt.Errorf("clean up earlier mount at %s: %w", ex.dir, err)
+	}
+	logger.Info("Unmounted a mount left by an earlier run", "export", ex.source, "dir", ex.dir, "unmount", how)
+	return nil
 }
 
 // removeMountPoint removes the now empty mount point; a later mount makes it again.

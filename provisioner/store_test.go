@@ -308,3 +308,61 @@ func TestLazyUnmountLeavesNoMount(t *testing.T) {
 		t.Errorf("file held across the lazy unmount: %v", err)
 	}
 }
+
+// A background delete that passed its shutdown check just before closeAll acquires its export
+// after closeAll unmounted everything: it is refused, and nothing is mounted again behind
+// shutdown's back.
+func TestNoMountAfterShutdown(t *testing.T) {
+	m := mount.NewFakeMounter(nil)
+	e := newExports(m, t.TempDir(), time.Second)
+	ex := e.get("nfs.example", "/export", nil)
+	e.closeAll(context.Background())
+	root, _, err := e.acquire(context.Background(), ex)
+	if root != nil {
+		root.Close()
+	}
+	if !errors.Is(err, errShuttingDown) {
+		t.Errorf("acquire after closeAll: %v, want errShuttingDown", err)
+	}
+	if mps, _ := m.List(); len(mps) != 0 {
+		t.Errorf("mounts after shutdown: %v, want none", mps)
+	}
+}
+
+// A mount left at an export's mount point by an earlier run, whose server no longer answers
+// (umount(8) hangs), is taken down with the bounded forced and lazy unmounts: the first call
+// mounts afresh within its deadline instead of hanging with the export's lock held.
+func TestLeftoverMountWithHungUnmountIsReplaced(t *testing.T) {
+	m := newBindMounter(t)
+	data := m.export(t, "nfs.example", "/export")
+	e := newExports(m, t.TempDir(), 2*time.Second)
+	defer e.closeAll(context.Background())
+	dir := exportDir(e, "nfs.example", "/export")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Mount(volume.ExportSource("nfs.example", "/export"), dir, "nfs", nil); err != nil {
+		t.Fatal(err)
+	}
+	m.hangUnmounts("nfs.example", "/export")
+	start := time.Now()
+	err := e.do(context.Background(), "nfs.example", "/export", nil, func(root *volume.Root) error {
+		return root.Mkdir("made", 0o755)
+	})
+	if err != nil {
+		t.Fatalf("first call with a leftover mount whose unmount hangs: %v (after %v)", err, time.Since(start))
+	}
+	if _, err := os.Stat(filepath.Join(data, "made")); err != nil {
+		t.Errorf("the call did not reach the export: %v", err)
+	}
+	infos, _ := mount.ParseMountInfo("/proc/self/mountinfo")
+	n := 0
+	for _, mi := range infos {
+		if mi.MountPoint == dir {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Errorf("%d mounts at %s, want exactly one (the leftover gone, a fresh one made)", n, dir)
+	}
+}

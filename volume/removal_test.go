@@ -125,3 +125,62 @@ func TestDupOutlivesClose(t *testing.T) {
 		t.Errorf("directory made through the duplicate is not in the base: %v", err)
 	}
 }
+
+// A tenant decides how many names a directory of its volume holds. A removal reads them a
+// batch at a time and keeps no more than one batch, whatever the directory's size and however
+// many directories it has descended through, so a directory of millions of names cannot run the
+// controller out of memory; and it still removes every name, those of a batch cut short by a
+// descent included.
+func TestRemovalHoldsAtMostOneBatchOfNames(t *testing.T) {
+	r, base := newRoot(t)
+	const files, dirs, perDir = 3*removalBatch + 7, 6, removalBatch + 300
+	mkfiles := func(dir string, n int) {
+		t.Helper()
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		for f := range n {
+			if err := os.WriteFile(filepath.Join(dir, "file-with-a-long-name-"+strconv.Itoa(f)), nil, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	mkfiles(filepath.Join(base, "vol"), files)
+	for d := range dirs {
+		mkfiles(filepath.Join(base, "vol", "d"+strconv.Itoa(d)), perDir)
+	}
+	rm, err := r.StartRemoval("vol")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rm.Close()
+	total, most := 0, 0
+	for steps := 0; ; steps++ {
+		n, done, err := rm.Step(97)
+		if err != nil {
+			t.Fatal(err)
+		}
+		total += n
+		held := 0
+		for _, l := range rm.stack {
+			held += len(l.children)
+		}
+		most = max(most, held)
+		if held > removalBatch {
+			t.Fatalf("after %d entries removed the walk holds %d names, more than a batch of %d", total, held, removalBatch)
+		}
+		if done {
+			break
+		}
+		if steps > 10*(files+dirs*perDir) {
+			t.Fatal("removal does not end")
+		}
+	}
+	if want := files + dirs*(perDir+1) + 1; total != want {
+		t.Errorf("removed %d entries, want %d", total, want)
+	}
+	if _, err := os.Lstat(filepath.Join(base, "vol")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("vol after the removal: %v, want it gone", err)
+	}
+	t.Logf("at most %d names held at once", most)
+}

@@ -1,8 +1,11 @@
 package volume
 
 import (
+	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"os"
 	"path"
@@ -413,8 +416,9 @@ func (r *Root) RemoveAll(rel string) error {
 // Removal is a RemoveAll done in steps, for trees too big to remove within one deadline: each
 // Step does a bounded amount of work and the next one carries on where it stopped. It makes
 // RemoveAll's promises (no symlink followed, no mount crossed, one directory open at a time
-// whatever the depth) and holds its two descriptors between steps. It is not safe for
-// concurrent use.
+// whatever the depth) and holds its two descriptors between steps. Its memory is bounded too:
+// a directory is read removalBatch names at a time, never listed whole, since a tenant decides
+// how many names its volume's directories hold. It is not safe for concurrent use.
 type Removal struct {
 	// what names the tree in errors: rel in the root's path.
 	what     string
@@ -426,13 +430,33 @@ type Removal struct {
 	// cur is the directory being emptied, the last of stack; -1 before the walk descends.
 	cur   int
 	stack []removalLevel
+	// batch is how many names are read from a directory at a time; buf holds what one read
+	// returns.
+	batch int
+	buf   []byte
 }
+
+// removalBatch is how many names a Removal reads from a directory at a time.
+const removalBatch = 1000
 
 type removalLevel struct {
 	name     string
 	dev, ino uint64
-	// children still to remove.
-	children []string
+	// children are the names read and not yet removed, at most a batch and only for the
+	// deepest level: a level's batch is dropped when the walk descends from it, and read
+	// again from off when the walk comes back.
+	children []dirent
+	// off is where the next read of the directory starts: just past the last name taken
+	// from it. seen records whether this pass over the directory, since off was last 0,
+	// found any name; a pass from the start that finds none means the directory is empty.
+	off  int64
+	seen bool
+}
+
+// dirent is one name read from a directory and the offset of the entry after it.
+type dirent struct {
+	name string
+	off  int64
 }
 
 // StartRemoval prepares the removal of rel; nothing is removed until Step. A missing parent of
@@ -442,7 +466,7 @@ func (r *Root) StartRemoval(rel string) (*Removal, error) {
 		return nil, err
 	}
 	parent, name := split(rel)
-	rm := &Removal{what: rel + " in " + r.path, parentFd: -1, name: name, cur: -1}
+	rm := &Removal{what: rel + " in " + r.path, parentFd: -1, name: name, cur: -1, batch: removalBatch}
 	parentFd, err := r.openDir(parent, unix.O_RDONLY)
 	if errors.Is(err, os.ErrNotExist) {
 		rm.started, rm.done = true, true
@@ -475,8 +499,7 @@ func (rm *Removal) Close() error {
 }
 
 // Step removes up to max entries (files, links and emptied directories) and reports how many
-// it removed and whether the whole tree is gone. Reading a directory counts as no entry, so
-// a step may list one large directory beyond max. After an error the Removal is spent: Close
+// it removed and whether the whole tree is gone. After an error the Removal is spent: Close
 // it and start again, which carries on from what is left.
 func (rm *Removal) Step(max int) (removed int, done bool, err error) {
 	if rm.done {
@@ -501,8 +524,8 @@ func (rm *Removal) where(child string) string {
 	return b.String()
 }
 
-// descend opens the directory child of fd, checks it is on the same mount, lists it and makes
-// it the current level. It reports false if child is gone.
+// descend opens the directory child of fd, checks it is on the same mount and makes it the
+// current level, its names not read yet. It reports false if child is gone.
 func (rm *Removal) descend(fd int, child string) (int, bool, error) {
 	cfd, err := unix.Openat(fd, child, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if errors.Is(err, unix.ENOENT) {
@@ -524,13 +547,90 @@ func (rm *Removal) descend(fd int, child string) (int, bool, error) {
 	if err := unix.Fstat(cfd, &st); err != nil {
 		return fail(fmt.Errorf("stat %s: %w", rm.where(child), err))
 	}
-	names, err := readDirNames(cfd)
-	if err != nil {
-		return fail(fmt.Errorf("read directory %s: %w", rm.where(child), err))
-	}
-	rm.stack = append(rm.stack, removalLevel{name: child, dev: st.Dev, ino: st.Ino, children: names})
+	rm.stack = append(rm.stack, removalLevel{name: child, dev: st.Dev, ino: st.Ino})
 	return cfd, true, nil
 }
+
+// readBatch reads up to rm.batch names of the current directory into top.children, from
+// top.off on. It reports false when the directory is empty: a pass from its start found no
+// name. Reaching the end after a pass that found names starts another pass from the start,
+// since a directory offset need not stay valid while names are removed (it does not on
+// every file system), and names made meanwhile must go too.
+func (rm *Removal) readBatch(top *removalLevel) (bool, error) {
+	// A descriptor of its own, so that the offset set here moves no one else's, closed at
+	// once, so that the walk still holds only cur and parentFd between reads.
+	fd, err := unix.Openat(rm.cur, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return false, fmt.Errorf("open %s: %w", rm.where(""), err)
+	}
+	defer unix.Close(fd)
+	if rm.buf == nil {
+		rm.buf = make([]byte, 32<<10)
+	}
+	for {
+		if _, err := unix.Seek(fd, top.off, io.SeekStart); err != nil {
+			return false, fmt.Errorf("read directory %s: seek: %w", rm.where(""), err)
+		}
+		n, err := unix.Getdents(fd, rm.buf)
+		if err != nil {
+			return false, fmt.Errorf("read directory %s: %w", rm.where(""), err)
+		}
+		if n == 0 {
+			// seen is false only while a pass that began at the start has found nothing.
+			if !top.seen {
+				return false, nil
+			}
+			top.off, top.seen = 0, false
+			continue
+		}
+		top.children = parseDirents(rm.buf[:n], top.children[:0], rm.batch)
+		if len(top.children) > 0 {
+			top.seen = true
+			return true, nil
+		}
+		// Only "." and "..": carry on past them.
+		top.off = lastDirentOff(rm.buf[:n])
+	}
+}
+
+// parseDirents appends up to max names, "." and ".." left out, from buf as getdents64(2) fills
+// it.
+func parseDirents(buf []byte, out []dirent, max int) []dirent {
+	for len(buf) >= direntNameOff && len(out) < max {
+		off := int64(binary.NativeEndian.Uint64(buf[8:16]))
+		reclen := int(binary.NativeEndian.Uint16(buf[16:18]))
+		if reclen < direntNameOff || reclen > len(buf) {
+			break
+		}
+		name := buf[direntNameOff:reclen]
+		if i := bytes.IndexByte(name, 0); i >= 0 {
+			name = name[:i]
+		}
+		if s := string(name); s != "." && s != ".." {
+			out = append(out, dirent{name: s, off: off})
+		}
+		buf = buf[reclen:]
+	}
+	return out
+}
+
+// lastDirentOff is the offset past the last entry in buf as getdents64(2) fills it.
+func lastDirentOff(buf []byte) int64 {
+	var off int64
+	for len(buf) >= direntNameOff {
+		reclen := int(binary.NativeEndian.Uint16(buf[16:18]))
+		if reclen < direntNameOff || reclen > len(buf) {
+			break
+		}
+		off = int64(binary.NativeEndian.Uint64(buf[8:16]))
+		buf = buf[reclen:]
+	}
+	return off
+}
+
+// direntNameOff is where the name starts in a linux_dirent64: after d_ino, d_off, d_reclen
+// and d_type.
+const direntNameOff = 19
 
 // step walks the tree holding one directory open at a time, whatever its depth: a tenant
 // decides how deep its volume is, and one descriptor per level would let it exhaust the
@@ -565,10 +665,20 @@ func (rm *Removal) step(max int) (int, error) {
 	}
 	for len(rm.stack) > 0 && removed < max {
 		top := &rm.stack[len(rm.stack)-1]
-		if n := len(top.children); n > 0 {
-			child := top.children[n-1]
-			top.children = top.children[:n-1]
-			err := unix.Unlinkat(rm.cur, child, 0)
+		if len(top.children) == 0 {
+			more, err := rm.readBatch(top)
+			if err != nil {
+				return removed, err
+			}
+			if !more {
+				top.children = nil
+			}
+		}
+		if len(top.children) > 0 {
+			child := top.children[0]
+			top.children = top.children[1:]
+			top.off = child.off
+			err := unix.Unlinkat(rm.cur, child.name, 0)
 			switch {
 			case err == nil:
 				removed++
@@ -576,9 +686,12 @@ func (rm *Removal) step(max int) (int, error) {
 			case errors.Is(err, unix.ENOENT):
 				continue
 			case !errors.Is(err, unix.EISDIR):
-				return removed, fmt.Errorf("unlink %s: %w", rm.where(child), err)
+				return removed, fmt.Errorf("unlink %s: %w", rm.where(child.name), err)
 			}
-			cfd, ok, err := rm.descend(rm.cur, child)
+			// Into the directory at once, so that every name read is gone before the next
+			// pass over this one. What is left of this batch is read again on the way back.
+			top.children = nil
+			cfd, ok, err := rm.descend(rm.cur, child.name)
 			if err != nil {
 				return removed, err
 			}
@@ -632,7 +745,7 @@ func removeVolumeAt(parentFd int, name string, mnt uint64) error {
 	if err != nil {
 		return fmt.Errorf("duplicate directory handle: %w", err)
 	}
-	rm := &Removal{what: name, parentFd: fd, name: name, mnt: mnt, cur: -1}
+	rm := &Removal{what: name, parentFd: fd, name: name, mnt: mnt, cur: -1, batch: removalBatch}
 	defer rm.Close()
 	for {
 		_, done, err := rm.Step(math.MaxInt)
