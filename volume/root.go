@@ -569,6 +569,13 @@ func (rm *Removal) readBatch(top *removalLevel) (bool, error) {
 	}
 	for {
 		if _, err := unix.Seek(fd, top.off, io.SeekStart); err != nil {
+			if top.off != 0 && errors.Is(err, unix.EINVAL) {
+				// The offset is no longer valid on a new descriptor (overlayfs numbers a
+				// merged directory's entries per open, and the directory has shrunk): a
+				// pass from the start finds whatever is left.
+				top.off, top.seen = 0, false
+				continue
+			}
 			return false, fmt.Errorf("read directory %s: seek: %w", rm.where(""), err)
 		}
 		n, err := unix.Getdents(fd, rm.buf)
