@@ -25,30 +25,6 @@ func sizedClaim(name, size string) *v1.PersistentVolumeClaim {
 	return c
 }
 
-// writeMiB writes up to n MiB to p, syncing each, and returns how many went in and the
-// error that stopped it.
-func writeMiB(t *testing.T, p string, n int) (int, error) {
-	t.Helper()
-	f, err := os.Create(p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	buf := make([]byte, 1<<20)
-	for i := range buf {
-		buf[i] = byte(i*13 + 1)
-	}
-	for i := range n {
-		if _, err := f.Write(buf); err != nil {
-			return i, err
-		}
-		if err := f.Sync(); err != nil {
-			return i, err
-		}
-	}
-	return n, nil
-}
-
 // TestProvisionLocalEnforcesSize: on a btrfs base with quota, the claim's size is the volume's
 // limit from the moment its PV exists: writes past it fail with EDQUOT, a neighbour is
 // unaffected, the PV names the quota, and Delete removes the volume and frees the quota.
@@ -77,12 +53,12 @@ func TestProvisionLocalEnforcesSize(t *testing.T) {
 			if err != nil || id.Kind != quota.Btrfs {
 				t.Fatalf("PV attribute %s = %q (%v), want a btrfs quota", volume.AttrQuota, attrs.Quota, err)
 			}
-			if n, err := writeMiB(t, filepath.Join(f.base, attrs.Path, "big"), 20); !errors.Is(err, unix.EDQUOT) || n > 10 {
-				t.Errorf("writing 20 MiB into a 10Mi claim: %d MiB went in, err %v; want EDQUOT by 10 MiB", n, err)
+			if n, err := quotatest.Fill(t, filepath.Join(f.base, attrs.Path, "big"), 20<<20); !errors.Is(err, unix.EDQUOT) || n > 10<<20 {
+				t.Errorf("writing 20 MiB into a 10Mi claim: %d MiB went in, err %v; want EDQUOT by 10 MiB", n>>20, err)
 			}
 			nrel := neighbour.Spec.CSI.VolumeAttributes[volume.AttrPath]
-			if n, err := writeMiB(t, filepath.Join(f.base, nrel, "file"), 8); err != nil {
-				t.Errorf("neighbour: %d of 8 MiB went in: %v", n, err)
+			if n, err := quotatest.Fill(t, filepath.Join(f.base, nrel, "file"), 8<<20); err != nil {
+				t.Errorf("neighbour: %d of 8 MiB went in: %v", n>>20, err)
 			}
 			// Retried Provision (its PV was never saved) adopts the volume and its quota.
 			again, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("a", "10Mi")))

@@ -44,33 +44,6 @@ func makeLimited(t *testing.T, fs *quota.FS, base, name string, bytes uint64) qu
 	return id
 }
 
-// fill writes up to n bytes of data to a new file at p, syncing, and returns how much went in
-// and the error that stopped it.
-func fill(t *testing.T, p string, n int) (int, error) {
-	t.Helper()
-	f, err := os.Create(p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	buf := make([]byte, 1<<20)
-	for i := range buf {
-		buf[i] = byte(i*7 + 3) // not zeros, so nothing compresses or is skipped
-	}
-	written := 0
-	for written < n {
-		m, err := f.Write(buf[:min(len(buf), n-written)])
-		written += m
-		if err == nil {
-			err = f.Sync()
-		}
-		if err != nil {
-			return written, err
-		}
-	}
-	return written, f.Sync()
-}
-
 func TestBtrfsLimitStopsWritesAtTheLimit(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	fs := probe(t, openDir(t, mnt))
@@ -88,7 +61,7 @@ func TestBtrfsLimitStopsWritesAtTheLimit(t *testing.T) {
 		t.Fatalf("ParseID(%q) = %v, %v", id.String(), round, err)
 	}
 
-	n, err := fill(t, filepath.Join(mnt, "a", "big"), 20<<20)
+	n, err := quotatest.Fill(t, filepath.Join(mnt, "a", "big"), 20<<20)
 	if !errors.Is(err, unix.EDQUOT) {
 		t.Fatalf("writing 20 MiB into a 10 MiB volume: wrote %d bytes, err %v; want EDQUOT", n, err)
 	}
@@ -99,7 +72,7 @@ func TestBtrfsLimitStopsWritesAtTheLimit(t *testing.T) {
 		t.Errorf("only %d bytes went into a volume limited to %d", n, limit)
 	}
 	// The neighbour on the same file system still takes its full size.
-	if n, err := fill(t, filepath.Join(mnt, "b", "file"), 8<<20); err != nil {
+	if n, err := quotatest.Fill(t, filepath.Join(mnt, "b", "file"), 8<<20); err != nil {
 		t.Fatalf("neighbour volume: wrote %d bytes of 8 MiB: %v", n, err)
 	}
 	// btrfs accounts qgroups at transaction commit.

@@ -72,3 +72,30 @@ func run(t testing.TB, name string, args ...string) string {
 	}
 	return string(out)
 }
+
+// Fill writes up to n bytes of data to a new file at p, syncing each MiB, and returns how much
+// went in and the error that stopped it (EDQUOT or ENOSPC at a limit).
+func Fill(t testing.TB, p string, n int) (int, error) {
+	t.Helper()
+	f, err := os.Create(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	buf := make([]byte, 1<<20)
+	for i := range buf {
+		buf[i] = byte(i*7 + 3) // not zeros, so nothing compresses or is skipped
+	}
+	written := 0
+	for written < n {
+		m, err := f.Write(buf[:min(len(buf), n-written)])
+		written += m
+		if err == nil {
+			err = f.Sync()
+		}
+		if err != nil {
+			return written, err
+		}
+	}
+	return written, f.Sync()
+}
