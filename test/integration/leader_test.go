@@ -154,6 +154,9 @@ func workDirOf(t *testing.T, p *framework.Process) string {
 // A rollout: the leader gets SIGTERM while claims keep coming. It drains, releases its NFS
 // mounts and then the lease, and exits 0; the standby takes over within a few seconds, well
 // below the 15 s lease duration a standby otherwise waits out; every claim binds.
+// rolloutRuns counts runs of TestControllerRolloutHandsOverAtOnce in this process.
+var rolloutRuns int
+
 func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	ctx := context.Background()
 	standby, standbyWorkDir := startStandby(t)
@@ -166,7 +169,10 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	ns := suite.NewNamespace(t)
-	class := nfsClass(t, suite.NFS, []string{"actimeo=3"}, nil)
+	// Mount options of their own make a mount of their own, so the mount checked below is
+	// this test's even when an earlier run (-count) left its export mounted.
+	rolloutRuns++
+	class := nfsClass(t, suite.NFS, []string{"actimeo=3", fmt.Sprintf("acregmax=%d", 60+rolloutRuns)}, nil)
 	// A bound claim first, so that the leader holds an NFS mount to release.
 	suite.CreateClaim(t, ns, "before", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	waitBound(t, ns, "before")
