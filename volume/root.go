@@ -55,6 +55,17 @@ func (r *Root) Path() string { return r.path }
 // Close releases the base directory.
 func (r *Root) Close() error { return unix.Close(r.fd) }
 
+// Available is the space, in bytes, that unprivileged writers can still use on the base's file
+// system (statfs f_bavail): what a new or a grown volume there can count on. Over NFS the call
+// goes to the server, so callers bound it as they bound every other call on an export.
+func (r *Root) Available() (uint64, error) {
+	var sfs unix.Statfs_t
+	if err := unix.Fstatfs(r.fd, &sfs); err != nil {
+		return 0, fmt.Errorf("statfs %s: %w", r.path, err)
+	}
+	return sfs.Bavail * uint64(sfs.Bsize), nil
+}
+
 // openDir opens rel (a clean relative path, or "" for the base itself) as a directory beneath
 // the root.
 func (r *Root) openDir(rel string, flags int) (int, error) {

@@ -215,3 +215,33 @@ func TestRenameStaysInParent(t *testing.T) {
 		t.Errorf("archived directory missing: %v", err)
 	}
 }
+
+func TestAvailableIsTheBaseFileSystemsFreeSpace(t *testing.T) {
+	base := t.TempDir()
+	if err := unix.Mount("tmpfs", base, "tmpfs", 0, "size=8m"); err != nil {
+		t.Fatalf("mount tmpfs: %v", err)
+	}
+	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })
+	r, err := OpenRoot(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	before, err := r.Available()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if before > 8<<20 || before < 7<<20 {
+		t.Fatalf("Available of an empty 8 MiB tmpfs = %d", before)
+	}
+	if err := os.WriteFile(filepath.Join(base, "data"), make([]byte, 2<<20), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	after, err := r.Available()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := before - after; got != 2<<20 {
+		t.Errorf("Available dropped by %d after a 2 MiB write, want %d", got, 2<<20)
+	}
+}
