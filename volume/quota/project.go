@@ -190,10 +190,24 @@ func (f *FS) setProject(fd int, bytes uint64) (ID, error) {
 	return ID{}, fmt.Errorf("no free project ID among the candidates for inode %d", st.Ino)
 }
 
-func setProjectID(fd int, id uint32) error {
+func getFsxattr(fd int) (fsxattr, error) {
 	var x fsxattr
 	if _, _, e := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), fsIocFsgetxattr, uintptr(unsafe.Pointer(&x))); e != 0 {
-		return fmt.Errorf("FS_IOC_FSGETXATTR: %w", e)
+		return x, fmt.Errorf("FS_IOC_FSGETXATTR: %w", e)
+	}
+	return x, nil
+}
+
+// projectID is the project ID of the directory open at fd.
+func projectID(fd int) (uint32, error) {
+	x, err := getFsxattr(fd)
+	return x.Projid, err
+}
+
+func setProjectID(fd int, id uint32) error {
+	x, err := getFsxattr(fd)
+	if err != nil {
+		return err
 	}
 	x.Projid = id
 	x.Xflags |= fsXflagProjinherit

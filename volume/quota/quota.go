@@ -209,3 +209,37 @@ func (f *FS) describe() string {
 	}
 	return string(f.kind)
 }
+
+// Resize sets the hard limit of id, the quota of the volume directory open at fd (read-only,
+// not O_PATH), to bytes rounded up with Round. It refuses an id the directory does not carry,
+// so a limit is only ever moved on the volume it was asked for. Only the block limit changes:
+// what the volume holds stays charged to it.
+func (f *FS) Resize(fd int, id ID, bytes uint64) error {
+	if id.Kind != f.kind {
+		return fmt.Errorf("quota %s is not of this file system (%s)", id, f.describe())
+	}
+	if bytes == 0 {
+		return fmt.Errorf("resize quota %s: a limit of 0 bytes", id)
+	}
+	limit := f.Round(bytes)
+	if id.Kind == Project {
+		got, err := projectID(fd)
+		if err != nil {
+			return err
+		}
+		if uint64(got) != id.Num {
+			return fmt.Errorf("resize quota %s: the directory is in project %d", id, got)
+		}
+		projectMu.Lock()
+		defer projectMu.Unlock()
+		return setProjectLimit(fd, got, limit)
+	}
+	sub, err := btrfsSubvolID(fd)
+	if err != nil {
+		return err
+	}
+	if sub != id.Num {
+		return fmt.Errorf("resize quota %s: the directory is subvolume %d", id, sub)
+	}
+	return btrfsLimit(fd, sub, limit)
+}

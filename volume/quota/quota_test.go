@@ -149,3 +149,49 @@ func TestParseID(t *testing.T) {
 		}
 	}
 }
+
+func TestBtrfsResizeRaisesTheLimitOfOneVolume(t *testing.T) {
+	mnt := quotatest.Btrfs(t, true)
+	fs := probe(t, openDir(t, mnt))
+	const limit = 8 << 20
+	id := makeLimited(t, fs, mnt, "a", limit)
+	neighbour := makeLimited(t, fs, mnt, "b", limit)
+
+	// One file, held open across the resize, as a pod's process would.
+	f, err := os.Create(filepath.Join(mnt, "a", "big"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	n, err := quotatest.WriteFull(f, 16<<20)
+	if !errors.Is(err, unix.EDQUOT) {
+		t.Fatalf("writing 16 MiB into an 8 MiB volume: wrote %d bytes, err %v; want EDQUOT", n, err)
+	}
+	// The volume is full at its old limit: space is freed only by committing the aborted write.
+	unix.Sync()
+
+	if err := fs.Resize(openDir(t, filepath.Join(mnt, "a")), neighbour, 32<<20); err == nil {
+		t.Fatal("Resize of a volume with its neighbour's ID succeeded, want a refusal")
+	}
+	if err := fs.Resize(openDir(t, filepath.Join(mnt, "a")), id, 32<<20); err != nil {
+		t.Fatal(err)
+	}
+	if m, err := quotatest.WriteFull(f, 12<<20); err != nil {
+		t.Fatalf("after resizing to 32 MiB, the same file took %d more bytes of 12 MiB: %v", m, err)
+	}
+	unix.Sync()
+	u, err := fs.Usage(openDir(t, mnt), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u.LimitBytes != 32<<20 || u.UsedBytes <= limit {
+		t.Errorf("resized volume reads limit %d, used %d; want limit %d and more than %d used", u.LimitBytes, u.UsedBytes, 32<<20, limit)
+	}
+	// The neighbour keeps its own limit.
+	if u, err := fs.Usage(openDir(t, mnt), neighbour); err != nil || u.LimitBytes != limit {
+		t.Errorf("neighbour's limit reads %d (%v), want %d", u.LimitBytes, err, limit)
+	}
+	if n, err := quotatest.Fill(t, filepath.Join(mnt, "b", "file"), 16<<20); !errors.Is(err, unix.EDQUOT) || n > limit {
+		t.Errorf("neighbour took %d bytes of 16 MiB (err %v), want EDQUOT within its %d", n, err, limit)
+	}
+}

@@ -82,6 +82,12 @@ func Fill(t testing.TB, p string, n int) (int, error) {
 		t.Fatal(err)
 	}
 	defer f.Close()
+	return WriteFull(f, n)
+}
+
+// WriteFull is Fill on a file the caller holds open, appending where f stands: a process that
+// keeps its file open across a change of the limit.
+func WriteFull(f *os.File, n int) (int, error) {
 	buf := make([]byte, 1<<20)
 	for i := range buf {
 		buf[i] = byte(i*7 + 3) // not zeros, so nothing compresses or is skipped
