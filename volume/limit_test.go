@@ -138,3 +138,73 @@ func TestMkdirAllLimitedAfterCrash(t *testing.T) {
 		t.Errorf("new volume's quota: %+v, %v; want a 5 MiB limit", u, err)
 	}
 }
+
+// TestResizeOnBtrfs: Resize raises the limit its marker names, only for the marker's claim;
+// growth beyond the base's free space is refused with the limit unchanged; a shrink leaves the
+// limit; a symlink in the volume's place is refused; a volume without a limit is only recorded.
+func TestResizeOnBtrfs(t *testing.T) {
+	mnt := quotatest.Btrfs(t, true)
+	r, err := OpenRoot(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	claim := Claim{UID: "uid-a", PVName: "pv-a"}
+	_, id, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o755, UID: -1, GID: -1}, claim, 4<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fs, _ := r.Quota()
+	limit := func() uint64 {
+		t.Helper()
+		f, err := os.Open(filepath.Join(mnt, "ns/vol"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		u, err := fs.Usage(int(f.Fd()), id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return u.LimitBytes
+	}
+
+	if _, err := r.Resize("ns/vol", Claim{UID: "uid-b", PVName: "pv-a"}, 8<<20); !errors.Is(err, ErrNotClaimsVolume) {
+		t.Errorf("Resize for another claim = %v, want ErrNotClaimsVolume", err)
+	}
+	avail, err := r.Available()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.Resize("ns/vol", claim, 4<<20+avail+1<<20); !errors.Is(err, ErrNotEnoughSpace) {
+		t.Errorf("Resize beyond the %d free bytes = %v, want ErrNotEnoughSpace", avail, err)
+	}
+	if got := limit(); got != 4<<20 {
+		t.Errorf("limit after refused resizes is %d, want %d", got, 4<<20)
+	}
+	if limited, err := r.Resize("ns/vol", claim, 8<<20); err != nil || !limited {
+		t.Fatalf("Resize to 8 MiB = %v, %v", limited, err)
+	}
+	if got := limit(); got != 8<<20 {
+		t.Errorf("limit after resize is %d, want %d", got, 8<<20)
+	}
+	if limited, err := r.Resize("ns/vol", claim, 2<<20); err != nil || !limited || limit() != 8<<20 {
+		t.Errorf("Resize to 2 MiB = %v, %v, limit %d; want the limit left at 8 MiB", limited, err, limit())
+	}
+
+	if _, err := r.MkdirAll("ns/plain", Owner{Mode: 0o755, UID: -1, GID: -1}, Claim{UID: "uid-p"}); err != nil {
+		t.Fatal(err)
+	}
+	if limited, err := r.Resize("ns/plain", Claim{UID: "uid-p"}, 8<<20); err != nil || limited {
+		t.Errorf("Resize of a volume without a limit = %v, %v; want recorded only", limited, err)
+	}
+	if err := os.Symlink(filepath.Join(mnt, "ns/vol"), filepath.Join(mnt, "ns/link")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.Resize("ns/link", claim, 16<<20); !errors.Is(err, ErrNotDirectory) {
+		t.Errorf("Resize through a symlink = %v, want ErrNotDirectory", err)
+	}
+	if got := limit(); got != 8<<20 {
+		t.Errorf("limit after a resize through a symlink is %d, want %d", got, 8<<20)
+	}
+}
