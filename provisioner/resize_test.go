@@ -1,0 +1,81 @@
+package provisioner
+
+import (
+	"context"
+	"errors"
+	"path/filepath"
+	"testing"
+
+	"github.com/kubernetes-csi/external-resizer/pkg/util"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+
+	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
+)
+
+// TestResizeLocalRaisesTheLimitOnItsNodeOnly: only the node instance holding a local volume
+// resizes it; the new limit holds at once; growth beyond the base's free space is a final,
+// infeasible error for the external-resizer controller; a volume no longer the claim's is
+// refused. NFS volumes are resized, recorded only, by the controller.
+func TestResizeLocalRaisesTheLimitOnItsNodeOnly(t *testing.T) {
+	f := newFixtureOn(t, quotatest.Btrfs(t, true))
+	class := f.localClass(nil)
+	pvc := sizedClaim("a", "8Mi")
+	pv, _, err := f.node.Provision(context.Background(), opts(class, pvc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}
+	node, ctrl := f.node.Resizer(context.Background()), f.ctrl.Resizer(context.Background())
+	if !node.CanSupport(pv, pvc) || ctrl.CanSupport(pv, pvc) {
+		t.Errorf("CanSupport of a local PV: node %v, controller %v; want only the node", node.CanSupport(pv, pvc), ctrl.CanSupport(pv, pvc))
+	}
+	elsewhere := pv.DeepCopy()
+	elsewhere.Annotations[AnnNode] = "node-b"
+	if node.CanSupport(elsewhere, pvc) {
+		t.Error("CanSupport of another node's PV is true")
+	}
+	outside := pv.DeepCopy()
+	outside.Spec.CSI.VolumeAttributes[volume.AttrBasePath] = "/etc"
+	if node.CanSupport(outside, pvc) {
+		t.Error("CanSupport of a PV outside the allowed bases is true")
+	}
+
+	rel := pv.Spec.CSI.VolumeAttributes[volume.AttrPath]
+	if n, err := quotatest.Fill(t, filepath.Join(f.base, rel, "one"), 16<<20); !errors.Is(err, unix.EDQUOT) {
+		t.Fatalf("8Mi volume took %d bytes of 16 MiB: %v; want EDQUOT", n, err)
+	}
+	size, fsResize, err := node.Resize(pv, resource.MustParse("32Mi"))
+	if err != nil || fsResize || size.Cmp(resource.MustParse("32Mi")) != 0 {
+		t.Fatalf("Resize to 32Mi = %s, %v, %v", size.String(), fsResize, err)
+	}
+	if n, err := quotatest.Fill(t, filepath.Join(f.base, rel, "two"), 12<<20); err != nil {
+		t.Errorf("after the resize, %d of 12 more MiB went in: %v", n, err)
+	}
+
+	_, _, err = node.Resize(pv, resource.MustParse("1Ti"))
+	if status.Code(err) != codes.OutOfRange || !util.IsFinalError(err) || !util.IsInfeasibleError(err) {
+		t.Errorf("Resize beyond the base's free space = %v; want a final, infeasible OutOfRange", err)
+	}
+	stale := pv.DeepCopy()
+	stale.Spec.ClaimRef.UID = "uid-other"
+	if _, _, err := node.Resize(stale, resource.MustParse("64Mi")); status.Code(err) != codes.FailedPrecondition {
+		t.Errorf("Resize for a claim the volume is not of = %v, want FailedPrecondition", err)
+	}
+
+	nfs := pv.DeepCopy()
+	nfs.Spec.CSI.VolumeAttributes = volume.Attributes{Backend: volume.BackendNFS, Server: "nfs.example", Share: "/export", Path: rel}.Map()
+	if node.CanSupport(nfs, pvc) || !ctrl.CanSupport(nfs, pvc) {
+		t.Errorf("CanSupport of an NFS PV: node %v, controller %v; want only the controller", node.CanSupport(nfs, pvc), ctrl.CanSupport(nfs, pvc))
+	}
+	if size, _, err := ctrl.Resize(nfs, resource.MustParse("2Gi")); err != nil || size.Cmp(resource.MustParse("2Gi")) != 0 {
+		t.Errorf("Resize of an NFS volume = %s, %v; want 2Gi recorded", size.String(), err)
+	}
+	if log := f.mounter.GetLog(); len(log) != 0 {
+		t.Errorf("recording an NFS volume's size mounted something: %v", log)
+	}
+}
