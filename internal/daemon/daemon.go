@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	resizecontroller "github.com/kubernetes-csi/external-resizer/pkg/controller"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -25,6 +26,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/workqueue"
 	"k8s.io/klog/v2"
 	"k8s.io/mount-utils"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
@@ -134,7 +136,9 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	if err != nil {
 		return err
 	}
-	lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg)
+	// Resizing NFS volumes is the leader's too: each claim has one instance that resizes it.
+	lead := together(provisioning(ctx, client, factory, p, cfg.Provisioner, reg),
+		resizing(client, factory, p.Resizer(ctx), cfg.Provisioner))
 	run := func(ctx context.Context) error {
 		lead(ctx)
 		return nil
@@ -199,6 +203,36 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 		stop()
 		<-released
 		logger.Info("Provisioning stopped: workers finished and mounts released", "drainDuration", time.Since(start))
+	}
+}
+
+// resizeRetryMax bounds the resize controller's backoff after a failed resize, and is how
+// long it waits before trying again a size it found infeasible; external-resizer's default.
+const resizeRetryMax = 5 * time.Minute
+
+// resizing returns what runs external-resizer's controller around r until its context is
+// done. It shares the process's informers (newInformerFactory), so it adds no watch: it reads
+// claims and volumes, which provisioning watches anyway, and patches claims' status and PVs'
+// capacity from its cached copies (a diff, which the trimmed fields are absent from on both
+// sides). Its Run does not wait for its workers; a resize in flight at shutdown is finished
+// by the next instance, since Resize is idempotent.
+func resizing(client kubernetes.Interface, factory informers.SharedInformerFactory, r *provisioner.Resizer, cfg ProvisionerConfig) func(context.Context) {
+	rc := resizecontroller.NewResizeController(r.Name(), r, client, cfg.Resync, factory,
+		workqueue.NewTypedItemExponentialFailureRateLimiter[string](time.Second, resizeRetryMax),
+		// A limit holds on a mounted volume as on any other: no claim waits for its pods to go,
+		// so the controller needs no pod informer.
+		false, resizeRetryMax)
+	return func(ctx context.Context) { rc.Run(cfg.Workers, ctx) }
+}
+
+// together runs every function until ctx is done and returns once all have returned.
+func together(fns ...func(context.Context)) func(context.Context) {
+	return func(ctx context.Context) {
+		var wg sync.WaitGroup
+		for _, fn := range fns {
+			wg.Go(func() { fn(ctx) })
+		}
+		wg.Wait()
 	}
 }
 

@@ -95,7 +95,8 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			return err
 		}
 		// Every node serves its own claims, so there is no leader to elect.
-		lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg)
+		lead := together(provisioning(ctx, client, factory, p, cfg.Provisioner, reg),
+			resizing(client, factory, p.Resizer(ctx), cfg.Provisioner))
 		fns = append(fns, func(ctx context.Context) error {
 			lead(ctx)
 			return nil

@@ -137,6 +137,8 @@ var wantRules = map[string][]rbacv1.PolicyRule{
 	"ClusterRole dirpv-controller": {
 		{APIGroups: []string{""}, Resources: []string{"persistentvolumes"}, Verbs: []string{"get", "list", "watch", "create", "delete", "patch"}},
 		{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims"}, Verbs: []string{"get", "list", "watch", "update"}},
+		// external-resizer's controller: a resize's conditions, allocatedResources, capacity.
+		{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims/status"}, Verbs: []string{"patch"}},
 		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"storageclasses"}, Verbs: []string{"get", "list", "watch"}},
 		// Provisioner.nodeLost: is a released local PV's node gone?
 		{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get"}},
@@ -151,6 +153,8 @@ var wantRules = map[string][]rbacv1.PolicyRule{
 	"ClusterRole dirpv-node": {
 		{APIGroups: []string{""}, Resources: []string{"persistentvolumes"}, Verbs: []string{"get", "list", "watch", "create", "delete", "patch"}},
 		{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims"}, Verbs: []string{"get", "list", "watch", "update"}},
+		// external-resizer's controller: a resize's conditions, allocatedResources, capacity.
+		{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims/status"}, Verbs: []string{"patch"}},
 		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"storageclasses"}, Verbs: []string{"get", "list", "watch"}},
 		{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get"}},
 		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
@@ -183,7 +187,8 @@ func TestRBACLeastPrivilege(t *testing.T) {
 						}
 					}
 					for _, res := range r.Resources {
-						if res == "secrets" || res == "configmaps" || strings.Contains(res, "/") {
+						// The one subresource: external-resizer's controller patches claims' status.
+						if res == "secrets" || res == "configmaps" || (strings.Contains(res, "/") && res != "persistentvolumeclaims/status") {
 							t.Errorf("%s: needs no %s", role, res)
 						}
 					}
@@ -524,6 +529,9 @@ func TestStorageClasses(t *testing.T) {
 					t.Errorf("%s backend %q", sc.Name, sc.Parameters["backend"])
 				}
 				checkParameters(t, sc)
+				if sc.AllowVolumeExpansion == nil || !*sc.AllowVolumeExpansion {
+					t.Errorf("class %s does not allow volume expansion", sc.Name)
+				}
 			}
 			if defaults > 1 {
 				t.Errorf("%d default classes", defaults)

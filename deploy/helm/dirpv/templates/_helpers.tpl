@@ -84,6 +84,7 @@ parameters:
   {{- end }}
 reclaimPolicy: {{ $c.reclaimPolicy | default "Delete" }}
 volumeBindingMode: {{ $binding }}
+allowVolumeExpansion: {{ ternary $c.allowVolumeExpansion true (hasKey $c "allowVolumeExpansion") }}
 {{- with $c.mountOptions }}
 mountOptions:
   {{- toYaml . | nindent 2 }}
