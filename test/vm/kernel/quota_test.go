@@ -83,6 +83,7 @@ func writeAsTenant(t *testing.T, p string, mib int) (failed bool, out string) {
 // TestQuotaProjectLimits: on XFS and ext4 mounted with prjquota, a volume given a 10 MiB
 // limit stops a tenant's write at 10 MiB with EDQUOT, statfs of the volume reports 10 MiB, a
 // neighbour on the same file system is unaffected, and usage reads back from the quota.
+// Resized to 24 MiB, the full volume takes more at once and statfs reports the new size.
 func TestQuotaProjectLimits(t *testing.T) {
 	for _, fstype := range []string{"xfs", "ext4"} {
 		t.Run(fstype, func(t *testing.T) {
@@ -153,6 +154,29 @@ func TestQuotaProjectLimits(t *testing.T) {
 			}
 			if u.LimitBytes != limit || u.UsedBytes < 8<<20 || u.UsedBytes > 9<<20 || !u.HasInodes || u.UsedInodes != 2 {
 				t.Errorf("neighbour holding one 8 MiB file: usage %+v; want limit %d, ~8 MiB and 2 inodes used", u, limit)
+			}
+
+			// Online expansion: the full volume grows to 24 MiB and takes 8 MiB more at once,
+			// and reports its new size; the neighbour keeps its limit. A resize naming the
+			// neighbour's ID through this volume is refused.
+			a := dirFd(t, filepath.Join(mnt, "a"))
+			if err := fs.Resize(a, ids["b"], 24<<20); err == nil {
+				t.Error("Resize of volume a with b's project ID succeeded, want a refusal")
+			}
+			if err := fs.Resize(a, ids["a"], 24<<20); err != nil {
+				t.Fatal(err)
+			}
+			if failed, out := writeAsTenant(t, filepath.Join(mnt, "a", "more"), 8); failed {
+				t.Errorf("8 MiB more into the volume resized from 10 to 24 MiB failed: %s", out)
+			}
+			if err := unix.Statfs(filepath.Join(mnt, "a"), &sfs); err != nil {
+				t.Fatal(err)
+			}
+			if got := sfs.Blocks * uint64(sfs.Bsize); got != 24<<20 {
+				t.Errorf("statfs of the resized volume reports size %d, want %d", got, 24<<20)
+			}
+			if u, err := fs.Usage(base, ids["b"]); err != nil || u.LimitBytes != limit {
+				t.Errorf("neighbour's limit after a's resize: %+v, %v; want %d", u, err, limit)
 			}
 
 			if err := os.RemoveAll(filepath.Join(mnt, "b")); err != nil {
