@@ -20,8 +20,9 @@ func newInformerFactory(client kubernetes.Interface, resync time.Duration) infor
 // often the largest part of a claim or volume, and kubectl's last-applied-configuration (a
 // copy of the whole manifest). Both are safe to drop only because nothing writes a cached
 // object back whole: the lib patches a PV with the diff between its cached copy and that copy
-// plus finalizers, and updates a claim from a fresh GET; the apiserver keeps its managedFields
-// when an update carries none. Everything else stays: the lib reads claims' and volumes'
+// plus finalizers, and updates a claim from a fresh GET; external-resizer's controller patches
+// a claim's status and a PV's capacity with the diff between its cached copy and its change;
+// the apiserver keeps its managedFields when an update carries none. Everything else stays: the lib reads claims' and volumes'
 // annotations, finalizers, spec and status, and pathPattern reads claims' labels and
 // annotations. Tombstones are passed on as they are.
 func trimObject(obj any) (any, error) {
