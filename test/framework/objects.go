@@ -39,6 +39,11 @@ func ReclaimRetain(c *storagev1.StorageClass) {
 	c.ReclaimPolicy = ptr.To(v1.PersistentVolumeReclaimRetain)
 }
 
+// AllowVolumeExpansion lets the class's claims grow.
+func AllowVolumeExpansion(c *storagev1.StorageClass) {
+	c.AllowVolumeExpansion = ptr.To(true)
+}
+
 // MountOptions sets the class's mountOptions.
 func MountOptions(opts ...string) ClassOption {
 	return func(c *storagev1.StorageClass) { c.MountOptions = opts }

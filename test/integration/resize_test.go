@@ -1,0 +1,182 @@
+package integration
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+	v1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
+)
+
+// btrfsClass creates a local class whose base is a btrfs file system with quota on, mounted
+// (bound) inside node-a's allowed bases, and returns it and its base.
+func btrfsClass(t *testing.T, params map[string]string, opts ...framework.ClassOption) (string, string) {
+	t.Helper()
+	mnt := quotatest.Btrfs(t, true)
+	class, base := localClass(t, params, opts...)
+	if err := os.MkdirAll(base, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount(mnt, base, "", unix.MS_BIND, ""); err != nil {
+		t.Fatalf("bind %s on %s: %v", mnt, base, err)
+	}
+	// The node keeps its bases open: detached, the bind mount goes once it lets go, while the
+	// file system's own mount point can go at once.
+	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })
+	return class.Name, base
+}
+
+// setClaimSize sets the claim's storage request, as `kubectl edit` would.
+func setClaimSize(ctx context.Context, ns, name, size string) error {
+	patch := fmt.Sprintf(`{"spec":{"resources":{"requests":{"storage":%q}}}}`, size)
+	_, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+	return err
+}
+
+// resizeConditions are the claim conditions of a resize in progress or failed; others (such
+// as Unused) say nothing about it.
+var resizeConditions = map[v1.PersistentVolumeClaimConditionType]bool{
+	v1.PersistentVolumeClaimResizing:                true,
+	v1.PersistentVolumeClaimFileSystemResizePending: true,
+	v1.PersistentVolumeClaimControllerResizeError:   true,
+	v1.PersistentVolumeClaimNodeResizeError:         true,
+}
+
+// waitResized waits until the claim and its PV report size and the claim carries no resize
+// condition or status any more: what `kubectl get pvc` shows once a resize is done.
+func waitResized(t *testing.T, ns, name, size string) *v1.PersistentVolumeClaim {
+	t.Helper()
+	want := resource.MustParse(size)
+	var pvc *v1.PersistentVolumeClaim
+	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
+		var err error
+		pvc, err = suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		got, pvSize := pvc.Status.Capacity[v1.ResourceStorage], pv.Spec.Capacity[v1.ResourceStorage]
+		var resizing []v1.PersistentVolumeClaimCondition
+		for _, c := range pvc.Status.Conditions {
+			if resizeConditions[c.Type] {
+				resizing = append(resizing, c)
+			}
+		}
+		if got.Cmp(want) != 0 || pvSize.Cmp(want) != 0 || len(resizing) != 0 || len(pvc.Status.AllocatedResourceStatuses) != 0 {
+			return false, fmt.Errorf("claim capacity %s, PV capacity %s, resize conditions %+v, allocatedResourceStatuses %v",
+				got.String(), pvSize.String(), resizing, pvc.Status.AllocatedResourceStatuses)
+		}
+		return true, nil
+	})
+	if err != nil {
+		t.Fatalf("claim %s/%s resized to %s: %v\n--- events: %s\n--- node-a log tail:\n%s", ns, name, size, err,
+			framework.EventsOf(context.Background(), suite.Client, ns, "PersistentVolumeClaim", name), nodeProc.Tail(3000))
+	}
+	return pvc
+}
+
+// A bound claim on a btrfs base grows from 16Mi to 32Mi while a process keeps its file open:
+// the process, stopped at the old limit, writes past it afterwards. A request beyond the base's
+// free space is refused as infeasible, with an event; the user lowers it to a size that fits
+// and that is accepted. A shrink below the claim's capacity is refused by the API server.
+func TestLocalClaimExpandsOnline(t *testing.T) {
+	ns := suite.NewNamespace(t)
+	class, base := btrfsClass(t, map[string]string{"capacityEnforcement": "required"}, framework.AllowVolumeExpansion)
+	claim := framework.NewClaim(ns, "data", class, framework.OnNode(nodeA))
+	claim.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("16Mi")
+	ctx := context.Background()
+	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	_, pv := waitBound(t, ns, "data")
+	if pv.Spec.CSI.VolumeAttributes["quota"] == "" {
+		t.Fatalf("PV attributes %v name no quota", pv.Spec.CSI.VolumeAttributes)
+	}
+
+	f, err := os.Create(filepath.Join(base, pv.Spec.CSI.VolumeAttributes["path"], "data"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if n, err := quotatest.WriteFull(f, 32<<20); !errors.Is(err, unix.EDQUOT) || n > 16<<20 {
+		t.Fatalf("writing 32 MiB into a 16Mi claim: %d bytes went in, err %v; want EDQUOT within 16 MiB", n, err)
+	}
+	// btrfs frees what the refused write reserved at commit.
+	unix.Sync()
+
+	if err := setClaimSize(ctx, ns, "data", "32Mi"); err != nil {
+		t.Fatal(err)
+	}
+	pvc := waitResized(t, ns, "data", "32Mi")
+	// kube-controller-manager hands CSI claims to the driver's resizer with this annotation.
+	if got := pvc.Annotations["volume.kubernetes.io/storage-resizer"]; got != "dirpv.io" {
+		t.Errorf("annotation volume.kubernetes.io/storage-resizer = %q, want dirpv.io", got)
+	}
+	if n, err := quotatest.WriteFull(f, 12<<20); err != nil {
+		t.Errorf("after the resize to 32Mi, the same process wrote %d of 12 more MiB: %v", n, err)
+	}
+
+	// Far beyond what the 256 MiB file system has free.
+	if err := setClaimSize(ctx, ns, "data", "1Gi"); err != nil {
+		t.Fatal(err)
+	}
+	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		pvc, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		got := pvc.Status.AllocatedResourceStatuses[v1.ResourceStorage]
+		return got == v1.PersistentVolumeClaimControllerResizeInfeasible, fmt.Errorf("allocatedResourceStatuses %v, conditions %+v", pvc.Status.AllocatedResourceStatuses, pvc.Status.Conditions)
+	})
+	if err != nil {
+		t.Fatalf("resize beyond the free space: want %s: %v", v1.PersistentVolumeClaimControllerResizeInfeasible, err)
+	}
+	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "data", "VolumeResizeFailed", "not enough free space", timeout); err != nil {
+		t.Error(err)
+	}
+	if pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{}); err != nil || pv.Spec.Capacity.Storage().String() != "32Mi" {
+		t.Errorf("PV capacity after an infeasible resize: %v (%v), want 32Mi", pv.Spec.Capacity, err)
+	}
+
+	// RecoverVolumeExpansionFailure: the user asks for less, still more than the claim has.
+	if err := setClaimSize(ctx, ns, "data", "48Mi"); err != nil {
+		t.Fatal(err)
+	}
+	waitResized(t, ns, "data", "48Mi")
+	if n, err := quotatest.WriteFull(f, 12<<20); err != nil {
+		t.Errorf("after the resize to 48Mi, %d of 12 more MiB went in: %v", n, err)
+	}
+
+	err = setClaimSize(ctx, ns, "data", "16Mi")
+	if !apierrors.IsInvalid(err) || !strings.Contains(err.Error(), "field can not be less than status.capacity") {
+		t.Errorf("shrinking the claim below its capacity: %v; want the API server's Invalid %q", err, "field can not be less than status.capacity")
+	}
+}
+
+// An NFS claim's resize is recorded: the claim and its PV report the new size (NFS sizes are
+// not enforced, so there is no limit to raise).
+func TestNFSClaimResizeIsRecorded(t *testing.T) {
+	ns := suite.NewNamespace(t)
+	class := nfsClass(t, suite.NFS, []string{"nolock"}, nil, framework.AllowVolumeExpansion)
+	suite.CreateClaim(t, ns, "shared", class.Name, framework.AccessModes(v1.ReadWriteMany))
+	waitNFSBound(t, ns, "shared")
+	if err := setClaimSize(context.Background(), ns, "shared", "2Gi"); err != nil {
+		t.Fatal(err)
+	}
+	waitResized(t, ns, "shared", "2Gi")
+}
