@@ -122,10 +122,14 @@ func TestLocalClaimExpandsOnline(t *testing.T) {
 	if err := setClaimSize(ctx, ns, "data", "32Mi"); err != nil {
 		t.Fatal(err)
 	}
-	pvc := waitResized(t, ns, "data", "32Mi")
-	// kube-controller-manager hands CSI claims to the driver's resizer with this annotation.
-	if got := pvc.Annotations["volume.kubernetes.io/storage-resizer"]; got != "dirpv.io" {
-		t.Errorf("annotation volume.kubernetes.io/storage-resizer = %q, want dirpv.io", got)
+	waitResized(t, ns, "data", "32Mi")
+	// kube-controller-manager leaves a CSI claim to the external resizer and says so; it sets
+	// volume.kubernetes.io/storage-resizer only on migrated in-tree volumes, and the resizer
+	// needs it only for those.
+	for reason, substr := range map[string]string{"ExternalExpanding": "external controller", "VolumeResizeSuccessful": ""} {
+		if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "data", reason, substr, timeout); err != nil {
+			t.Error(err)
+		}
 	}
 	if n, err := quotatest.WriteFull(f, 12<<20); err != nil {
 		t.Errorf("after the resize to 32Mi, the same process wrote %d of 12 more MiB: %v", n, err)
