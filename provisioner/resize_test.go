@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"path/filepath"
+	"slices"
 	"testing"
 
 	"github.com/kubernetes-csi/external-resizer/pkg/util"
@@ -77,5 +78,29 @@ func TestResizeLocalRaisesTheLimitOnItsNodeOnly(t *testing.T) {
 	}
 	if log := f.mounter.GetLog(); len(log) != 0 {
 		t.Errorf("recording an NFS volume's size mounted something: %v", log)
+	}
+}
+
+// TestResizeUnlimitedIsRecorded: a bestEffort volume on a base that cannot enforce sizes has no
+// limit to raise; its resize is recorded, whatever the size, and changes nothing on disk.
+func TestResizeUnlimitedIsRecorded(t *testing.T) {
+	f := newFixture(t)
+	class := f.localClass(nil)
+	pvc := sizedClaim("a", "8Mi")
+	pv, _, err := f.node.Provision(context.Background(), opts(class, pvc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q := pv.Spec.CSI.VolumeAttributes[volume.AttrQuota]; q != "" {
+		t.Fatalf("volume on the temp dir has quota %q, want none", q)
+	}
+	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}
+	before := listTree(t, f.base)
+	size, _, err := f.node.Resizer(context.Background()).Resize(pv, resource.MustParse("1Pi"))
+	if err != nil || size.Cmp(resource.MustParse("1Pi")) != 0 {
+		t.Errorf("Resize of an unlimited volume = %s, %v; want 1Pi recorded", size.String(), err)
+	}
+	if after := listTree(t, f.base); !slices.Equal(before, after) {
+		t.Errorf("recorded-only resize changed the base: %v, then %v", before, after)
 	}
 }
