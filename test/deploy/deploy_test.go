@@ -529,7 +529,8 @@ func TestStorageClasses(t *testing.T) {
 					t.Errorf("%s backend %q", sc.Name, sc.Parameters["backend"])
 				}
 				checkParameters(t, sc)
-				if sc.AllowVolumeExpansion == nil || !*sc.AllowVolumeExpansion {
+				// helm custom turns it off on one class (TestHelmCustomValues).
+				if name != "helm custom" && (sc.AllowVolumeExpansion == nil || !*sc.AllowVolumeExpansion) {
 					t.Errorf("class %s does not allow volume expansion", sc.Name)
 				}
 			}
@@ -736,6 +737,11 @@ func TestHelmCustomValues(t *testing.T) {
 	}
 	if classes["fast"].Annotations["storageclass.kubernetes.io/is-default-class"] != "true" || classes["bulk"].Annotations != nil {
 		t.Error("default class annotation on the wrong class")
+	}
+	for name, want := range map[string]bool{"fast": true, "bulk": false, "shared": true} {
+		if got := classes[name].AllowVolumeExpansion; got == nil || *got != want {
+			t.Errorf("%s allowVolumeExpansion %v, want %v (default true, bulk turns it off)", name, got, want)
+		}
 	}
 	d := deployment(t, objs)
 	if *d.Spec.Replicas != 3 || !d.Spec.Template.Spec.HostNetwork {
