@@ -127,20 +127,22 @@ func TestKubeletReportsClaimUsage(t *testing.T) {
 	// 10-20 s here (volumeStatsAggPeriod): poll.
 	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 		vs, err := framework.KubeletVolumeStats(ctx, suite.Client, suite.Cluster.NodeName, ns, "half")
-		if err != nil || vs == nil || vs.CapacityBytes == nil || vs.UsedBytes == nil || vs.AvailableBytes == nil {
-			last = fmt.Sprintf("%+v", vs)
+		if err != nil {
 			return false, err
+		}
+		if vs == nil || vs.CapacityBytes == nil || vs.UsedBytes == nil || vs.AvailableBytes == nil {
+			return false, fmt.Errorf("kubelet has no figures for the claim yet: %+v", vs)
 		}
 		c, u, a := *vs.CapacityBytes, *vs.UsedBytes, *vs.AvailableBytes
 		last = fmt.Sprintf("capacity %d, used %d, available %d", c, u, a)
 		near := func(v, want uint64) bool { return v+tolerance >= want && v <= want+tolerance }
-		return c == size && near(u, written) && near(a, size-written), nil
+		return c == size && near(u, written) && near(a, size-written), fmt.Errorf("kubelet reports %s", last)
 	})
-	t.Logf("kubelet's stats of the claim: %s", last)
 	if err != nil {
-		t.Fatalf("kubelet's stats of a %d-byte claim holding %d bytes: %s (%v); want them within %d bytes\n%s",
-			size, written, last, err, tolerance, podLogsOrErr(ns, "writer"))
+		t.Fatalf("kubelet's stats of a %d-byte claim holding %d bytes: %v; want them within %d bytes\n%s",
+			size, written, err, tolerance, podLogsOrErr(ns, "writer"))
 	}
+	t.Logf("kubelet's stats of the claim: %s", last)
 }
 
 func createPod(t *testing.T, pod *v1.Pod) {
