@@ -67,6 +67,17 @@ image-debs:
 	  DEBIAN_FRONTEND=noninteractive apt-get -qq -oDPkg::Lock::Timeout=600 install -y --no-install-recommends $(IMAGE_DEBS); \
 	fi
 
+## quota-debs: btrfs-progs, for the tests and the bench that make btrfs file systems with quota
+## on loop devices (volume/quota/quotatest; losetup comes with `mount`, above).
+QUOTA_DEBS := btrfs-progs
+.PHONY: quota-debs
+test-unit test-e2e bench: quota-debs
+quota-debs:
+	@if ! command -v mkfs.btrfs >/dev/null || ! command -v btrfs >/dev/null; then \
+	  apt-get -qq -oDPkg::Lock::Timeout=600 update && \
+	  DEBIAN_FRONTEND=noninteractive apt-get -qq -oDPkg::Lock::Timeout=600 install -y --no-install-recommends $(QUOTA_DEBS); \
+	fi
+
 ## image-tar: the dirpv image as an OCI tar (no Docker engine needed): bin/dirpv-image.tar, named
 ## ghcr.io/dirpv/dirpv:$(VERSION) (git describe), never :latest.
 image-tar:

@@ -8,6 +8,7 @@ import (
 	"context"
 	"fmt"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -20,6 +21,7 @@ import (
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
 	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
 )
 
 const labelPattern = "${pvc.metadata.namespace}/${pvc.metadata.labels['team']}/${pvc.metadata.name}-${pv.metadata.name}"
@@ -154,7 +156,7 @@ func benchOptions(class *storagev1.StorageClass) controller.ProvisionOptions {
 		StorageClass: class,
 		PVName:       "pvc-6f1c2a8e-3b7d-4e0f-9a51-2c8d7e4b1f90",
 		PVC: &v1.PersistentVolumeClaim{
-			ObjectMeta: metav1.ObjectMeta{Name: "postgres-data-0", Namespace: "team-storage-prod",
+			ObjectMeta: metav1.ObjectMeta{Name: "postgres-data-0", Namespace: "team-storage-prod", UID: "0c9a6d3e-5b1f-4f7a-8e2d-6a4b9c1d7e35",
 				Labels: map[string]string{"team": "payments"}, Annotations: map[string]string{annSelectedNode: "node-a"}},
 			Spec: v1.PersistentVolumeClaimSpec{
 				AccessModes: []v1.PersistentVolumeAccessMode{v1.ReadWriteOnce},
@@ -226,8 +228,22 @@ func BenchmarkShouldProvision(b *testing.B) {
 
 // BenchmarkProvisionDeleteLocal is one whole local Provision (checks, template, mkdir beneath
 // the base without following symlinks, PV) and Delete (remove the tree), on a real temp dir.
+// The btrfs cases split what a size limit costs on disk: the same file system without quota
+// (a directory per volume) and with it (a subvolume and a qgroup limit per volume).
 func BenchmarkProvisionDeleteLocal(b *testing.B) {
-	base := b.TempDir()
+	for _, c := range []struct {
+		name string
+		base func(b *testing.B) string
+	}{
+		{"dir", func(b *testing.B) string { return b.TempDir() }},
+		{"btrfs", func(b *testing.B) string { return quotatest.Btrfs(b, false) }},
+		{"btrfs-qgroup", func(b *testing.B) string { return quotatest.Btrfs(b, true) }},
+	} {
+		b.Run(c.name, func(b *testing.B) { benchProvisionDelete(b, c.base(b)) })
+	}
+}
+
+func benchProvisionDelete(b *testing.B, base string) {
 	client := fake.NewClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-a", Labels: map[string]string{v1.LabelHostname: "host-a"}}})
 	idx := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
 	class := benchClasses(base)["local"]
@@ -245,10 +261,13 @@ func BenchmarkProvisionDeleteLocal(b *testing.B) {
 	opts := benchOptions(class)
 	b.ReportAllocs()
 	i := 0
+	var provision time.Duration
 	for b.Loop() {
 		opts.PVName = fmt.Sprintf("pvc-%d", i)
 		i++
+		t0 := time.Now()
 		pv, _, err := p.Provision(ctx, opts)
+		provision += time.Since(t0)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -256,4 +275,5 @@ func BenchmarkProvisionDeleteLocal(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+	b.ReportMetric(float64(provision.Microseconds())/float64(i), "provision-µs/op")
 }

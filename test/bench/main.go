@@ -7,7 +7,8 @@
 // It needs root (bind mounts, NFS server). Every dirpv figure is printed with its ratio to its
 // ceiling: binding without any provisioner (PVs made up front), an ideal external provisioner
 // (the bench itself creates each PV the instant kube-controller-manager hands it the claim), a
-// bare bind mount, and for memory the goal itself. The machine is shared, so the ratios matter
+// bare bind mount, provisioning without size limits for provisioning with them, and for
+// memory the goal itself. The machine is shared, so the ratios matter
 // more than the absolute figures: ceiling and dirpv run back to back on the same cluster.
 package main
 
@@ -24,6 +25,7 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -53,7 +55,7 @@ var (
 	flagEnv      = flag.String("dirpv-env", "", "extra environment for both dirpv processes, space-separated (e.g. \"GOGC=50\")")
 	flagTimeout  = flag.Duration("phase-timeout", 10*time.Minute, "deadline of each phase")
 	flagBin      = flag.String("dirpv-bin", "", "run this dirpv binary instead of building ./cmd/dirpv (e.g. to compare two builds)")
-	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,nfs,publish,rss); empty: all. ceiling is always run")
+	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,limits,nfs,publish,rss); empty: all. ceiling is always run")
 )
 
 // Row is one measured figure with its reference.
@@ -172,6 +174,7 @@ func run() (err error) {
 		{"local", "dirpv local bulk", b.localBulk},
 		{"local", "dirpv local latency", b.localLatency},
 		{"local", "dirpv local deletion", b.localDeletion},
+		{"limits", "dirpv local with size limits", b.localLimits},
 		{"nfs", "dirpv nfs bulk+deletion", b.nfsBulk},
 		{"publish", "publish", b.publish},
 		{"rss", "rss", b.rss},
@@ -274,6 +277,9 @@ func (b *bench) prepare() error {
 	b.report.DirpvArgs = strings.Fields(*flagDirpv)
 	b.report.DirpvEnv = strings.Fields(*flagEnv)
 	b.report.DirpvBin = *flagBin
+	if len(b.only) == 0 || b.only["limits"] {
+		return b.mountLimitBases()
+	}
 	return nil
 }
 
@@ -635,6 +641,116 @@ func (b *bench) localDeletion() error {
 	return nil
 }
 
+// localLimits measures what enforcing sizes costs provisioning: the same claims, bulk and one
+// at a time, on two btrfs file systems of the same size, one with quota (each volume a
+// subvolume with a qgroup limit) and one without (each volume a directory). The one without
+// is what a base that cannot enforce gets with capacityEnforcement bestEffort, the default,
+// including its SizeNotEnforced event per claim. btrfs is the only file system whose limits
+// work on this host's kernel (XFS and ext4 project quotas need the VM tier).
+func (b *bench) localLimits() error {
+	sides := b.limitSides()
+	for _, sd := range sides {
+		if err := b.localClass(sd.class, sd.base); err != nil {
+			return err
+		}
+	}
+	for _, sd := range sides {
+		before, beforeOwn := b.provisionStats(), b.histogramStats(dirpvProvision)
+		d, err := b.bulk("limits-bulk-"+sd.key, sd.class, nodeName, *flagN)
+		if err != nil {
+			return err
+		}
+		after, afterOwn := b.provisionStats(), b.histogramStats(dirpvProvision)
+		b.ms["limits.own."+sd.key] = meanMS(beforeOwn, afterOwn)
+		if ents, _ := os.ReadDir(sd.base); len(ents) != *flagN {
+			return fmt.Errorf("%d volumes in %s for %d claims", len(ents), sd.base, *flagN)
+		}
+		b.ms["limits.bulk."+sd.key] = d.Seconds()
+		b.ms["limits.op."+sd.key] = meanMS(before, after)
+		ds, err := b.latency("limits-lat-"+sd.key, sd.class, nodeName, *flagLatN, nil)
+		if err != nil {
+			return err
+		}
+		b.ms["limits.p50."+sd.key] = ms(percentile(ds, 50))
+		if sd.key == "limit" {
+			if err := b.checkLimited(sd.base); err != nil {
+				return err
+			}
+		}
+		left := func(n int) func() (bool, string) {
+			return func() (bool, string) {
+				ents, err := os.ReadDir(sd.base)
+				return err == nil && len(ents) == n, fmt.Sprintf("%d volumes left in %s, want %d", len(ents), sd.base, n)
+			}
+		}
+		d, err = b.deleteAll("limits-bulk-"+sd.key, sd.class, false, left(*flagLatN))
+		if err != nil {
+			return err
+		}
+		b.ms["limits.delete."+sd.key] = d.Seconds()
+		if _, err := b.deleteAll("limits-lat-"+sd.key, sd.class, false, left(0)); err != nil {
+			return err
+		}
+	}
+	for _, r := range []struct{ key, name, unit string }{
+		{"bulk", fmt.Sprintf("btrfs: %d claims create->all Bound", *flagN), "s"},
+		{"p50", "btrfs: single claim create->Bound p50", "ms"},
+		{"op", "btrfs: mean lib provisioning op", "ms"},
+		{"own", "btrfs: mean dirpv Provision (disk work)", "ms"},
+		{"delete", fmt.Sprintf("btrfs: delete %d claims, PVs+dirs gone", *flagN), "s"},
+	} {
+		b.add(Row{Name: r.name + ", no limits", Value: b.ms["limits."+r.key+".nolimit"], Unit: r.unit})
+		b.add(Row{Name: r.name + ", limits", Value: b.ms["limits."+r.key+".limit"], Unit: r.unit,
+			Ref: "no limits", RefValue: b.ms["limits."+r.key+".nolimit"]})
+	}
+	return nil
+}
+
+// dirpvProvision is dirpv's own Provision histogram: the directory (or subvolume and limit)
+// and the PV object built, no API call.
+const dirpvProvision = "dirpv_provision_duration_seconds"
+
+type limitSide struct{ key, class, base string }
+
+// limitSides are localLimits' two btrfs bases: without quota, then with it.
+func (b *bench) limitSides() []limitSide {
+	return []limitSide{
+		{"nolimit", "bench-btrfs-nolimit", filepath.Join(b.s.Work.Dir, "btrfs-nolimit")},
+		{"limit", "bench-btrfs-limit", filepath.Join(b.s.Work.Dir, "btrfs-limit")},
+	}
+}
+
+// mountLimitBases mounts localLimits' bases before dirpv starts, so that they are unmounted
+// only once dirpv has stopped and holds nothing open there.
+func (b *bench) mountLimitBases() error {
+	for _, sd := range b.limitSides() {
+		if err := b.s.MountBtrfs(sd.base, 1<<30, sd.key == "limit"); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// checkLimited fails unless every volume in base is a btrfs subvolume, which dirpv makes only
+// to put a qgroup limit on it: a subvolume's root directory is inode 256
+// (BTRFS_FIRST_FREE_OBJECTID), which no plain directory is.
+func (b *bench) checkLimited(base string) error {
+	ents, err := os.ReadDir(base)
+	if err != nil {
+		return err
+	}
+	for _, e := range ents {
+		var st unix.Stat_t
+		if err := unix.Lstat(filepath.Join(base, e.Name()), &st); err != nil {
+			return err
+		}
+		if st.Ino != 256 {
+			return fmt.Errorf("volume %s in %s is not a btrfs subvolume (inode %d): no limit was set", e.Name(), base, st.Ino)
+		}
+	}
+	return nil
+}
+
 func (b *bench) nfsBulk() error {
 	params := map[string]string{"backend": "nfs", "server": b.s.NFS.Addr, "share": b.s.NFS.Share}
 	if err := b.createClass(framework.NewClass("bench-nfs", params, framework.Immediate, framework.MountOptions(b.s.NFS.MountOptions()...))); err != nil {
@@ -673,18 +789,22 @@ func (b *bench) nfsBulk() error {
 	return nil
 }
 
+// libProvisionOp is the lib's provisioning operation histogram: event, Provision, PV create.
+const libProvisionOp = "dirpv_persistentvolumeclaim_provision_duration_seconds"
+
 // provisionStats sums the lib's provision duration histogram over both dirpv processes.
-func (b *bench) provisionStats() [2]float64 {
+func (b *bench) provisionStats() [2]float64 { return b.histogramStats(libProvisionOp) }
+
+// histogramStats sums a histogram's _sum and _count over both dirpv processes and all labels.
+func (b *bench) histogramStats(name string) [2]float64 {
 	var out [2]float64
 	for _, p := range []*framework.Process{b.node, b.ctrl} {
-		m, err := scrape("http://"+p.HTTPAddr+"/metrics",
-			"dirpv_persistentvolumeclaim_provision_duration_seconds_sum",
-			"dirpv_persistentvolumeclaim_provision_duration_seconds_count")
+		m, err := scrape("http://"+p.HTTPAddr+"/metrics", name+"_sum", name+"_count")
 		if err != nil {
 			continue
 		}
-		out[0] += m["dirpv_persistentvolumeclaim_provision_duration_seconds_sum"]
-		out[1] += m["dirpv_persistentvolumeclaim_provision_duration_seconds_count"]
+		out[0] += m[name+"_sum"]
+		out[1] += m[name+"_count"]
 	}
 	return out
 }
@@ -931,6 +1051,10 @@ func (b *bench) goals() {
 		r = b.ms["nfs.bulk"] / b.ms["ceil.bulk"]
 		g(fmt.Sprintf("%d NFS claims create->Bound vs ceiling", *flagN), "<= 1.2x", r, r <= 1.2)
 	}
+	r = b.ms["limits.bulk.limit"] / b.ms["limits.bulk.nolimit"]
+	g(fmt.Sprintf("%d local claims with size limits vs without (btrfs)", *flagN), "<= 1.1x", r, r <= 1.1)
+	r = b.ms["limits.p50.limit"] / b.ms["limits.p50.nolimit"]
+	g("single local claim p50 with size limits vs without (btrfs)", "<= 1.1x", r, r <= 1.1)
 	r = b.ms["local.p50"] / b.ms["ceil.p50"]
 	g("single local claim p50 vs ceiling", "<= 1.2x", r, r <= 1.2)
 	r = b.ms["pub.p50"] / b.ms["mu.p50"]

@@ -342,6 +342,9 @@ evictionHard:
 serializeImagePulls: false
 # Tests wait on pod status; report it promptly.
 nodeStatusUpdateFrequency: 4s
+# Tests read volumes' usage from kubelet's stats (NodeGetVolumeStats); it refreshes them every
+# 1-2 periods, 1m by default.
+volumeStatsAggPeriod: 10s
 syncFrequency: 10s
 `, port, healthzPort, p.path("ca.crt"), c.ContainerdSocket, c.ContainerdSocket)
 	cfgPath := filepath.Join(c.WorkDir, "kubelet-config.yaml")

@@ -106,6 +106,13 @@ func Annotation(k, v string) ClaimOption {
 	}
 }
 
+// Request sets the claim's storage request (1Gi by default), e.g. "16Mi".
+func Request(size string) ClaimOption {
+	return func(c *v1.PersistentVolumeClaim) {
+		c.Spec.Resources.Requests = v1.ResourceList{v1.ResourceStorage: resource.MustParse(size)}
+	}
+}
+
 // NewClaim returns a 1Gi ReadWriteOnce claim of class; with class "" it names no class, so
 // that the default class is what it gets, as for a user.
 func NewClaim(ns, name, class string, opts ...ClaimOption) *v1.PersistentVolumeClaim {

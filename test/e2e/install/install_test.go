@@ -68,6 +68,12 @@ func beforeCluster(s *framework.Suite, opts *cluster.Options) error {
 			os.Remove(basePath)
 		}
 	})
+	// Mounted before dirpv's node pod starts, which must see it (btrfsBase). Cleanups run
+	// last first: it is unmounted before the leftovers above go, which then find only its
+	// empty mount point.
+	if err := s.MountBtrfs(btrfsBase, 256<<20, true); err != nil {
+		return err
+	}
 	auditDir := filepath.Join(s.Work.Dir, "audit")
 	if err := os.MkdirAll(auditDir, 0o755); err != nil {
 		return fmt.Errorf("audit dir: %w", err)

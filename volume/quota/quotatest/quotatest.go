@@ -5,6 +5,7 @@ package quotatest
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -24,53 +25,98 @@ func Btrfs(t testing.TB, quota bool) string {
 		t.Fatal("quotatest.Btrfs needs root (loop devices and mount)")
 	}
 	dir := t.TempDir()
-	img := filepath.Join(dir, "btrfs.img")
-	if err := os.WriteFile(img, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(img, 256<<20); err != nil {
-		t.Fatal(err)
-	}
-	dev := strings.TrimSpace(run(t, "losetup", "-f", "--show", img))
-	t.Cleanup(func() { run(t, "losetup", "-d", dev) })
-	run(t, "mkfs.btrfs", "-q", "-f", dev)
 	mnt := filepath.Join(dir, "mnt")
-	if err := os.Mkdir(mnt, 0o755); err != nil {
+	fs, err := MountBtrfs(filepath.Join(dir, "btrfs.img"), mnt, 256<<20, quota)
+	if err != nil {
 		t.Fatal(err)
-	}
-	if err := unix.Mount(dev, mnt, "btrfs", 0, ""); err != nil {
-		t.Fatalf("mount %s on %s: %v", dev, mnt, err)
 	}
 	t.Cleanup(func() {
-		// Code under test may close its descriptors on the file system just after the test
-		// (a provisioner's Run returning): wait for that, within a deadline.
-		deadline := time.Now().Add(10 * time.Second)
-		for {
-			err := unix.Unmount(mnt, 0)
-			if err == nil {
-				return
-			}
-			if !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
-				t.Errorf("unmount %s: %v", mnt, err)
-				unix.Unmount(mnt, unix.MNT_DETACH) // so the loop device can still go
-				return
-			}
-			time.Sleep(20 * time.Millisecond)
+		if err := fs.Remove(); err != nil {
+			t.Error(err)
 		}
 	})
-	if quota {
-		run(t, "btrfs", "quota", "enable", mnt)
-	}
 	return mnt
 }
 
-func run(t testing.TB, name string, args ...string) string {
-	t.Helper()
+// BtrfsFS is a btrfs file system made by MountBtrfs.
+type BtrfsFS struct {
+	// Mnt is where it is mounted.
+	Mnt string
+	dev string
+}
+
+// MountBtrfs makes a btrfs file system of size bytes in the new image file img, on a loop
+// device of its own, mounts it at mnt (made if missing) and, if quota is true, enables quota.
+// It is Btrfs for what outlives one test (a suite's fixture); on error nothing is left.
+func MountBtrfs(img, mnt string, size int64, quota bool) (_ *BtrfsFS, err error) {
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			os.Remove(img)
+		}
+	}()
+	if err := os.Truncate(img, size); err != nil {
+		return nil, err
+	}
+	out, err := command("losetup", "-f", "--show", img)
+	if err != nil {
+		return nil, err
+	}
+	fs := &BtrfsFS{Mnt: mnt, dev: strings.TrimSpace(out)}
+	defer func() {
+		if err != nil {
+			command("losetup", "-d", fs.dev)
+		}
+	}()
+	if _, err := command("mkfs.btrfs", "-q", "-f", fs.dev); err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(mnt, 0o755); err != nil {
+		return nil, err
+	}
+	if err := unix.Mount(fs.dev, mnt, "btrfs", 0, ""); err != nil {
+		return nil, fmt.Errorf("mount %s on %s: %w", fs.dev, mnt, err)
+	}
+	if quota {
+		if _, err := command("btrfs", "quota", "enable", mnt); err != nil {
+			unix.Unmount(mnt, unix.MNT_DETACH)
+			return nil, err
+		}
+	}
+	return fs, nil
+}
+
+// Remove unmounts the file system and detaches its loop device (only that one); the image
+// file is left to whoever owns its directory.
+func (fs *BtrfsFS) Remove() error {
+	// Code under test may close its descriptors on the file system just after a test (a
+	// provisioner's Run returning): wait for that, within a deadline.
+	deadline := time.Now().Add(10 * time.Second)
+	var uerr error
+	for {
+		err := unix.Unmount(fs.Mnt, 0)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
+			uerr = fmt.Errorf("unmount %s: %w", fs.Mnt, err)
+			unix.Unmount(fs.Mnt, unix.MNT_DETACH) // so the loop device can still go
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	_, err := command("losetup", "-d", fs.dev)
+	return errors.Join(uerr, err)
+}
+
+func command(name string, args ...string) (string, error) {
 	out, err := exec.Command(name, args...).CombinedOutput()
 	if err != nil {
-		t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out)
+		return "", fmt.Errorf("%s %s: %w\n%s", name, strings.Join(args, " "), err, out)
 	}
-	return string(out)
+	return string(out), nil
 }
 
 // Fill writes up to n bytes of data to a new file at p, syncing each MiB, and returns how much
