@@ -14,7 +14,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/volume/quota/quotatest"
@@ -40,51 +39,15 @@ func btrfsClass(t *testing.T, params map[string]string, opts ...framework.ClassO
 
 // setClaimSize sets the claim's storage request, as `kubectl edit` would.
 func setClaimSize(ctx context.Context, ns, name, size string) error {
-	patch := fmt.Sprintf(`{"spec":{"resources":{"requests":{"storage":%q}}}}`, size)
-	_, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, name, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
-	return err
+	return framework.SetClaimSize(ctx, suite.Client, ns, name, size)
 }
 
-// resizeConditions are the claim conditions of a resize in progress or failed; others (such
-// as Unused) say nothing about it.
-var resizeConditions = map[v1.PersistentVolumeClaimConditionType]bool{
-	v1.PersistentVolumeClaimResizing:                true,
-	v1.PersistentVolumeClaimFileSystemResizePending: true,
-	v1.PersistentVolumeClaimControllerResizeError:   true,
-	v1.PersistentVolumeClaimNodeResizeError:         true,
-}
-
-// waitResized waits until the claim and its PV report size and the claim carries no resize
-// condition or status any more: what `kubectl get pvc` shows once a resize is done.
+// waitResized waits until the claim and its PV report size and no resize is in progress.
 func waitResized(t *testing.T, ns, name, size string) *v1.PersistentVolumeClaim {
 	t.Helper()
-	want := resource.MustParse(size)
-	var pvc *v1.PersistentVolumeClaim
-	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-		var err error
-		pvc, err = suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return false, err
-		}
-		pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
-		if err != nil {
-			return false, err
-		}
-		got, pvSize := pvc.Status.Capacity[v1.ResourceStorage], pv.Spec.Capacity[v1.ResourceStorage]
-		var resizing []v1.PersistentVolumeClaimCondition
-		for _, c := range pvc.Status.Conditions {
-			if resizeConditions[c.Type] {
-				resizing = append(resizing, c)
-			}
-		}
-		if got.Cmp(want) != 0 || pvSize.Cmp(want) != 0 || len(resizing) != 0 || len(pvc.Status.AllocatedResourceStatuses) != 0 {
-			return false, fmt.Errorf("claim capacity %s, PV capacity %s, resize conditions %+v, allocatedResourceStatuses %v",
-				got.String(), pvSize.String(), resizing, pvc.Status.AllocatedResourceStatuses)
-		}
-		return true, nil
-	})
+	pvc, err := framework.WaitForClaimResized(context.Background(), suite.Client, ns, name, size, timeout)
 	if err != nil {
-		t.Fatalf("claim %s/%s resized to %s: %v\n--- events: %s\n--- node-a log tail:\n%s", ns, name, size, err,
+		t.Fatalf("%v\n--- events: %s\n--- node-a log tail:\n%s", err,
 			framework.EventsOf(context.Background(), suite.Client, ns, "PersistentVolumeClaim", name), nodeProc.Tail(3000))
 	}
 	return pvc
