@@ -1,0 +1,57 @@
+package daemon
+
+import (
+	"strings"
+	"testing"
+
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes/fake"
+)
+
+// Every node gets a managed-by label value of its own that the API accepts, however long its
+// name (node names may have 253 characters, label values 63).
+func TestNodeManagedBy(t *testing.T) {
+	long := strings.Repeat("n", 240)
+	seen := map[string]string{}
+	for _, node := range []string{"node-a", long + "-1", long + "-2", strings.Repeat("a.", 120) + "b"} {
+		v := nodeManagedBy(node)
+		if errs := validation.IsValidLabelValue(v); len(errs) > 0 {
+			t.Errorf("nodeManagedBy(%.20s...) = %q: %v", node, v, errs)
+		}
+		if other, dup := seen[v]; dup {
+			t.Errorf("nodes %.20s... and %.20s... share %q", node, other, v)
+		}
+		seen[v] = node
+	}
+	if got := nodeManagedBy("node-a"); got != "dirpv.io-node-node-a" {
+		t.Errorf("nodeManagedBy(node-a) = %q", got)
+	}
+}
+
+// The capacity controller sees only the classes its instance publishes.
+func TestFilteredClasses(t *testing.T) {
+	keep, drop := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: "keep"}}, &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: "drop"}}
+	factory := informers.NewSharedInformerFactory(fake.NewClientset(), 0)
+	inf := factory.Storage().V1().StorageClasses()
+	for _, c := range []*storagev1.StorageClass{keep, drop} {
+		if err := inf.Informer().GetIndexer().Add(c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f := filteredClasses{inf, func(c *storagev1.StorageClass) bool { return c.Name == "keep" }}
+	all, err := f.Lister().List(labels.Everything())
+	if err != nil || len(all) != 1 || all[0].Name != "keep" {
+		t.Errorf("List = %v, %v; want only keep", all, err)
+	}
+	if _, err := f.Lister().Get("drop"); !apierrors.IsNotFound(err) {
+		t.Errorf("Get(drop) = %v, want NotFound", err)
+	}
+	if c, err := f.Lister().Get("keep"); err != nil || c.Name != "keep" {
+		t.Errorf("Get(keep) = %v, %v", c, err)
+	}
+}
