@@ -56,6 +56,13 @@ type capacityPublisher struct {
 	ctrl    *capacity.Controller
 	objects informers.SharedInformerFactory
 	topo    topology.Informer
+
+	// What adopt needs: whose objects are ours, and where.
+	client    kubernetes.Interface
+	owner     *metav1.OwnerReference
+	namespace string
+	selector  string
+	timeout   time.Duration
 }
 
 // newCapacityPublisher returns the publisher of p's classes, or nil if cfg publishes nothing.
@@ -89,12 +96,11 @@ func newCapacityPublisher(ctx context.Context, client kubernetes.Interface, clas
 		return nil, fmt.Errorf("capacity topology: %w", err)
 	}
 	// Only our own objects are watched: the namespace's, labelled as ours.
+	selector := labels.Set{capacity.DriverNameLabel: DriverName, capacity.ManagedByLabel: managedBy}.String()
 	objects := informers.NewSharedInformerFactoryWithOptions(client, 0,
 		informers.WithNamespace(cfg.Namespace),
 		informers.WithTransform(trimObject),
-		informers.WithTweakListOptions(func(lo *metav1.ListOptions) {
-			lo.LabelSelector = labels.Set{capacity.DriverNameLabel: DriverName, capacity.ManagedByLabel: managedBy}.String()
-		}))
+		informers.WithTweakListOptions(func(lo *metav1.ListOptions) { lo.LabelSelector = selector }))
 	// A nil segment selects every node: external-provisioner's choice for storage without
 	// topology, and one that its objects compare equal to once read back (an empty non-nil
 	// one would not, and be deleted and made anew at every poll).
@@ -107,15 +113,49 @@ func newCapacityPublisher(ctx context.Context, client kubernetes.Interface, clas
 		filteredClasses{classes, p.PublishesCapacity},
 		objects.Storage().V1().CSIStorageCapacities(),
 		cfg.PollInterval, false, timeout)
-	return &capacityPublisher{ctrl: ctrl, objects: objects, topo: topo}, nil
+	return &capacityPublisher{ctrl: ctrl, objects: objects, topo: topo,
+		client: client, owner: owner, namespace: cfg.Namespace, selector: selector, timeout: timeout}, nil
 }
 
 // run publishes until ctx is done.
 func (c *capacityPublisher) run(ctx context.Context) {
+	c.adopt(ctx)
 	c.objects.Start(ctx.Done())
 	go c.topo.RunWorker(ctx)
 	c.ctrl.Run(ctx, 1)
 	c.objects.Shutdown()
+}
+
+// adopt makes this instance the owner of the objects an earlier one left, before the library
+// sees them. The library would add its owner next to the old one, which the API refuses for
+// a second controller reference, and the object would keep its old figure until the old
+// owner (a replaced pod that is still terminating) were gone and the object collected. Best
+// effort: what fails here, the library's retries and the garbage collector still settle.
+func (c *capacityPublisher) adopt(ctx context.Context) {
+	if c.owner == nil {
+		return
+	}
+	logger := klog.FromContext(ctx)
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	defer cancel()
+	client := c.client.StorageV1().CSIStorageCapacities(c.namespace)
+	list, err := client.List(ctx, metav1.ListOptions{LabelSelector: c.selector})
+	if err != nil {
+		logger.Error(err, "List CSIStorageCapacity objects to adopt")
+		return
+	}
+	for i := range list.Items {
+		obj := &list.Items[i]
+		if ref := metav1.GetControllerOf(obj); ref == nil || ref.UID == c.owner.UID {
+			continue
+		}
+		obj.OwnerReferences = []metav1.OwnerReference{*c.owner}
+		if _, err := client.Update(ctx, obj, metav1.UpdateOptions{}); err != nil {
+			logger.Error(err, "Adopt CSIStorageCapacity", "object", klog.KObj(obj))
+			continue
+		}
+		logger.Info("Adopted CSIStorageCapacity of an earlier instance", "object", klog.KObj(obj), "class", obj.StorageClassName)
+	}
 }
 
 // wrap has the objects of a node (or class) refreshed right after a Provision or Delete there,

@@ -1,13 +1,16 @@
 package daemon
 
 import (
+	"context"
 	"strings"
 	"testing"
+	"time"
 
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes/fake"
@@ -53,5 +56,30 @@ func TestFilteredClasses(t *testing.T) {
 	}
 	if c, err := f.Lister().Get("keep"); err != nil || c.Name != "keep" {
 		t.Errorf("Get(keep) = %v, %v", c, err)
+	}
+}
+
+// A new pod of the same node takes over the objects its predecessor left, before the library
+// sees them; objects of other instances are left alone.
+func TestAdoptTakesOverEarlierPodsObjects(t *testing.T) {
+	old := metav1.OwnerReference{APIVersion: "v1", Kind: "Pod", Name: "dirpv-node-old", UID: "old", Controller: ptrTo(true)}
+	mine := podOwner(CapacityConfig{PodName: "dirpv-node-new", PodUID: "new"})
+	obj := func(name, managedBy string) *storagev1.CSIStorageCapacity {
+		return &storagev1.CSIStorageCapacity{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "dirpv",
+			Labels:          map[string]string{"csi.storage.k8s.io/drivername": DriverName, "csi.storage.k8s.io/managed-by": managedBy},
+			OwnerReferences: []metav1.OwnerReference{old}}}
+	}
+	client := fake.NewClientset(obj("ours", nodeManagedBy("a")), obj("theirs", nodeManagedBy("b")))
+	pub := &capacityPublisher{client: client, owner: mine, namespace: "dirpv", timeout: 10 * time.Second,
+		selector: labels.Set{"csi.storage.k8s.io/drivername": DriverName, "csi.storage.k8s.io/managed-by": nodeManagedBy("a")}.String()}
+	pub.adopt(context.Background())
+	for name, want := range map[string]types.UID{"ours": "new", "theirs": "old"} {
+		got, err := client.StorageV1().CSIStorageCapacities("dirpv").Get(context.Background(), name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ref := metav1.GetControllerOf(got); ref == nil || ref.UID != want || len(got.OwnerReferences) != 1 {
+			t.Errorf("%s: owners %v, want only %s", name, got.OwnerReferences, want)
+		}
 	}
 }
