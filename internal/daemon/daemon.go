@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -136,9 +137,11 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	if err != nil {
 		return err
 	}
-	owner, err := driverOwner(ctx, client)
-	if err != nil {
-		return err
+	var owner *metav1.OwnerReference
+	if cfg.Capacity.PollInterval > 0 {
+		if owner, err = driverOwner(ctx, client); err != nil {
+			return err
+		}
 	}
 	// Only the leader publishes: every replica would write the same objects.
 	pub, err := newCapacityPublisher(ctx, client, factory.Storage().V1().StorageClasses(), p, cfg.Capacity,
