@@ -19,6 +19,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
@@ -260,6 +261,9 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 			created, err = root.MkdirAll(rel, params.owner, owner)
 			return err
 		}
+		if err := checkRoom(root, rel, size); err != nil {
+			return err
+		}
 		fs, err := root.Quota()
 		if err != nil {
 			return err
@@ -337,6 +341,22 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 		logger.Info("adopted existing directory", "path", rel, "backend", attrs.Backend)
 	}
 	return p.buildPV(opts, params, attrs, hostname), controller.ProvisioningFinished, nil
+}
+
+// checkRoom refuses a new local volume larger than the base's free space. A limit does not
+// reserve space, and the scheduler chose this node from a published figure that may be a
+// poll old: the volume would fill the disk before it reached its size. An existing directory
+// (a retry adopting an earlier attempt's) is not checked: its claim was already given room.
+func checkRoom(root *volume.Root, rel string, size resource.Quantity) error {
+	avail, err := root.Available()
+	if err != nil || uint64(size.Value()) <= avail {
+		return err
+	}
+	if _, err := root.Stat(rel); !isNotExist(err) {
+		return nil
+	}
+	return fmt.Errorf("the claim asks for %s but only %s is free: %w",
+		size.String(), resource.NewQuantity(int64(avail), resource.BinarySI).String(), unix.ENOSPC)
 }
 
 // checkClaim parses the class and refuses claims it cannot serve.

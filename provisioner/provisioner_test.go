@@ -750,12 +750,22 @@ func TestNodeLocalFailureReschedules(t *testing.T) {
 			f.mountForTest("tmpfs", "tmpfs", 0, "size=1m,nr_inodes=1")
 			return "no space left on device"
 		},
+		"claim larger than the free space": func(t *testing.T, f *fixture) string {
+			// A limit reserves nothing: the scheduler's figure was stale, the claim cannot fit.
+			f.mountForTest("tmpfs", "tmpfs", 0, "size=8m")
+			return "the claim asks for 1Gi but only 8Mi is free"
+		},
 	} {
 		t.Run(name, func(t *testing.T) {
 			f := newFixture(t)
 			want := setup(t, f)
 			class := f.localClass(nil)
-			_, state, err := f.node.Provision(context.Background(), opts(class, claim("c")))
+			c := claim("c")
+			if name == "full base" {
+				// Small enough to pass the free-space check, so that mkdir itself fails.
+				c = sizedClaim("c", "1Ki")
+			}
+			_, state, err := f.node.Provision(context.Background(), opts(class, c))
 			if state != controller.ProvisioningReschedule {
 				t.Errorf("state = %s (err %v), want Reschedule", state, err)
 			}
@@ -764,6 +774,9 @@ func TestNodeLocalFailureReschedules(t *testing.T) {
 			}
 			if status.Code(err) == codes.InvalidArgument {
 				t.Error("a node-local failure is marked infeasible; the lib would not reschedule it")
+			}
+			if got := listTree(t, f.base); len(got) != 0 {
+				t.Errorf("base holds %v after the refusal, want nothing", got)
 			}
 		})
 	}

@@ -87,6 +87,20 @@ func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfi
 	return kube, prov, httpAddr, profiling
 }
 
+// capacityFlags are the CSIStorageCapacity publishing flags of both commands.
+func capacityFlags(fs *flag.FlagSet) *daemon.CapacityConfig {
+	c := &daemon.CapacityConfig{}
+	fs.DurationVar(&c.PollInterval, "capacity-poll-interval", daemon.DefaultCapacityPollInterval,
+		"How often CSIStorageCapacity objects are refreshed from the free space of each class's storage "+
+			"(they are also refreshed after each provision and delete). 0 publishes none.")
+	ns := os.Getenv("POD_NAMESPACE")
+	if ns == "" {
+		ns = daemon.DefaultNamespace
+	}
+	fs.StringVar(&c.Namespace, "capacity-namespace", ns, "Namespace of the CSIStorageCapacity objects. Default: $POD_NAMESPACE, else "+daemon.DefaultNamespace+".")
+	return c
+}
+
 func float32Flag(p *float32) func(string) error {
 	return func(s string) error {
 		var f float32
@@ -107,6 +121,7 @@ func controllerFlags(fs *flag.FlagSet) func(context.Context) error {
 	fs.DurationVar(&cfg.WedgedExportLimit, "wedged-export-limit", 5*time.Minute,
 		"/healthz fails once an NFS export has had all its call slots held by calls its server does not answer, none coming free, "+
 			"for this long, so that kubelet restarts the controller. 0 disables the check.")
+	capacity := capacityFlags(fs)
 	le := &cfg.LeaderElection
 	fs.BoolVar(&le.Enabled, "leader-election", true, "Elect one active controller among replicas.")
 	fs.StringVar(&le.Namespace, "leader-election-namespace", "", "Namespace of the leader election lease. Empty: the pod's own namespace.")
@@ -116,7 +131,7 @@ func controllerFlags(fs *flag.FlagSet) func(context.Context) error {
 		"How long the leader retries renewing its lease before it stops and exits.")
 	fs.DurationVar(&le.RetryPeriod, "leader-election-retry-period", 2*time.Second, "Interval between attempts to acquire or renew the lease.")
 	return func(ctx context.Context) error {
-		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress, cfg.Profiling = *kube, *prov, *httpAddr, *profiling
+		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress, cfg.Profiling, cfg.Capacity = *kube, *prov, *httpAddr, *profiling, *capacity
 		return daemon.RunController(ctx, cfg)
 	}
 }
@@ -142,8 +157,12 @@ func nodeFlags(fs *flag.FlagSet) func(context.Context) error {
 	fs.StringVar(&cfg.RegistrationDir, "plugin-registration-dir", "", "kubelet's plugin registration directory. Default: <kubelet-root-dir>/plugins_registry. \"-\" disables self-registration.")
 	fs.StringVar(&cfg.Mounter, "nfs-mount-helper", "", "Program run instead of mount(8) for NFS mounts (tests only). Empty: the system's mount.")
 	fs.BoolVar(&cfg.LocalProvisioning, "local-provisioning", true, "Provision local-class volumes scheduled to this node.")
+	capacity := capacityFlags(fs)
+	fs.StringVar(&capacity.PodName, "pod-name", os.Getenv("POD_NAME"),
+		"Name of the pod this runs in, the owner of the node's CSIStorageCapacity objects (they go with it). Default: $POD_NAME; empty: no owner.")
+	fs.StringVar(&capacity.PodUID, "pod-uid", os.Getenv("POD_UID"), "UID of that pod. Default: $POD_UID.")
 	return func(ctx context.Context) error {
-		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress, cfg.Profiling = *kube, *prov, *httpAddr, *profiling
+		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress, cfg.Profiling, cfg.Capacity = *kube, *prov, *httpAddr, *profiling, *capacity
 		if cfg.CSIEndpoint == "" {
 			cfg.CSIEndpoint = daemon.DefaultCSIEndpoint(cfg.KubeletRootDir)
 		}

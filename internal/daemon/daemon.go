@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -96,6 +97,8 @@ type ControllerConfig struct {
 	HTTPAddress    string
 	// Profiling serves Go's /debug/pprof/ on HTTPAddress too.
 	Profiling bool
+	// Capacity publishes CSIStorageCapacity for the NFS classes that the scheduler checks.
+	Capacity CapacityConfig
 	// WedgedExportLimit is how long an NFS export may have every call slot held by calls its
 	// server does not answer before /healthz fails, so that kubelet restarts the controller.
 	// Zero or less disables the check.
@@ -136,8 +139,20 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	if err != nil {
 		return err
 	}
+	var owner *metav1.OwnerReference
+	if cfg.Capacity.PollInterval > 0 {
+		if owner, err = driverOwner(ctx, client); err != nil {
+			return err
+		}
+	}
+	// Only the leader publishes: every replica would write the same objects.
+	pub, err := newCapacityPublisher(ctx, client, factory.Storage().V1().StorageClasses(), p, cfg.Capacity,
+		owner, DriverName+"-controller", cfg.Provisioner.OperationTimeout)
+	if err != nil {
+		return err
+	}
 	// Resizing NFS volumes is the leader's too: each claim has one instance that resizes it.
-	lead := together(provisioning(ctx, client, factory, p, cfg.Provisioner, reg),
+	lead := together(provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub),
 		resizing(client, factory, p.Resizer(ctx), cfg.Provisioner))
 	run := func(ctx context.Context) error {
 		lead(ctx)
@@ -152,12 +167,13 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	return runAll(ctx, httpConfig{cfg.HTTPAddress, cfg.Profiling}, reg, healthy, run, runInformers(factory))
 }
 
-// provisioning returns what runs the lib's ProvisionController around p until its context is
-// done, and registers the lib's metrics and dirpv's own on reg. What it returns comes back only
-// once the controller's workers have returned and p has released its NFS mounts, in that
-// order: a worker still running after the release could mount an export again.
+// provisioning returns what runs the lib's ProvisionController around p, and pub's capacity
+// publishing if pub is not nil, until its context is done, and registers the lib's metrics
+// and dirpv's own on reg. What it returns comes back only once the controller's workers have
+// returned and p has released its NFS mounts, in that order: a worker still running after the
+// release could mount an export again.
 func provisioning(ctx context.Context, client kubernetes.Interface, factory informers.SharedInformerFactory,
-	p *provisioner.Provisioner, cfg ProvisionerConfig, reg *prometheus.Registry,
+	p *provisioner.Provisioner, cfg ProvisionerConfig, reg *prometheus.Registry, pub *capacityPublisher,
 ) func(context.Context) {
 	m := libmetrics.New("dirpv")
 	reg.MustRegister(
@@ -168,7 +184,7 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 	// pc.Run returns as soon as its context ends, while its workers may still be in Provision
 	// or Delete; the lib adds each worker to this group so that we can wait for them.
 	var workers sync.WaitGroup
-	pc := controller.NewProvisionController(ctx, client, DriverName, provisioner.Instrument(p, reg),
+	pc := controller.NewProvisionController(ctx, client, DriverName, pub.wrap(provisioner.Instrument(p, reg)),
 		// Leader election, where there is one, is ours (runElected): the lib's exits the process
 		// when it stops leading, before anything could drain or the lease be released.
 		controller.LeaderElection(false),
@@ -197,9 +213,17 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 			defer close(released)
 			p.Run(housekeeping)
 		}()
+		published := make(chan struct{})
+		go func() {
+			defer close(published)
+			if pub != nil {
+				pub.run(ctx)
+			}
+		}()
 		pc.Run(ctx)
 		start := time.Now()
 		workers.Wait()
+		<-published
 		stop()
 		<-released
 		logger.Info("Provisioning stopped: workers finished and mounts released", "drainDuration", time.Since(start))

@@ -29,7 +29,10 @@ type NodeConfig struct {
 	Mounter string
 	// LocalProvisioning runs the local-class provisioner on this node.
 	LocalProvisioning bool
-	HTTPAddress       string
+	// Capacity publishes CSIStorageCapacity for this node's local classes (with
+	// LocalProvisioning).
+	Capacity    CapacityConfig
+	HTTPAddress string
 	// Profiling serves Go's /debug/pprof/ on HTTPAddress too.
 	Profiling bool
 	// KubeletRootDir is kubelet's root directory; no local volume is ever in or around it.
@@ -95,7 +98,12 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			return err
 		}
 		// Every node serves its own claims, so there is no leader to elect.
-		lead := together(provisioning(ctx, client, factory, p, cfg.Provisioner, reg),
+		pub, err := newCapacityPublisher(ctx, client, factory.Storage().V1().StorageClasses(), p, cfg.Capacity,
+			podOwner(cfg.Capacity), nodeManagedBy(cfg.NodeName), cfg.Provisioner.OperationTimeout)
+		if err != nil {
+			return err
+		}
+		lead := together(provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub),
 			resizing(client, factory, p.Resizer(ctx), cfg.Provisioner))
 		fns = append(fns, func(ctx context.Context) error {
 			lead(ctx)

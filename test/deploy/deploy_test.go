@@ -144,8 +144,14 @@ var wantRules = map[string][]rbacv1.PolicyRule{
 		{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get"}},
 		// Provisioner.checkNodePlugin: does a local claim's node run dirpv's node plugin?
 		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"csinodes"}, Verbs: []string{"get"}},
+		// driverOwner: the CSIDriver owns the controller's CSIStorageCapacity objects.
+		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"csidrivers"}, ResourceNames: []string{"dirpv.io"}, Verbs: []string{"get"}},
 		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
 	},
+	// The capacity controller (external-provisioner's pkg/capacity) watches, creates, updates
+	// and deletes its own objects in dirpv's namespace, and never gets one.
+	"Role dirpv-controller-capacity": capacityRules,
+	"Role dirpv-node-capacity":       capacityRules,
 	"Role dirpv-controller-leader-election": {
 		{APIGroups: []string{"coordination.k8s.io"}, Resources: []string{"leases"}, Verbs: []string{"create"}},
 		{APIGroups: []string{"coordination.k8s.io"}, Resources: []string{"leases"}, ResourceNames: []string{"dirpv.io"}, Verbs: []string{"get", "update"}},
@@ -159,6 +165,10 @@ var wantRules = map[string][]rbacv1.PolicyRule{
 		{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get"}},
 		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
 	},
+}
+
+var capacityRules = []rbacv1.PolicyRule{
+	{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"csistoragecapacities"}, Verbs: []string{"list", "watch", "create", "update", "delete"}},
 }
 
 func TestRBACLeastPrivilege(t *testing.T) {
@@ -213,6 +223,8 @@ func TestRBACLeastPrivilege(t *testing.T) {
 				"ClusterRoleBinding /dirpv-controller":               "dirpv-controller",
 				"ClusterRoleBinding /dirpv-node":                     "dirpv-node",
 				"RoleBinding dirpv/dirpv-controller-leader-election": "dirpv-controller",
+				"RoleBinding dirpv/dirpv-controller-capacity":        "dirpv-controller",
+				"RoleBinding dirpv/dirpv-node-capacity":              "dirpv-node",
 			}
 			for k, sa := range binds {
 				var subjects []rbacv1.Subject
@@ -254,7 +266,8 @@ func TestCSIDriver(t *testing.T) {
 				FSGroupPolicy:        &file,
 				VolumeLifecycleModes: []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent},
 				RequiresRepublish:    &f,
-				StorageCapacity:      &f,
+				// The scheduler checks CSIStorageCapacity for WaitForFirstConsumer claims.
+				StorageCapacity: &tr,
 			}
 			if !reflect.DeepEqual(d.Spec, want) {
 				t.Errorf("CSIDriver spec %+v, want %+v", d.Spec, want)

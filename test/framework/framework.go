@@ -103,6 +103,9 @@ func (p *Process) Restart() error {
 	return p.start(p.cmd.Path)
 }
 
+// Pid is the process's ID, e.g. to reach its mount namespace through /proc/<pid>/root.
+func (p *Process) Pid() int { return p.cmd.Process.Pid }
+
 // Kill sends SIGKILL, like a crash or an OOM kill, and waits for the process to exit.
 func (p *Process) Kill() {
 	p.cmd.Process.Signal(syscall.SIGKILL)

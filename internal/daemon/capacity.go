@@ -1,0 +1,320 @@
+package daemon
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"time"
+
+	"github.com/kubernetes-csi/external-provisioner/v5/pkg/capacity"
+	"github.com/kubernetes-csi/external-provisioner/v5/pkg/capacity/topology"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/informers"
+	storageinformers "k8s.io/client-go/informers/storage/v1"
+	"k8s.io/client-go/kubernetes"
+	storagelisters "k8s.io/client-go/listers/storage/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+	"k8s.io/klog/v2"
+	v11 "sigs.k8s.io/sig-storage-lib-external-provisioner/v11/controller"
+	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
+
+	"github.com/dirpv/dirpv/provisioner"
+)
+
+// DefaultCapacityPollInterval is external-provisioner's --capacity-poll-interval default.
+const DefaultCapacityPollInterval = time.Minute
+
+// DefaultNamespace is the namespace deploy/ installs dirpv into.
+const DefaultNamespace = "dirpv"
+
+// CapacityConfig says how a dirpv process publishes CSIStorageCapacity objects.
+type CapacityConfig struct {
+	// PollInterval is how often every object is refreshed from the storage; zero or less
+	// publishes nothing.
+	PollInterval time.Duration
+	// Namespace holds the objects: dirpv's own.
+	Namespace string
+	// PodName and PodUID name the pod this process runs in (downward API). A node instance's
+	// objects are owned by its pod, so that they go with it: with the node (the pods of a
+	// deleted node are garbage collected) and with dirpv. Empty: no owner.
+	PodName string
+	PodUID  string
+}
+
+// capacityPublisher runs kubernetes-csi's capacity controller (external-provisioner's
+// pkg/capacity) in-process, with the Provisioner as its CSI GetCapacity.
+type capacityPublisher struct {
+	ctrl    *capacity.Controller
+	objects informers.SharedInformerFactory
+	topo    topology.Informer
+
+	// What adopt needs: whose objects are ours, and where.
+	client    kubernetes.Interface
+	owner     *metav1.OwnerReference
+	namespace string
+	selector  string
+	timeout   time.Duration
+}
+
+// newCapacityPublisher returns the publisher of p's classes, or nil if cfg publishes nothing.
+// owner and managedBy say whose objects are whose: a restarted instance finds its objects by
+// managedBy and adopts them rather than create duplicates. classes is the process's shared
+// informer, filtered here to the classes p publishes.
+func newCapacityPublisher(ctx context.Context, client kubernetes.Interface, classes storageinformers.StorageClassInformer,
+	p *provisioner.Provisioner, cfg CapacityConfig, owner *metav1.OwnerReference, managedBy string, timeout time.Duration,
+) (*capacityPublisher, error) {
+	if cfg.PollInterval <= 0 {
+		return nil, nil
+	}
+	if cfg.Namespace == "" {
+		return nil, fmt.Errorf("capacity publishing needs a namespace for CSIStorageCapacity objects")
+	}
+	var segment topology.Segment
+	err := wait.PollUntilContextTimeout(ctx, 2*time.Second, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
+		lookup, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		nodeLabels, err := p.CapacityTopology(lookup)
+		if err != nil {
+			klog.FromContext(ctx).Error(err, "Capacity topology; retrying")
+			return false, nil
+		}
+		for k, v := range nodeLabels {
+			segment = append(segment, topology.SegmentEntry{Key: k, Value: v})
+		}
+		return true, nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("capacity topology: %w", err)
+	}
+	// Only our own objects are watched: the namespace's, labelled as ours.
+	selector := labels.Set{capacity.DriverNameLabel: DriverName, capacity.ManagedByLabel: managedBy}.String()
+	objects := informers.NewSharedInformerFactoryWithOptions(client, 0,
+		informers.WithNamespace(cfg.Namespace),
+		informers.WithTransform(trimObject),
+		informers.WithTweakListOptions(func(lo *metav1.ListOptions) { lo.LabelSelector = selector }))
+	// A nil segment selects every node: external-provisioner's choice for storage without
+	// topology, and one that its objects compare equal to once read back (an empty non-nil
+	// one would not, and be deleted and made anew at every poll).
+	topo := topology.NewFixedNodeTopology(&segment)
+	ctrl := capacity.NewCentralCapacityController(
+		p, DriverName, capacity.NewV1ClientFactory(client),
+		workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[any](),
+			workqueue.TypedRateLimitingQueueConfig[any]{Name: "csistoragecapacity"}),
+		owner, managedBy, cfg.Namespace, topo,
+		filteredClasses{classes, p.PublishesCapacity},
+		objects.Storage().V1().CSIStorageCapacities(),
+		cfg.PollInterval, false, timeout)
+	return &capacityPublisher{ctrl: ctrl, objects: objects, topo: topo,
+		client: client, owner: owner, namespace: cfg.Namespace, selector: selector, timeout: timeout}, nil
+}
+
+// run publishes until ctx is done.
+func (c *capacityPublisher) run(ctx context.Context) {
+	c.adopt(ctx)
+	c.objects.Start(ctx.Done())
+	go c.topo.RunWorker(ctx)
+	c.ctrl.Run(ctx, 1)
+	c.objects.Shutdown()
+}
+
+// adopt makes this instance the owner of the objects an earlier one left, before the library
+// sees them. The library would add its owner next to the old one, which the API refuses for
+// a second controller reference, and the object would keep its old figure until the old
+// owner (a replaced pod that is still terminating) were gone and the object collected. Best
+// effort: what fails here, the library's retries and the garbage collector still settle.
+func (c *capacityPublisher) adopt(ctx context.Context) {
+	if c.owner == nil {
+		return
+	}
+	logger := klog.FromContext(ctx)
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	defer cancel()
+	client := c.client.StorageV1().CSIStorageCapacities(c.namespace)
+	list, err := client.List(ctx, metav1.ListOptions{LabelSelector: c.selector})
+	if err != nil {
+		logger.Error(err, "List CSIStorageCapacity objects to adopt")
+		return
+	}
+	for i := range list.Items {
+		obj := &list.Items[i]
+		if ref := metav1.GetControllerOf(obj); ref == nil || ref.UID == c.owner.UID {
+			continue
+		}
+		obj.OwnerReferences = []metav1.OwnerReference{*c.owner}
+		if _, err := client.Update(ctx, obj, metav1.UpdateOptions{}); err != nil {
+			logger.Error(err, "Adopt CSIStorageCapacity", "object", klog.KObj(obj))
+			continue
+		}
+		logger.Info("Adopted CSIStorageCapacity of an earlier instance", "object", klog.KObj(obj), "class", obj.StorageClassName)
+	}
+}
+
+// wrap has the objects of a node (or class) refreshed right after a Provision or Delete there,
+// rather than at the next poll.
+func (c *capacityPublisher) wrap(p controller.Provisioner) controller.Provisioner {
+	if c == nil {
+		return p
+	}
+	return &refreshing{Provisioner: p, ctrl: c.ctrl}
+}
+
+// podOwner is the owner reference of the node instance's objects, nil outside a pod.
+func podOwner(cfg CapacityConfig) *metav1.OwnerReference {
+	if cfg.PodName == "" || cfg.PodUID == "" {
+		return nil
+	}
+	return &metav1.OwnerReference{APIVersion: "v1", Kind: "Pod", Name: cfg.PodName, UID: types.UID(cfg.PodUID), Controller: ptrTo(true)}
+}
+
+// driverOwner is the owner reference of the controller's objects: the CSIDriver, which goes
+// with dirpv. Not a pod: replicas take over from each other while both pods exist, and the
+// library adopts an object by adding its owner, which the API refuses next to another
+// controller reference; every replica shares the CSIDriver. Nil if there is none.
+func driverOwner(ctx context.Context, client kubernetes.Interface) (*metav1.OwnerReference, error) {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	d, err := client.StorageV1().CSIDrivers().Get(ctx, DriverName, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		klog.FromContext(ctx).Info("No CSIDriver object: CSIStorageCapacity objects get no owner", "driver", DriverName)
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read CSIDriver %s, the owner of CSIStorageCapacity objects: %w", DriverName, err)
+	}
+	return &metav1.OwnerReference{APIVersion: "storage.k8s.io/v1", Kind: "CSIDriver", Name: d.Name, UID: d.UID, Controller: ptrTo(true)}, nil
+}
+
+// nodeManagedBy is the managed-by label value of a node instance's objects, unique per node
+// and within a label value's 63 characters, as external-provisioner names it per node.
+func nodeManagedBy(node string) string {
+	name := DriverName + "-node-" + node
+	if len(name) <= validation.LabelValueMaxLength {
+		return name
+	}
+	sum := sha256.Sum256([]byte(name))
+	h := hex.EncodeToString(sum[:4])
+	return name[:validation.LabelValueMaxLength-len(h)-1] + "-" + h
+}
+
+func ptrTo[T any](v T) *T { return &v }
+
+// filteredClasses is the shared StorageClass informer as seen by the capacity controller:
+// only the classes keep, so that no instance publishes objects for classes it does not serve.
+type filteredClasses struct {
+	storageinformers.StorageClassInformer
+	keep func(*storagev1.StorageClass) bool
+}
+
+func (f filteredClasses) Informer() cache.SharedIndexInformer {
+	return filteredInformer{f.StorageClassInformer.Informer(), f.keep}
+}
+
+func (f filteredClasses) Lister() storagelisters.StorageClassLister {
+	return filteredLister{f.StorageClassInformer.Lister(), f.keep}
+}
+
+type filteredInformer struct {
+	cache.SharedIndexInformer
+	keep func(*storagev1.StorageClass) bool
+}
+
+func (f filteredInformer) AddEventHandler(h cache.ResourceEventHandler) (cache.ResourceEventHandlerRegistration, error) {
+	return f.SharedIndexInformer.AddEventHandler(cache.FilteringResourceEventHandler{
+		FilterFunc: func(obj any) bool {
+			if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = t.Obj
+			}
+			c, ok := obj.(*storagev1.StorageClass)
+			return ok && f.keep(c)
+		},
+		Handler: h,
+	})
+}
+
+type filteredLister struct {
+	storagelisters.StorageClassLister
+	keep func(*storagev1.StorageClass) bool
+}
+
+func (f filteredLister) List(selector labels.Selector) ([]*storagev1.StorageClass, error) {
+	all, err := f.StorageClassLister.List(selector)
+	if err != nil {
+		return nil, err
+	}
+	var out []*storagev1.StorageClass
+	for _, c := range all {
+		if f.keep(c) {
+			out = append(out, c)
+		}
+	}
+	return out, nil
+}
+
+func (f filteredLister) Get(name string) (*storagev1.StorageClass, error) {
+	c, err := f.StorageClassLister.Get(name)
+	if err != nil {
+		return nil, err
+	}
+	if !f.keep(c) {
+		return nil, apierrors.NewNotFound(storagev1.Resource("storageclasses"), name)
+	}
+	return c, nil
+}
+
+// refreshing hands each Provision and Delete outcome to the capacity library's own
+// provisioner wrapper, which knows which objects to refresh (those of the PV's node, or of
+// the class). The wrapper is written against the lib's v11 types; it gets the outcome that
+// dirpv's v13 call already had.
+type refreshing struct {
+	controller.Provisioner
+	ctrl *capacity.Controller
+}
+
+// guarded is what the lib looks for beyond Provision and Delete.
+type guarded interface {
+	controller.Qualifier
+	controller.DeletionGuard
+}
+
+func (r *refreshing) Provision(ctx context.Context, opts controller.ProvisionOptions) (*corev1.PersistentVolume, controller.ProvisioningState, error) {
+	pv, state, err := r.Provisioner.Provision(ctx, opts)
+	capacity.NewProvisionWrapper(outcome{pv: pv, state: v11.ProvisioningState(state), err: err}, r.ctrl).
+		Provision(ctx, v11.ProvisionOptions{StorageClass: opts.StorageClass, PVName: opts.PVName, PVC: opts.PVC})
+	return pv, state, err
+}
+
+func (r *refreshing) Delete(ctx context.Context, pv *corev1.PersistentVolume) error {
+	err := r.Provisioner.Delete(ctx, pv)
+	capacity.NewProvisionWrapper(outcome{err: err}, r.ctrl).Delete(ctx, pv)
+	return err
+}
+
+func (r *refreshing) ShouldProvision(ctx context.Context, claim *corev1.PersistentVolumeClaim) bool {
+	return r.Provisioner.(guarded).ShouldProvision(ctx, claim)
+}
+
+func (r *refreshing) ShouldDelete(ctx context.Context, pv *corev1.PersistentVolume) bool {
+	return r.Provisioner.(guarded).ShouldDelete(ctx, pv)
+}
+
+// outcome is a v11 Provisioner that returns what a call already returned.
+type outcome struct {
+	pv    *corev1.PersistentVolume
+	state v11.ProvisioningState
+	err   error
+}
+
+func (o outcome) Provision(context.Context, v11.ProvisionOptions) (*corev1.PersistentVolume, v11.ProvisioningState, error) {
+	return o.pv, o.state, o.err
+}
+
+func (o outcome) Delete(context.Context, *corev1.PersistentVolume) error { return o.err }

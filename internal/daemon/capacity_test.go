@@ -1,0 +1,85 @@
+package daemon
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes/fake"
+)
+
+// Every node gets a managed-by label value of its own that the API accepts, however long its
+// name (node names may have 253 characters, label values 63).
+func TestNodeManagedBy(t *testing.T) {
+	long := strings.Repeat("n", 240)
+	seen := map[string]string{}
+	for _, node := range []string{"node-a", long + "-1", long + "-2", strings.Repeat("a.", 120) + "b"} {
+		v := nodeManagedBy(node)
+		if errs := validation.IsValidLabelValue(v); len(errs) > 0 {
+			t.Errorf("nodeManagedBy(%.20s...) = %q: %v", node, v, errs)
+		}
+		if other, dup := seen[v]; dup {
+			t.Errorf("nodes %.20s... and %.20s... share %q", node, other, v)
+		}
+		seen[v] = node
+	}
+	if got := nodeManagedBy("node-a"); got != "dirpv.io-node-node-a" {
+		t.Errorf("nodeManagedBy(node-a) = %q", got)
+	}
+}
+
+// The capacity controller sees only the classes its instance publishes.
+func TestFilteredClasses(t *testing.T) {
+	keep, drop := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: "keep"}}, &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: "drop"}}
+	factory := informers.NewSharedInformerFactory(fake.NewClientset(), 0)
+	inf := factory.Storage().V1().StorageClasses()
+	for _, c := range []*storagev1.StorageClass{keep, drop} {
+		if err := inf.Informer().GetIndexer().Add(c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f := filteredClasses{inf, func(c *storagev1.StorageClass) bool { return c.Name == "keep" }}
+	all, err := f.Lister().List(labels.Everything())
+	if err != nil || len(all) != 1 || all[0].Name != "keep" {
+		t.Errorf("List = %v, %v; want only keep", all, err)
+	}
+	if _, err := f.Lister().Get("drop"); !apierrors.IsNotFound(err) {
+		t.Errorf("Get(drop) = %v, want NotFound", err)
+	}
+	if c, err := f.Lister().Get("keep"); err != nil || c.Name != "keep" {
+		t.Errorf("Get(keep) = %v, %v", c, err)
+	}
+}
+
+// A new pod of the same node takes over the objects its predecessor left, before the library
+// sees them; objects of other instances are left alone.
+func TestAdoptTakesOverEarlierPodsObjects(t *testing.T) {
+	old := metav1.OwnerReference{APIVersion: "v1", Kind: "Pod", Name: "dirpv-node-old", UID: "old", Controller: ptrTo(true)}
+	mine := podOwner(CapacityConfig{PodName: "dirpv-node-new", PodUID: "new"})
+	obj := func(name, managedBy string) *storagev1.CSIStorageCapacity {
+		return &storagev1.CSIStorageCapacity{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "dirpv",
+			Labels:          map[string]string{"csi.storage.k8s.io/drivername": DriverName, "csi.storage.k8s.io/managed-by": managedBy},
+			OwnerReferences: []metav1.OwnerReference{old}}}
+	}
+	client := fake.NewClientset(obj("ours", nodeManagedBy("a")), obj("theirs", nodeManagedBy("b")))
+	pub := &capacityPublisher{client: client, owner: mine, namespace: "dirpv", timeout: 10 * time.Second,
+		selector: labels.Set{"csi.storage.k8s.io/drivername": DriverName, "csi.storage.k8s.io/managed-by": nodeManagedBy("a")}.String()}
+	pub.adopt(context.Background())
+	for name, want := range map[string]types.UID{"ours": "new", "theirs": "old"} {
+		got, err := client.StorageV1().CSIStorageCapacities("dirpv").Get(context.Background(), name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ref := metav1.GetControllerOf(got); ref == nil || ref.UID != want || len(got.OwnerReferences) != 1 {
+			t.Errorf("%s: owners %v, want only %s", name, got.OwnerReferences, want)
+		}
+	}
+}

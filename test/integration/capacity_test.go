@@ -1,0 +1,331 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+	v1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+	"sigs.k8s.io/yaml"
+
+	"github.com/dirpv/dirpv/test/framework"
+)
+
+// capacityNode is a fake Ready node with a dirpv node instance of its own, whose base is a
+// 64 MiB tmpfs in a mount namespace of its own: two nodes' bases at the same path, as two
+// machines have.
+type capacityNode struct {
+	name, ns      string
+	wrapper, work string
+	proc          *framework.Process
+	owner         *v1.Pod
+}
+
+// baseDir is where the node's base is, seen from the host.
+func (n *capacityNode) baseDir(base string) string {
+	return filepath.Join(fmt.Sprintf("/proc/%d/root", n.proc.Pid()), base)
+}
+
+const capacityLabel = "dirpv.io/capacity-test"
+
+// startCapacityNode creates the node, the Pod that stands for its dirpv pod (bound to it; fake
+// nodes run nothing) and the node instance, owned by that Pod, with fill bytes already used
+// on its base.
+func startCapacityNode(t *testing.T, ns, name, base string, fill int) *capacityNode {
+	t.Helper()
+	ctx := context.Background()
+	if err := suite.Cluster.CreateReadyNode(ctx, name, map[string]string{"kubernetes.io/hostname": "host-" + name, capacityLabel: "yes"}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { suite.Client.CoreV1().Nodes().Delete(context.Background(), name, metav1.DeleteOptions{}) })
+	if err := suite.Cluster.RegisterCSIDriver(ctx, name, "dirpv.io"); err != nil {
+		t.Fatal(err)
+	}
+	n := &capacityNode{name: name, ns: ns, wrapper: filepath.Join(t.TempDir(), "dirpv-"+name), work: t.TempDir()}
+	script := fmt.Sprintf("#!/bin/sh\nexec unshare --mount --propagation private -- /bin/sh -ec "+
+		"'mount -t tmpfs -o size=64m tmpfs \"$0\"; head -c %d /dev/zero > \"$0/filler\"; exec %s \"$@\"' %s \"$@\"\n",
+		fill, suite.Dirpv, base)
+	if err := os.WriteFile(n.wrapper, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	n.start(t, base, "dirpv-node-"+name)
+	return n
+}
+
+// start runs the node's instance, owned by a new Pod named pod.
+func (n *capacityNode) start(t *testing.T, base, pod string) {
+	t.Helper()
+	ctx := context.Background()
+	owner, err := suite.Client.CoreV1().Pods(n.ns).Create(ctx, &v1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: pod},
+		Spec: v1.PodSpec{NodeName: n.name, Containers: []v1.Container{{Name: "dirpv", Image: "dirpv"}},
+			Tolerations: []v1.Toleration{{Operator: v1.TolerationOpExists}}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	proc, err := suite.StartDirpvBin(ctx, n.wrapper, pod, "node",
+		"--v=2", "--node-name", n.name, "--allowed-base-paths", base,
+		"--csi-endpoint", "unix://"+filepath.Join(n.work, "csi.sock"), "--plugin-registration-dir", "-",
+		"--capacity-poll-interval=2s", "--capacity-namespace", n.ns, "--pod-name", owner.Name, "--pod-uid", string(owner.UID))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { proc.Stop(10 * time.Second) })
+	n.proc, n.owner = proc, owner
+}
+
+// csiDriverFromDeploy creates the CSIDriver object that deploy/ installs, storageCapacity
+// included, and removes it after the test (the other tests' claims do not wait for capacity).
+func csiDriverFromDeploy(t *testing.T) {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(framework.RepoRoot(), "deploy/base/csidriver.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d storagev1.CSIDriver
+	if err := yaml.UnmarshalStrict(data, &d); err != nil {
+		t.Fatal(err)
+	}
+	if d.Spec.StorageCapacity == nil || !*d.Spec.StorageCapacity {
+		t.Fatalf("deploy/base/csidriver.yaml: storageCapacity is not true")
+	}
+	ctx := context.Background()
+	if _, err := suite.Client.StorageV1().CSIDrivers().Create(ctx, &d, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		suite.Client.StorageV1().CSIDrivers().Delete(context.Background(), d.Name, metav1.DeleteOptions{})
+		framework.WaitForDeleted(context.Background(), timeout, "CSIDriver "+d.Name, func(ctx context.Context) (string, error) {
+			_, err := suite.Client.StorageV1().CSIDrivers().Get(ctx, d.Name, metav1.GetOptions{})
+			return "", err
+		})
+	})
+}
+
+// capacityOf returns the CSIStorageCapacity objects in ns for class, by the node name their
+// managed-by label ends in.
+func capacityOf(ctx context.Context, ns, class string) (map[string]storagev1.CSIStorageCapacity, error) {
+	list, err := suite.Client.StorageV1().CSIStorageCapacities(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]storagev1.CSIStorageCapacity{}
+	for _, c := range list.Items {
+		if c.StorageClassName == class {
+			// A node instance's by its node, the controller's as it is.
+			node := strings.TrimPrefix(c.Labels["csi.storage.k8s.io/managed-by"], "dirpv.io-node-")
+			if _, dup := out[node]; dup {
+				return nil, fmt.Errorf("two objects for class %s and node %s", class, node)
+			}
+			out[node] = c
+		}
+	}
+	return out, nil
+}
+
+// waitCapacity polls until cond holds for the class's objects and returns them.
+func waitCapacity(t *testing.T, ns, class, what string, cond func(map[string]storagev1.CSIStorageCapacity) bool) map[string]storagev1.CSIStorageCapacity {
+	t.Helper()
+	var got map[string]storagev1.CSIStorageCapacity
+	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
+		var err error
+		got, err = capacityOf(ctx, ns, class)
+		return err == nil && cond(got), err
+	})
+	if err != nil {
+		var lines []string
+		for n, c := range got {
+			lines = append(lines, fmt.Sprintf("%s: %s %v owners %v", n, c.Capacity, c.NodeTopology, c.OwnerReferences))
+		}
+		t.Fatalf("CSIStorageCapacity of class %s: want %s: %v; have %v", class, what, err, lines)
+	}
+	return got
+}
+
+func bytesOf(c storagev1.CSIStorageCapacity) int64 {
+	if c.Capacity == nil {
+		return -1
+	}
+	return c.Capacity.Value()
+}
+
+// Two nodes, each with its own dirpv node instance and base, one base nearly full. Each
+// instance publishes its base's free space for the WaitForFirstConsumer local class, selecting
+// its node by hostname; the scheduler puts a claim's pod on the node with room and refuses to
+// put it where the claim does not fit. The figures follow what is written; an object goes
+// with its owner Pod, and with its class.
+func TestCapacitySteersScheduling(t *testing.T) {
+	ctx := context.Background()
+	ns := suite.NewNamespace(t)
+	csiDriverFromDeploy(t)
+	base := filepath.Join(suite.Work.BaseRoot, "capacity")
+	if err := os.MkdirAll(base, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	full := startCapacityNode(t, ns, "cap-full", base, 60<<20)
+	room := startCapacityNode(t, ns, "cap-room", base, 0)
+	class := suite.CreateClass(t, "capacity", map[string]string{"backend": "local", "basePath": base})
+
+	got := waitCapacity(t, ns, class.Name, "4Mi on cap-full, 64Mi on cap-room", func(c map[string]storagev1.CSIStorageCapacity) bool {
+		return bytesOf(c[full.name]) == 4<<20 && bytesOf(c[room.name]) == 64<<20
+	})
+	for _, n := range []*capacityNode{full, room} {
+		c := got[n.name]
+		if want := map[string]string{"kubernetes.io/hostname": "host-" + n.name}; c.NodeTopology == nil ||
+			len(c.NodeTopology.MatchExpressions) != 0 || fmt.Sprint(c.NodeTopology.MatchLabels) != fmt.Sprint(want) {
+			t.Errorf("%s: nodeTopology %v, want matchLabels %v", n.name, c.NodeTopology, want)
+		}
+		if len(c.OwnerReferences) != 1 || c.OwnerReferences[0].UID != n.owner.UID {
+			t.Errorf("%s: owners %v, want the Pod %s", n.name, c.OwnerReferences, n.owner.Name)
+		}
+	}
+
+	size := func(c *v1.PersistentVolumeClaim) {
+		c.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("16Mi")
+	}
+	pod := func(name, claim string, selector map[string]string) {
+		t.Helper()
+		p := &v1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec: v1.PodSpec{NodeSelector: selector, Containers: []v1.Container{{Name: "c", Image: "busybox"}},
+				Volumes: []v1.Volume{{Name: "data", VolumeSource: v1.VolumeSource{
+					PersistentVolumeClaim: &v1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}}}},
+		}
+		if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, p, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Either node would do but for capacity.
+	suite.CreateClaim(t, ns, "fits", class.Name, size)
+	pod("app", "fits", map[string]string{capacityLabel: "yes"})
+	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, "fits", timeout)
+	if err != nil {
+		t.Fatalf("%v\n--- cap-room log tail:\n%s", err, room.proc.Tail(3000))
+	}
+	if node := pvc.Annotations["volume.kubernetes.io/selected-node"]; node != room.name {
+		t.Errorf("the scheduler chose %q, want %s (cap-full has 4Mi free for a 16Mi claim)", node, room.name)
+	}
+	// Pinned to the full node, a claim that does not fit is never sent there.
+	suite.CreateClaim(t, ns, "too-big", class.Name, size)
+	pod("stuck", "too-big", map[string]string{"kubernetes.io/hostname": "host-" + full.name})
+	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "Pod", "stuck", "FailedScheduling", "enough free storage", timeout); err != nil {
+		t.Error(err)
+	}
+	if c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "too-big", metav1.GetOptions{}); err != nil {
+		t.Fatal(err)
+	} else if node, ok := c.Annotations["volume.kubernetes.io/selected-node"]; ok {
+		t.Errorf("claim too-big was placed on %s", node)
+	}
+
+	// Data written into the volume shows in the node's figure within a poll or two.
+	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := filepath.Join(room.baseDir(base), pv.Spec.CSI.VolumeAttributes["path"], "data")
+	if err := os.WriteFile(data, make([]byte, 32<<20), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	waitCapacity(t, ns, class.Name, "32Mi on cap-room after 32 MiB were written", func(c map[string]storagev1.CSIStorageCapacity) bool {
+		return bytesOf(c[room.name]) == 32<<20
+	})
+
+	// The node's dirpv pod is replaced (an upgrade) while the old one still exists: the new
+	// instance takes over the object, without a duplicate or a gap, and keeps it current
+	// (its base is a fresh tmpfs: 64Mi again).
+	adopted := waitCapacity(t, ns, class.Name, "cap-room's object", func(c map[string]storagev1.CSIStorageCapacity) bool {
+		return bytesOf(c[room.name]) > 0
+	})[room.name].UID
+	room.proc.Stop(10 * time.Second)
+	room.start(t, base, "dirpv-node-"+room.name+"-2")
+	got = waitCapacity(t, ns, class.Name, "cap-room's object owned by its new pod, 64Mi", func(c map[string]storagev1.CSIStorageCapacity) bool {
+		o := c[room.name]
+		return bytesOf(o) == 64<<20 && len(o.OwnerReferences) == 1 && o.OwnerReferences[0].UID == room.owner.UID
+	})
+	if got[room.name].UID != adopted {
+		t.Errorf("cap-room's object was made anew (%s, was %s), not adopted", got[room.name].UID, adopted)
+	}
+
+	// The node instance and its pod go (the node is drained, or dirpv uninstalled): so does
+	// the node's object, by garbage collection; the other node's stays.
+	full.proc.Stop(10 * time.Second)
+	if err := suite.Client.CoreV1().Pods(ns).Delete(ctx, full.owner.Name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
+		t.Fatal(err)
+	}
+	waitCapacity(t, ns, class.Name, "no object for cap-full once its pod is gone", func(c map[string]storagev1.CSIStorageCapacity) bool {
+		_, ok := c[full.name]
+		return !ok && bytesOf(c[room.name]) >= 0
+	})
+
+	// Without its class, a node publishes nothing for it.
+	if err := suite.Client.StorageV1().StorageClasses().Delete(ctx, class.Name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		t.Fatal(err)
+	}
+	waitCapacity(t, ns, class.Name, "none once the class is deleted", func(c map[string]storagev1.CSIStorageCapacity) bool {
+		return len(c) == 0
+	})
+	// The claim's pod never ran (no kubelet): force it away, or the claim's protection waits on it.
+	if err := suite.Client.CoreV1().Pods(ns).Delete(ctx, "app", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
+		t.Fatal(err)
+	}
+	deleteClaim(t, ns, "fits")
+	waitPVGone(t, pv.Name)
+}
+
+// An NFS class that waits for its first consumer must keep scheduling once the CSIDriver asks
+// the scheduler to check capacity: the controller publishes one object for it that selects
+// every node, with the export's free space.
+func TestCapacityNFSClassSchedules(t *testing.T) {
+	ctx := context.Background()
+	// The suite's controller publishes in dirpv's default namespace.
+	const home = "dirpv"
+	if _, err := suite.Client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: home}}, metav1.CreateOptions{}); err == nil {
+		t.Cleanup(func() { suite.Client.CoreV1().Namespaces().Delete(context.Background(), home, metav1.DeleteOptions{}) })
+	} else if !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	csiDriverFromDeploy(t)
+	class := nfsClass(t, suite.NFS, []string{"nolock"}, nil, func(c *storagev1.StorageClass) {
+		c.VolumeBindingMode = ptr.To(storagev1.VolumeBindingWaitForFirstConsumer)
+	})
+	got := waitCapacity(t, home, class.Name, "one all-nodes object", func(c map[string]storagev1.CSIStorageCapacity) bool {
+		return len(c) == 1 && bytesOf(c["dirpv.io-controller"]) > 0
+	})
+	c := got["dirpv.io-controller"]
+	if c.NodeTopology == nil || len(c.NodeTopology.MatchLabels) != 0 || len(c.NodeTopology.MatchExpressions) != 0 {
+		t.Errorf("nodeTopology %v, want {} (every node)", c.NodeTopology)
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(suite.NFS.ExportDir, &st); err != nil {
+		t.Fatal(err)
+	}
+	if free := int64(st.Bavail) * st.Bsize; bytesOf(c) > free+free/16 || bytesOf(c) < free-free/16 {
+		t.Errorf("capacity %s, want about the export's free space %d", c.Capacity, free)
+	}
+
+	ns := suite.NewNamespace(t)
+	suite.CreateClaim(t, ns, "shared", class.Name, framework.AccessModes(v1.ReadWriteMany))
+	createPod(t, ns, "app", "shared", nodeC)
+	pvc, _ := waitNFSBound(t, ns, "shared")
+	if node := pvc.Annotations["volume.kubernetes.io/selected-node"]; node != nodeC {
+		t.Errorf("selected node %q, want %s", node, nodeC)
+	}
+
+	if err := suite.Client.StorageV1().StorageClasses().Delete(ctx, class.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitCapacity(t, home, class.Name, "none once the class is deleted", func(c map[string]storagev1.CSIStorageCapacity) bool {
+		return len(c) == 0
+	})
+}
