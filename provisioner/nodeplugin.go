@@ -27,21 +27,18 @@ const nodePluginCheckPeriod = 5 * time.Minute
 // so that a burst of claims on one node costs one lookup, not one per claim.
 const nodePluginSeenFor = time.Minute
 
-// nodePluginChecks remembers when each pending claim's node was last looked up, and which
-// nodes were recently seen running the plugin.
-type nodePluginChecks struct {
-	mu    sync.Mutex
-	last  map[types.UID]time.Time
-	nodes map[string]time.Time
+// claimChecks remembers when each pending claim was last checked, so that a claim the lib
+// shows the controller on every update and resync gets one check (and at most one event) per
+// nodePluginCheckPeriod.
+type claimChecks struct {
+	mu   sync.Mutex
+	last map[types.UID]time.Time
 }
 
-// due reports whether the claim's node should be looked up now, and if so records that it was.
-func (c *nodePluginChecks) due(uid types.UID, node string, now time.Time) bool {
+// due reports whether the claim should be checked now, and if so records that it was.
+func (c *claimChecks) due(uid types.UID, now time.Time) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if t, ok := c.nodes[node]; ok && now.Sub(t) < nodePluginSeenFor {
-		return false
-	}
 	if t, ok := c.last[uid]; ok && now.Sub(t) < nodePluginCheckPeriod {
 		return false
 	}
@@ -56,6 +53,25 @@ func (c *nodePluginChecks) due(uid types.UID, node string, now time.Time) bool {
 	}
 	c.last[uid] = now
 	return true
+}
+
+// nodePluginChecks remembers when each pending claim's node was last looked up, and which
+// nodes were recently seen running the plugin.
+type nodePluginChecks struct {
+	claims claimChecks
+	mu     sync.Mutex
+	nodes  map[string]time.Time
+}
+
+// due reports whether the claim's node should be looked up now, and if so records that it was.
+func (c *nodePluginChecks) due(uid types.UID, node string, now time.Time) bool {
+	c.mu.Lock()
+	t, seen := c.nodes[node]
+	c.mu.Unlock()
+	if seen && now.Sub(t) < nodePluginSeenFor {
+		return false
+	}
+	return c.claims.due(uid, now)
 }
 
 // runsPlugin records that node was seen running the plugin.
@@ -98,4 +114,26 @@ func (p *Provisioner) checkNodePlugin(ctx context.Context, claim *v1.PersistentV
 		"node %s runs no %s node plugin (its CSINode lists no driver %s), so nothing there creates this claim's volume of local StorageClass %s: "+
 			"make the dirpv node DaemonSet run on %s (node selector, tolerations), or let the pod run on another node",
 		node, p.cfg.DriverName, p.cfg.DriverName, class.Name, node)
+}
+
+// ReasonUnservableClass is the event reason on a local claim that no node can serve: its
+// class or the claim itself is refused wherever it would go.
+const ReasonUnservableClass = "ProvisioningFailed"
+
+// checkUnplaced records an event on a pending local claim that no dirpv node could provision
+// because its class or the claim is wrong (a bad parameter, Block, an access mode). No node
+// publishes capacity for a class it cannot parse, so the scheduler places no such claim and
+// no node instance ever sees it: without this the claim would stay Pending with no word from
+// dirpv, its pod reporting only that no node has free storage.
+func (p *Provisioner) checkUnplaced(ctx context.Context, claim *v1.PersistentVolumeClaim, class *storagev1.StorageClass) {
+	if p.cfg.Events == nil {
+		return
+	}
+	_, err := checkClassAndClaim(class, claim)
+	if err == nil || !p.unplaced.due(claim.UID, time.Now()) {
+		return
+	}
+	klog.FromContext(ctx).Info("Local claim that no node can serve", "claim", klog.KObj(claim), "class", class.Name, "reason", err.Error())
+	p.cfg.Events.Eventf(claim, v1.EventTypeWarning, ReasonUnservableClass,
+		"no dirpv node can provision this claim of local StorageClass %s, so the scheduler places it nowhere: %v", class.Name, err)
 }

@@ -88,6 +88,8 @@ type Provisioner struct {
 	locals  localRoots
 	// nodePlugins rate-limits the controller's checks for a missing node plugin.
 	nodePlugins nodePluginChecks
+	// unplaced rate-limits the controller's checks of local claims no node can serve.
+	unplaced claimChecks
 
 	hostnameOnce sync.Mutex
 	hostname     string
@@ -175,8 +177,11 @@ func (p *Provisioner) ShouldProvision(ctx context.Context, claim *v1.PersistentV
 	if p.cfg.Role == RoleNode {
 		return local && lateBinding && node == p.cfg.NodeName
 	}
-	if local && lateBinding && node != "" {
+	switch {
+	case local && lateBinding && node != "":
 		p.checkNodePlugin(ctx, claim, class, node)
+	case local && lateBinding:
+		p.checkUnplaced(ctx, claim, class)
 	}
 	return !local || !lateBinding
 }
@@ -359,9 +364,31 @@ func checkRoom(root *volume.Root, rel string, size resource.Quantity) error {
 		size.String(), resource.NewQuantity(int64(avail), resource.BinarySI).String(), unix.ENOSPC)
 }
 
-// checkClaim parses the class and refuses claims it cannot serve.
+// checkClaim parses the class and refuses claims this instance cannot serve.
 func (p *Provisioner) checkClaim(opts controller.ProvisionOptions) (*classParams, error) {
-	class, claim := opts.StorageClass, opts.PVC
+	params, err := checkClassAndClaim(opts.StorageClass, opts.PVC)
+	if err != nil {
+		return nil, err
+	}
+	switch params.backend {
+	case volume.BackendLocal:
+		if p.cfg.Role != RoleNode {
+			return nil, fmt.Errorf("claim has no selected node: local volumes are created by the dirpv node plugin on the scheduled node")
+		}
+		if opts.SelectedNodeName != p.cfg.NodeName {
+			return nil, fmt.Errorf("claim was placed on node %q, this is %q", opts.SelectedNodeName, p.cfg.NodeName)
+		}
+	case volume.BackendNFS:
+		if p.cfg.Role != RoleController {
+			return nil, fmt.Errorf("NFS volumes are created by dirpv controller, not on a node")
+		}
+	}
+	return params, nil
+}
+
+// checkClassAndClaim parses the class and refuses a claim that no instance of dirpv could
+// serve, wherever it was placed.
+func checkClassAndClaim(class *storagev1.StorageClass, claim *v1.PersistentVolumeClaim) (*classParams, error) {
 	params, err := parseParameters(class.Parameters)
 	if err != nil {
 		return nil, err
@@ -372,8 +399,7 @@ func (p *Provisioner) checkClaim(opts controller.ProvisionOptions) (*classParams
 	if claim.Spec.DataSource != nil || claim.Spec.DataSourceRef != nil {
 		return nil, fmt.Errorf("dataSource is not supported: dirpv cannot clone or restore volumes")
 	}
-	switch params.backend {
-	case volume.BackendLocal:
+	if params.backend == volume.BackendLocal {
 		if class.VolumeBindingMode == nil || *class.VolumeBindingMode != storagev1.VolumeBindingWaitForFirstConsumer {
 			return nil, fmt.Errorf("StorageClass %s has backend local but volumeBindingMode Immediate: "+
 				"a local volume must be created on the node where its pod runs, so set volumeBindingMode: WaitForFirstConsumer", class.Name)
@@ -385,16 +411,6 @@ func (p *Provisioner) checkClaim(opts controller.ProvisionOptions) (*classParams
 		}
 		if len(class.MountOptions) > 0 {
 			return nil, fmt.Errorf("mountOptions %s are not supported by backend local (bind mounts)", volume.QuoteList(class.MountOptions))
-		}
-		if p.cfg.Role != RoleNode {
-			return nil, fmt.Errorf("claim has no selected node: local volumes are created by the dirpv node plugin on the scheduled node")
-		}
-		if opts.SelectedNodeName != p.cfg.NodeName {
-			return nil, fmt.Errorf("claim was placed on node %q, this is %q", opts.SelectedNodeName, p.cfg.NodeName)
-		}
-	case volume.BackendNFS:
-		if p.cfg.Role != RoleController {
-			return nil, fmt.Errorf("NFS volumes are created by dirpv controller, not on a node")
 		}
 	}
 	if len(claim.Spec.AccessModes) == 0 {

@@ -329,3 +329,32 @@ func TestCapacityNFSClassSchedules(t *testing.T) {
 		return len(c) == 0
 	})
 }
+
+// With capacity on, no node publishes room for a local class it cannot parse, so the scheduler
+// places its claims nowhere and no node instance ever sees them. The controller says why on the
+// claim instead, and nothing is created.
+func TestUnservableLocalClassIsReportedBeforeScheduling(t *testing.T) {
+	csiDriverFromDeploy(t)
+	ns := suite.NewNamespace(t)
+	class, base := localClass(t, map[string]string{"bsaePath": "/tmp"})
+	suite.CreateClaim(t, ns, "c", class.Name)
+	createPod(t, ns, "app", "c", nodeA)
+	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed",
+		"no dirpv node can provision this claim", timeout)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(ev.Message, `"bsaePath"`) || ev.Source.Component != "dirpv.io-controller" {
+		t.Errorf("event from %q: %q; want the controller naming the unknown parameter", ev.Source.Component, ev.Message)
+	}
+	pvc, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "c", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if node := pvc.Annotations["volume.kubernetes.io/selected-node"]; node != "" || pvc.Spec.VolumeName != "" {
+		t.Errorf("claim of an unservable class was placed on %q / bound to %q", node, pvc.Spec.VolumeName)
+	}
+	if got := entries(t, base); len(got) != 0 {
+		t.Errorf("unservable claim left %v in the base", got)
+	}
+}
