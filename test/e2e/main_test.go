@@ -11,10 +11,9 @@ import (
 	"testing"
 	"time"
 
-	storagev1 "k8s.io/api/storage/v1"
+	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/klog/v2"
-	"k8s.io/utils/ptr"
 
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
@@ -44,7 +43,7 @@ func setup(ctx context.Context, s *framework.Suite) error {
 		return fmt.Errorf("CSIDriver: %w", err)
 	}
 	var err error
-	common := []string{"--v=2", "--operation-timeout=10s", "--nfs-mount-helper", s.MountHelper}
+	common := []string{"--v=2", "--operation-timeout=10s", "--nfs-mount-helper", s.MountHelper, "--capacity-namespace", capacityNamespace}
 	ctrlProc, err = s.StartDirpv(ctx, "controller", "controller", append(common,
 		"--work-dir", filepath.Join(s.Work.Dir, "controller"), "--leader-election=false")...)
 	if err != nil {
@@ -65,19 +64,20 @@ func setup(ctx context.Context, s *framework.Suite) error {
 	return nil
 }
 
-// createCSIDriver creates the CSIDriver object as deploy/ does: no attach, so kubelet calls
-// NodePublishVolume directly.
+// capacityNamespace holds the CSIStorageCapacity objects of the suite's dirpv processes, which
+// run outside any pod and so outside dirpv's namespace.
+const capacityNamespace = "dirpv-capacity"
+
+// createCSIDriver creates the CSIDriver object deploy/ installs (no attach, storage capacity
+// on), and the namespace the processes publish capacity in.
 func createCSIDriver(ctx context.Context) error {
-	fsGroup := storagev1.FileFSGroupPolicy
-	d := &storagev1.CSIDriver{
-		ObjectMeta: metav1.ObjectMeta{Name: "dirpv.io"},
-		Spec: storagev1.CSIDriverSpec{
-			AttachRequired:       ptr.To(false),
-			PodInfoOnMount:       ptr.To(true),
-			FSGroupPolicy:        &fsGroup,
-			VolumeLifecycleModes: []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent},
-		},
+	d, err := framework.CSIDriverFromDeploy()
+	if err != nil {
+		return err
 	}
-	_, err := suite.Client.StorageV1().CSIDrivers().Create(ctx, d, metav1.CreateOptions{})
+	if _, err := suite.Client.StorageV1().CSIDrivers().Create(ctx, d, metav1.CreateOptions{}); err != nil {
+		return err
+	}
+	_, err = suite.Client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: capacityNamespace}}, metav1.CreateOptions{})
 	return err
 }

@@ -2,6 +2,9 @@ package framework
 
 import (
 	"context"
+	"fmt"
+	"os"
+	"path/filepath"
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
@@ -9,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/yaml"
 )
 
 // NewNamespace creates a namespace named <suite>-<random> for one test and deletes it after
@@ -162,4 +166,18 @@ func (s *Suite) BusyboxPod(ns, name, claim, script string, readOnly bool) *v1.Po
 			}}},
 		},
 	}
+}
+
+// CSIDriverFromDeploy returns the CSIDriver object that deploy/ installs, so that suites
+// which run dirpv as processes register the driver exactly as users do.
+func CSIDriverFromDeploy() (*storagev1.CSIDriver, error) {
+	data, err := os.ReadFile(filepath.Join(RepoRoot(), "deploy/base/csidriver.yaml"))
+	if err != nil {
+		return nil, err
+	}
+	var d storagev1.CSIDriver
+	if err := yaml.UnmarshalStrict(data, &d); err != nil {
+		return nil, fmt.Errorf("deploy/base/csidriver.yaml: %w", err)
+	}
+	return &d, nil
 }

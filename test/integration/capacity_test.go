@@ -16,7 +16,6 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
-	"sigs.k8s.io/yaml"
 
 	"github.com/dirpv/dirpv/test/framework"
 )
@@ -89,19 +88,15 @@ func (n *capacityNode) start(t *testing.T, base, pod string) {
 // included, and removes it after the test (the other tests' claims do not wait for capacity).
 func csiDriverFromDeploy(t *testing.T) {
 	t.Helper()
-	data, err := os.ReadFile(filepath.Join(framework.RepoRoot(), "deploy/base/csidriver.yaml"))
+	d, err := framework.CSIDriverFromDeploy()
 	if err != nil {
-		t.Fatal(err)
-	}
-	var d storagev1.CSIDriver
-	if err := yaml.UnmarshalStrict(data, &d); err != nil {
 		t.Fatal(err)
 	}
 	if d.Spec.StorageCapacity == nil || !*d.Spec.StorageCapacity {
 		t.Fatalf("deploy/base/csidriver.yaml: storageCapacity is not true")
 	}
 	ctx := context.Background()
-	if _, err := suite.Client.StorageV1().CSIDrivers().Create(ctx, &d, metav1.CreateOptions{}); err != nil {
+	if _, err := suite.Client.StorageV1().CSIDrivers().Create(ctx, d, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {

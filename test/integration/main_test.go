@@ -11,6 +11,8 @@ import (
 	"path/filepath"
 	"testing"
 
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/klog/v2"
 
 	"github.com/dirpv/dirpv/test/cluster"
@@ -50,6 +52,10 @@ func setup(ctx context.Context, s *framework.Suite) error {
 		if err := suite.Cluster.CreateReadyNode(ctx, n, map[string]string{"kubernetes.io/hostname": "host-" + n}); err != nil {
 			return fmt.Errorf("create node: %w", err)
 		}
+	}
+	// Where the processes, which run in no pod, publish CSIStorageCapacity by default.
+	if _, err := suite.Client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "dirpv"}}, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("create namespace dirpv: %w", err)
 	}
 	var err error
 	common := []string{"--v=2", "--operation-timeout=10s"}
