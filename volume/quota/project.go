@@ -1,14 +1,17 @@
 package quota
 
 import (
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/fnv"
 	"strconv"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+	"k8s.io/apimachinery/pkg/util/wait"
 )
 
 // golang.org/x/sys/unix has neither struct fsxattr with its ioctls nor the quotactl
@@ -126,15 +129,37 @@ func (q ifDqblk) limited() bool {
 	return q.Bhardlimit != 0 || q.Bsoftlimit != 0 || q.Ihardlimit != 0 || q.Isoftlimit != 0
 }
 
-// releaseProject clears the limit of project id unless files are charged to it.
+// Release waits up to drainTimeout, polling every drainInterval, for the files of a removed
+// volume to stop being charged to its project. XFS frees removed inodes in the background, so
+// a Release just after the removal can still see them: a limit left then would stay on a
+// project with no files forever, since such a project is never handed out again.
+var (
+	drainTimeout  = 10 * time.Second
+	drainInterval = 20 * time.Millisecond
+)
+
+// releaseProject clears the limit of project id once no file is charged to it. A project
+// still charged after drainTimeout is left as it is: its files are a live volume's (a retried
+// Delete whose ID was handed out again) or still open somewhere.
 func releaseProject(fd int, id uint32) error {
-	projectMu.Lock()
-	defer projectMu.Unlock()
-	q, err := readProject(fd, id)
-	if err != nil || q.charged() || !q.limited() {
-		return err
+	// The lock is taken per check, not for the wait: allocations go on meanwhile, and none
+	// can take a project that is still limited.
+	err := wait.PollUntilContextTimeout(context.Background(), drainInterval, drainTimeout, true, func(context.Context) (bool, error) {
+		projectMu.Lock()
+		defer projectMu.Unlock()
+		q, err := readProject(fd, id)
+		if err != nil || q.charged() {
+			return false, err
+		}
+		if q.limited() {
+			return true, setProjectLimit(fd, id, 0)
+		}
+		return true, nil
+	})
+	if wait.Interrupted(err) {
+		return nil
 	}
-	return setProjectLimit(fd, id, 0)
+	return err
 }
 
 // candidates are the project IDs tried for a directory with inode ino: the inode number first
@@ -174,15 +199,14 @@ func (f *FS) setProject(fd int, bytes uint64) (ID, error) {
 		if q.charged() || q.limited() {
 			continue
 		}
-		// The limit goes on before the ID, so the directory is never in an unlimited project.
-		if err := setProjectLimit(fd, id, bytes); err != nil {
+		// The ID goes on before the limit. A crash in between leaves a directory (still under
+		// its temporary name, never handed out) charged to an unlimited project, which is
+		// free again once the retry removes it; the other order would leave a limited project
+		// with no files, which nothing ever hands out or clears.
+		if err := setProjectID(fd, id); err != nil {
 			return ID{}, err
 		}
-		if err := setProjectID(fd, id); err != nil {
-			// A limited project counts as taken: left limited, the ID would be lost for good.
-			if uerr := setProjectLimit(fd, id, 0); uerr != nil {
-				return ID{}, fmt.Errorf("%w (and undoing its limit: %v)", err, uerr)
-			}
+		if err := setProjectLimit(fd, id, bytes); err != nil {
 			return ID{}, err
 		}
 		return ID{Kind: Project, Num: uint64(id)}, nil
@@ -190,10 +214,24 @@ func (f *FS) setProject(fd int, bytes uint64) (ID, error) {
 	return ID{}, fmt.Errorf("no free project ID among the candidates for inode %d", st.Ino)
 }
 
-func setProjectID(fd int, id uint32) error {
+func getFsxattr(fd int) (fsxattr, error) {
 	var x fsxattr
 	if _, _, e := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), fsIocFsgetxattr, uintptr(unsafe.Pointer(&x))); e != 0 {
-		return fmt.Errorf("FS_IOC_FSGETXATTR: %w", e)
+		return x, fmt.Errorf("FS_IOC_FSGETXATTR: %w", e)
+	}
+	return x, nil
+}
+
+// projectOf is the project ID of the file open at fd, 0 if none.
+func projectOf(fd int) (uint32, error) {
+	x, err := getFsxattr(fd)
+	return x.Projid, err
+}
+
+func setProjectID(fd int, id uint32) error {
+	x, err := getFsxattr(fd)
+	if err != nil {
+		return err
 	}
 	x.Projid = id
 	x.Xflags |= fsXflagProjinherit

@@ -174,6 +174,43 @@ func (f *FS) SetLimit(fd int, bytes uint64) (ID, error) {
 	return ID{}, f.reason
 }
 
+// IDOf returns the ID of the limit that the directory open at fd (read-only, not O_PATH),
+// made by Mkdir in the directory open at parentFd, was given, for a directory that may have
+// none yet and has no marker to say (a crash between Mkdir and its marker). ok is false if it
+// has none of its own: no project ID but the one it inherited from its parent, or, on btrfs,
+// not a subvolume.
+func (f *FS) IDOf(parentFd, fd int) (id ID, ok bool, err error) {
+	switch f.kind {
+	case Project:
+		own, err := projectOf(fd)
+		if err != nil {
+			return ID{}, false, err
+		}
+		inherited, err := projectOf(parentFd)
+		if err != nil {
+			return ID{}, false, err
+		}
+		if own == 0 || own == inherited {
+			return ID{}, false, nil
+		}
+		return ID{Kind: Project, Num: uint64(own)}, true, nil
+	case Btrfs:
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil {
+			return ID{}, false, fmt.Errorf("stat: %w", err)
+		}
+		if st.Ino != btrfsFirstFreeObject {
+			return ID{}, false, nil
+		}
+		sub, err := btrfsSubvolID(fd)
+		if err != nil {
+			return ID{}, false, err
+		}
+		return ID{Kind: Btrfs, Num: sub}, true, nil
+	}
+	return ID{}, false, nil
+}
+
 // Usage reads the usage and limit of id, through any directory on the file system open at fd.
 func (f *FS) Usage(fd int, id ID) (Usage, error) {
 	if id.Kind != f.kind {
@@ -187,12 +224,11 @@ func (f *FS) Usage(fd int, id ID) (Usage, error) {
 
 // Release clears the limit of id once its volume is gone, through any directory on the file
 // system open at fd, so the ID can be used again. A released or unknown ID is not an error.
-// A project that files are still charged to is left alone: its volume's inode, and so its ID,
-// may already be a new volume's (a retried Delete). id must be the one the volume's marker
-// recorded: any limit of a project with no files is cleared. A project left limited with no
-// files (XFS frees removed inodes in the background, so a Release just after the removal can
-// still see them charged) is never handed out again: the next directory with that inode number
-// gets one of its other candidates.
+// id must be the one the volume's marker (or, for a volume that never got one, IDOf) named:
+// any limit of a project with no files is cleared. A project that files are still charged to
+// is waited for, a bounded time, since XFS frees removed inodes in the background; one still
+// charged then is left alone: its volume's inode, and so its ID, may already be a new volume's
+// (a retried Delete).
 func (f *FS) Release(fd int, id ID) error {
 	if id.Kind != f.kind {
 		return fmt.Errorf("quota %s is not of this file system (%s)", id, f.describe())
