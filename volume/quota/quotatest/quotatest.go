@@ -64,6 +64,24 @@ func Btrfs(t testing.TB, quota bool) string {
 	return mnt
 }
 
+// Qgroups lists the level-0 qgroups of the btrfs file system at mnt, as `btrfs qgroup show`
+// reports them after the subvolumes deleted so far are gone (`btrfs subvolume sync`: the
+// kernel drops a deleted subvolume, and then its qgroup, in the background), each with its
+// referenced-bytes limit ("none" if it has none).
+func Qgroups(t testing.TB, mnt string) map[string]string {
+	t.Helper()
+	run(t, "timeout", "60", "btrfs", "subvolume", "sync", mnt)
+	out := run(t, "btrfs", "qgroup", "show", "-r", "--raw", mnt)
+	groups := map[string]string{}
+	for _, line := range strings.Split(out, "\n") {
+		// qgroupid rfer excl max_rfer path
+		if f := strings.Fields(line); len(f) >= 4 && strings.HasPrefix(f[0], "0/") {
+			groups[f[0]] = f[3]
+		}
+	}
+	return groups
+}
+
 func run(t testing.TB, name string, args ...string) string {
 	t.Helper()
 	out, err := exec.Command(name, args...).CombinedOutput()
