@@ -175,6 +175,32 @@ func (r *Root) Quota() (*quota.FS, error) {
 	return r.quotaFS, r.quotaErr
 }
 
+// RemoveLimited removes the volume rel, limited by id, as RemoveAll does, and gives its limit
+// back so the ID can be used again: the limit is cleared while the directory still carries id
+// (quota.FS.Unlimit), then the tree goes, then what is left of the quota is released. A
+// missing rel (a retried Delete) only gets the Release.
+func (r *Root) RemoveLimited(rel string, id quota.ID) error {
+	fs, err := r.Quota()
+	if err != nil {
+		return err
+	}
+	fd, err := r.openDir(rel, unix.O_RDONLY)
+	switch {
+	case err == nil:
+		err = fs.Unlimit(fd, id)
+		unix.Close(fd)
+		if err != nil {
+			return fmt.Errorf("%s in %s: clear its size limit: %w", rel, r.path, err)
+		}
+	case !errors.Is(err, unix.ENOENT) && !errors.Is(err, ErrNotDirectory):
+		return err
+	}
+	if err := r.RemoveAll(rel); err != nil {
+		return err
+	}
+	return r.ReleaseQuota(id)
+}
+
 // ReleaseQuota clears the limit of a volume that is gone, so its ID can be used again.
 func (r *Root) ReleaseQuota(id quota.ID) error {
 	fs, err := r.Quota()
@@ -293,9 +319,9 @@ func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim C
 }
 
 // removeTemp removes the temporary directory tmp in parentFd, made or left by an attempt
-// with the same limit (0: none), and releases the limit it got, if any. Nothing else would:
-// it has no marker, or one no PV names, and a limit left on a project with no files is never
-// cleared nor handed out again.
+// with the same limit (0: none), and gives back the limit it got, if any, as RemoveLimited
+// does. Nothing else would: it has no marker, or one no PV names, and a limit left on a
+// project with no files is never cleared nor handed out again.
 func (r *Root) removeTemp(parentFd int, tmp string, mnt, limit uint64) error {
 	var fs *quota.FS
 	var id quota.ID
@@ -309,12 +335,14 @@ func (r *Root) removeTemp(parentFd int, tmp string, mnt, limit uint64) error {
 		case err == nil:
 			var ok bool
 			id, ok, err = fs.IDOf(parentFd, fd)
+			if err == nil && ok {
+				err = fs.Unlimit(fd, id)
+			} else if !ok {
+				id = quota.ID{}
+			}
 			unix.Close(fd)
 			if err != nil {
 				return fmt.Errorf("%s: size limit: %w", tmp, err)
-			}
-			if !ok {
-				id = quota.ID{}
 			}
 		case errors.Is(err, unix.ENOENT):
 			return nil

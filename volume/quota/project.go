@@ -1,17 +1,14 @@
 package quota
 
 import (
-	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"hash/fnv"
 	"strconv"
-	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
-	"k8s.io/apimachinery/pkg/util/wait"
 )
 
 // golang.org/x/sys/unix has neither struct fsxattr with its ioctls nor the quotactl
@@ -129,37 +126,26 @@ func (q ifDqblk) limited() bool {
 	return q.Bhardlimit != 0 || q.Bsoftlimit != 0 || q.Ihardlimit != 0 || q.Isoftlimit != 0
 }
 
-// Release waits up to drainTimeout, polling every drainInterval, for the files of a removed
-// volume to stop being charged to its project. XFS frees removed inodes in the background, so
-// a Release just after the removal can still see them: a limit left then would stay on a
-// project with no files forever, since such a project is never handed out again.
-var (
-	drainTimeout  = 10 * time.Second
-	drainInterval = 20 * time.Millisecond
-)
-
-// releaseProject clears the limit of project id once no file is charged to it. A project
-// still charged after drainTimeout is left as it is: its files are a live volume's (a retried
-// Delete whose ID was handed out again) or still open somewhere.
+// releaseProject clears the limit of project id unless files are charged to it.
 func releaseProject(fd int, id uint32) error {
-	// The lock is taken per check, not for the wait: allocations go on meanwhile, and none
-	// can take a project that is still limited.
-	err := wait.PollUntilContextTimeout(context.Background(), drainInterval, drainTimeout, true, func(context.Context) (bool, error) {
-		projectMu.Lock()
-		defer projectMu.Unlock()
-		q, err := readProject(fd, id)
-		if err != nil || q.charged() {
-			return false, err
-		}
-		if q.limited() {
-			return true, setProjectLimit(fd, id, 0)
-		}
-		return true, nil
-	})
-	if wait.Interrupted(err) {
-		return nil
+	projectMu.Lock()
+	defer projectMu.Unlock()
+	q, err := readProject(fd, id)
+	if err != nil || q.charged() || !q.limited() {
+		return err
 	}
-	return err
+	return setProjectLimit(fd, id, 0)
+}
+
+// unlimitProject clears the limit of project id if the directory open at fd is in it.
+func unlimitProject(fd int, id uint32) error {
+	projectMu.Lock()
+	defer projectMu.Unlock()
+	own, err := projectOf(fd)
+	if err != nil || own != id {
+		return err
+	}
+	return setProjectLimit(fd, id, 0)
 }
 
 // candidates are the project IDs tried for a directory with inode ino: the inode number first

@@ -174,6 +174,22 @@ func (f *FS) SetLimit(fd int, bytes uint64) (ID, error) {
 	return ID{}, f.reason
 }
 
+// Unlimit clears the limit of id, which must name the limit of the volume directory open at
+// fd (read-only, not O_PATH), before that volume is removed: while the directory is in place
+// and carries id, the ID is provably the volume's, and once it is gone its project is free as
+// soon as its files are no longer charged, however late that is. A directory that does not
+// carry id is left as it is (Release after the removal still applies). A btrfs limit goes with
+// its subvolume, so there is nothing to clear beforehand.
+func (f *FS) Unlimit(fd int, id ID) error {
+	if id.Kind != f.kind {
+		return fmt.Errorf("quota %s is not of this file system (%s)", id, f.describe())
+	}
+	if id.Kind == Project {
+		return unlimitProject(fd, uint32(id.Num))
+	}
+	return nil
+}
+
 // IDOf returns the ID of the limit that the directory open at fd (read-only, not O_PATH),
 // made by Mkdir in the directory open at parentFd, was given, for a directory that may have
 // none yet and has no marker to say (a crash between Mkdir and its marker). ok is false if it
@@ -224,11 +240,11 @@ func (f *FS) Usage(fd int, id ID) (Usage, error) {
 
 // Release clears the limit of id once its volume is gone, through any directory on the file
 // system open at fd, so the ID can be used again. A released or unknown ID is not an error.
-// id must be the one the volume's marker (or, for a volume that never got one, IDOf) named:
-// any limit of a project with no files is cleared. A project that files are still charged to
-// is waited for, a bounded time, since XFS frees removed inodes in the background; one still
-// charged then is left alone: its volume's inode, and so its ID, may already be a new volume's
-// (a retried Delete).
+// A project that files are still charged to is left alone: its volume's inode, and so its ID,
+// may already be a new volume's (a retried Delete). id must be the one the volume's marker
+// recorded: any limit of a project with no files is cleared. Removed files can stay charged a
+// while (XFS frees removed inodes in the background): a volume still in place is given Unlimit
+// before its removal, so that its project has no limit left by then.
 func (f *FS) Release(fd int, id ID) error {
 	if id.Kind != f.kind {
 		return fmt.Errorf("quota %s is not of this file system (%s)", id, f.describe())

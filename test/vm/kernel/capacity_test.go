@@ -96,10 +96,10 @@ func checkNoLimitedEmptyProject(t *testing.T, mnt string) {
 }
 
 // TestQuotaReleaseAfterRemoval: volumes are provisioned, filled and deleted as dirpv does
-// (MkdirAllLimited, RemoveAll, ReleaseQuota). When ReleaseQuota returns, the volume's project
-// has no limit, also for a volume whose files stay charged for a while after the removal (XFS
-// frees removed inodes in the background; here a file kept open a moment longer makes that
-// delay certain), and no limited project without files remains on the file system.
+// (MkdirAllLimited, RemoveLimited). Once the volume is removed its project has no limit, also
+// while the removed files are still charged to it (XFS frees removed inodes in the
+// background; a file held open until after the check makes that certain here), and no
+// limited project without files remains on the file system.
 func TestQuotaReleaseAfterRemoval(t *testing.T) {
 	for _, fstype := range []string{"xfs", "ext4"} {
 		t.Run(fstype, func(t *testing.T) {
@@ -130,15 +130,7 @@ func TestQuotaReleaseAfterRemoval(t *testing.T) {
 						t.Fatal(err)
 					}
 				}
-				if err := root.RemoveAll(name); err != nil {
-					t.Fatal(err)
-				}
-				if held != nil {
-					// Stands for the background free: the project stays charged until then.
-					time.AfterFunc(time.Second, func() { held.Close() })
-				}
-				start := time.Now()
-				if err := root.ReleaseQuota(id); err != nil {
+				if err := root.RemoveLimited(name, id); err != nil {
 					t.Fatal(err)
 				}
 				u, err := fs.Usage(dirFd(t, mnt), id)
@@ -146,8 +138,14 @@ func TestQuotaReleaseAfterRemoval(t *testing.T) {
 					t.Fatal(err)
 				}
 				if u.LimitBytes != 0 {
-					t.Errorf("volume %s (project %v) removed and released after %s: its limit %d is still set (usage %+v)",
-						name, id, time.Since(start).Round(time.Millisecond), u.LimitBytes, u)
+					t.Errorf("volume %s (project %v) removed: its limit %d is still set (usage %+v, a file held open: %t)",
+						name, id, u.LimitBytes, u, held != nil)
+				}
+				if held != nil {
+					if u.UsedInodes == 0 {
+						t.Errorf("volume %s: the held file is not charged to its project after the removal (%+v): the check proves nothing", name, u)
+					}
+					held.Close()
 				}
 			}
 			checkNoLimitedEmptyProject(t, mnt)
@@ -179,7 +177,7 @@ func TestCrashHelper(t *testing.T) {
 // (SIGKILL, at a failpoint) after the temporary directory got its project, limit and marker
 // and before the rename, or before the limit. The next attempt for the claim makes the volume
 // with its limit, and the file system holds one limited project, the volume's: the one the
-// crashed attempt limited is cleared. Once the volume is removed and released, none is left.
+// crashed attempt limited is cleared. Once the volume is removed, none is left.
 func TestQuotaCrashLeavesNoLimit(t *testing.T) {
 	self, err := os.Executable()
 	if err != nil {
@@ -230,10 +228,7 @@ func TestQuotaCrashLeavesNoLimit(t *testing.T) {
 				if failed, out := writeAsTenant(t, filepath.Join(mnt, "vol", "big"), 16); !failed {
 					t.Errorf("16 MiB went into the 8 MiB volume: %s", out)
 				}
-				if err := root.RemoveAll("vol"); err != nil {
-					t.Fatal(err)
-				}
-				if err := root.ReleaseQuota(id); err != nil {
+				if err := root.RemoveLimited("vol", id); err != nil {
 					t.Fatal(err)
 				}
 				for n, p := range projects(t, mnt) {
