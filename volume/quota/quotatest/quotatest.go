@@ -70,6 +70,9 @@ func Btrfs(t testing.TB, quota bool) string {
 // referenced-bytes limit ("none" if it has none).
 func Qgroups(t testing.TB, mnt string) map[string]string {
 	t.Helper()
+	// A commit first wakes the cleaner, which otherwise waits for the next periodic commit
+	// (30 s).
+	run(t, "btrfs", "filesystem", "sync", mnt)
 	run(t, "timeout", "60", "btrfs", "subvolume", "sync", mnt)
 	out := run(t, "btrfs", "qgroup", "show", "-r", "--raw", mnt)
 	groups := map[string]string{}
