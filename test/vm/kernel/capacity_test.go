@@ -197,9 +197,9 @@ func TestQuotaCrashLeavesNoLimit(t *testing.T) {
 					!strings.Contains(string(out), "failpoint "+point+" reached") {
 					t.Fatalf("the helper process was not killed at %s: %v\n%s", point, err, out)
 				}
-				ents, _ := os.ReadDir(mnt)
-				if len(ents) != 1 || !strings.HasPrefix(ents[0].Name(), volume.ReservedPrefix+"new-") {
-					t.Fatalf("base after the crash holds %v, want one temporary directory", names(ents))
+				ents := baseEntries(t, mnt)
+				if len(ents) != 1 || !strings.HasPrefix(ents[0], volume.ReservedPrefix+"new-") {
+					t.Fatalf("base after the crash holds %v, want one temporary directory", ents)
 				}
 				t.Logf("after the crash at %s: projects %v", point, projects(t, mnt))
 
@@ -213,8 +213,8 @@ func TestQuotaCrashLeavesNoLimit(t *testing.T) {
 				if err != nil || !created {
 					t.Fatalf("MkdirAllLimited after the crash = %v, %v, %v", created, id, err)
 				}
-				if ents, _ := os.ReadDir(mnt); len(ents) != 1 || ents[0].Name() != "vol" {
-					t.Errorf("base after the retry holds %v, want only the volume", names(ents))
+				if ents := baseEntries(t, mnt); len(ents) != 1 || ents[0] != "vol" {
+					t.Errorf("base after the retry holds %v, want only the volume", ents)
 				}
 				limited := map[uint64]project{}
 				for n, p := range projects(t, mnt) {
@@ -241,16 +241,40 @@ func TestQuotaCrashLeavesNoLimit(t *testing.T) {
 	}
 }
 
+// baseEntries lists the names in the root of the file system at mnt but ext4's lost+found.
+func baseEntries(t *testing.T, mnt string) []string {
+	t.Helper()
+	ents, err := os.ReadDir(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, e := range ents {
+		if e.Name() != "lost+found" {
+			out = append(out, e.Name())
+		}
+	}
+	return out
+}
+
 // TestNFSOverXFSProjectStatfs: an NFS volume dirpv made in a kernel server's export of XFS,
 // to which the server's admin gave a project quota (dirpv cannot set one over NFS), is
 // published by the node plugin; statfs on the client, and so NodeGetVolumeStats, report the
-// project's figures (its limit as the size, its files as used), not the file system's.
+// project's figures (its limit as the size, its files as used), not the file system's, which a
+// neighbour volume without a project reports.
 func TestNFSOverXFSProjectStatfs(t *testing.T) {
 	for _, options := range [][]string{{"nfsvers=3", "nolock"}, {"nfsvers=4.2", "hard"}} {
 		t.Run(strings.Join(options, ","), func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 			defer cancel()
 			mnt := quotaFS(t, "xfs")
+			t.Cleanup(func() {
+				// Between the unexport and the unmount: nfsd's export cache still holds the
+				// file system after exportfs -ra dropped it.
+				if out, err := exec.Command("exportfs", "-f").CombinedOutput(); err != nil {
+					t.Errorf("exportfs -f: %v\n%s", err, out)
+				}
+			})
 			serverDir, share := exportDirFor(t, mnt, options, guest.NoRootSquash)
 			f := newController(t, time.Minute)
 			pv, err := f.provision(ctx, f.nfsClass("nfs", share, options, nil), "quota")
@@ -291,6 +315,25 @@ func TestNFSOverXFSProjectStatfs(t *testing.T) {
 			}
 			if b := stats.GetUsage()[0]; b.GetTotal() != limit || b.GetUsed() < fill || b.GetUsed() > fill+1<<20 {
 				t.Errorf("NodeGetVolumeStats of the NFS volume: %+v; want total %d, used about %d", b, limit, fill)
+			}
+
+			// A neighbour without a project reports the exported file system.
+			plain, err := f.provision(ctx, f.nfsClass("nfs-plain", share, options, nil), "plain")
+			if err != nil {
+				t.Fatal(err)
+			}
+			plainTarget := filepath.Join(t.TempDir(), "pod")
+			if _, err := node.NodePublishVolume(ctx, publishRequest(plain, plainTarget, false)); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				node.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: plain.Spec.CSI.VolumeHandle, TargetPath: plainTarget})
+			})
+			if err := unix.Statfs(plainTarget, &sfs); err != nil {
+				t.Fatal(err)
+			}
+			if got, want := sfs.Blocks*uint64(sfs.Bsize), whole.Blocks*uint64(whole.Bsize); got+1<<20 < want || got > want+1<<20 {
+				t.Errorf("statfs of an NFS volume without a project: size %d; want the file system's, %d", got, want)
 			}
 		})
 	}
