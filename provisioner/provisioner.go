@@ -556,10 +556,7 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 			return err
 		}
 		if policy == OnDeleteDelete {
-			if err := root.RemoveAll(attrs.Path); err != nil {
-				return err
-			}
-			return releaseQuota(root, attrs)
+			return removeVolume(root, attrs)
 		}
 		if _, err := root.Stat(attrs.Path); errors.Is(err, volume.ErrNotDirectory) {
 			// Archiving follows no symlink either; the link itself goes, its target stays.
@@ -578,16 +575,16 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 	return nil
 }
 
-// releaseQuota frees the size limit of a removed volume, if it had one.
-func releaseQuota(root *volume.Root, attrs volume.Attributes) error {
+// removeVolume removes the volume's tree and frees its size limit, if it had one.
+func removeVolume(root *volume.Root, attrs volume.Attributes) error {
 	if attrs.Quota == "" {
-		return nil
+		return root.RemoveAll(attrs.Path)
 	}
 	id, err := quota.ParseID(attrs.Quota)
 	if err != nil {
 		return err
 	}
-	return root.ReleaseQuota(id)
+	return root.RemoveLimited(attrs.Path, id)
 }
 
 // checkOwnedBy refuses to delete or archive a directory whose marker names another claim than

@@ -14,6 +14,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/dirpv/dirpv/internal/failpoint"
 	"github.com/dirpv/dirpv/volume/quota"
 )
 
@@ -174,6 +175,32 @@ func (r *Root) Quota() (*quota.FS, error) {
 	return r.quotaFS, r.quotaErr
 }
 
+// RemoveLimited removes the volume rel, limited by id, as RemoveAll does, and gives its limit
+// back so the ID can be used again: the limit is cleared while the directory still carries id
+// (quota.FS.Unlimit), then the tree goes, then what is left of the quota is released. A
+// missing rel (a retried Delete) only gets the Release.
+func (r *Root) RemoveLimited(rel string, id quota.ID) error {
+	fs, err := r.Quota()
+	if err != nil {
+		return err
+	}
+	fd, err := r.openDir(rel, unix.O_RDONLY)
+	switch {
+	case err == nil:
+		err = fs.Unlimit(fd, id)
+		unix.Close(fd)
+		if err != nil {
+			return fmt.Errorf("%s in %s: clear its size limit: %w", rel, r.path, err)
+		}
+	case !errors.Is(err, unix.ENOENT) && !errors.Is(err, ErrNotDirectory):
+		return err
+	}
+	if err := r.RemoveAll(rel); err != nil {
+		return err
+	}
+	return r.ReleaseQuota(id)
+}
+
 // ReleaseQuota clears the limit of a volume that is gone, so its ID can be used again.
 func (r *Root) ReleaseQuota(id quota.ID) error {
 	fs, err := r.Quota()
@@ -264,22 +291,23 @@ func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim C
 		return false, quota.ID{}, fmt.Errorf("%s in %s: %w", rel, r.path, err)
 	}
 	tmp := tempName(claim, name)
-	if err := removeVolumeAt(parentFd, tmp, mnt); err != nil {
+	if err := r.removeTemp(parentFd, tmp, mnt, limit); err != nil {
 		return false, quota.ID{}, fmt.Errorf("remove what an earlier attempt left of %s in %s: %w", rel, r.path, err)
 	}
 	id, err := r.makeMarked(parentFd, tmp, owner, claim, limit)
 	if err != nil {
 		err = fmt.Errorf("%s in %s: %w", rel, r.path, err)
-		if rerr := removeVolumeAt(parentFd, tmp, mnt); rerr != nil {
+		if rerr := r.removeTemp(parentFd, tmp, mnt, limit); rerr != nil {
 			err = errors.Join(err, fmt.Errorf("remove the half-made directory: %w", rerr))
 		}
 		return false, quota.ID{}, err
 	}
+	failpoint.Hit(failpoint.BeforeRename)
 	err = r.renameNoReplace(parentFd, tmp, parentFd, name)
 	if err == nil {
 		return true, id, nil
 	}
-	if rerr := removeVolumeAt(parentFd, tmp, mnt); rerr != nil {
+	if rerr := r.removeTemp(parentFd, tmp, mnt, limit); rerr != nil {
 		err = errors.Join(err, fmt.Errorf("remove the unused new directory: %w", rerr))
 	}
 	if errors.Is(err, unix.EEXIST) || errors.Is(err, unix.ENOTEMPTY) {
@@ -288,6 +316,51 @@ func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim C
 		return false, id, err
 	}
 	return false, quota.ID{}, fmt.Errorf("rename new volume into place as %s in %s: %w", rel, r.path, err)
+}
+
+// removeTemp removes the temporary directory tmp in parentFd, made or left by an attempt
+// with the same limit (0: none), and gives back the limit it got, if any, as RemoveLimited
+// does. Nothing else would: it has no marker, or one no PV names, and a limit left on a
+// project with no files is never cleared nor handed out again.
+func (r *Root) removeTemp(parentFd int, tmp string, mnt, limit uint64) error {
+	var fs *quota.FS
+	var id quota.ID
+	if limit > 0 {
+		var err error
+		if fs, err = r.Quota(); err != nil {
+			return err
+		}
+		fd, err := r.openChild(parentFd, tmp, tmp)
+		switch {
+		case err == nil:
+			var ok bool
+			id, ok, err = fs.IDOf(parentFd, fd)
+			if err == nil && ok {
+				err = fs.Unlimit(fd, id)
+			} else if !ok {
+				id = quota.ID{}
+			}
+			unix.Close(fd)
+			if err != nil {
+				return fmt.Errorf("%s: size limit: %w", tmp, err)
+			}
+		case errors.Is(err, unix.ENOENT):
+			return nil
+		case !errors.Is(err, ErrNotDirectory):
+			return err
+		}
+		// Not a directory: nothing dirpv made, so no limit of dirpv's; removed all the same.
+	}
+	if err := removeVolumeAt(parentFd, tmp, mnt); err != nil {
+		return err
+	}
+	if id.Kind == "" {
+		return nil
+	}
+	if err := fs.Release(parentFd, id); err != nil {
+		return fmt.Errorf("%s: release its size limit: %w", tmp, err)
+	}
+	return nil
 }
 
 // adopt returns the quota ID of the directory name in parentFd if it is claim's volume, an
@@ -346,6 +419,7 @@ func (r *Root) makeMarked(parentFd int, name string, owner Owner, claim Claim, l
 	}
 	var id quota.ID
 	if fs != nil {
+		failpoint.Hit(failpoint.BeforeLimit)
 		if id, err = fs.SetLimit(fd, limit); err != nil {
 			return quota.ID{}, fmt.Errorf("set size limit: %w", err)
 		}

@@ -58,9 +58,12 @@ type Process struct {
 	Log  string
 	// HTTPAddr is where a dirpv process serves /healthz and /metrics (StartDirpv).
 	HTTPAddr string
-	cmd      *exec.Cmd
-	done     chan struct{}
-	err      error
+	// Env is added to the test's environment at every start, Restart included: set it
+	// between a Kill and a Restart to start the same process differently (a failpoint armed).
+	Env  []string
+	cmd  *exec.Cmd
+	done chan struct{}
+	err  error
 }
 
 // Start runs binary with args, logging to logDir/name.log (appended, so a restarted
@@ -77,6 +80,10 @@ func (p *Process) start(binary string) error {
 	}
 	fmt.Fprintf(f, "=== %s %s %s\n", time.Now().Format(time.RFC3339Nano), binary, strings.Join(p.Args, " "))
 	cmd := exec.Command(binary, p.Args...)
+	if len(p.Env) > 0 {
+		cmd.Env = append(os.Environ(), p.Env...)
+		fmt.Fprintf(f, "=== environment: %s\n", strings.Join(p.Env, " "))
+	}
 	cmd.Stdout, cmd.Stderr = f, f
 	// Its own process group, so that a test's Ctrl-C does not race with our shutdown.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}

@@ -137,6 +137,17 @@ func releaseProject(fd int, id uint32) error {
 	return setProjectLimit(fd, id, 0)
 }
 
+// unlimitProject clears the limit of project id if the directory open at fd is in it.
+func unlimitProject(fd int, id uint32) error {
+	projectMu.Lock()
+	defer projectMu.Unlock()
+	own, err := projectOf(fd)
+	if err != nil || own != id {
+		return err
+	}
+	return setProjectLimit(fd, id, 0)
+}
+
 // candidates are the project IDs tried for a directory with inode ino: the inode number first
 // (unique among live directories of one file system, so concurrent provisioners and restarts
 // do not collide), then numbers derived from it, for inodes beyond 32 bits or an ID someone
@@ -174,15 +185,14 @@ func (f *FS) setProject(fd int, bytes uint64) (ID, error) {
 		if q.charged() || q.limited() {
 			continue
 		}
-		// The limit goes on before the ID, so the directory is never in an unlimited project.
-		if err := setProjectLimit(fd, id, bytes); err != nil {
+		// The ID goes on before the limit. A crash in between leaves a directory (still under
+		// its temporary name, never handed out) charged to an unlimited project, which is
+		// free again once the retry removes it; the other order would leave a limited project
+		// with no files, which nothing ever hands out or clears.
+		if err := setProjectID(fd, id); err != nil {
 			return ID{}, err
 		}
-		if err := setProjectID(fd, id); err != nil {
-			// A limited project counts as taken: left limited, the ID would be lost for good.
-			if uerr := setProjectLimit(fd, id, 0); uerr != nil {
-				return ID{}, fmt.Errorf("%w (and undoing its limit: %v)", err, uerr)
-			}
+		if err := setProjectLimit(fd, id, bytes); err != nil {
 			return ID{}, err
 		}
 		return ID{Kind: Project, Num: uint64(id)}, nil
@@ -198,8 +208,8 @@ func getFsxattr(fd int) (fsxattr, error) {
 	return x, nil
 }
 
-// projectID is the project ID of the directory open at fd.
-func projectID(fd int) (uint32, error) {
+// projectOf is the project ID of the file open at fd, 0 if none.
+func projectOf(fd int) (uint32, error) {
 	x, err := getFsxattr(fd)
 	return x.Projid, err
 }

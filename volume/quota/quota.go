@@ -174,6 +174,59 @@ func (f *FS) SetLimit(fd int, bytes uint64) (ID, error) {
 	return ID{}, f.reason
 }
 
+// Unlimit clears the limit of id, which must name the limit of the volume directory open at
+// fd (read-only, not O_PATH), before that volume is removed: while the directory is in place
+// and carries id, the ID is provably the volume's, and once it is gone its project is free as
+// soon as its files are no longer charged, however late that is. A directory that does not
+// carry id is left as it is (Release after the removal still applies). A btrfs limit goes with
+// its subvolume, so there is nothing to clear beforehand.
+func (f *FS) Unlimit(fd int, id ID) error {
+	if id.Kind != f.kind {
+		return fmt.Errorf("quota %s is not of this file system (%s)", id, f.describe())
+	}
+	if id.Kind == Project {
+		return unlimitProject(fd, uint32(id.Num))
+	}
+	return nil
+}
+
+// IDOf returns the ID of the limit that the directory open at fd (read-only, not O_PATH),
+// made by Mkdir in the directory open at parentFd, was given, for a directory that may have
+// none yet and has no marker to say (a crash between Mkdir and its marker). ok is false if it
+// has none of its own: no project ID but the one it inherited from its parent, or, on btrfs,
+// not a subvolume.
+func (f *FS) IDOf(parentFd, fd int) (id ID, ok bool, err error) {
+	switch f.kind {
+	case Project:
+		own, err := projectOf(fd)
+		if err != nil {
+			return ID{}, false, err
+		}
+		inherited, err := projectOf(parentFd)
+		if err != nil {
+			return ID{}, false, err
+		}
+		if own == 0 || own == inherited {
+			return ID{}, false, nil
+		}
+		return ID{Kind: Project, Num: uint64(own)}, true, nil
+	case Btrfs:
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil {
+			return ID{}, false, fmt.Errorf("stat: %w", err)
+		}
+		if st.Ino != btrfsFirstFreeObject {
+			return ID{}, false, nil
+		}
+		sub, err := btrfsSubvolID(fd)
+		if err != nil {
+			return ID{}, false, err
+		}
+		return ID{Kind: Btrfs, Num: sub}, true, nil
+	}
+	return ID{}, false, nil
+}
+
 // Usage reads the usage and limit of id, through any directory on the file system open at fd.
 func (f *FS) Usage(fd int, id ID) (Usage, error) {
 	if id.Kind != f.kind {
@@ -189,10 +242,9 @@ func (f *FS) Usage(fd int, id ID) (Usage, error) {
 // system open at fd, so the ID can be used again. A released or unknown ID is not an error.
 // A project that files are still charged to is left alone: its volume's inode, and so its ID,
 // may already be a new volume's (a retried Delete). id must be the one the volume's marker
-// recorded: any limit of a project with no files is cleared. A project left limited with no
-// files (XFS frees removed inodes in the background, so a Release just after the removal can
-// still see them charged) is never handed out again: the next directory with that inode number
-// gets one of its other candidates.
+// recorded: any limit of a project with no files is cleared. Removed files can stay charged a
+// while (XFS frees removed inodes in the background): a volume still in place is given Unlimit
+// before its removal, so that its project has no limit left by then.
 func (f *FS) Release(fd int, id ID) error {
 	if id.Kind != f.kind {
 		return fmt.Errorf("quota %s is not of this file system (%s)", id, f.describe())
@@ -223,7 +275,7 @@ func (f *FS) Resize(fd int, id ID, bytes uint64) error {
 	}
 	limit := f.Round(bytes)
 	if id.Kind == Project {
-		got, err := projectID(fd)
+		got, err := projectOf(fd)
 		if err != nil {
 			return err
 		}

@@ -195,3 +195,29 @@ func TestBtrfsResizeRaisesTheLimitOfOneVolume(t *testing.T) {
 		t.Errorf("neighbour took %d bytes of 16 MiB (err %v), want EDQUOT within its %d", n, err, limit)
 	}
 }
+
+// TestBtrfsIDOf: a volume directory that has no marker yet (a crash before it) is known by its
+// subvolume, whose qgroup is the one to release; a plain directory has no ID of its own.
+func TestBtrfsIDOf(t *testing.T) {
+	mnt := quotatest.Btrfs(t, true)
+	base := openDir(t, mnt)
+	fs := probe(t, base)
+	if err := fs.Mkdir(base, "sub", 0o755); err != nil {
+		t.Fatal(err)
+	}
+	sub := openDir(t, filepath.Join(mnt, "sub"))
+	got, ok, err := fs.IDOf(base, sub)
+	if err != nil || !ok || got.Kind != quota.Btrfs {
+		t.Fatalf("IDOf a new subvolume = %v, %v, %v; want its btrfs ID", got, ok, err)
+	}
+	id, err := fs.SetLimit(sub, 1<<20)
+	if err != nil || id != got {
+		t.Errorf("SetLimit = %v, %v; want the ID IDOf named, %v", id, err, got)
+	}
+	if err := os.Mkdir(filepath.Join(mnt, "plain"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if id, ok, err := fs.IDOf(base, openDir(t, filepath.Join(mnt, "plain"))); err != nil || ok {
+		t.Errorf("IDOf a plain directory = %v, %v, %v; want none", id, ok, err)
+	}
+}

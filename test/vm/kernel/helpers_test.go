@@ -56,11 +56,11 @@ func nfsServer(t *testing.T) *guest.NFSServer {
 	return nfsSrv
 }
 
-// export makes a fresh directory on the server side, exports it with options and returns it.
-func export(t *testing.T, options ...string) string {
+// exportDir exports dir on the server side (made writable by everyone) with options until
+// the test ends.
+func exportDir(t *testing.T, dir string, options ...string) string {
 	t.Helper()
 	srv := nfsServer(t)
-	dir := t.TempDir()
 	if err := os.Chmod(dir, 0o777); err != nil {
 		t.Fatal(err)
 	}
@@ -83,11 +83,16 @@ func export(t *testing.T, options ...string) string {
 // of the pseudo file system (see guest.V4Root).
 func exportFor(t *testing.T, mountOptions []string, options ...string) (dir, share string) {
 	t.Helper()
+	return exportDirFor(t, t.TempDir(), mountOptions, options...)
+}
+
+// exportDirFor is exportFor of an existing directory.
+func exportDirFor(t *testing.T, dir string, mountOptions []string, options ...string) (string, string) {
+	t.Helper()
 	if slices.Contains(mountOptions, "nfsvers=3") || slices.Contains(mountOptions, "vers=3") {
-		dir = export(t, options...)
-		return dir, dir
+		return exportDir(t, dir, options...), dir
 	}
-	return export(t, append(options, guest.V4Root)...), "/"
+	return exportDir(t, dir, append(options, guest.V4Root)...), "/"
 }
 
 // controllerFixture is `dirpv controller` below the API: the real Provisioner with the system

@@ -38,6 +38,37 @@ func Btrfs(t testing.TB, quota bool) string {
 	return mnt
 }
 
+// Qgroups lists the level-0 qgroups of the btrfs file system at mnt, as `btrfs qgroup show`
+// reports them after the subvolumes deleted so far are gone (`btrfs subvolume sync`: the
+// kernel drops a deleted subvolume, and then its qgroup, in the background), each with its
+// referenced-bytes limit ("none" if it has none).
+func Qgroups(t testing.TB, mnt string) map[string]string {
+	t.Helper()
+	// A commit first wakes the cleaner, which otherwise waits for the next periodic commit
+	// (30 s).
+	run(t, "btrfs", "filesystem", "sync", mnt)
+	run(t, "timeout", "60", "btrfs", "subvolume", "sync", mnt)
+	out := run(t, "btrfs", "qgroup", "show", "-r", "--raw", mnt)
+	groups := map[string]string{}
+	for _, line := range strings.Split(out, "\n") {
+		// qgroupid rfer excl max_rfer path
+		if f := strings.Fields(line); len(f) >= 4 && strings.HasPrefix(f[0], "0/") {
+			groups[f[0]] = f[3]
+		}
+	}
+	return groups
+}
+
+// run is command for a test, which it fails on error.
+func run(t testing.TB, name string, args ...string) string {
+	t.Helper()
+	out, err := command(name, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
 // BtrfsFS is a btrfs file system made by MountBtrfs.
 type BtrfsFS struct {
 	// Mnt is where it is mounted.

@@ -1,0 +1,183 @@
+package integration
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dirpv/dirpv/internal/failpoint"
+	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
+)
+
+// A node instance whose base is btrfs with quota on dies (SIGKILL, at a failpoint, so that the
+// crash is in the window and nowhere else) after it made a claim's subvolume under its
+// temporary name and before it set the limit, or after the limit and before the rename. After
+// a restart the claim binds to a volume whose limit is in place (a write past the claim's size
+// fails), nothing is left under a temporary name, and the file system holds exactly one qgroup
+// per volume: none leaked, also once the claim is deleted.
+func TestCrashBetweenMkdirAndLimit(t *testing.T) {
+	for _, point := range []string{failpoint.BeforeLimit, failpoint.BeforeRename} {
+		t.Run(point, func(t *testing.T) { testCrashAt(t, point) })
+	}
+}
+
+func testCrashAt(t *testing.T, point string) {
+	ctx := context.Background()
+	const size = 16 << 20
+	node := "node-crash-" + point
+	mnt := quotatest.Btrfs(t, true)
+	before := quotatest.Qgroups(t, mnt)
+
+	if err := suite.Cluster.CreateReadyNode(ctx, node, map[string]string{"kubernetes.io/hostname": "host-" + node}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { suite.Client.CoreV1().Nodes().Delete(ctx, node, metav1.DeleteOptions{}) })
+	proc, err := suite.StartDirpv(ctx, node, "node", "--v=2", "--operation-timeout=10s",
+		"--node-name", node, "--allowed-base-paths", mnt,
+		"--csi-endpoint", "unix://"+filepath.Join(t.TempDir(), "csi.sock"), "--plugin-registration-dir", "-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Before the file system's own cleanup: it cannot be unmounted while dirpv holds it.
+	t.Cleanup(func() { proc.Stop(10 * time.Second) })
+	if err := suite.Cluster.RegisterCSIDriver(ctx, node, "dirpv.io"); err != nil {
+		t.Fatal(err)
+	}
+	proc.Kill()
+	proc.Env = []string{failpoint.Env + "=" + point}
+	if err := proc.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	if err := proc.WaitHealthy(ctx, timeout); err != nil {
+		t.Fatal(err)
+	}
+
+	ns := suite.NewNamespace(t)
+	class := suite.CreateClass(t, "crash-"+point, map[string]string{
+		"backend": "local", "basePath": mnt, "capacityEnforcement": "required"})
+	claim := framework.NewClaim(ns, "data", class.Name, framework.OnNode(node))
+	claim.Spec.Resources.Requests[v1.ResourceStorage] = *resource.NewQuantity(size, resource.BinarySI)
+	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	// The crash: the process died at the point, by SIGKILL, and left exactly what that point
+	// leaves: one directory under a temporary name, a subvolume, limited only past
+	// SetLimit, and no PV.
+	if err := framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
+		exited, _ := proc.Exited()
+		return exited, errors.New("the node instance is still running")
+	}); err != nil {
+		t.Fatalf("%v\n--- log tail:\n%s", err, proc.Tail(3000))
+	}
+	_, exitErr := proc.Exited()
+	if !strings.Contains(proc.Tail(4000), "failpoint "+point+" reached") || exitErr == nil || !strings.Contains(exitErr.Error(), "killed") {
+		t.Fatalf("the node instance exited (%v) but not at failpoint %s:\n%s", exitErr, point, proc.Tail(3000))
+	}
+	temps := tempDirs(t, mnt)
+	if len(temps) != 1 || len(entries(t, mnt)) != 1 {
+		t.Fatalf("base after the crash holds %v, want one temporary directory and nothing else", entries(t, mnt))
+	}
+	var st unix.Stat_t
+	if err := unix.Lstat(filepath.Join(mnt, temps[0]), &st); err != nil || st.Ino != 256 {
+		t.Fatalf("temporary directory %s: inode %d, %v; want a btrfs subvolume (inode 256)", temps[0], st.Ino, err)
+	}
+	crashed := quotatest.Qgroups(t, mnt)
+	wantLimit := "none"
+	if point == failpoint.BeforeRename {
+		wantLimit = fmt.Sprint(size)
+	}
+	if len(crashed) != len(before)+1 || !hasLimit(crashed, wantLimit) {
+		t.Fatalf("qgroups after the crash %v (before the claim %v): want one more, limited to %s", crashed, before, wantLimit)
+	}
+	if pvs := pvsOf(t, ns); len(pvs) != 0 {
+		t.Fatalf("PVs after the crash: %v, want none", pvs)
+	}
+
+	proc.Env = nil
+	if err := proc.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	_, pv := waitBound(t, ns, "data")
+	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(attrs.Quota, "btrfs/") {
+		t.Errorf("PV quota attribute %q, want the volume's btrfs qgroup", attrs.Quota)
+	}
+	if got := pv.Spec.Capacity[v1.ResourceStorage]; got.Value() != size {
+		t.Errorf("PV capacity %s, want %d", got.String(), size)
+	}
+	if left := tempDirs(t, mnt); len(left) != 0 {
+		t.Errorf("temporary directories left after the retry: %v", left)
+	}
+	written, err := quotatest.Fill(t, filepath.Join(mnt, attrs.Path, "fill"), 2*size)
+	if !errors.Is(err, unix.EDQUOT) || written > size || written < size/2 {
+		t.Errorf("writing %d bytes into the %d-byte volume: %d went in, then %v; want EDQUOT at the limit", 2*size, size, written, err)
+	}
+	// One qgroup more than before the claim, the volume's, with the claim's size: the one the
+	// crashed attempt made is gone.
+	sub := "0/" + strings.TrimPrefix(attrs.Quota, "btrfs/")
+	if got := quotatest.Qgroups(t, mnt); len(got) != len(before)+1 || got[sub] != fmt.Sprint(size) {
+		t.Errorf("qgroups after the retry %v (before the claim %v): want only %s more, limited to %d", got, before, sub, size)
+	}
+
+	deleteClaim(t, ns, "data")
+	waitPVGone(t, pv.Name)
+	if got := quotatest.Qgroups(t, mnt); len(got) != len(before) {
+		t.Errorf("qgroups after the claim was deleted %v, want those before it %v", got, before)
+	}
+	if got := entries(t, mnt); len(got) != 0 {
+		t.Errorf("base after the claim was deleted holds %v, want nothing", got)
+	}
+}
+
+// tempDirs lists the names in dir that dirpv makes volumes under before they are complete.
+func tempDirs(t *testing.T, dir string) []string {
+	t.Helper()
+	var out []string
+	for _, name := range entries(t, dir) {
+		if strings.HasPrefix(name, volume.ReservedPrefix+"new-") {
+			out = append(out, name)
+		}
+	}
+	return out
+}
+
+func hasLimit(groups map[string]string, limit string) bool {
+	for id, l := range groups {
+		if id != "0/5" && l == limit {
+			return true
+		}
+	}
+	return false
+}
+
+// pvsOf lists the names of the PVs bound to claims of ns.
+func pvsOf(t *testing.T, ns string) []string {
+	t.Helper()
+	pvs, err := suite.Client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, pv := range pvs.Items {
+		if pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == ns {
+			out = append(out, pv.Name)
+		}
+	}
+	return out
+}
