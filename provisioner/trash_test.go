@@ -150,14 +150,22 @@ func TestLargeNFSDeleteReturnsAtOnce(t *testing.T) {
 	}
 	// The export keeps serving claims while the tree waits for its removal.
 	f.provision(t, p, "meanwhile")
+	removalsStarted := func() int {
+		p.exports.mu.Lock()
+		defer p.exports.mu.Unlock()
+		return p.exports.removals
+	}
+	// The walk runs on a goroutine of its own: wait until it has started (and is held), so
+	// that a second walk, if the retry below started one, could not be mistaken for the first.
+	eventually(t, 30*time.Second, func() (bool, string) {
+		n := removalsStarted()
+		return n == 1, fmt.Sprintf("%d removals started, want 1", n)
+	})
 	// The lib retries a Delete whose result it did not see: no second walk of the tree.
 	if err := p.Delete(context.Background(), pv); err != nil {
 		t.Fatalf("second Delete: %v", err)
 	}
-	p.exports.mu.Lock()
-	removals := p.exports.removals
-	p.exports.mu.Unlock()
-	if removals != 1 || p.PendingDeletes() != 1 {
+	if removals := removalsStarted(); removals != 1 || p.PendingDeletes() != 1 {
 		t.Errorf("after a second Delete: %d removals started and %d pending, want 1 and 1", removals, p.PendingDeletes())
 	}
 	// The held step outlasts the operation timeout, as on a server that stopped answering:
