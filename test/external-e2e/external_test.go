@@ -161,6 +161,7 @@ func runDriver(t *testing.T, driverFile string) {
 	for _, s := range skips {
 		if s.applies == nil || s.applies() {
 			skip = append(skip, s.pattern)
+			t.Logf("not run here: %s: %s", s.pattern, s.reason)
 		}
 	}
 	if *extraSkp != "" {
@@ -225,6 +226,9 @@ func runDriver(t *testing.T, driverFile string) {
 	fmt.Printf("external-e2e %s: %d passed, %d failed, %d skipped by the suite (capability not declared, "+
 		"one node), %d skipped here (README.md) in %s (driver %s)\n",
 		name, len(passed), len(failed), skippedBySuite, skippedHere, took, driverFile)
+	for _, p := range passed {
+		t.Logf("passed: %s", p)
+	}
 	for _, f := range failed {
 		t.Errorf("failed: %s", f)
 	}
