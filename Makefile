@@ -18,16 +18,16 @@ build:
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/dirpv ./cmd/dirpv
 
 ## test: lint, then every tier in order: unit + csi-sanity, integration, end to end, real kernel,
-## and of Kubernetes' External Storage suite the dynamic-provisioning and generic-ephemeral
-## tests (CONFORMANCE_SUBSET; `make conformance` runs all of it).
+## Kubernetes' External Storage suite (conformance: ~4.5 min warm, +3.5 min to build e2e.test
+## after cluster-bins, so make test stays well inside CI's 90 minutes cold).
 test: lint cluster-bins deploy-tools
 	@rc=0; failed=; start=$$(date +%s); \
 	  $(MAKE) --no-print-directory test-unit || { rc=1; failed="$$failed unit+sanity"; }; t1=$$(date +%s); \
 	  $(MAKE) --no-print-directory test-integration || { rc=1; failed="$$failed integration"; }; t2=$$(date +%s); \
 	  $(MAKE) --no-print-directory test-e2e || { rc=1; failed="$$failed e2e"; }; t3=$$(date +%s); \
 	  $(MAKE) --no-print-directory test-vm || { rc=1; failed="$$failed vm"; }; t4=$$(date +%s); \
-	  $(MAKE) --no-print-directory conformance CONFORMANCE_FOCUS='$(CONFORMANCE_SUBSET)' || { rc=1; failed="$$failed conformance-subset"; }; t5=$$(date +%s); \
-	  echo "tier times: unit+sanity $$((t1-start))s, integration $$((t2-t1))s, e2e $$((t3-t2))s, vm $$((t4-t3))s, conformance subset $$((t5-t4))s"; \
+	  $(MAKE) --no-print-directory conformance || { rc=1; failed="$$failed conformance"; }; t5=$$(date +%s); \
+	  echo "tier times: unit+sanity $$((t1-start))s, integration $$((t2-t1))s, e2e $$((t3-t2))s, vm $$((t4-t3))s, conformance $$((t5-t4))s"; \
 	  if [ $$rc -ne 0 ]; then echo "make test: tier(s) failed:$$failed (see above)"; fi; exit $$rc
 
 test-unit: deploy-tools
@@ -56,10 +56,9 @@ test-vm:
 ## e2e.test and agnhost are built into the cluster-bins cache on first use.
 ## CONFORMANCE_FOCUS=regexp runs a part of the suite.
 CONFORMANCE_FOCUS ?= External.Storage
-CONFORMANCE_SUBSET := External.Storage.*(Dynamic.PV.\(default.fs\)\].(provisioning|volumes).|Generic.Ephemeral-volume)
 conformance: cluster-bins deploy-tools image-debs
 	@start=$$(date +%s); rc=0; \
-	  $(GO) test -count=1 -timeout 4h -v -run TestExternalStorage ./test/external-e2e/ -args -focus='$(CONFORMANCE_FOCUS)' || rc=1; \
+	  $(GO) test -count=1 -timeout 100m -v -run TestExternalStorage ./test/external-e2e/ -args -focus='$(CONFORMANCE_FOCUS)' || rc=1; \
 	  echo "conformance: $$(($$(date +%s)-start))s"; exit $$rc
 
 ## cluster-bins: build etcd and Kubernetes from the Go module proxy (cold ~15 min, cached).

@@ -172,7 +172,7 @@ func runDriver(t *testing.T, driverFile string) {
 		"-focus=" + *focus,
 		"-skip=" + strings.Join(skip, "|"),
 		"-json-report=" + report,
-		"-timeout=3h",
+		"-timeout=1h",
 		"-no-color",
 		filepath.Join(binDir, "e2e.test"),
 		"--",
@@ -190,7 +190,7 @@ func runDriver(t *testing.T, driverFile string) {
 		t.Fatal(err)
 	}
 	defer logFile.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Hour+10*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Hour+10*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, filepath.Join(binDir, "ginkgo"), args...)
 	cmd.Env = append(os.Environ(), "KUBE_TEST_REPO_LIST="+repoList)
