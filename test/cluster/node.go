@@ -162,6 +162,22 @@ func (c *Cluster) ImportImage(ctx context.Context, tarPath string) error {
 	return nil
 }
 
+// TagImage gives an image already in the node's containerd another name, for suites whose
+// pods name images their own way (Kubernetes' e2e suite: registry and version in the name).
+func (c *Cluster) TagImage(ctx context.Context, src, dst string) error {
+	if c.ContainerdSocket == "" {
+		return fmt.Errorf("tag %s: cluster has no node", src)
+	}
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "ctr", "--address", c.ContainerdSocket, "-n", "k8s.io",
+		"images", "tag", "--force", src, dst).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("ctr images tag %s %s: %w: %s", src, dst, err, strings.TrimSpace(string(out)))
+	}
+	return nil
+}
+
 // ContainerPID returns the host PID of a running container's main process, as the node's
 // containerd knows it. containerID is the ID in a pod's container status, with or without its
 // containerd:// prefix.
@@ -417,34 +433,9 @@ func buildPauseImage(ctx context.Context, binDir, tarPath string) error {
 }
 
 func buildBusyboxImage(ctx context.Context, tmpDir, tarPath string) error {
-	const bb = "/bin/busybox"
-	out, err := exec.CommandContext(ctx, bb, "--list-full").Output()
+	files, err := image.BusyboxFiles(ctx, tmpDir)
 	if err != nil {
-		return fmt.Errorf("busybox --list-full: %w", err)
-	}
-	files := []image.File{
-		{HostPath: bb, ImagePath: "/bin/busybox", Mode: 0o755},
-		{ImagePath: "/tmp", Dir: true, Mode: 0o777 | os.ModeSticky},
-		{ImagePath: "/root", Dir: true, Mode: 0o700},
-	}
-	seen := map[string]bool{"/bin/busybox": true}
-	for _, l := range strings.Fields(string(out)) {
-		p := "/" + strings.TrimPrefix(l, "/")
-		if !seen[p] {
-			seen[p] = true
-			files = append(files, image.File{ImagePath: p, Symlink: "/bin/busybox"})
-		}
-	}
-	etc := map[string]string{
-		"passwd": "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
-		"group":  "root:x:0:\nnogroup:x:65534:\n",
-	}
-	for name, content := range etc {
-		host := filepath.Join(tmpDir, "busybox-"+name)
-		if err := os.WriteFile(host, []byte(content), 0o644); err != nil {
-			return fmt.Errorf("write %s: %w", host, err)
-		}
-		files = append(files, image.File{HostPath: host, ImagePath: "/etc/" + name, Mode: 0o644})
+		return err
 	}
 	return image.WriteOCITar(tarPath, busyboxImage, files, image.Config{Cmd: []string{"sh"}})
 }
