@@ -85,7 +85,7 @@ image-debs:
 ## on loop devices (volume/quota/quotatest; losetup comes with `mount`, above).
 QUOTA_DEBS := btrfs-progs
 .PHONY: quota-debs
-test-unit test-e2e bench: quota-debs
+test-unit test-integration test-e2e bench: quota-debs
 quota-debs:
 	@if ! command -v mkfs.btrfs >/dev/null || ! command -v btrfs >/dev/null; then \
 	  apt-get -qq -oDPkg::Lock::Timeout=600 update && \

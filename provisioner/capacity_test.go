@@ -7,9 +7,15 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
+	storagelisters "k8s.io/client-go/listers/storage/v1"
+	"k8s.io/client-go/tools/record"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
 	"golang.org/x/sys/unix"
@@ -133,5 +139,51 @@ func TestCapacityEnforcementParameter(t *testing.T) {
 		if _, err := parseParameters(params); err == nil || !strings.Contains(err.Error(), ParamCapacityEnforcement) {
 			t.Errorf("%s: parseParameters = %v, want an error naming %s", name, err, ParamCapacityEnforcement)
 		}
+	}
+}
+
+// The controller reports a WaitForFirstConsumer claim that dirpv cannot serve anywhere, which
+// published capacity keeps unplaced, once per period, for local and NFS classes alike; a
+// class that is fine gets no such event.
+func TestControllerReportsUnplaceableClaims(t *testing.T) {
+	f := newFixture(t)
+	events := record.NewFakeRecorder(10)
+	ctrl, err := New(Config{DriverName: testDriver, Role: RoleController, Client: fake.NewClientset(),
+		Classes: storagelisters.NewStorageClassLister(f.classes), Mounter: f.mounter, WorkDir: t.TempDir(),
+		OperationTimeout: time.Second, Events: events})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wffc := storagev1.VolumeBindingWaitForFirstConsumer
+	for _, tc := range []struct {
+		name   string
+		params map[string]string
+		want   string
+	}{
+		{"local-typo", map[string]string{"backend": "local", "bsaePath": "/x"}, `"bsaePath"`},
+		{"nfs-typo", map[string]string{"backend": "nfs", "server": "nfs.example", "share": "/export", "onDelte": "retain"}, `"onDelte"`},
+		{"local-good", map[string]string{"backend": "local", "basePath": f.base}, ""},
+		{"nfs-good", map[string]string{"backend": "nfs", "server": "nfs.example", "share": "/export"}, ""},
+	} {
+		f.classes.Add(&storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: tc.name}, Provisioner: testDriver, Parameters: tc.params, VolumeBindingMode: &wffc})
+		c := claim(tc.name)
+		delete(c.Annotations, annSelectedNode)
+		c.Spec.StorageClassName = &tc.name
+		// The lib asks on every update and resync: one event per period.
+		ctrl.ShouldProvision(context.Background(), c)
+		ctrl.ShouldProvision(context.Background(), c)
+		var got []string
+		for len(events.Events) > 0 {
+			got = append(got, <-events.Events)
+		}
+		switch {
+		case tc.want == "" && len(got) != 0:
+			t.Errorf("%s: events %q, want none", tc.name, got)
+		case tc.want != "" && (len(got) != 1 || !strings.Contains(got[0], "cannot provision this claim") || !strings.Contains(got[0], tc.want)):
+			t.Errorf("%s: events %q, want one naming %s", tc.name, got, tc.want)
+		}
+	}
+	if len(f.mounter.GetLog()) != 0 {
+		t.Errorf("checking claims mounted something: %v", f.mounter.GetLog())
 	}
 }

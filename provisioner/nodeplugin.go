@@ -116,15 +116,16 @@ func (p *Provisioner) checkNodePlugin(ctx context.Context, claim *v1.PersistentV
 		node, p.cfg.DriverName, p.cfg.DriverName, class.Name, node)
 }
 
-// ReasonUnservableClass is the event reason on a local claim that no node can serve: its
-// class or the claim itself is refused wherever it would go.
+// ReasonUnservableClass is the event reason on a WaitForFirstConsumer claim that dirpv cannot
+// serve wherever it goes: its class or the claim itself is refused.
 const ReasonUnservableClass = "ProvisioningFailed"
 
-// checkUnplaced records an event on a pending local claim that no dirpv node could provision
-// because its class or the claim is wrong (a bad parameter, Block, an access mode). No node
-// publishes capacity for a class it cannot parse, so the scheduler places no such claim and
-// no node instance ever sees it: without this the claim would stay Pending with no word from
-// dirpv, its pod reporting only that no node has free storage.
+// checkUnplaced records an event on a pending WaitForFirstConsumer claim that dirpv could not
+// provision wherever it went, because its class or the claim is wrong (a bad parameter,
+// Block, an access mode). No instance publishes capacity for a class it cannot parse, so the
+// scheduler places no such claim, and the lib provisions no WaitForFirstConsumer claim until
+// it is placed: without this the claim would stay Pending with no word from dirpv, its pod
+// reporting only that no node has free storage.
 func (p *Provisioner) checkUnplaced(ctx context.Context, claim *v1.PersistentVolumeClaim, class *storagev1.StorageClass) {
 	if p.cfg.Events == nil {
 		return
@@ -133,7 +134,7 @@ func (p *Provisioner) checkUnplaced(ctx context.Context, claim *v1.PersistentVol
 	if err == nil || !p.unplaced.due(claim.UID, time.Now()) {
 		return
 	}
-	klog.FromContext(ctx).Info("Local claim that no node can serve", "claim", klog.KObj(claim), "class", class.Name, "reason", err.Error())
+	klog.FromContext(ctx).Info("Claim that dirpv cannot serve on any node", "claim", klog.KObj(claim), "class", class.Name, "reason", err.Error())
 	p.cfg.Events.Eventf(claim, v1.EventTypeWarning, ReasonUnservableClass,
-		"no dirpv node can provision this claim of local StorageClass %s, so the scheduler places it nowhere: %v", class.Name, err)
+		"dirpv cannot provision this claim of StorageClass %s on any node, so the scheduler places it nowhere: %v", class.Name, err)
 }

@@ -180,7 +180,7 @@ func (p *Provisioner) ShouldProvision(ctx context.Context, claim *v1.PersistentV
 	switch {
 	case local && lateBinding && node != "":
 		p.checkNodePlugin(ctx, claim, class, node)
-	case local && lateBinding:
+	case lateBinding && node == "":
 		p.checkUnplaced(ctx, claim, class)
 	}
 	return !local || !lateBinding

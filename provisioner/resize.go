@@ -60,6 +60,10 @@ func (r *Resizer) resizableHere(pv *v1.PersistentVolume) error {
 	attrs := pv.Spec.CSI.VolumeAttributes
 	local := volume.Backend(attrs[volume.AttrBackend]) == volume.BackendLocal
 	switch {
+	case pv.Status.Phase != v1.VolumeBound:
+		// A Released volume may be being deleted: a late resize must not set a limit again
+		// on a volume whose limit the removal has just cleared.
+		return fmt.Errorf("PV %s is %s, not Bound", pv.Name, pv.Status.Phase)
 	case cfg.Role == RoleController && local:
 		return fmt.Errorf("PV %s is a local volume, resized on its node", pv.Name)
 	case cfg.Role == RoleNode && !local:

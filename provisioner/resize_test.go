@@ -31,9 +31,15 @@ func TestResizeLocalRaisesTheLimitOnItsNodeOnly(t *testing.T) {
 		t.Fatal(err)
 	}
 	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}
+	pv.Status.Phase = v1.VolumeBound
 	node, ctrl := f.node.Resizer(context.Background()), f.ctrl.Resizer(context.Background())
 	if !node.CanSupport(pv, pvc) || ctrl.CanSupport(pv, pvc) {
 		t.Errorf("CanSupport of a local PV: node %v, controller %v; want only the node", node.CanSupport(pv, pvc), ctrl.CanSupport(pv, pvc))
+	}
+	released := pv.DeepCopy()
+	released.Status.Phase = v1.VolumeReleased
+	if node.CanSupport(released, pvc) {
+		t.Error("CanSupport of a Released PV is true: a resize could race its deletion")
 	}
 	elsewhere := pv.DeepCopy()
 	elsewhere.Annotations[AnnNode] = "node-b"
@@ -95,6 +101,7 @@ func TestResizeUnlimitedIsRecorded(t *testing.T) {
 		t.Fatalf("volume on the temp dir has quota %q, want none", q)
 	}
 	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}
+	pv.Status.Phase = v1.VolumeBound
 	before := listTree(t, f.base)
 	size, _, err := f.node.Resizer(context.Background()).Resize(pv, resource.MustParse("1Pi"))
 	if err != nil || size.Cmp(resource.MustParse("1Pi")) != 0 {

@@ -73,7 +73,19 @@ func (p *Provisioner) GetCapacity(ctx context.Context, req *csi.GetCapacityReque
 		return nil, status.Errorf(codes.InvalidArgument, "backend %s is not served by dirpv %s", params.backend, p.cfg.Role)
 	}
 	var avail uint64
-	err = p.onStore(ctx, attrs, mountOptions, func(root *volume.Root) (err error) {
+	err = p.onStore(ctx, attrs, mountOptions, func(root *volume.Root) error {
+		if params.backend == volume.BackendLocal && params.capacity == EnforceRequired {
+			// Room the class cannot use: Provision refuses such a node and reschedules, so
+			// it must not draw the scheduler there.
+			fs, err := root.Quota()
+			if err != nil {
+				return err
+			}
+			if fs.Enforces() != nil {
+				return nil
+			}
+		}
+		var err error
 		avail, err = root.Available()
 		return err
 	})

@@ -37,6 +37,13 @@ func TestGetCapacityLocal(t *testing.T) {
 	if got := get(); got != 40<<20 {
 		t.Errorf("capacity after writing 24 MiB = %d, want %d", got, 40<<20)
 	}
+	// tmpfs has no project quota: a class that requires sizes enforced cannot use this base,
+	// and the scheduler must not be drawn to it.
+	required := map[string]string{"backend": "local", "basePath": f.base, "capacityEnforcement": "required"}
+	resp, err := f.node.GetCapacity(context.Background(), &csi.GetCapacityRequest{Parameters: required})
+	if err != nil || resp.AvailableCapacity != 0 {
+		t.Errorf("capacity for a required class on a base that cannot enforce = %v, %v; want 0", resp, err)
+	}
 }
 
 // Classes the node cannot serve get an error and publish nothing: a class the parser refuses

@@ -74,7 +74,9 @@ func (r *Root) Resize(rel string, claim Claim, bytes uint64) (limited bool, err 
 	if err != nil {
 		return false, err
 	}
-	if growth := want - min(u.LimitBytes, want); growth > avail {
+	// What the volume already holds is on disk, counted in avail: only the rest of the new
+	// limit is growth (a volume whose limit was cleared may hold more than its old limit).
+	if growth := want - min(want, max(u.LimitBytes, u.UsedBytes)); growth > avail {
 		return false, fmt.Errorf("growing volume %s from %d to %d bytes takes %d more bytes, base %s has %d free: %w",
 			rel, u.LimitBytes, want, growth, r.path, avail, ErrNotEnoughSpace)
 	}

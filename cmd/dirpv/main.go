@@ -161,6 +161,7 @@ func nodeFlags(fs *flag.FlagSet) func(context.Context) error {
 	fs.StringVar(&capacity.PodName, "pod-name", os.Getenv("POD_NAME"),
 		"Name of the pod this runs in, the owner of the node's CSIStorageCapacity objects (they go with it). Default: $POD_NAME; empty: no owner.")
 	fs.StringVar(&capacity.PodUID, "pod-uid", os.Getenv("POD_UID"), "UID of that pod. Default: $POD_UID.")
+	capacity.PodNamespace = os.Getenv("POD_NAMESPACE")
 	return func(ctx context.Context) error {
 		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress, cfg.Profiling, cfg.Capacity = *kube, *prov, *httpAddr, *profiling, *capacity
 		if cfg.CSIEndpoint == "" {

@@ -5,6 +5,8 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"math"
+	"sync/atomic"
 	"time"
 
 	"github.com/kubernetes-csi/external-provisioner/v5/pkg/capacity"
@@ -43,34 +45,37 @@ type CapacityConfig struct {
 	PollInterval time.Duration
 	// Namespace holds the objects: dirpv's own.
 	Namespace string
-	// PodName and PodUID name the pod this process runs in (downward API). A node instance's
+	// PodName, PodUID and PodNamespace name the pod this process runs in (downward API). A node instance's
 	// objects are owned by its pod, so that they go with it: with the node (the pods of a
 	// deleted node are garbage collected) and with dirpv. Empty: no owner.
-	PodName string
-	PodUID  string
+	PodName      string
+	PodUID       string
+	PodNamespace string
 }
 
 // capacityPublisher runs kubernetes-csi's capacity controller (external-provisioner's
 // pkg/capacity) in-process, with the Provisioner as its CSI GetCapacity.
 type capacityPublisher struct {
-	ctrl    *capacity.Controller
-	objects informers.SharedInformerFactory
-	topo    topology.Informer
-
-	// What adopt needs: whose objects are ours, and where.
+	p         *provisioner.Provisioner
+	classes   storageinformers.StorageClassInformer
 	client    kubernetes.Interface
-	owner     *metav1.OwnerReference
-	namespace string
-	selector  string
+	cfg       CapacityConfig
+	managedBy string
 	timeout   time.Duration
+	// owner returns the owner reference of the objects (nil for none). It may need the API
+	// server; run retries it, so that a process never waits for it to start serving.
+	owner func(context.Context) (*metav1.OwnerReference, error)
+	// ctrl is the library's controller once run has built it; nil before, when a Provision
+	// or Delete has nothing to refresh yet.
+	ctrl atomic.Pointer[capacity.Controller]
 }
 
 // newCapacityPublisher returns the publisher of p's classes, or nil if cfg publishes nothing.
 // owner and managedBy say whose objects are whose: a restarted instance finds its objects by
 // managedBy and adopts them rather than create duplicates. classes is the process's shared
 // informer, filtered here to the classes p publishes.
-func newCapacityPublisher(ctx context.Context, client kubernetes.Interface, classes storageinformers.StorageClassInformer,
-	p *provisioner.Provisioner, cfg CapacityConfig, owner *metav1.OwnerReference, managedBy string, timeout time.Duration,
+func newCapacityPublisher(client kubernetes.Interface, classes storageinformers.StorageClassInformer,
+	p *provisioner.Provisioner, cfg CapacityConfig, owner func(context.Context) (*metav1.OwnerReference, error), managedBy string, timeout time.Duration,
 ) (*capacityPublisher, error) {
 	if cfg.PollInterval <= 0 {
 		return nil, nil
@@ -78,27 +83,45 @@ func newCapacityPublisher(ctx context.Context, client kubernetes.Interface, clas
 	if cfg.Namespace == "" {
 		return nil, fmt.Errorf("capacity publishing needs a namespace for CSIStorageCapacity objects")
 	}
+	return &capacityPublisher{p: p, classes: classes, client: client, cfg: cfg, managedBy: managedBy, timeout: timeout, owner: owner}, nil
+}
+
+// run publishes until ctx is done. What it needs from the API server first (the node's
+// hostname label, the owner's UID) it retries for as long as it takes: the node plugin must
+// serve kubelet, and the controller provision, while the API server is out of reach.
+func (c *capacityPublisher) run(ctx context.Context) {
+	logger := klog.FromContext(ctx)
+	var owner *metav1.OwnerReference
 	var segment topology.Segment
-	err := wait.PollUntilContextTimeout(ctx, 2*time.Second, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
-		lookup, cancel := context.WithTimeout(ctx, 10*time.Second)
+	// Retried with backoff up to a minute apart, so that a cluster without a CSIDriver object
+	// (which then has no use for capacity) does not fill the log.
+	retry := wait.Backoff{Duration: 2 * time.Second, Factor: 2, Cap: time.Minute, Steps: math.MaxInt32}
+	err := wait.ExponentialBackoffWithContext(ctx, retry, func(ctx context.Context) (bool, error) {
+		lookup, cancel := context.WithTimeout(ctx, c.timeout)
 		defer cancel()
-		nodeLabels, err := p.CapacityTopology(lookup)
-		if err != nil {
-			klog.FromContext(ctx).Error(err, "Capacity topology; retrying")
+		var err error
+		if owner, err = c.owner(lookup); err != nil {
+			logger.Error(err, "Owner of CSIStorageCapacity objects; retrying")
 			return false, nil
 		}
+		nodeLabels, err := c.p.CapacityTopology(lookup)
+		if err != nil {
+			logger.Error(err, "Capacity topology; retrying")
+			return false, nil
+		}
+		segment = nil
 		for k, v := range nodeLabels {
 			segment = append(segment, topology.SegmentEntry{Key: k, Value: v})
 		}
 		return true, nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("capacity topology: %w", err)
+		return
 	}
 	// Only our own objects are watched: the namespace's, labelled as ours.
-	selector := labels.Set{capacity.DriverNameLabel: DriverName, capacity.ManagedByLabel: managedBy}.String()
-	objects := informers.NewSharedInformerFactoryWithOptions(client, 0,
-		informers.WithNamespace(cfg.Namespace),
+	selector := labels.Set{capacity.DriverNameLabel: DriverName, capacity.ManagedByLabel: c.managedBy}.String()
+	objects := informers.NewSharedInformerFactoryWithOptions(c.client, 0,
+		informers.WithNamespace(c.cfg.Namespace),
 		informers.WithTransform(trimObject),
 		informers.WithTweakListOptions(func(lo *metav1.ListOptions) { lo.LabelSelector = selector }))
 	// A nil segment selects every node: external-provisioner's choice for storage without
@@ -106,24 +129,19 @@ func newCapacityPublisher(ctx context.Context, client kubernetes.Interface, clas
 	// one would not, and be deleted and made anew at every poll).
 	topo := topology.NewFixedNodeTopology(&segment)
 	ctrl := capacity.NewCentralCapacityController(
-		p, DriverName, capacity.NewV1ClientFactory(client),
+		c.p, DriverName, capacity.NewV1ClientFactory(c.client),
 		workqueue.NewTypedRateLimitingQueueWithConfig(workqueue.DefaultTypedControllerRateLimiter[any](),
 			workqueue.TypedRateLimitingQueueConfig[any]{Name: "csistoragecapacity"}),
-		owner, managedBy, cfg.Namespace, topo,
-		filteredClasses{classes, p.PublishesCapacity},
+		owner, c.managedBy, c.cfg.Namespace, topo,
+		filteredClasses{c.classes, c.p.PublishesCapacity},
 		objects.Storage().V1().CSIStorageCapacities(),
-		cfg.PollInterval, false, timeout)
-	return &capacityPublisher{ctrl: ctrl, objects: objects, topo: topo,
-		client: client, owner: owner, namespace: cfg.Namespace, selector: selector, timeout: timeout}, nil
-}
-
-// run publishes until ctx is done.
-func (c *capacityPublisher) run(ctx context.Context) {
-	c.adopt(ctx)
-	c.objects.Start(ctx.Done())
-	go c.topo.RunWorker(ctx)
-	c.ctrl.Run(ctx, 1)
-	c.objects.Shutdown()
+		c.cfg.PollInterval, false, c.timeout)
+	c.adopt(ctx, owner, selector)
+	c.ctrl.Store(ctrl)
+	objects.Start(ctx.Done())
+	go topo.RunWorker(ctx)
+	ctrl.Run(ctx, 1)
+	objects.Shutdown()
 }
 
 // adopt makes this instance the owner of the objects an earlier one left, before the library
@@ -131,25 +149,25 @@ func (c *capacityPublisher) run(ctx context.Context) {
 // a second controller reference, and the object would keep its old figure until the old
 // owner (a replaced pod that is still terminating) were gone and the object collected. Best
 // effort: what fails here, the library's retries and the garbage collector still settle.
-func (c *capacityPublisher) adopt(ctx context.Context) {
-	if c.owner == nil {
+func (c *capacityPublisher) adopt(ctx context.Context, owner *metav1.OwnerReference, selector string) {
+	if owner == nil {
 		return
 	}
 	logger := klog.FromContext(ctx)
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
-	client := c.client.StorageV1().CSIStorageCapacities(c.namespace)
-	list, err := client.List(ctx, metav1.ListOptions{LabelSelector: c.selector})
+	client := c.client.StorageV1().CSIStorageCapacities(c.cfg.Namespace)
+	list, err := client.List(ctx, metav1.ListOptions{LabelSelector: selector})
 	if err != nil {
 		logger.Error(err, "List CSIStorageCapacity objects to adopt")
 		return
 	}
 	for i := range list.Items {
 		obj := &list.Items[i]
-		if ref := metav1.GetControllerOf(obj); ref == nil || ref.UID == c.owner.UID {
+		if ref := metav1.GetControllerOf(obj); ref == nil || ref.UID == owner.UID {
 			continue
 		}
-		obj.OwnerReferences = []metav1.OwnerReference{*c.owner}
+		obj.OwnerReferences = []metav1.OwnerReference{*owner}
 		if _, err := client.Update(ctx, obj, metav1.UpdateOptions{}); err != nil {
 			logger.Error(err, "Adopt CSIStorageCapacity", "object", klog.KObj(obj))
 			continue
@@ -164,33 +182,38 @@ func (c *capacityPublisher) wrap(p controller.Provisioner) controller.Provisione
 	if c == nil {
 		return p
 	}
-	return &refreshing{Provisioner: p, ctrl: c.ctrl}
+	return &refreshing{Provisioner: p, pub: c}
 }
 
-// podOwner is the owner reference of the node instance's objects, nil outside a pod.
-func podOwner(cfg CapacityConfig) *metav1.OwnerReference {
-	if cfg.PodName == "" || cfg.PodUID == "" {
-		return nil
+// podOwner is the owner reference of the node instance's objects, nil outside a pod. A pod
+// can only own objects of its own namespace: published elsewhere, the objects get no owner
+// (the garbage collector would delete them as soon as they were made).
+func podOwner(ctx context.Context, cfg CapacityConfig) func(context.Context) (*metav1.OwnerReference, error) {
+	var ref *metav1.OwnerReference
+	switch {
+	case cfg.PodName == "" || cfg.PodUID == "":
+	case cfg.PodNamespace != "" && cfg.PodNamespace != cfg.Namespace:
+		klog.FromContext(ctx).Info("CSIStorageCapacity objects are published outside the pod's namespace, so the pod cannot own them: they get no owner",
+			"podNamespace", cfg.PodNamespace, "capacityNamespace", cfg.Namespace)
+	default:
+		ref = &metav1.OwnerReference{APIVersion: "v1", Kind: "Pod", Name: cfg.PodName, UID: types.UID(cfg.PodUID), Controller: ptrTo(true)}
 	}
-	return &metav1.OwnerReference{APIVersion: "v1", Kind: "Pod", Name: cfg.PodName, UID: types.UID(cfg.PodUID), Controller: ptrTo(true)}
+	return func(context.Context) (*metav1.OwnerReference, error) { return ref, nil }
 }
 
 // driverOwner is the owner reference of the controller's objects: the CSIDriver, which goes
 // with dirpv. Not a pod: replicas take over from each other while both pods exist, and the
 // library adopts an object by adding its owner, which the API refuses next to another
-// controller reference; every replica shares the CSIDriver. Nil if there is none.
-func driverOwner(ctx context.Context, client kubernetes.Interface) (*metav1.OwnerReference, error) {
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	d, err := client.StorageV1().CSIDrivers().Get(ctx, DriverName, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
-		klog.FromContext(ctx).Info("No CSIDriver object: CSIStorageCapacity objects get no owner", "driver", DriverName)
-		return nil, nil
+// controller reference; every replica shares the CSIDriver. A missing CSIDriver is an error,
+// retried: objects published without an owner would outlive dirpv.
+func driverOwner(client kubernetes.Interface) func(context.Context) (*metav1.OwnerReference, error) {
+	return func(ctx context.Context) (*metav1.OwnerReference, error) {
+		d, err := client.StorageV1().CSIDrivers().Get(ctx, DriverName, metav1.GetOptions{})
+		if err != nil {
+			return nil, fmt.Errorf("read CSIDriver %s, the owner of CSIStorageCapacity objects: %w", DriverName, err)
+		}
+		return &metav1.OwnerReference{APIVersion: "storage.k8s.io/v1", Kind: "CSIDriver", Name: d.Name, UID: d.UID, Controller: ptrTo(true)}, nil
 	}
-	if err != nil {
-		return nil, fmt.Errorf("read CSIDriver %s, the owner of CSIStorageCapacity objects: %w", DriverName, err)
-	}
-	return &metav1.OwnerReference{APIVersion: "storage.k8s.io/v1", Kind: "CSIDriver", Name: d.Name, UID: d.UID, Controller: ptrTo(true)}, nil
 }
 
 // nodeManagedBy is the managed-by label value of a node instance's objects, unique per node
@@ -276,7 +299,7 @@ func (f filteredLister) Get(name string) (*storagev1.StorageClass, error) {
 // dirpv's v13 call already had.
 type refreshing struct {
 	controller.Provisioner
-	ctrl *capacity.Controller
+	pub *capacityPublisher
 }
 
 // guarded is what the lib looks for beyond Provision and Delete.
@@ -287,14 +310,18 @@ type guarded interface {
 
 func (r *refreshing) Provision(ctx context.Context, opts controller.ProvisionOptions) (*corev1.PersistentVolume, controller.ProvisioningState, error) {
 	pv, state, err := r.Provisioner.Provision(ctx, opts)
-	capacity.NewProvisionWrapper(outcome{pv: pv, state: v11.ProvisioningState(state), err: err}, r.ctrl).
-		Provision(ctx, v11.ProvisionOptions{StorageClass: opts.StorageClass, PVName: opts.PVName, PVC: opts.PVC})
+	if ctrl := r.pub.ctrl.Load(); ctrl != nil {
+		capacity.NewProvisionWrapper(outcome{pv: pv, state: v11.ProvisioningState(state), err: err}, ctrl).
+			Provision(ctx, v11.ProvisionOptions{StorageClass: opts.StorageClass, PVName: opts.PVName, PVC: opts.PVC})
+	}
 	return pv, state, err
 }
 
 func (r *refreshing) Delete(ctx context.Context, pv *corev1.PersistentVolume) error {
 	err := r.Provisioner.Delete(ctx, pv)
-	capacity.NewProvisionWrapper(outcome{err: err}, r.ctrl).Delete(ctx, pv)
+	if ctrl := r.pub.ctrl.Load(); ctrl != nil {
+		capacity.NewProvisionWrapper(outcome{err: err}, ctrl).Delete(ctx, pv)
+	}
 	return err
 }
 

@@ -63,16 +63,16 @@ func TestFilteredClasses(t *testing.T) {
 // sees them; objects of other instances are left alone.
 func TestAdoptTakesOverEarlierPodsObjects(t *testing.T) {
 	old := metav1.OwnerReference{APIVersion: "v1", Kind: "Pod", Name: "dirpv-node-old", UID: "old", Controller: ptrTo(true)}
-	mine := podOwner(CapacityConfig{PodName: "dirpv-node-new", PodUID: "new"})
+	mine, _ := podOwner(context.Background(), CapacityConfig{PodName: "dirpv-node-new", PodUID: "new", PodNamespace: "dirpv", Namespace: "dirpv"})(context.Background())
 	obj := func(name, managedBy string) *storagev1.CSIStorageCapacity {
 		return &storagev1.CSIStorageCapacity{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "dirpv",
 			Labels:          map[string]string{"csi.storage.k8s.io/drivername": DriverName, "csi.storage.k8s.io/managed-by": managedBy},
 			OwnerReferences: []metav1.OwnerReference{old}}}
 	}
 	client := fake.NewClientset(obj("ours", nodeManagedBy("a")), obj("theirs", nodeManagedBy("b")))
-	pub := &capacityPublisher{client: client, owner: mine, namespace: "dirpv", timeout: 10 * time.Second,
-		selector: labels.Set{"csi.storage.k8s.io/drivername": DriverName, "csi.storage.k8s.io/managed-by": nodeManagedBy("a")}.String()}
-	pub.adopt(context.Background())
+	pub := &capacityPublisher{client: client, cfg: CapacityConfig{Namespace: "dirpv"}, timeout: 10 * time.Second}
+	pub.adopt(context.Background(), mine,
+		labels.Set{"csi.storage.k8s.io/drivername": DriverName, "csi.storage.k8s.io/managed-by": nodeManagedBy("a")}.String())
 	for name, want := range map[string]types.UID{"ours": "new", "theirs": "old"} {
 		got, err := client.StorageV1().CSIStorageCapacities("dirpv").Get(context.Background(), name, metav1.GetOptions{})
 		if err != nil {
@@ -80,6 +80,25 @@ func TestAdoptTakesOverEarlierPodsObjects(t *testing.T) {
 		}
 		if ref := metav1.GetControllerOf(got); ref == nil || ref.UID != want || len(got.OwnerReferences) != 1 {
 			t.Errorf("%s: owners %v, want only %s", name, got.OwnerReferences, want)
+		}
+	}
+}
+
+// A pod owns only objects of its own namespace: published elsewhere, they get no owner rather
+// than one the garbage collector would delete them for at once.
+func TestPodOwnerOnlyInItsNamespace(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		cfg  CapacityConfig
+		want bool
+	}{
+		{CapacityConfig{PodName: "p", PodUID: "u", PodNamespace: "dirpv", Namespace: "dirpv"}, true},
+		{CapacityConfig{PodName: "p", PodUID: "u", PodNamespace: "dirpv", Namespace: "elsewhere"}, false},
+		{CapacityConfig{Namespace: "dirpv"}, false},
+	} {
+		ref, err := podOwner(ctx, tc.cfg)(ctx)
+		if err != nil || (ref != nil) != tc.want {
+			t.Errorf("podOwner(%+v) = %v, %v; want an owner: %v", tc.cfg, ref, err, tc.want)
 		}
 	}
 }

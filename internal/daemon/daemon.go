@@ -18,7 +18,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -139,15 +138,9 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	if err != nil {
 		return err
 	}
-	var owner *metav1.OwnerReference
-	if cfg.Capacity.PollInterval > 0 {
-		if owner, err = driverOwner(ctx, client); err != nil {
-			return err
-		}
-	}
 	// Only the leader publishes: every replica would write the same objects.
-	pub, err := newCapacityPublisher(ctx, client, factory.Storage().V1().StorageClasses(), p, cfg.Capacity,
-		owner, DriverName+"-controller", cfg.Provisioner.OperationTimeout)
+	pub, err := newCapacityPublisher(client, factory.Storage().V1().StorageClasses(), p, cfg.Capacity,
+		driverOwner(client), DriverName+"-controller", cfg.Provisioner.OperationTimeout)
 	if err != nil {
 		return err
 	}

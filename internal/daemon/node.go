@@ -98,8 +98,8 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			return err
 		}
 		// Every node serves its own claims, so there is no leader to elect.
-		pub, err := newCapacityPublisher(ctx, client, factory.Storage().V1().StorageClasses(), p, cfg.Capacity,
-			podOwner(cfg.Capacity), nodeManagedBy(cfg.NodeName), cfg.Provisioner.OperationTimeout)
+		pub, err := newCapacityPublisher(client, factory.Storage().V1().StorageClasses(), p, cfg.Capacity,
+			podOwner(ctx, cfg.Capacity), nodeManagedBy(cfg.NodeName), cfg.Provisioner.OperationTimeout)
 		if err != nil {
 			return err
 		}

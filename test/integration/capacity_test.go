@@ -335,7 +335,7 @@ func TestUnservableLocalClassIsReportedBeforeScheduling(t *testing.T) {
 	suite.CreateClaim(t, ns, "c", class.Name)
 	createPod(t, ns, "app", "c", nodeA)
 	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed",
-		"no dirpv node can provision this claim", timeout)
+		"dirpv cannot provision this claim of StorageClass", timeout)
 	if err != nil {
 		t.Fatal(err)
 	}
