@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 
 	"github.com/kubernetes-csi/external-resizer/pkg/resizer"
 	"google.golang.org/grpc/codes"
@@ -30,6 +31,10 @@ type Resizer struct {
 	p *Provisioner
 	// ctx carries the logger and ends with the process; the lib's Resize takes no context.
 	ctx context.Context
+
+	mu       sync.Mutex
+	draining bool
+	inflight sync.WaitGroup
 }
 
 var _ resizer.Resizer = (*Resizer)(nil)
@@ -78,8 +83,33 @@ func (r *Resizer) resizableHere(pv *v1.PersistentVolume) error {
 	return nil
 }
 
+// Drain refuses new resizes and waits for those in flight, so that the bases and mounts they
+// use can be closed.
+func (r *Resizer) Drain() {
+	r.mu.Lock()
+	r.draining = true
+	r.mu.Unlock()
+	r.inflight.Wait()
+}
+
+// enter counts a resize in, unless Drain has begun.
+func (r *Resizer) enter() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.draining {
+		return false
+	}
+	r.inflight.Add(1)
+	return true
+}
+
 // Resize gives the PV's volume the size requested and returns it as the PV's new capacity.
 func (r *Resizer) Resize(pv *v1.PersistentVolume, size resource.Quantity) (resource.Quantity, bool, error) {
+	if !r.enter() {
+		// Not final: the next instance resizes it.
+		return size, false, status.Errorf(codes.Unavailable, "dirpv is shutting down; volume %s is resized by the next instance", pv.Name)
+	}
+	defer r.inflight.Done()
 	logger := klog.FromContext(r.ctx).WithValues("pv", pv.Name, "size", size.String())
 	if err := r.resizableHere(pv); err != nil {
 		return size, false, status.Error(codes.FailedPrecondition, err.Error())

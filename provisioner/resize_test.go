@@ -111,3 +111,24 @@ func TestResizeUnlimitedIsRecorded(t *testing.T) {
 		t.Errorf("recorded-only resize changed the base: %v, then %v", before, after)
 	}
 }
+
+// Once drained, at shutdown, the Resizer takes no more resizes (the bases they need are
+// about to close), and says so with a code the resize controller retries, for the next
+// instance to do.
+func TestResizeAfterDrainIsRetriedElsewhere(t *testing.T) {
+	f := newFixture(t)
+	class := f.localClass(nil)
+	pvc := sizedClaim("a", "8Mi")
+	pv, _, err := f.node.Provision(context.Background(), opts(class, pvc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}
+	pv.Status.Phase = v1.VolumeBound
+	r := f.node.Resizer(context.Background())
+	r.Drain()
+	_, _, err = r.Resize(pv, resource.MustParse("16Mi"))
+	if status.Code(err) != codes.Unavailable || util.IsFinalError(err) {
+		t.Errorf("Resize after Drain = %v; want a non-final Unavailable", err)
+	}
+}

@@ -144,9 +144,9 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	if err != nil {
 		return err
 	}
-	// Resizing NFS volumes is the leader's too: each claim has one instance that resizes it.
-	lead := together(provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub),
-		resizing(client, factory, p.Resizer(ctx), cfg.Provisioner))
+	// Resizing NFS volumes is the leader's too (provisioning): each claim has one instance that
+	// resizes it.
+	lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub)
 	run := func(ctx context.Context) error {
 		lead(ctx)
 		return nil
@@ -160,11 +160,12 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	return runAll(ctx, httpConfig{cfg.HTTPAddress, cfg.Profiling}, reg, healthy, run, runInformers(factory))
 }
 
-// provisioning returns what runs the lib's ProvisionController around p, and pub's capacity
-// publishing if pub is not nil, until its context is done, and registers the lib's metrics
-// and dirpv's own on reg. What it returns comes back only once the controller's workers have
-// returned and p has released its NFS mounts, in that order: a worker still running after the
-// release could mount an export again.
+// provisioning returns what runs the lib's ProvisionController around p, external-resizer's
+// controller around p's Resizer, and pub's capacity publishing if pub is not nil, until its
+// context is done, and registers the lib's metrics and dirpv's own on reg. What it returns
+// comes back only once the controllers' workers have returned and p has released its NFS
+// mounts and local bases, in that order: a worker still running after the release could
+// mount an export again, or use a closed base.
 func provisioning(ctx context.Context, client kubernetes.Interface, factory informers.SharedInformerFactory,
 	p *provisioner.Provisioner, cfg ProvisionerConfig, reg *prometheus.Registry, pub *capacityPublisher,
 ) func(context.Context) {
@@ -198,6 +199,8 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 		controller.AddFinalizer(true),
 	)
 	pc.ControllerWaitGroup(&workers)
+	resizer := p.Resizer(ctx)
+	resize := resizing(client, factory, resizer, cfg)
 	return func(ctx context.Context) {
 		logger := klog.FromContext(ctx)
 		housekeeping, stop := context.WithCancel(context.WithoutCancel(ctx))
@@ -213,10 +216,18 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 				pub.run(ctx)
 			}
 		}()
+		resized := make(chan struct{})
+		go func() {
+			defer close(resized)
+			resize(ctx)
+		}()
 		pc.Run(ctx)
 		start := time.Now()
 		workers.Wait()
 		<-published
+		<-resized
+		// The resize controller's Run does not wait for its workers: the Resizer does.
+		resizer.Drain()
 		stop()
 		<-released
 		logger.Info("Provisioning stopped: workers finished and mounts released", "drainDuration", time.Since(start))
@@ -231,8 +242,7 @@ const resizeRetryMax = 5 * time.Minute
 // done. It shares the process's informers (newInformerFactory), so it adds no watch: it reads
 // claims and volumes, which provisioning watches anyway, and patches claims' status and PVs'
 // capacity from its cached copies (a diff, which the trimmed fields are absent from on both
-// sides). Its Run does not wait for its workers; a resize in flight at shutdown is finished
-// by the next instance, since Resize is idempotent.
+// sides). Its Run does not wait for its workers: r.Drain does.
 func resizing(client kubernetes.Interface, factory informers.SharedInformerFactory, r *provisioner.Resizer, cfg ProvisionerConfig) func(context.Context) {
 	rc := resizecontroller.NewResizeController(r.Name(), r, client, cfg.Resync, factory,
 		workqueue.NewTypedItemExponentialFailureRateLimiter[string](time.Second, resizeRetryMax),
@@ -240,17 +250,6 @@ func resizing(client kubernetes.Interface, factory informers.SharedInformerFacto
 		// so the controller needs no pod informer.
 		false, resizeRetryMax)
 	return func(ctx context.Context) { rc.Run(cfg.Workers, ctx) }
-}
-
-// together runs every function until ctx is done and returns once all have returned.
-func together(fns ...func(context.Context)) func(context.Context) {
-	return func(ctx context.Context) {
-		var wg sync.WaitGroup
-		for _, fn := range fns {
-			wg.Go(func() { fn(ctx) })
-		}
-		wg.Wait()
-	}
 }
 
 // runInformers runs the shared informers until ctx is done.

@@ -103,8 +103,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 		if err != nil {
 			return err
 		}
-		lead := together(provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub),
-			resizing(client, factory, p.Resizer(ctx), cfg.Provisioner))
+		lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub)
 		fns = append(fns, func(ctx context.Context) error {
 			lead(ctx)
 			return nil
