@@ -509,14 +509,26 @@ func waitGroup(wg *sync.WaitGroup, deadline <-chan time.Time) bool {
 type localRoots struct {
 	mu     sync.Mutex
 	byBase map[string]*volume.Root
+	// retired are roots replaced because their path moved (Moved); other calls may still be
+	// using them, so they are closed with the rest.
+	retired []*volume.Root
 }
 
 // do runs fn on the root of basePath, which is allowed or beneath allowed. The allowed base
 // is the admin's (set by flag) and may be reached through symlinks; basePath is opened beneath
-// it without following any, and both are created on first use.
+// it without following any, and both are created on first use. A root whose path has moved
+// since (an admin mounted the disk meant for the base after the class was first used, say) is
+// opened again, so that volumes go where the path leads now.
 func (l *localRoots) do(allowed, basePath string, fn func(*volume.Root) error) error {
 	l.mu.Lock()
 	root, ok := l.byBase[basePath]
+	if ok {
+		if moved, err := root.Moved(); err != nil || moved {
+			l.retired = append(l.retired, root)
+			delete(l.byBase, basePath)
+			ok = false
+		}
+	}
 	if !ok {
 		var err error
 		if root, err = openLocalBase(allowed, basePath); err != nil {
@@ -562,4 +574,8 @@ func (l *localRoots) closeAll() {
 		root.Close()
 		delete(l.byBase, base)
 	}
+	for _, root := range l.retired {
+		root.Close()
+	}
+	l.retired = nil
 }

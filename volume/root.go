@@ -56,6 +56,28 @@ func (r *Root) Path() string { return r.path }
 // Close releases the base directory.
 func (r *Root) Close() error { return unix.Close(r.fd) }
 
+// Moved reports whether the root's path now names another directory than the one the root
+// holds open: a file system mounted on it (or on a directory above it) since it was opened, or
+// the directory replaced. A root kept open across such a change would keep writing to the
+// directory underneath, hidden from everyone else.
+func (r *Root) Moved() (bool, error) {
+	const mask = unix.STATX_INO | unix.STATX_MNT_ID
+	var held, named unix.Statx_t
+	if err := unix.Statx(r.fd, "", unix.AT_EMPTY_PATH, mask, &held); err != nil {
+		return false, fmt.Errorf("statx %s: %w", r.path, err)
+	}
+	// Following symlinks: an admin may reach the base through one; what matters is where the
+	// path leads now.
+	if err := unix.Statx(unix.AT_FDCWD, r.path, 0, mask, &named); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return true, nil
+		}
+		return false, fmt.Errorf("statx %s: %w", r.path, err)
+	}
+	return held.Mnt_id != named.Mnt_id || held.Ino != named.Ino ||
+		held.Dev_major != named.Dev_major || held.Dev_minor != named.Dev_minor, nil
+}
+
 // Available is the space, in bytes, that unprivileged writers can still use on the base's file
 // system (statfs f_bavail): what a new or a grown volume there can count on. Over NFS the call
 // goes to the server, so callers bound it as they bound every other call on an export.

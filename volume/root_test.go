@@ -245,3 +245,30 @@ func TestAvailableIsTheBaseFileSystemsFreeSpace(t *testing.T) {
 		t.Errorf("Available dropped by %d after a 2 MiB write, want %d", got, 2<<20)
 	}
 }
+
+func TestMovedAfterAMountOverTheBase(t *testing.T) {
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base")
+	if err := os.Mkdir(base, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(dir, "link")
+	if err := os.Symlink(base, link); err != nil {
+		t.Fatal(err)
+	}
+	r, err := OpenRoot(link)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if moved, err := r.Moved(); err != nil || moved {
+		t.Fatalf("Moved of a base reached through a symlink, unchanged = %v, %v; want false", moved, err)
+	}
+	if err := unix.Mount("tmpfs", base, "tmpfs", 0, "size=1m"); err != nil {
+		t.Fatalf("mount tmpfs: %v", err)
+	}
+	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })
+	if moved, err := r.Moved(); err != nil || !moved {
+		t.Errorf("Moved after a file system was mounted on the base = %v, %v; want true", moved, err)
+	}
+}
