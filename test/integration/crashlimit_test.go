@@ -131,14 +131,27 @@ func testCrashAt(t *testing.T, point string) {
 	// One qgroup more than before the claim, the volume's, with the claim's size: the one the
 	// crashed attempt made is gone.
 	sub := "0/" + strings.TrimPrefix(attrs.Quota, "btrfs/")
-	if got := quotatest.Qgroups(t, mnt); len(got) != len(before)+1 || got[sub] != fmt.Sprint(size) {
-		t.Errorf("qgroups after the retry %v (before the claim %v): want only %s more, limited to %d", got, before, sub, size)
+	// The crashed attempt's subvolume is gone; its qgroup goes with a later commit.
+	err = framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
+		got := quotatest.Qgroups(t, mnt)
+		return len(got) == len(before)+1 && got[sub] == fmt.Sprint(size),
+			fmt.Errorf("qgroups %v (before the claim %v): want only %s more, limited to %d", got, before, sub, size)
+	})
+	if err != nil {
+		t.Errorf("after the retry: %v", err)
 	}
 
 	deleteClaim(t, ns, "data")
 	waitPVGone(t, pv.Name)
-	if got := quotatest.Qgroups(t, mnt); len(got) != len(before) {
-		t.Errorf("qgroups after the claim was deleted %v, want those before it %v", got, before)
+	// The kernel drops a deleted subvolume's qgroup itself, in a transaction after the cleaner
+	// has dropped the subvolume (dirpv's own destroy gets EBUSY until then): wait for it.
+	var got map[string]string
+	err = framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
+		got = quotatest.Qgroups(t, mnt)
+		return len(got) == len(before), fmt.Errorf("qgroups %v, want those before the claim %v", got, before)
+	})
+	if err != nil {
+		t.Errorf("after the claim was deleted: %v", err)
 	}
 	if got := entries(t, mnt); len(got) != 0 {
 		t.Errorf("base after the claim was deleted holds %v, want nothing", got)
