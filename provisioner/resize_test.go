@@ -24,14 +24,7 @@ import (
 // refused. NFS volumes are resized, recorded only, by the controller.
 func TestResizeLocalRaisesTheLimitOnItsNodeOnly(t *testing.T) {
 	f := newFixtureOn(t, quotatest.Btrfs(t, true))
-	class := f.localClass(nil)
-	pvc := sizedClaim("a", "8Mi")
-	pv, _, err := f.node.Provision(context.Background(), opts(class, pvc))
-	if err != nil {
-		t.Fatal(err)
-	}
-	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}
-	pv.Status.Phase = v1.VolumeBound
+	pvc, pv := f.boundLocalVolume()
 	node, ctrl := f.node.Resizer(context.Background()), f.ctrl.Resizer(context.Background())
 	if !node.CanSupport(pv, pvc) || ctrl.CanSupport(pv, pvc) {
 		t.Errorf("CanSupport of a local PV: node %v, controller %v; want only the node", node.CanSupport(pv, pvc), ctrl.CanSupport(pv, pvc))
@@ -91,17 +84,10 @@ func TestResizeLocalRaisesTheLimitOnItsNodeOnly(t *testing.T) {
 // limit to raise; its resize is recorded, whatever the size, and changes nothing on disk.
 func TestResizeUnlimitedIsRecorded(t *testing.T) {
 	f := newFixture(t)
-	class := f.localClass(nil)
-	pvc := sizedClaim("a", "8Mi")
-	pv, _, err := f.node.Provision(context.Background(), opts(class, pvc))
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, pv := f.boundLocalVolume()
 	if q := pv.Spec.CSI.VolumeAttributes[volume.AttrQuota]; q != "" {
 		t.Fatalf("volume on the temp dir has quota %q, want none", q)
 	}
-	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}
-	pv.Status.Phase = v1.VolumeBound
 	before := listTree(t, f.base)
 	size, _, err := f.node.Resizer(context.Background()).Resize(pv, resource.MustParse("1Pi"))
 	if err != nil || size.Cmp(resource.MustParse("1Pi")) != 0 {
@@ -117,18 +103,25 @@ func TestResizeUnlimitedIsRecorded(t *testing.T) {
 // instance to do.
 func TestResizeAfterDrainIsRetriedElsewhere(t *testing.T) {
 	f := newFixture(t)
-	class := f.localClass(nil)
-	pvc := sizedClaim("a", "8Mi")
-	pv, _, err := f.node.Provision(context.Background(), opts(class, pvc))
-	if err != nil {
-		t.Fatal(err)
-	}
-	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}
-	pv.Status.Phase = v1.VolumeBound
+	_, pv := f.boundLocalVolume()
 	r := f.node.Resizer(context.Background())
 	r.Drain()
-	_, _, err = r.Resize(pv, resource.MustParse("16Mi"))
+	_, _, err := r.Resize(pv, resource.MustParse("16Mi"))
 	if status.Code(err) != codes.Unavailable || util.IsFinalError(err) {
 		t.Errorf("Resize after Drain = %v; want a non-final Unavailable", err)
 	}
+}
+
+// boundLocalVolume provisions an 8Mi local volume on the fixture's node and returns its claim
+// and its PV as the resize controller sees them once bound.
+func (f *fixture) boundLocalVolume() (*v1.PersistentVolumeClaim, *v1.PersistentVolume) {
+	f.t.Helper()
+	pvc := sizedClaim("a", "8Mi")
+	pv, _, err := f.node.Provision(context.Background(), opts(f.localClass(nil), pvc))
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}
+	pv.Status.Phase = v1.VolumeBound
+	return pvc, pv
 }
