@@ -530,3 +530,24 @@ func TestMkdirAllFromFull(t *testing.T) {
 		t.Errorf("qgroups %v after the failed copy, want %v", after, before)
 	}
 }
+
+// TestMkdirAllFromIntoItsSource: a copy made inside its own source (a source that is not a
+// volume) leaves itself out instead of copying itself without end.
+func TestMkdirAllFromIntoItsSource(t *testing.T) {
+	dir := t.TempDir()
+	r, err := OpenRoot(dir)
+	must(t, err)
+	defer r.Close()
+	must(t, os.MkdirAll(filepath.Join(dir, "ns/data"), 0o755))
+	must(t, os.WriteFile(filepath.Join(dir, "ns/data/f"), []byte("f"), 0o644))
+	_, _, stats, err := r.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "u"}, 0, Source{Root: r, Rel: "ns"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if stats.Dirs != 1 || stats.Files != 1 {
+		t.Errorf("stats %+v, want only data/ and data/f copied", stats)
+	}
+	if _, err := os.Lstat(filepath.Join(dir, "ns/copy/copy")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the copy holds itself: %v", err)
+	}
+}
