@@ -3,6 +3,7 @@ package volume
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -76,6 +77,13 @@ func TestMkdirAllFromBtrfsSnapshot(t *testing.T) {
 	diffTrees(t, want, treeHash(t, filepath.Join(b.base, "ns/clone")))
 	if _, u := limitOf(t, b.root, "ns/src"); u.LimitBytes != 64<<20 {
 		t.Errorf("source's limit is now %d, want 64 MiB", u.LimitBytes)
+	}
+	withClone := quotatest.Qgroups(t, b.base)
+	if err := b.root.RemoveLimited("ns/clone", id); err != nil {
+		t.Fatalf("RemoveLimited of the clone: %v", err)
+	}
+	if after := quotatest.Qgroups(t, b.base); len(after) != len(withClone)-1 || after[fmt.Sprintf("0/%d", id.Num)] != "" {
+		t.Errorf("qgroups %v after the clone's removal, want %v without 0/%d", after, withClone, id.Num)
 	}
 
 	data := make([]byte, 8<<20)

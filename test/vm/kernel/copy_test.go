@@ -1,0 +1,183 @@
+package kernel
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/mount-utils"
+
+	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/test/vm/guest"
+	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/quota"
+)
+
+// writeCopyTree fills dir with what a copy must keep and the guest's file systems can all
+// hold: data, a sparse file, hard links, symlinks (one to outside), a FIFO, odd modes and
+// owners, old times.
+func writeCopyTree(t *testing.T, dir string) {
+	t.Helper()
+	p := func(rel string) string { return filepath.Join(dir, rel) }
+	for _, err := range []error{
+		os.MkdirAll(p("a/b"), 0o755),
+		os.WriteFile(p("a/b/data"), []byte(strings.Repeat("data ", 200_000)), 0o644),
+		os.WriteFile(p("small"), []byte("small"), 0o600),
+		os.Link(p("small"), p("a/small-link")),
+		os.Symlink("a/b/data", p("rel")),
+		os.Symlink("/etc/hostname", p("out")),
+		unix.Mkfifo(p("fifo"), 0o640),
+		os.Lchown(p("a/b/data"), 1234, 5678),
+		os.Chmod(p("a"), 0o2770|os.ModeSetgid),
+	} {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	f, err := os.Create(p("sparse"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt([]byte("end"), 64<<20); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	old := time.Date(2001, 2, 3, 4, 5, 6, 0, time.UTC)
+	for _, rel := range []string{"a/b/data", "small", "sparse", "fifo", "a/b", "a", "."} {
+		if err := os.Chtimes(p(rel), old, old); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func treeHash(t *testing.T, dir string) map[string]string {
+	t.Helper()
+	h, err := framework.TreeHash(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+func sameTree(t *testing.T, what string, want, got map[string]string) {
+	t.Helper()
+	for _, d := range framework.DiffSnapshots(want, got) {
+		t.Errorf("%s differs from its source: %s", what, d)
+	}
+}
+
+// TestCloneOnXFSReflink: on XFS (reflink on, mkfs.xfs's default) with project quotas, a
+// limited clone of a limited volume clones every file's extents, has its own project and
+// limit, and holds the same tree; a clone whose limit is smaller than what the source holds
+// fails with ENOSPC (XFS's EDQUOT for projects; it charges shared extents to every project using them) and leaves
+// nothing. A snapshot there is a reflinked copy and restores the same tree.
+func TestCloneOnXFSReflink(t *testing.T) {
+	mnt := quotaFS(t, "xfs")
+	r, err := volume.OpenRoot(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	_, srcID, err := r.MkdirAllLimited("ns/src", volume.Owner{Mode: 0o750, UID: 1000, GID: 1000}, volume.Claim{UID: "src"}, 128<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	writeCopyTree(t, filepath.Join(mnt, "ns/src"))
+	want := treeHash(t, filepath.Join(mnt, "ns/src"))
+	ctx := context.Background()
+
+	_, id, stats, err := r.MkdirAllFrom(ctx, "ns/clone", volume.Claim{UID: "clone"}, 32<<20, volume.Source{Root: r, Rel: "ns/src"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if stats.Method != volume.MethodReflink {
+		t.Errorf("Method %q, want %q", stats.Method, volume.MethodReflink)
+	}
+	if id.Kind != quota.Project || id == srcID {
+		t.Errorf("clone's quota %v, want a project of its own (the source's is %v)", id, srcID)
+	}
+	sameTree(t, "clone", want, treeHash(t, filepath.Join(mnt, "ns/clone")))
+	fs, err := r.Quota()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u, err := fs.Usage(dirFd(t, filepath.Join(mnt, "ns/clone")), id); err != nil || u.LimitBytes != 32<<20 || u.UsedBytes < 900<<10 {
+		t.Errorf("clone's usage %+v, %v; want a 32 MiB limit charged the data", u, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(filepath.Join(mnt, "ns/clone/sparse"), &st); err != nil || st.Blocks*512 > 1<<20 {
+		t.Errorf("clone's sparse file: %d bytes allocated (%v), want its hole kept", st.Blocks*512, err)
+	}
+
+	_, _, _, err = r.MkdirAllFrom(ctx, "ns/small", volume.Claim{UID: "small"}, 256<<10, volume.Source{Root: r, Rel: "ns/src"})
+	if !errors.Is(err, unix.EDQUOT) && !errors.Is(err, unix.ENOSPC) {
+		t.Errorf("clone of a 1 MiB source into 256 KiB: %v, want EDQUOT or ENOSPC (XFS's for a full project)", err)
+	}
+	if _, err := os.Lstat(filepath.Join(mnt, "ns/small")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the refused clone is in place: %v", err)
+	}
+
+	info, err := r.Snapshot(ctx, "ns/src", "snap")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Method != volume.MethodReflink {
+		t.Errorf("snapshot Method %q, want %q", info.Method, volume.MethodReflink)
+	}
+	if _, _, _, err := r.MkdirAllFrom(ctx, "ns/restored", volume.Claim{UID: "restored"}, 32<<20, r.SnapshotSource("snap")); err != nil {
+		t.Fatal(err)
+	}
+	sameTree(t, "restored snapshot", want, treeHash(t, filepath.Join(mnt, "ns/restored")))
+	if err := r.DeleteSnapshot("snap"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestCloneOverNFS: a volume is copied through the kernel NFS client, v3 and v4.2 (where
+// copy_file_range is a server-side copy and holes are found by SEEK_DATA), into the same tree.
+func TestCloneOverNFS(t *testing.T) {
+	for _, vers := range []string{"nfsvers=3", "nfsvers=4.2"} {
+		t.Run(vers, func(t *testing.T) {
+			options := []string{vers}
+			serverDir, share := exportFor(t, options, guest.NoRootSquash)
+			if err := os.Mkdir(filepath.Join(serverDir, "vol"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			writeCopyTree(t, filepath.Join(serverDir, "vol"))
+			want := treeHash(t, filepath.Join(serverDir, "vol"))
+			target := t.TempDir()
+			if err := mount.New("").Mount(guest.NFSAddr+":"+share, target, "nfs", options); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				if err := unix.Unmount(target, unix.MNT_DETACH); err != nil {
+					t.Errorf("unmount %s: %v", target, err)
+				}
+			})
+			r, err := volume.OpenRoot(target)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			_, _, stats, err := r.MkdirAllFrom(ctx, "clone", volume.Claim{UID: "clone"}, 0, volume.Source{Root: r, Rel: "vol"})
+			if err != nil {
+				t.Fatalf("copy over NFS: %v", err)
+			}
+			t.Logf("stats %+v", stats)
+			sameTree(t, "clone over NFS", want, treeHash(t, filepath.Join(serverDir, "clone")))
+			if vers == "nfsvers=4.2" {
+				var st unix.Stat_t
+				if err := unix.Stat(filepath.Join(serverDir, "clone/sparse"), &st); err != nil || st.Blocks*512 > 1<<20 {
+					t.Errorf("clone's sparse file on the server: %d bytes allocated (%v), want its hole kept", st.Blocks*512, err)
+				}
+			}
+		})
+	}
+}
