@@ -96,8 +96,9 @@ var ErrSourceMoved = errors.New("was moved while it was being copied")
 // (MethodBtrfsSnapshot) given its own qgroup limit, which fails if the source already uses
 // more. A snapshot keeps the subvolume as it is, device nodes included: leaving them out would
 // mean walking the tree the snapshot spares; the clone is in the source's namespace, and the
-// node was already as exposed in the source. Elsewhere each file is cloned (FICLONE) where the file system can, copied otherwise.
-// A copy that does not fit the limit fails with an error wrapping unix.EDQUOT or ENOSPC.
+// node was already as exposed in the source. Elsewhere each file is cloned (FICLONE) where
+// the file system can, copied otherwise. A copy that does not fit the limit fails with an
+// error wrapping unix.EDQUOT or ENOSPC.
 func (r *Root) MkdirAllFrom(ctx context.Context, rel string, claim Claim, limit uint64, src Source) (created bool, id quota.ID, stats CopyStats, err error) {
 	if src.Root == nil {
 		return false, quota.ID{}, stats, fmt.Errorf("volume %s: no source to copy from", rel)
@@ -111,18 +112,10 @@ func (r *Root) MkdirAllFrom(ctx context.Context, rel string, claim Claim, limit 
 			return false, quota.ID{}, stats, fmt.Errorf("base %s: %w", r.path, err)
 		}
 	}
-	srcFd, err := openSourceDir(src.Root, src.Rel)
-	if err != nil {
-		return false, quota.ID{}, stats, fmt.Errorf("copy source: %w", err)
-	}
-	defer unix.Close(srcFd)
-	var st unix.Stat_t
-	if err := unix.Fstat(srcFd, &st); err != nil {
-		return false, quota.ID{}, stats, fmt.Errorf("stat copy source %s in %s: %w", src.Rel, src.Root.path, err)
-	}
-	owner := Owner{Mode: st.Mode & 0o7777, UID: int(st.Uid), GID: int(st.Gid)}
-	from := &copyFrom{ctx: ctx, src: src, fd: srcFd, stats: &stats}
-	created, id, err = r.mkdirAll(rel, owner, claim, limit, from)
+	from := &copyFrom{ctx: ctx, src: src, fd: -1, stats: &stats}
+	defer from.close()
+	// The owner is the source root's, read once the source is opened (makeMarked).
+	created, id, err = r.mkdirAll(rel, Owner{}, claim, limit, from)
 	if err == nil && created {
 		klog.FromContext(ctx).V(2).Info("Volume copied", "path", rel, "base", r.path,
 			"source", src.Rel, "sourceBase", src.Root.path, "stats", stats)
@@ -132,10 +125,35 @@ func (r *Root) MkdirAllFrom(ctx context.Context, rel string, claim Claim, limit 
 
 // copyFrom is what createVolume needs to fill a new volume from a source.
 type copyFrom struct {
-	ctx   context.Context
-	src   Source
-	fd    int // the source's root directory
+	ctx context.Context
+	src Source
+	// fd is the source's root directory, -1 until open; owner is its mode and owner.
+	fd    int
+	owner Owner
 	stats *CopyStats
+}
+
+// open opens the source, once a volume is to be made: an adopted one needs no source, which
+// may be gone by the time a retry adopts it.
+func (f *copyFrom) open() error {
+	fd, err := openSourceDir(f.src.Root, f.src.Rel)
+	if err != nil {
+		return fmt.Errorf("copy source: %w", err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return fmt.Errorf("stat copy source %s in %s: %w", f.src.Rel, f.src.Root.path, err)
+	}
+	f.fd, f.owner = fd, Owner{Mode: st.Mode & 0o7777, UID: int(st.Uid), GID: int(st.Gid)}
+	return nil
+}
+
+func (f *copyFrom) close() {
+	if f.fd >= 0 {
+		unix.Close(f.fd)
+		f.fd = -1
+	}
 }
 
 // snapshot makes name in parentFd a btrfs snapshot of the source, if there is one and it is a

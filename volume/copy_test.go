@@ -208,6 +208,12 @@ func TestMkdirAllFromCopiesEveryKind(t *testing.T) {
 	if err != nil || created || stats.Files != 0 {
 		t.Errorf("retry = %v, %+v, %v; want adopted, nothing copied", created, stats, err)
 	}
+	// Even once the source is gone (the claim cloned was deleted meanwhile).
+	must(t, b.root.RemoveAll("ns/src"))
+	created, _, _, err = b.root.MkdirAllFrom(context.Background(), "ns/copy", claim, 0, Source{Root: b.root, Rel: "ns/src"})
+	if err != nil || created {
+		t.Errorf("retry without the source = %v, %v; want adopted", created, err)
+	}
 }
 
 // TestMkdirAllFromRefusesEscapes: a source reached through a symlink is refused, whether it

@@ -413,8 +413,14 @@ func (r *Root) adopt(parentFd int, name, rel string, claim Claim) (quota.ID, err
 
 // makeMarked makes the directory name in parentFd with exactly owner's mode and ids and a
 // limit of limit bytes (0: none), marked as claim's volume, and fills it from from (nil:
-// left empty).
+// left empty), whose root's mode and ids it then takes instead of owner's.
 func (r *Root) makeMarked(parentFd int, name string, owner Owner, claim Claim, limit uint64, from *copyFrom) (quota.ID, error) {
+	if from != nil {
+		if err := from.open(); err != nil {
+			return quota.ID{}, err
+		}
+		owner = from.owner
+	}
 	var fs *quota.FS
 	snapshot := false
 	if limit > 0 {
