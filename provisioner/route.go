@@ -23,18 +23,45 @@ const (
 // NodeSelector is the label selector of the claims and PVs a node instance serves.
 func NodeSelector(node string) string { return LabelNode + "=" + node }
 
-// ClaimNode returns the node whose instance serves the claim, if the claim belongs on one: a
-// claim of a local WaitForFirstConsumer class of driver, with a selected node. A claim handed
-// back to the scheduler (no selected node) keeps the label it has: the scheduler's next update
-// of the claim must not race a patch of ours, and the instance it names declines the claim
-// until the scheduler has chosen again.
-func ClaimNode(claim *v1.PersistentVolumeClaim, class *storagev1.StorageClass, driver string) (string, bool) {
+// ClaimRouting returns the labels and annotations that a claim of a local WaitForFirstConsumer
+// class of driver lacks, or nil maps if it lacks none or is not such a claim:
+//   - once the scheduler has selected a node, LabelNode naming it, so that the node's
+//     instance sees the claim; once the claim is bound to a local PV of driver (pv, nil if
+//     unknown), the PV's node, which is where the volume is resized. A claim handed back to the scheduler (no selected node) keeps
+//     the label it has: the scheduler's next update of the claim must not race a patch of
+//     ours, and the instance it names declines the claim until the scheduler has chosen again.
+//   - before a node is selected, the storage-provisioner annotations that kube-controller-
+//     manager's PV controller would write after the selection (setClaimProvisioner, the GA
+//     and the beta key), so that the lib starts as soon as the claim is placed and the PV
+//     controller, finding them there, skips its own write. Not once a node is selected: the
+//     PV controller then updates the claim with the resourceVersion it read, and a patch of
+//     ours landing first would fail its update (a ProvisioningFailed warning on the claim).
+//     Before the selection it does not touch the claim.
+func ClaimRouting(claim *v1.PersistentVolumeClaim, class *storagev1.StorageClass, pv *v1.PersistentVolume, driver string) (labels, annotations map[string]string) {
 	if class == nil || class.Provisioner != driver || class.Parameters[ParamBackend] != string(volume.BackendLocal) ||
 		class.VolumeBindingMode == nil || *class.VolumeBindingMode != storagev1.VolumeBindingWaitForFirstConsumer {
-		return "", false
+		return nil, nil
 	}
 	node := claim.Annotations[annSelectedNode]
-	return node, node != ""
+	if pv != nil && pv.Name == claim.Spec.VolumeName {
+		if n, ok := VolumeNode(pv, driver); ok {
+			node = n
+		}
+	}
+	if node != "" && claim.Labels[LabelNode] != node {
+		labels = map[string]string{LabelNode: node}
+	}
+	if node == "" && claim.Spec.VolumeName == "" {
+		for _, k := range []string{annStorageProvisioner, annBetaStorageProvisioner} {
+			if claim.Annotations[k] == "" {
+				if annotations == nil {
+					annotations = map[string]string{}
+				}
+				annotations[k] = driver
+			}
+		}
+	}
+	return labels, annotations
 }
 
 // VolumeNode returns the node of a local volume of driver, from the annotation dirpv has

@@ -34,9 +34,10 @@ type key struct {
 	volume          bool
 }
 
-// Controller patches each claim and PV whose node label is missing or wrong. It only ever
-// adds or replaces that one label with a JSON merge patch, which carries no resourceVersion:
-// it cannot conflict with anyone's update, and applying it twice changes nothing.
+// Controller patches each claim and PV whose node label is missing or wrong, and local claims
+// not yet placed with the storage-provisioner annotations (provisioner.ClaimRouting). It only
+// ever adds or replaces those keys, with a JSON merge patch, which carries no
+// resourceVersion: it fails on no concurrent change, and applying it twice changes nothing.
 type Controller struct {
 	client  kubernetes.Interface
 	driver  string
@@ -169,9 +170,9 @@ func (c *Controller) sync(ctx context.Context, k key) error {
 	case apierrors.IsNotFound(err):
 		return nil
 	case err != nil:
-		return fmt.Errorf("patch node label: %w", err)
+		return fmt.Errorf("patch node label or provisioner annotation: %w", err)
 	}
-	klog.FromContext(ctx).V(4).Info("Labelled with node", "namespace", k.namespace, "name", k.name)
+	klog.FromContext(ctx).V(4).Info("Labelled with node or annotated", "namespace", k.namespace, "name", k.name)
 	return nil
 }
 
@@ -181,11 +182,11 @@ func (c *Controller) claimPatch(claim *v1.PersistentVolumeClaim) []byte {
 	if err != nil {
 		return nil
 	}
-	node, ok := provisioner.ClaimNode(claim, class, c.driver)
-	if !ok || claim.Labels[provisioner.LabelNode] == node {
-		return nil
+	var pv *v1.PersistentVolume
+	if claim.Spec.VolumeName != "" {
+		pv, _ = c.volumes.Get(claim.Spec.VolumeName)
 	}
-	return labelPatch(node)
+	return metadataPatch(provisioner.ClaimRouting(claim, class, pv, c.driver))
 }
 
 // volumePatch returns the patch the PV needs, or nil.
@@ -194,11 +195,22 @@ func volumePatch(pv *v1.PersistentVolume, driver string) []byte {
 	if !ok || pv.Labels[provisioner.LabelNode] == node {
 		return nil
 	}
-	return labelPatch(node)
+	return metadataPatch(map[string]string{provisioner.LabelNode: node}, nil)
 }
 
-func labelPatch(node string) []byte {
-	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]string{provisioner.LabelNode: node}}})
+// metadataPatch is the JSON merge patch that sets labels and annotations, nil if there are none.
+func metadataPatch(labels, annotations map[string]string) []byte {
+	if len(labels) == 0 && len(annotations) == 0 {
+		return nil
+	}
+	meta := map[string]map[string]string{}
+	if len(labels) > 0 {
+		meta["labels"] = labels
+	}
+	if len(annotations) > 0 {
+		meta["annotations"] = annotations
+	}
+	patch, _ := json.Marshal(map[string]any{"metadata": meta})
 	return patch
 }
 
