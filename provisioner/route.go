@@ -24,34 +24,39 @@ const (
 func NodeSelector(node string) string { return LabelNode + "=" + node }
 
 // ClaimRouting returns the labels and annotations that a claim of a local WaitForFirstConsumer
-// class of driver lacks, or nil maps if it lacks none or is not such a claim:
-//   - once the scheduler has selected a node, LabelNode naming it, so that the node's
-//     instance sees the claim; once the claim is bound to a local PV of driver (pv, nil if
-//     unknown), the PV's node, which is where the volume is resized. A claim handed back to the scheduler (no selected node) keeps
-//     the label it has: the scheduler's next update of the claim must not race a patch of
-//     ours, and the instance it names declines the claim until the scheduler has chosen again.
-//   - before a node is selected, the storage-provisioner annotations that kube-controller-
-//     manager's PV controller would write after the selection (setClaimProvisioner, the GA
-//     and the beta key), so that the lib starts as soon as the claim is placed and the PV
-//     controller, finding them there, skips its own write. Not once a node is selected: the
-//     PV controller then updates the claim with the resourceVersion it read, and a patch of
-//     ours landing first would fail its update (a ProvisioningFailed warning on the claim).
-//     Before the selection it does not touch the claim.
+// class of driver lacks, or nil maps if it lacks none, is not such a claim, or must not be
+// patched now. Every write to a claim bumps its resourceVersion, and the scheduler and
+// kube-controller-manager's PV controller update claims with the resourceVersion they read:
+// a patch of ours landing between their read and their write fails their update (a
+// FailedScheduling or ProvisioningFailed warning, and a retry). So each key is written while
+// nobody else is about to write the claim:
+//   - before the scheduler selects a node, the storage-provisioner annotations that the PV
+//     controller writes after the selection (setClaimProvisioner; the GA and the beta key,
+//     as it writes both). Finding them, the PV controller skips its own update of the
+//     claim: one write fewer of its limited budget, and none left to race the label.
+//   - once a node is selected and the annotation is there, LabelNode naming the node, so
+//     that its instance sees the claim. A claim placed before dirpv could annotate it (made
+//     with a selected node) waits for the PV controller's annotation first, which the lib
+//     waits for anyway. Once the claim is bound to a local PV of driver (pv, nil if unknown),
+//     the PV's node, which is where the volume is resized. A claim handed back to the
+//     scheduler (no selected node) keeps its label until the scheduler chooses again: the
+//     instance it names declines the claim meanwhile.
 func ClaimRouting(claim *v1.PersistentVolumeClaim, class *storagev1.StorageClass, pv *v1.PersistentVolume, driver string) (labels, annotations map[string]string) {
 	if class == nil || class.Provisioner != driver || class.Parameters[ParamBackend] != string(volume.BackendLocal) ||
 		class.VolumeBindingMode == nil || *class.VolumeBindingMode != storagev1.VolumeBindingWaitForFirstConsumer {
 		return nil, nil
 	}
 	node := claim.Annotations[annSelectedNode]
-	if pv != nil && pv.Name == claim.Spec.VolumeName {
+	bound := claim.Spec.VolumeName != ""
+	if pv != nil && bound && pv.Name == claim.Spec.VolumeName {
 		if n, ok := VolumeNode(pv, driver); ok {
 			node = n
 		}
 	}
-	if node != "" && claim.Labels[LabelNode] != node {
+	if node != "" && claim.Labels[LabelNode] != node && (bound || claim.Annotations[annStorageProvisioner] != "") {
 		labels = map[string]string{LabelNode: node}
 	}
-	if node == "" && claim.Spec.VolumeName == "" {
+	if node == "" && !bound {
 		for _, k := range []string{annStorageProvisioner, annBetaStorageProvisioner} {
 			if claim.Annotations[k] == "" {
 				if annotations == nil {

@@ -34,18 +34,21 @@ func TestClaimRouting(t *testing.T) {
 	}{
 		{name: "new claim: annotated before kube-controller-manager would", class: local, wantAnn: provisioned},
 		{name: "annotated already", class: local, annotations: provisioned},
-		{name: "placed: labelled, not annotated (kube-controller-manager may be updating it)", class: local,
-			annotations: map[string]string{annSelectedNode: "a"}, wantLabels: map[string]string{LabelNode: "a"}},
-		{name: "placed and labelled", class: local, annotations: map[string]string{annSelectedNode: "a"}, labels: map[string]string{LabelNode: "a"}},
-		{name: "placed elsewhere: relabelled", class: local, annotations: map[string]string{annSelectedNode: "b"},
+		{name: "placed and annotated: labelled", class: local,
+			annotations: map[string]string{annSelectedNode: "a", annStorageProvisioner: "dirpv.io"}, wantLabels: map[string]string{LabelNode: "a"}},
+		{name: "placed, not annotated: kube-controller-manager is about to update it", class: local,
+			annotations: map[string]string{annSelectedNode: "a"}},
+		{name: "placed and labelled", class: local, annotations: map[string]string{annSelectedNode: "a", annStorageProvisioner: "dirpv.io"},
+			labels: map[string]string{LabelNode: "a"}},
+		{name: "placed elsewhere: relabelled", class: local, annotations: map[string]string{annSelectedNode: "b", annStorageProvisioner: "dirpv.io"},
 			labels: map[string]string{LabelNode: "a"}, wantLabels: map[string]string{LabelNode: "b"}},
 		{name: "handed back to the scheduler: label kept", class: local, annotations: provisioned, labels: map[string]string{LabelNode: "a"}},
 		{name: "bound: the PV's node", class: local, volumeName: "pv", pv: pvOn("c"), wantLabels: map[string]string{LabelNode: "c"}},
 		{name: "bound, PV unknown: the selected node", class: local, volumeName: "pv",
 			annotations: map[string]string{annSelectedNode: "a"}, wantLabels: map[string]string{LabelNode: "a"}},
 		{name: "nfs: left to kube-controller-manager", class: nfs},
-		{name: "another provisioner's", class: other, annotations: map[string]string{annSelectedNode: "a"}},
-		{name: "no class", annotations: map[string]string{annSelectedNode: "a"}},
+		{name: "another provisioner's", class: other, annotations: map[string]string{annSelectedNode: "a", annStorageProvisioner: "other.io"}},
+		{name: "no class", annotations: map[string]string{annSelectedNode: "a", annStorageProvisioner: "dirpv.io"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			claim := &v1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Labels: tc.labels, Annotations: tc.annotations}}

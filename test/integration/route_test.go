@@ -283,21 +283,23 @@ func TestStorageProvisionerAnnotatedByDirpv(t *testing.T) {
 	}
 }
 
-// Claims and the pods that use them created back to back, as a StatefulSet does: dirpv's
-// patches of the claims race the scheduler's and kube-controller-manager's updates of them,
-// which carry the resourceVersion they read. Every claim binds and no update fails: no
-// event tells of a conflict, and none of a failed provisioning.
+// Claims and the pods that use them created back to back, as a StatefulSet does, and claims
+// made already placed: dirpv's patches of the claims race the scheduler's and
+// kube-controller-manager's updates of them, which carry the resourceVersion they read. Every
+// claim binds and no update fails: no event tells of a conflict, and none of a failed
+// provisioning.
 func TestClaimsWithPodsBindWithoutConflicts(t *testing.T) {
 	ctx := context.Background()
 	ns := suite.NewNamespace(t)
 	class, _ := localClass(t, nil)
-	const n = 20
+	const n = 15
 	for i := range n {
 		name := fmt.Sprintf("data-%d", i)
 		suite.CreateClaim(t, ns, name, class.Name)
 		createPod(t, ns, fmt.Sprintf("app-%d", i), name, nodeA)
+		suite.CreateClaim(t, ns, fmt.Sprintf("placed-%d", i), class.Name, framework.OnNode(nodeA))
 	}
-	if err := framework.WaitForClaimsBound(ctx, suite.Client, ns, n, 2*timeout); err != nil {
+	if err := framework.WaitForClaimsBound(ctx, suite.Client, ns, 2*n, 2*timeout); err != nil {
 		t.Fatal(err)
 	}
 	events, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{})
