@@ -242,7 +242,7 @@ func TestLocalVolumeDeletedByItsNodeAfterRestart(t *testing.T) {
 func managerOf(c *v1.PersistentVolumeClaim, annotation string) []string {
 	var managers []string
 	for _, m := range c.ManagedFields {
-		if m.FieldsV1 != nil && strings.Contains(string(m.FieldsV1.Raw), `"f:`+annotation+`"`) {
+		if m.FieldsV1 != nil && strings.Contains(m.FieldsV1.GetRawString(), `"f:`+annotation+`"`) {
 			managers = append(managers, m.Manager)
 		}
 	}
