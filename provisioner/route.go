@@ -1,8 +1,12 @@
 package provisioner
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
+
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/dirpv/dirpv/volume"
 )
@@ -21,7 +25,19 @@ const (
 )
 
 // NodeSelector is the label selector of the claims and PVs a node instance serves.
-func NodeSelector(node string) string { return LabelNode + "=" + node }
+func NodeSelector(node string) string { return LabelNode + "=" + NodeLabel(node) }
+
+// NodeLabel is the value of LabelNode for node. A node name is a DNS subdomain, whose
+// characters a label value allows, of up to 253 characters, where a label value has 63: a
+// longer name is cut and made unique with a hash of the whole.
+func NodeLabel(node string) string {
+	if len(node) <= validation.LabelValueMaxLength {
+		return node
+	}
+	sum := sha256.Sum256([]byte(node))
+	h := hex.EncodeToString(sum[:8])
+	return node[:validation.LabelValueMaxLength-len(h)-1] + "-" + h
+}
 
 // ClaimRouting returns the labels and annotations that a claim of a local WaitForFirstConsumer
 // class of driver lacks, or nil maps if it lacks none, is not such a claim, or must not be
@@ -53,8 +69,8 @@ func ClaimRouting(claim *v1.PersistentVolumeClaim, class *storagev1.StorageClass
 			node = n
 		}
 	}
-	if node != "" && claim.Labels[LabelNode] != node && (bound || claim.Annotations[annStorageProvisioner] != "") {
-		labels = map[string]string{LabelNode: node}
+	if node != "" && claim.Labels[LabelNode] != NodeLabel(node) && (bound || claim.Annotations[annStorageProvisioner] != "") {
+		labels = map[string]string{LabelNode: NodeLabel(node)}
 	}
 	if node == "" && !bound {
 		for _, k := range []string{annStorageProvisioner, annBetaStorageProvisioner} {
@@ -70,7 +86,7 @@ func ClaimRouting(claim *v1.PersistentVolumeClaim, class *storagev1.StorageClass
 }
 
 // VolumeNode returns the node of a local volume of driver, from the annotation dirpv has
-// always written on the PV.
+// always written on the PV (the name; NodeLabel gives its label).
 func VolumeNode(pv *v1.PersistentVolume, driver string) (string, bool) {
 	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != driver ||
 		volume.Backend(pv.Spec.CSI.VolumeAttributes[volume.AttrBackend]) != volume.BackendLocal {

@@ -2,11 +2,13 @@ package provisioner
 
 import (
 	"maps"
+	"strings"
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/validation"
 
 	"github.com/dirpv/dirpv/volume"
 )
@@ -58,5 +60,22 @@ func TestClaimRouting(t *testing.T) {
 				t.Errorf("labels %v annotations %v, want %v %v", labels, ann, tc.wantLabels, tc.wantAnn)
 			}
 		})
+	}
+}
+
+// Node names run to 253 characters, label values to 63: every long name gets its own value.
+func TestNodeLabel(t *testing.T) {
+	long := strings.Repeat("n", 100)
+	for _, node := range []string{"node-a", strings.Repeat("a", 63), long, long + "x"} {
+		v := NodeLabel(node)
+		if errs := validation.IsValidLabelValue(v); len(errs) > 0 {
+			t.Errorf("NodeLabel(%q) = %q: %v", node, v, errs)
+		}
+		if len(node) <= 63 && v != node {
+			t.Errorf("NodeLabel(%q) = %q, want the name itself", node, v)
+		}
+	}
+	if NodeLabel(long) == NodeLabel(long+"x") {
+		t.Errorf("two long names share label value %q", NodeLabel(long))
 	}
 }

@@ -192,10 +192,10 @@ func (c *Controller) claimPatch(claim *v1.PersistentVolumeClaim) []byte {
 // volumePatch returns the patch the PV needs, or nil.
 func volumePatch(pv *v1.PersistentVolume, driver string) []byte {
 	node, ok := provisioner.VolumeNode(pv, driver)
-	if !ok || pv.Labels[provisioner.LabelNode] == node {
+	if !ok || pv.Labels[provisioner.LabelNode] == provisioner.NodeLabel(node) {
 		return nil
 	}
-	return metadataPatch(map[string]string{provisioner.LabelNode: node}, nil)
+	return metadataPatch(map[string]string{provisioner.LabelNode: provisioner.NodeLabel(node)}, nil)
 }
 
 // metadataPatch is the JSON merge patch that sets labels and annotations, nil if there are none.
