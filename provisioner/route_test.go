@@ -1,7 +1,6 @@
 package provisioner
 
 import (
-	"maps"
 	"strings"
 	"testing"
 
@@ -13,12 +12,14 @@ import (
 	"github.com/dirpv/dirpv/volume"
 )
 
-func TestClaimRouting(t *testing.T) {
+func TestClaimLabel(t *testing.T) {
 	wffc, immediate := storagev1.VolumeBindingWaitForFirstConsumer, storagev1.VolumeBindingImmediate
 	local := &storagev1.StorageClass{Provisioner: "dirpv.io", Parameters: map[string]string{ParamBackend: "local"}, VolumeBindingMode: &wffc}
 	nfs := &storagev1.StorageClass{Provisioner: "dirpv.io", Parameters: map[string]string{ParamBackend: "nfs"}, VolumeBindingMode: &immediate}
 	other := &storagev1.StorageClass{Provisioner: "other.io", Parameters: map[string]string{ParamBackend: "local"}, VolumeBindingMode: &wffc}
-	provisioned := map[string]string{annStorageProvisioner: "dirpv.io", annBetaStorageProvisioner: "dirpv.io"}
+	placed := func(node string) map[string]string {
+		return map[string]string{annSelectedNode: node, annStorageProvisioner: "dirpv.io"}
+	}
 	pvOn := func(node string) *v1.PersistentVolume {
 		return &v1.PersistentVolume{
 			ObjectMeta: metav1.ObjectMeta{Name: "pv", Annotations: map[string]string{AnnNode: node}},
@@ -32,32 +33,27 @@ func TestClaimRouting(t *testing.T) {
 		labels, annotations map[string]string
 		volumeName          string
 		pv                  *v1.PersistentVolume
-		wantLabels, wantAnn map[string]string
+		want                string
 	}{
-		{name: "new claim: annotated before kube-controller-manager would", class: local, wantAnn: provisioned},
-		{name: "annotated already", class: local, annotations: provisioned},
-		{name: "placed and annotated: labelled", class: local,
-			annotations: map[string]string{annSelectedNode: "a", annStorageProvisioner: "dirpv.io"}, wantLabels: map[string]string{LabelNode: "a"}},
-		{name: "placed, not annotated: kube-controller-manager is about to update it", class: local,
-			annotations: map[string]string{annSelectedNode: "a"}},
-		{name: "placed and labelled", class: local, annotations: map[string]string{annSelectedNode: "a", annStorageProvisioner: "dirpv.io"},
-			labels: map[string]string{LabelNode: "a"}},
-		{name: "placed elsewhere: relabelled", class: local, annotations: map[string]string{annSelectedNode: "b", annStorageProvisioner: "dirpv.io"},
-			labels: map[string]string{LabelNode: "a"}, wantLabels: map[string]string{LabelNode: "b"}},
-		{name: "handed back to the scheduler: label kept", class: local, annotations: provisioned, labels: map[string]string{LabelNode: "a"}},
-		{name: "bound: the PV's node", class: local, volumeName: "pv", pv: pvOn("c"), wantLabels: map[string]string{LabelNode: "c"}},
-		{name: "bound, PV unknown: the selected node", class: local, volumeName: "pv",
-			annotations: map[string]string{annSelectedNode: "a"}, wantLabels: map[string]string{LabelNode: "a"}},
-		{name: "nfs: left to kube-controller-manager", class: nfs},
-		{name: "another provisioner's", class: other, annotations: map[string]string{annSelectedNode: "a", annStorageProvisioner: "other.io"}},
-		{name: "no class", annotations: map[string]string{annSelectedNode: "a", annStorageProvisioner: "dirpv.io"}},
+		{name: "not placed", class: local},
+		{name: "placed and annotated by kube-controller-manager", class: local, annotations: placed("a"), want: "a"},
+		{name: "placed, kube-controller-manager about to annotate it", class: local, annotations: map[string]string{annSelectedNode: "a"}},
+		{name: "labelled", class: local, annotations: placed("a"), labels: map[string]string{LabelNode: "a"}},
+		{name: "placed elsewhere: relabelled", class: local, annotations: placed("b"), labels: map[string]string{LabelNode: "a"}, want: "b"},
+		{name: "handed back to the scheduler: label kept", class: local,
+			annotations: map[string]string{annStorageProvisioner: "dirpv.io"}, labels: map[string]string{LabelNode: "a"}},
+		{name: "bound: the PV's node", class: local, volumeName: "pv", pv: pvOn("c"), want: "c"},
+		{name: "bound, PV unknown: the selected node", class: local, volumeName: "pv", annotations: map[string]string{annSelectedNode: "a"}, want: "a"},
+		{name: "nfs", class: nfs, annotations: placed("a")},
+		{name: "another provisioner's", class: other, annotations: placed("a")},
+		{name: "no class", annotations: placed("a")},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			claim := &v1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Labels: tc.labels, Annotations: tc.annotations}}
 			claim.Spec.VolumeName = tc.volumeName
-			labels, ann := ClaimRouting(claim, tc.class, tc.pv, "dirpv.io")
-			if !maps.Equal(labels, tc.wantLabels) || !maps.Equal(ann, tc.wantAnn) {
-				t.Errorf("labels %v annotations %v, want %v %v", labels, ann, tc.wantLabels, tc.wantAnn)
+			got, ok := ClaimLabel(claim, tc.class, tc.pv, "dirpv.io")
+			if got != tc.want || ok != (tc.want != "") {
+				t.Errorf("ClaimLabel = %q, %v; want %q", got, ok, tc.want)
 			}
 		})
 	}

@@ -34,10 +34,10 @@ type key struct {
 	volume          bool
 }
 
-// Controller patches each claim and PV whose node label is missing or wrong, and local claims
-// not yet placed with the storage-provisioner annotations (provisioner.ClaimRouting). It only
-// ever adds or replaces those keys, with a JSON merge patch, which carries no
-// resourceVersion: it fails on no concurrent change, and applying it twice changes nothing.
+// Controller patches each claim and PV whose node label is missing or wrong
+// (provisioner.ClaimLabel, provisioner.VolumeNode). It only ever adds or replaces that one
+// label, with a JSON merge patch, which carries no resourceVersion: it fails on no concurrent
+// change, and applying it twice changes nothing.
 type Controller struct {
 	client  kubernetes.Interface
 	driver  string
@@ -170,9 +170,9 @@ func (c *Controller) sync(ctx context.Context, k key) error {
 	case apierrors.IsNotFound(err):
 		return nil
 	case err != nil:
-		return fmt.Errorf("patch node label or provisioner annotation: %w", err)
+		return fmt.Errorf("patch node label: %w", err)
 	}
-	klog.FromContext(ctx).V(4).Info("Labelled with node or annotated", "namespace", k.namespace, "name", k.name)
+	klog.FromContext(ctx).V(4).Info("Labelled with node", "namespace", k.namespace, "name", k.name)
 	return nil
 }
 
@@ -186,7 +186,11 @@ func (c *Controller) claimPatch(claim *v1.PersistentVolumeClaim) []byte {
 	if claim.Spec.VolumeName != "" {
 		pv, _ = c.volumes.Get(claim.Spec.VolumeName)
 	}
-	return metadataPatch(provisioner.ClaimRouting(claim, class, pv, c.driver))
+	node, ok := provisioner.ClaimLabel(claim, class, pv, c.driver)
+	if !ok {
+		return nil
+	}
+	return labelPatch(node)
 }
 
 // volumePatch returns the patch the PV needs, or nil.
@@ -195,22 +199,12 @@ func volumePatch(pv *v1.PersistentVolume, driver string) []byte {
 	if !ok || pv.Labels[provisioner.LabelNode] == provisioner.NodeLabel(node) {
 		return nil
 	}
-	return metadataPatch(map[string]string{provisioner.LabelNode: provisioner.NodeLabel(node)}, nil)
+	return labelPatch(provisioner.NodeLabel(node))
 }
 
-// metadataPatch is the JSON merge patch that sets labels and annotations, nil if there are none.
-func metadataPatch(labels, annotations map[string]string) []byte {
-	if len(labels) == 0 && len(annotations) == 0 {
-		return nil
-	}
-	meta := map[string]map[string]string{}
-	if len(labels) > 0 {
-		meta["labels"] = labels
-	}
-	if len(annotations) > 0 {
-		meta["annotations"] = annotations
-	}
-	patch, _ := json.Marshal(map[string]any{"metadata": meta})
+// labelPatch is the JSON merge patch that sets the node label to value.
+func labelPatch(value string) []byte {
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]string{provisioner.LabelNode: value}}})
 	return patch
 }
 

@@ -8,7 +8,6 @@ import (
 	"testing"
 	"time"
 
-	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
@@ -238,56 +237,12 @@ func TestLocalVolumeDeletedByItsNodeAfterRestart(t *testing.T) {
 	}
 }
 
-// managerOf returns the field managers of the claim that own the annotation.
-func managerOf(c *v1.PersistentVolumeClaim, annotation string) []string {
-	var managers []string
-	for _, m := range c.ManagedFields {
-		if m.FieldsV1 != nil && strings.Contains(m.FieldsV1.GetRawString(), `"f:`+annotation+`"`) {
-			managers = append(managers, m.Manager)
-		}
-	}
-	return managers
-}
-
-// dirpv writes the storage-provisioner annotation on a local claim before it is placed, so
-// that kube-controller-manager, finding it there once the scheduler has placed the claim,
-// does not write it (one write fewer of its limited budget) and the lib starts at once; the
-// claim binds.
-func TestStorageProvisionerAnnotatedByDirpv(t *testing.T) {
-	ctx := context.Background()
-	ns := suite.NewNamespace(t)
-	class, _ := localClass(t, nil)
-	suite.CreateClaim(t, ns, "data", class.Name)
-	const ann = "volume.kubernetes.io/storage-provisioner"
-	var claim *v1.PersistentVolumeClaim
-	if err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		var err error
-		claim, err = suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{})
-		return err == nil && claim.Annotations[ann] == "dirpv.io", err
-	}); err != nil {
-		t.Fatalf("claim annotations %v: %v", claim.Annotations, err)
-	}
-	if got := managerOf(claim, ann); len(got) != 1 || got[0] != "dirpv" {
-		t.Errorf("%s written by %v, want dirpv's user agent (dirpv)", ann, got)
-	}
-	if got := claim.Annotations["volume.beta.kubernetes.io/storage-provisioner"]; got != "dirpv.io" {
-		t.Errorf("beta annotation %q, want dirpv.io as kube-controller-manager writes it", got)
-	}
-	createPod(t, ns, "app", "data", nodeA)
-	claim, _ = waitBound(t, ns, "data")
-	if got := managerOf(claim, ann); len(got) != 1 || got[0] != "dirpv" {
-		t.Errorf("%s written by %v after binding, want dirpv only", ann, got)
-	}
-	if claim.Labels[provisioner.LabelNode] != nodeA {
-		t.Errorf("labels %v", claim.Labels)
-	}
-}
-
 // Claims and the pods that use them created back to back, as a StatefulSet does, and claims
-// made already placed: dirpv's patches of the claims race the scheduler's and
+// made already placed: dirpv's patches of the claims could race the scheduler's and
 // kube-controller-manager's updates of them, which carry the resourceVersion they read. Every
 // claim binds and no update fails: no event tells of a conflict, and none of a failed
-// provisioning.
+// provisioning. (An earlier dirpv that annotated claims for itself before the scheduler placed
+// them failed 11 of 15 pods' placement once here.)
 func TestClaimsWithPodsBindWithoutConflicts(t *testing.T) {
 	ctx := context.Background()
 	ns := suite.NewNamespace(t)
