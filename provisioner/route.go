@@ -48,10 +48,10 @@ func NodeLabel(node string) string {
 // controller, once the claim is placed, updates it with the resourceVersion it read, to set
 // the storage-provisioner annotation (setClaimProvisioner): a patch of ours landing first would
 // fail that update, with a ProvisioningFailed warning on the claim. So a placed claim is
-// labelled only once that annotation is there, which the lib waits for anyway. (Writing the
+// labelled only once that annotation is there, which the lib waits for anyway. Writing the
 // annotation ourselves before the placement, so that the PV controller skips its update,
-// races the scheduler's own update that places the claim instead: TestClaimsWithPodsBindWithoutConflicts
-// saw 11 of 15 pods made with their claims fail to schedule once on it.)
+// races the scheduler's update that places the claim instead: 11 of 15 pods made together
+// with their claims failed to schedule once (TestClaimsWithPodsBindWithoutConflicts).
 func ClaimLabel(claim *v1.PersistentVolumeClaim, class *storagev1.StorageClass, pv *v1.PersistentVolume, driver string) (string, bool) {
 	if class == nil || class.Provisioner != driver || class.Parameters[ParamBackend] != string(volume.BackendLocal) ||
 		class.VolumeBindingMode == nil || *class.VolumeBindingMode != storagev1.VolumeBindingWaitForFirstConsumer {
