@@ -500,6 +500,7 @@ func (p *Provisioner) buildPV(opts controller.ProvisionOptions, params *classPar
 	}
 	if attrs.Backend == volume.BackendLocal {
 		pv.Annotations[AnnNode] = p.cfg.NodeName
+		pv.Labels = map[string]string{LabelNode: NodeLabel(p.cfg.NodeName)}
 		pv.Spec.NodeAffinity = &v1.VolumeNodeAffinity{Required: &v1.NodeSelector{
 			NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchExpressions: []v1.NodeSelectorRequirement{{
 				Key: v1.LabelHostname, Operator: v1.NodeSelectorOpIn, Values: []string{hostname},

@@ -165,6 +165,10 @@ func TestProvisionLocal(t *testing.T) {
 	if pv.Annotations[AnnOnDelete] != "delete" || pv.Annotations[AnnNode] != testNode {
 		t.Errorf("annotations = %v", pv.Annotations)
 	}
+	// The node instance watches only PVs with its label: without it, it would never see its own.
+	if pv.Labels[LabelNode] != testNode {
+		t.Errorf("labels = %v, want %s=%s", pv.Labels, LabelNode, testNode)
+	}
 	if got := pv.Spec.Capacity[v1.ResourceStorage]; got.String() != "1Gi" {
 		t.Errorf("capacity = %s", got.String())
 	}

@@ -32,6 +32,7 @@ import (
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 	libmetrics "sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller/metrics"
 
+	"github.com/dirpv/dirpv/internal/route"
 	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/volume"
 )
@@ -146,7 +147,22 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	}
 	// Resizing NFS volumes is the leader's too (provisioning): each claim has one instance that
 	// resizes it.
-	lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub)
+	provision := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub)
+	// The leader labels local claims and PVs with their node: node instances see nothing else.
+	router, err := route.New(client, DriverName, cfg.Provisioner.OperationTimeout, factory.Core().V1().PersistentVolumeClaims(),
+		factory.Core().V1().PersistentVolumes(), factory.Storage().V1().StorageClasses())
+	if err != nil {
+		return err
+	}
+	lead := func(ctx context.Context) {
+		routed := make(chan struct{})
+		go func() {
+			defer close(routed)
+			router.Run(ctx, cfg.Provisioner.Workers)
+		}()
+		provision(ctx)
+		<-routed
+	}
 	run := func(ctx context.Context) error {
 		lead(ctx)
 		return nil
@@ -175,6 +191,7 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 		m.PersistentVolumeClaimProvisionDurationSeconds, m.PersistentVolumeDeleteTotal,
 		m.PersistentVolumeDeleteFailedTotal, m.PersistentVolumeDeleteDurationSeconds,
 	)
+	reg.MustRegister(cachedObjects(factory)...)
 	// pc.Run returns as soon as its context ends, while its workers may still be in Provision
 	// or Delete; the lib adds each worker to this group so that we can wait for them.
 	var workers sync.WaitGroup

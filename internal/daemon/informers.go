@@ -3,10 +3,16 @@ package daemon
 import (
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/informers"
+	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/dirpv/dirpv/provisioner"
 )
 
 // newInformerFactory returns the one informer factory of a process. dirpv's code and the lib's
@@ -34,4 +40,42 @@ func trimObject(obj any) (any, error) {
 	// GetAnnotations returns the object's own map (deleting from a nil one is a no-op).
 	delete(m.GetAnnotations(), corev1.LastAppliedConfigAnnotation)
 	return obj, nil
+}
+
+// ownVolumesOnly makes the factory's claim and PV informers, which the lib, the resize
+// controller and dirpv share, list and watch only the objects labelled with node
+// (provisioner.LabelNode): the API server filters, so a node instance's cache and watch
+// traffic grow with its own volumes only. Classes and everything else stay unfiltered. Call it
+// before anything asks the factory for those informers: the factory keeps the first informer
+// made for a type. Nothing a node instance does needs another node's claim or PV: its
+// provisioner, deleter and resizer decline them all.
+func ownVolumesOnly(factory informers.SharedInformerFactory, node string) {
+	own := func(o *metav1.ListOptions) { o.LabelSelector = provisioner.NodeSelector(node) }
+	factory.InformerFor(&corev1.PersistentVolumeClaim{}, func(c kubernetes.Interface, resync time.Duration) cache.SharedIndexInformer {
+		return coreinformers.NewFilteredPersistentVolumeClaimInformer(c, metav1.NamespaceAll, resync,
+			cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc}, own)
+	})
+	factory.InformerFor(&corev1.PersistentVolume{}, func(c kubernetes.Interface, resync time.Duration) cache.SharedIndexInformer {
+		return coreinformers.NewFilteredPersistentVolumeInformer(c, resync,
+			cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc}, own)
+	})
+}
+
+// cachedObjects reports how many objects each shared informer of provisioning holds, so that
+// one can see (and tests check) that a node instance caches its own claims and PVs only.
+func cachedObjects(factory informers.SharedInformerFactory) []prometheus.Collector {
+	stores := map[string]cache.SharedIndexInformer{
+		"persistentvolumeclaims": factory.Core().V1().PersistentVolumeClaims().Informer(),
+		"persistentvolumes":      factory.Core().V1().PersistentVolumes().Informer(),
+		"storageclasses":         factory.Storage().V1().StorageClasses().Informer(),
+	}
+	var cs []prometheus.Collector
+	for resource, informer := range stores {
+		cs = append(cs, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name:        "dirpv_informer_cached_objects",
+			Help:        "Objects in the process's informer cache of the resource.",
+			ConstLabels: prometheus.Labels{"resource": resource},
+		}, func() float64 { return float64(len(informer.GetStore().ListKeys())) }))
+	}
+	return cs
 }

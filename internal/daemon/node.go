@@ -29,6 +29,9 @@ type NodeConfig struct {
 	Mounter string
 	// LocalProvisioning runs the local-class provisioner on this node.
 	LocalProvisioning bool
+	// WatchAllVolumes watches every claim and PV instead of those labelled with this node,
+	// for clusters without dirpv controller, which sets the label.
+	WatchAllVolumes bool
 	// Capacity publishes CSIStorageCapacity for this node's local classes (with
 	// LocalProvisioning).
 	Capacity    CapacityConfig
@@ -80,6 +83,9 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			return err
 		}
 		factory := newInformerFactory(client, cfg.Provisioner.Resync)
+		if !cfg.WatchAllVolumes {
+			ownVolumesOnly(factory, cfg.NodeName)
+		}
 		// Claims whose size this node cannot enforce are told so on the claim.
 		broadcaster := record.NewBroadcaster(record.WithContext(ctx))
 		broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})

@@ -106,15 +106,29 @@ type claimWatch struct {
 	bound map[string]time.Time
 	// handed is when kube-controller-manager handed the claim to an external provisioner
 	// (the storage-provisioner annotation).
-	handed  map[string]time.Time
-	changed chan struct{}
-	stop    chan struct{}
+	handed map[string]time.Time
+	// labelled is when dirpv labelled the claim with its node; volume, when a PV for it
+	// appeared: with handed and bound, where a single claim's time goes.
+	labelled, volume map[string]time.Time
+	changed          chan struct{}
+	stop             chan struct{}
 }
 
 func watchClaims(ctx context.Context, c kubernetes.Interface, ns string) (*claimWatch, error) {
-	w := &claimWatch{bound: map[string]time.Time{}, handed: map[string]time.Time{}, changed: make(chan struct{}, 1), stop: make(chan struct{})}
+	w := &claimWatch{bound: map[string]time.Time{}, handed: map[string]time.Time{}, labelled: map[string]time.Time{},
+		volume: map[string]time.Time{}, changed: make(chan struct{}, 1), stop: make(chan struct{})}
 	f := informers.NewSharedInformerFactoryWithOptions(c, 0, informers.WithNamespace(ns))
 	inf := f.Core().V1().PersistentVolumeClaims().Informer()
+	pvs := informers.NewSharedInformerFactory(c, 0)
+	pvInf := pvs.Core().V1().PersistentVolumes().Informer()
+	pvInf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: func(obj any) {
+		if pv, ok := obj.(*v1.PersistentVolume); ok && pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == ns {
+			now := time.Now()
+			w.mu.Lock()
+			w.volume[pv.Spec.ClaimRef.Name] = now
+			w.mu.Unlock()
+		}
+	}})
 	see := func(obj any) {
 		pvc, ok := obj.(*v1.PersistentVolumeClaim)
 		if !ok {
@@ -124,6 +138,9 @@ func watchClaims(ctx context.Context, c kubernetes.Interface, ns string) (*claim
 		w.mu.Lock()
 		if _, seen := w.handed[pvc.Name]; !seen && pvc.Annotations[annStorageProv] != "" {
 			w.handed[pvc.Name] = now
+		}
+		if _, seen := w.labelled[pvc.Name]; !seen && pvc.Labels["dirpv.io/node"] != "" {
+			w.labelled[pvc.Name] = now
 		}
 		if pvc.Status.Phase != v1.ClaimBound {
 			w.mu.Unlock()
@@ -140,7 +157,8 @@ func watchClaims(ctx context.Context, c kubernetes.Interface, ns string) (*claim
 	}
 	inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: see, UpdateFunc: func(_, n any) { see(n) }})
 	f.Start(w.stop)
-	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
+	pvs.Start(w.stop)
+	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced, pvInf.HasSynced) {
 		close(w.stop)
 		return nil, fmt.Errorf("claim watch of %s did not sync", ns)
 	}
@@ -148,6 +166,21 @@ func watchClaims(ctx context.Context, c kubernetes.Interface, ns string) (*claim
 }
 
 func (w *claimWatch) Stop() { close(w.stop) }
+
+// spans returns, for a claim created at t0, when it was handed to a provisioner, labelled,
+// given a PV and Bound, each relative to t0 (negative if never seen).
+func (w *claimWatch) spans(name string, t0 time.Time) [4]time.Duration {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out [4]time.Duration
+	for i, m := range []map[string]time.Time{w.handed, w.labelled, w.volume, w.bound} {
+		out[i] = -1
+		if t, ok := m[name]; ok {
+			out[i] = t.Sub(t0)
+		}
+	}
+	return out
+}
 
 func (w *claimWatch) boundAt(name string) (time.Time, bool) {
 	w.mu.Lock()

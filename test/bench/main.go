@@ -23,10 +23,12 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
@@ -55,6 +57,7 @@ var (
 	flagEnv      = flag.String("dirpv-env", "", "extra environment for both dirpv processes, space-separated (e.g. \"GOGC=50\")")
 	flagTimeout  = flag.Duration("phase-timeout", 10*time.Minute, "deadline of each phase")
 	flagBin      = flag.String("dirpv-bin", "", "run this dirpv binary instead of building ./cmd/dirpv (e.g. to compare two builds)")
+	flagPlace    = flag.String("place", "create", `how a claim gets its node: "create" (made with the scheduler's selected-node annotation) or "scheduler" (made unplaced, then updated with it as the scheduler does)`)
 	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,limits,nfs,publish,rss); empty: all. ceiling is always run")
 )
 
@@ -85,6 +88,7 @@ type Report struct {
 	PublishN  int                           `json:"publishN"`
 	RSSN      int                           `json:"rssN"`
 	KCM       string                        `json:"kcm"`
+	Place     string                        `json:"place"`
 	KCMArgs   []string                      `json:"kcmArgs"`
 	DirpvArgs []string                      `json:"dirpvArgs"`
 	DirpvEnv  []string                      `json:"dirpvEnv,omitempty"`
@@ -128,7 +132,10 @@ func run() (err error) {
 	}
 	b := &bench{ctx: context.Background(), ms: map[string]float64{}, only: map[string]bool{}}
 	b.report = Report{Started: time.Now(), N: *flagN, LatencyN: *flagLatN, PublishN: *flagPubN, RSSN: *flagRSSN,
-		KCM: *flagKCM, CPUs: runtime.NumCPU(), CPU: map[string]map[string]float64{}}
+		KCM: *flagKCM, Place: *flagPlace, CPUs: runtime.NumCPU(), CPU: map[string]map[string]float64{}}
+	if *flagPlace != "create" && *flagPlace != "scheduler" {
+		return fmt.Errorf("-place %q: want create or scheduler", *flagPlace)
+	}
 	if la, err := os.ReadFile("/proc/loadavg"); err == nil {
 		b.report.LoadAvg = strings.TrimSpace(string(la))
 	}
@@ -317,10 +324,35 @@ func (b *bench) add(r Row) {
 func (b *bench) createClaims(ns, prefix, class, node string, n int) (time.Time, error) {
 	t0 := time.Now()
 	err := parallel(n, func(i int) error {
-		_, err := b.client.CoreV1().PersistentVolumeClaims(ns).Create(b.ctx, newClaim(ns, fmt.Sprintf("%s-%04d", prefix, i), class, node), metav1.CreateOptions{})
-		return err
+		return b.createClaim(ns, fmt.Sprintf("%s-%04d", prefix, i), class, node)
 	})
 	return t0, err
+}
+
+// placeConflicts counts the scheduler's updates (-place scheduler) that failed on a claim
+// someone else had written since it was read.
+var placeConflicts atomic.Int64
+
+// createClaim creates a claim placed on node, if any. With -place scheduler the claim is made
+// unplaced and then updated, from the object as created, with the selected node: what the
+// scheduler does when it binds the pod's volumes, with the resourceVersion it read. A conflict
+// is counted and retried on a fresh read, as the scheduler retries the pod.
+func (b *bench) createClaim(ns, name, class, node string) error {
+	claims := b.client.CoreV1().PersistentVolumeClaims(ns)
+	if *flagPlace != "scheduler" || node == "" {
+		_, err := claims.Create(b.ctx, newClaim(ns, name, class, node), metav1.CreateOptions{})
+		return err
+	}
+	c, err := claims.Create(b.ctx, newClaim(ns, name, class, ""), metav1.CreateOptions{})
+	for err == nil {
+		framework.OnNode(node)(c)
+		if _, err = claims.Update(b.ctx, c, metav1.UpdateOptions{}); !apierrors.IsConflict(err) {
+			break
+		}
+		placeConflicts.Add(1)
+		c, err = claims.Get(b.ctx, name, metav1.GetOptions{})
+	}
+	return err
 }
 
 // bulk creates n claims and waits until all are Bound; it returns the time from the first
@@ -345,6 +377,9 @@ func (b *bench) bulk(ns, class, node string, n int) (time.Duration, error) {
 		fmt.Printf("   (%s: all %d claims handed to the provisioner by kube-controller-manager after %.2fs; all Bound after %.2fs; mean hand-over->Bound %.0f ms)\n",
 			class, n, h.Sub(t0).Seconds(), w.lastBound().Sub(t0).Seconds(), ms(w.meanHandedToBound()))
 	}
+	if *flagPlace == "scheduler" {
+		fmt.Printf("   (%s: %d placements so far failed on a conflict and were retried)\n", class, placeConflicts.Load())
+	}
 	return w.lastBound().Sub(t0), nil
 }
 
@@ -360,6 +395,17 @@ func (b *bench) latency(ns, class, node string, n int, before func(name string) 
 	}
 	defer w.Stop()
 	var out []time.Duration
+	var spans [4][]time.Duration
+	defer func() {
+		// Medians of each step's time from the claim's creation, where the step was seen.
+		var parts []string
+		for i, what := range []string{"handed to provisioner", "labelled with node", "PV created", "Bound"} {
+			if len(spans[i]) > 0 {
+				parts = append(parts, fmt.Sprintf("%s %.1f ms", what, ms(percentile(spans[i], 50))))
+			}
+		}
+		fmt.Printf("   (%s: p50 from create: %s)\n", class, strings.Join(parts, ", "))
+	}()
 	for i := 0; i < n; i++ {
 		name := fmt.Sprintf("l-%04d", i)
 		if before != nil {
@@ -368,7 +414,7 @@ func (b *bench) latency(ns, class, node string, n int, before func(name string) 
 			}
 		}
 		t0 := time.Now()
-		if _, err := b.client.CoreV1().PersistentVolumeClaims(ns).Create(b.ctx, newClaim(ns, name, class, node), metav1.CreateOptions{}); err != nil {
+		if err := b.createClaim(ns, name, class, node); err != nil {
 			return nil, err
 		}
 		at, err := w.waitOne(b.ctx, name, time.Minute)
@@ -376,6 +422,11 @@ func (b *bench) latency(ns, class, node string, n int, before func(name string) 
 			return nil, err
 		}
 		out = append(out, at.Sub(t0))
+		for j, d := range w.spans(name, t0) {
+			if d >= 0 {
+				spans[j] = append(spans[j], d)
+			}
+		}
 	}
 	return out, nil
 }
@@ -614,10 +665,13 @@ func (b *bench) localLatency() error {
 	if err := b.localClass("bench-local-lat", filepath.Join(b.s.Work.Dir, "base-lat")); err != nil {
 		return err
 	}
+	libBefore, ownBefore := b.provisionStats(), b.histogramStats(dirpvProvision)
 	ds, err := b.latency("local-lat", "bench-local-lat", nodeName, *flagLatN, nil)
 	if err != nil {
 		return err
 	}
+	fmt.Printf("   (mean lib provisioning op (event+Provision+PV create) %.1f ms, of it dirpv's Provision %.1f ms)\n",
+		meanMS(libBefore, b.provisionStats()), meanMS(ownBefore, b.histogramStats(dirpvProvision)))
 	b.ms["local.p50"], b.ms["local.p95"] = ms(percentile(ds, 50)), ms(percentile(ds, 95))
 	b.add(Row{Name: "dirpv local: single claim create->Bound p50", Value: b.ms["local.p50"], Unit: "ms", Ref: "ceiling", RefValue: b.ms["ceil.p50"],
 		Note: fmt.Sprintf("%.2fx ideal external", b.ms["local.p50"]/b.ms["ideal.p50"])})
@@ -1085,8 +1139,8 @@ func (b *bench) goals() {
 
 func (b *bench) print() {
 	rp := b.report
-	fmt.Printf("\ndirpv bench: n=%d, latency-n=%d, publish-n=%d, rss-n=%d; kube-controller-manager %s %v; dirpv flags: defaults %v env %v; %d CPUs, load %s\n\n",
-		rp.N, rp.LatencyN, rp.PublishN, rp.RSSN, rp.KCM, rp.KCMArgs, rp.DirpvArgs, rp.DirpvEnv, rp.CPUs, rp.LoadAvg)
+	fmt.Printf("\ndirpv bench: n=%d, latency-n=%d, publish-n=%d, rss-n=%d; kube-controller-manager %s %v; claims placed at %s; dirpv flags: defaults %v env %v; %d CPUs, load %s\n\n",
+		rp.N, rp.LatencyN, rp.PublishN, rp.RSSN, rp.KCM, rp.KCMArgs, rp.Place, rp.DirpvArgs, rp.DirpvEnv, rp.CPUs, rp.LoadAvg)
 	fmt.Printf("| %-52s | %10s | %-26s |\n", "measurement", "value", "ratio")
 	fmt.Printf("|%s|%s|%s|\n", strings.Repeat("-", 54), strings.Repeat("-", 12), strings.Repeat("-", 28))
 	for _, r := range rp.Rows {

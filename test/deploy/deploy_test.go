@@ -136,7 +136,8 @@ func TestObjectsAreValid(t *testing.T) {
 var wantRules = map[string][]rbacv1.PolicyRule{
 	"ClusterRole dirpv-controller": {
 		{APIGroups: []string{""}, Resources: []string{"persistentvolumes"}, Verbs: []string{"get", "list", "watch", "create", "delete", "patch"}},
-		{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims"}, Verbs: []string{"get", "list", "watch", "update"}},
+		// patch: route labels local claims with their node.
+		{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims"}, Verbs: []string{"get", "list", "watch", "update", "patch"}},
 		// external-resizer's controller: a resize's conditions, allocatedResources, capacity.
 		{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims/status"}, Verbs: []string{"patch"}},
 		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"storageclasses"}, Verbs: []string{"get", "list", "watch"}},
@@ -1037,5 +1038,17 @@ func TestServiceMonitor(t *testing.T) {
 	}
 	if ep, _ := endpoints[0].(map[string]any); ep == nil || ep["interval"] != nil || ep["port"] != "http-metrics" {
 		t.Errorf("endpoint %v: want port http-metrics and no interval", endpoints[0])
+	}
+}
+
+// Node instances watch only the claims and PVs that the controller labelled with their node:
+// without a controller, nothing would label them, so the chart has them watch everything.
+func TestNodeWatchesAllVolumesWithoutController(t *testing.T) {
+	_, helm := tools(t)
+	for set, want := range map[string]bool{"controller.enabled=true": false, "controller.enabled=false": true} {
+		c := container(t, daemonSet(t, helmObjs(t, helm, nil, set)).Spec.Template.Spec)
+		if got := contains(c.Args, "--watch-all-volumes"); got != want {
+			t.Errorf("%s: node args %v, want --watch-all-volumes %v", set, c.Args, want)
+		}
 	}
 }

@@ -1,0 +1,271 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/dirpv/dirpv/provisioner"
+	"github.com/dirpv/dirpv/test/framework"
+)
+
+// startNode creates a Ready node with a dirpv node instance of its own.
+func startNode(t *testing.T, node string) *framework.Process {
+	t.Helper()
+	ctx := context.Background()
+	if err := suite.Cluster.CreateReadyNode(ctx, node, map[string]string{"kubernetes.io/hostname": "host-" + node}); err != nil {
+		t.Fatal(err)
+	}
+	proc, err := suite.StartDirpv(ctx, node, "node", "--v=2", "--operation-timeout=10s",
+		"--node-name", node, "--allowed-base-paths", suite.Work.BaseRoot,
+		"--csi-endpoint", "unix://"+filepath.Join(t.TempDir(), "csi.sock"), "--plugin-registration-dir", "-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { proc.Stop(10 * time.Second) })
+	if err := suite.Cluster.RegisterCSIDriver(ctx, node, "dirpv.io"); err != nil {
+		t.Fatal(err)
+	}
+	return proc
+}
+
+// cached is what the process reports holding in its informer cache of resource.
+func cached(ctx context.Context, p *framework.Process, resource string) (float64, error) {
+	m, err := framework.Scrape(ctx, p)
+	if err != nil {
+		return 0, err
+	}
+	series := fmt.Sprintf(`dirpv_informer_cached_objects{resource=%q}`, resource)
+	v, ok := m[series]
+	if !ok {
+		return 0, fmt.Errorf("%s reports no %s", p.Name, series)
+	}
+	return v, nil
+}
+
+// waitLabel waits until the claim carries node as its node label.
+func waitLabel(t *testing.T, ns, name, node string) {
+	t.Helper()
+	var got map[string]string
+	if err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
+		c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		got = c.Labels
+		return c.Labels[provisioner.LabelNode] == node, nil
+	}); err != nil {
+		t.Fatalf("claim %s/%s labels %v, want %s=%s: %v\n--- controller log tail:\n%s", ns, name, got, provisioner.LabelNode, node, err, ctrlProc.Tail(3000))
+	}
+}
+
+// Two nodes with a dirpv instance each: each instance caches its own claims and PVs (the
+// objects labelled with its node) and no other, as it reports on /metrics, while both see
+// every class.
+func TestNodeInstancesCacheOwnVolumesOnly(t *testing.T) {
+	const nodeB = "route-b"
+	procB := startNode(t, nodeB)
+	ns := suite.NewNamespace(t)
+	class, _ := localClass(t, nil)
+	claims := map[string]string{"a1": nodeA, "a2": nodeA, "b1": nodeB, "b2": nodeB, "b3": nodeB}
+	for name, node := range claims {
+		suite.CreateClaim(t, ns, name, class.Name, framework.OnNode(node))
+	}
+	for name, node := range claims {
+		_, pv := waitBound(t, ns, name)
+		if pv.Labels[provisioner.LabelNode] != node {
+			t.Errorf("PV of %s labels %v, want %s=%s", name, pv.Labels, provisioner.LabelNode, node)
+		}
+	}
+	ctx := context.Background()
+	allClaims, err := suite.Client.CoreV1().PersistentVolumeClaims("").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	classes, err := suite.Client.StorageV1().StorageClasses().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []struct {
+		node string
+		proc *framework.Process
+		mine int
+	}{{nodeA, nodeProc, 2}, {nodeB, procB, 3}} {
+		own := metav1.ListOptions{LabelSelector: provisioner.NodeSelector(n.node)}
+		var why error
+		if err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+			ownClaims, err := suite.Client.CoreV1().PersistentVolumeClaims("").List(ctx, own)
+			if err != nil {
+				return false, err
+			}
+			ownPVs, err := suite.Client.CoreV1().PersistentVolumes().List(ctx, own)
+			if err != nil {
+				return false, err
+			}
+			for _, c := range ownClaims.Items {
+				if c.Annotations["volume.kubernetes.io/selected-node"] != n.node {
+					return false, fmt.Errorf("claim %s/%s is labelled %s but placed on %q", c.Namespace, c.Name, n.node, c.Annotations["volume.kubernetes.io/selected-node"])
+				}
+			}
+			for resource, want := range map[string]int{
+				"persistentvolumeclaims": len(ownClaims.Items), "persistentvolumes": len(ownPVs.Items), "storageclasses": len(classes.Items),
+			} {
+				got, err := cached(ctx, n.proc, resource)
+				if err != nil {
+					return false, err
+				}
+				if int(got) != want {
+					why = fmt.Errorf("%s caches %v %s, want %d", n.proc.Name, got, resource, want)
+					return false, why
+				}
+			}
+			why = nil
+			return len(ownClaims.Items) >= n.mine, nil
+		}); err != nil {
+			t.Errorf("%v (%v)", err, why)
+		}
+	}
+	// The test means something only if each instance holds fewer claims than the cluster has.
+	if own, _ := cached(ctx, procB, "persistentvolumeclaims"); int(own) >= len(allClaims.Items) {
+		t.Errorf("%s caches %v claims of the cluster's %d", nodeB, own, len(allClaims.Items))
+	}
+}
+
+// A claim the scheduler placed on one node and then, after that node handed it back, on
+// another is relabelled with the new node and provisioned there.
+func TestClaimRelabelledWhenSelectedNodeChanges(t *testing.T) {
+	ctx := context.Background()
+	ns := suite.NewNamespace(t)
+	class, _ := localClass(t, nil)
+	// node-c runs no dirpv: nothing provisions the claim there.
+	suite.CreateClaim(t, ns, "moved", class.Name, framework.OnNode(nodeC))
+	waitLabel(t, ns, "moved", nodeC)
+
+	// What the lib and the scheduler do on a reschedule: the selected node is removed, and
+	// the scheduler's next choice set.
+	claims := suite.Client.CoreV1().PersistentVolumeClaims(ns)
+	for _, patch := range []string{
+		`{"metadata":{"annotations":{"volume.kubernetes.io/selected-node":null}}}`,
+		`{"metadata":{"annotations":{"volume.kubernetes.io/selected-node":"` + nodeA + `"}}}`,
+	} {
+		if _, err := claims.Patch(ctx, "moved", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitLabel(t, ns, "moved", nodeA)
+	_, pv := waitBound(t, ns, "moved")
+	if pv.Labels[provisioner.LabelNode] != nodeA || pv.Annotations[provisioner.AnnNode] != nodeA {
+		t.Errorf("PV labels %v annotations %v, want node %s", pv.Labels, pv.Annotations, nodeA)
+	}
+}
+
+// Claims and PVs made before node labels existed (an upgrade), or while no controller ran,
+// are labelled once the controller runs, and then served: the new claim is provisioned and
+// the old claim's volume deleted by its node.
+func TestUnlabelledClaimsAndVolumesAreLabelledAtStart(t *testing.T) {
+	ctx := context.Background()
+	ns := suite.NewNamespace(t)
+	class, base := localClass(t, nil)
+	suite.CreateClaim(t, ns, "old", class.Name, framework.OnNode(nodeA))
+	_, pv := waitBound(t, ns, "old")
+
+	if !ctrlProc.Stop(30 * time.Second) {
+		t.Fatalf("controller did not stop on SIGTERM:\n%s", ctrlProc.Tail(3000))
+	}
+	t.Cleanup(func() {
+		if exited, _ := ctrlProc.Exited(); exited {
+			ctrlProc.Restart()
+		}
+	})
+	unlabel := []byte(`{"metadata":{"labels":{"` + provisioner.LabelNode + `":null}}}`)
+	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, "old", types.MergePatchType, unlabel, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := suite.Client.CoreV1().PersistentVolumes().Patch(ctx, pv.Name, types.MergePatchType, unlabel, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	suite.CreateClaim(t, ns, "new", class.Name, framework.OnNode(nodeA))
+
+	if err := ctrlProc.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	if err := ctrlProc.WaitHealthy(ctx, timeout); err != nil {
+		t.Fatal(err)
+	}
+	waitLabel(t, ns, "old", nodeA)
+	waitLabel(t, ns, "new", nodeA)
+	waitBound(t, ns, "new")
+	if err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		got, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
+		return err == nil && got.Labels[provisioner.LabelNode] == nodeA, err
+	}); err != nil {
+		t.Fatalf("PV %s not labelled with its node: %v", pv.Name, err)
+	}
+	deleteClaim(t, ns, "old")
+	waitPVGone(t, pv.Name)
+	if got := entries(t, base); len(got) != 1 {
+		t.Errorf("base = %v, want only the new claim's directory", got)
+	}
+}
+
+// A node instance restarted lists its own PVs again (by label) and deletes their volumes.
+func TestLocalVolumeDeletedByItsNodeAfterRestart(t *testing.T) {
+	ctx := context.Background()
+	ns := suite.NewNamespace(t)
+	class, base := localClass(t, nil)
+	suite.CreateClaim(t, ns, "data", class.Name, framework.OnNode(nodeA))
+	_, pv := waitBound(t, ns, "data")
+	if !nodeProc.Stop(30 * time.Second) {
+		t.Fatalf("node did not stop on SIGTERM:\n%s", nodeProc.Tail(3000))
+	}
+	if err := nodeProc.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	if err := nodeProc.WaitHealthy(ctx, timeout); err != nil {
+		t.Fatal(err)
+	}
+	deleteClaim(t, ns, "data")
+	waitPVGone(t, pv.Name)
+	if got := entries(t, base); len(got) != 0 {
+		t.Errorf("base = %v, want the volume removed", got)
+	}
+}
+
+// Claims and the pods that use them created back to back, as a StatefulSet does, and claims
+// made already placed: dirpv's patches of the claims could race the scheduler's and
+// kube-controller-manager's updates of them, which carry the resourceVersion they read. Every
+// claim binds and no update fails: no event tells of a conflict, and none of a failed
+// provisioning. (An earlier dirpv that annotated claims for itself before the scheduler placed
+// them failed 11 of 15 pods' placement once here.)
+func TestClaimsWithPodsBindWithoutConflicts(t *testing.T) {
+	ctx := context.Background()
+	ns := suite.NewNamespace(t)
+	class, _ := localClass(t, nil)
+	const n = 15
+	for i := range n {
+		name := fmt.Sprintf("data-%d", i)
+		suite.CreateClaim(t, ns, name, class.Name)
+		createPod(t, ns, fmt.Sprintf("app-%d", i), name, nodeA)
+		suite.CreateClaim(t, ns, fmt.Sprintf("placed-%d", i), class.Name, framework.OnNode(nodeA))
+	}
+	if err := framework.WaitForClaimsBound(ctx, suite.Client, ns, 2*n, 2*timeout); err != nil {
+		t.Fatal(err)
+	}
+	events, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range events.Items {
+		// A scheduling attempt before the new class's capacity is published fails too, but
+		// says so; a failed update says the object was modified.
+		if e.Reason == "ProvisioningFailed" || strings.Contains(e.Message, "has been modified") {
+			t.Errorf("%s %s/%s: %s: %s", e.Type, e.InvolvedObject.Kind, e.InvolvedObject.Name, e.Reason, e.Message)
+		}
+	}
+}
