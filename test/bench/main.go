@@ -55,7 +55,7 @@ var (
 	flagEnv      = flag.String("dirpv-env", "", "extra environment for both dirpv processes, space-separated (e.g. \"GOGC=50\")")
 	flagTimeout  = flag.Duration("phase-timeout", 10*time.Minute, "deadline of each phase")
 	flagBin      = flag.String("dirpv-bin", "", "run this dirpv binary instead of building ./cmd/dirpv (e.g. to compare two builds)")
-	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,limits,nfs,publish,rss); empty: all. ceiling is always run")
+	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,limits,nfs,publish,nodes,rss); empty: all. ceiling is always run, but for -only nodes")
 )
 
 // Row is one measured figure with its reference.
@@ -177,11 +177,14 @@ func run() (err error) {
 		{"limits", "dirpv local with size limits", b.localLimits},
 		{"nfs", "dirpv nfs bulk+deletion", b.nfsBulk},
 		{"publish", "publish", b.publish},
+		{"nodes", "simulated nodes", b.nodes},
 		{"rss", "rss", b.rss},
 	}
 	only := b.only
+	// The simulated nodes compare with each other, not with the ceiling.
+	ceiling := !(len(only) == 1 && only["nodes"])
 	for _, s := range steps {
-		wanted := len(only) == 0 || s.group == "ceiling" || only[s.group] || (s.group == "ideal" && (only["local"] || only["nfs"]))
+		wanted := len(only) == 0 || (s.group == "ceiling" && ceiling) || only[s.group] || (s.group == "ideal" && (only["local"] || only["nfs"]))
 		if (s.group == "nfs" && !*flagNFS) || !wanted {
 			continue
 		}
