@@ -55,7 +55,7 @@ var (
 	flagEnv      = flag.String("dirpv-env", "", "extra environment for both dirpv processes, space-separated (e.g. \"GOGC=50\")")
 	flagTimeout  = flag.Duration("phase-timeout", 10*time.Minute, "deadline of each phase")
 	flagBin      = flag.String("dirpv-bin", "", "run this dirpv binary instead of building ./cmd/dirpv (e.g. to compare two builds)")
-	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,limits,nfs,publish,nodes,rss); empty: all. ceiling is always run, but for -only nodes")
+	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,limits,nfs,publish,nodes,rss,stock); empty: all. ceiling is always run, but for -only nodes")
 )
 
 // Row is one measured figure with its reference.
@@ -93,6 +93,7 @@ type Report struct {
 	LoadAvg   string                        `json:"loadAvg"`
 	Rows      []Row                         `json:"rows"`
 	Goals     []Goal                        `json:"goals"`
+	Targets   []Target                      `json:"targets"`
 	CPU       map[string]map[string]float64 `json:"cpuSecondsByPhase"`
 	Phases    []string                      `json:"phases"`
 }
@@ -179,6 +180,7 @@ func run() (err error) {
 		{"publish", "publish", b.publish},
 		{"nodes", "simulated nodes", b.nodes},
 		{"rss", "rss", b.rss},
+		{"stock", "stock kube-controller-manager", b.stock},
 	}
 	only := b.only
 	// The simulated nodes compare with each other, not with the ceiling.
@@ -211,7 +213,9 @@ func run() (err error) {
 		b.report.Phases = append(b.report.Phases, s.name)
 	}
 	b.goals()
+	b.report.Targets = issue14Targets(b.ms, *flagRSSN, *flagN, *flagKCM)
 	b.print()
+	printTargets(b.report.Targets)
 	if *flagJSON != "" {
 		out, _ := json.MarshalIndent(b.report, "", "  ")
 		if err := os.WriteFile(*flagJSON, append(out, '\n'), 0o644); err != nil {
