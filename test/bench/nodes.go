@@ -41,20 +41,23 @@ const (
 // nodeCount is what one node instance measured: memory, and the objects it reports caching
 // (series of its /metrics that look like informer cache sizes, if it has any).
 type nodeCount struct {
-	peakMiB, rssMiB, heapMiB float64
-	cached                   map[string]float64
+	peakMiB, rssMiB, heapMiB, cpuS float64
+	cached                         map[string]float64
 }
 
 // nodesResult is one N of the nodes phase.
 type nodesResult struct {
 	N, Claims int
 	// Per node instance: median and max over the nodes.
-	PeakMed, PeakMax, RSSMed, RSSMax, HeapMed, HeapMax float64
+	PeakMed, PeakMax, RSSMed, RSSMax, HeapMed, HeapMax, CPUMed, CPUMax float64
 	// Cached sums, by series, the cache sizes the node instances report: median per node.
 	Cached map[string]float64
 	// API server: WATCH requests open (all clients, and the N node instances' share), its RSS.
-	Watches, WatchesBefore   float64
-	APIRSSMiB, APIRSSBefore  float64
+	Watches, WatchesBefore  float64
+	APIRSSMiB, APIRSSBefore float64
+	// APICPU is the API server's CPU seconds from the first node process's start to the
+	// measurement.
+	APICPU                   float64
 	BoundSeconds, ClaimsPerS float64
 	// Spread is the fewest and most claims the scheduler put on one node.
 	SpreadMin, SpreadMax int
@@ -145,6 +148,7 @@ func (b *bench) simulate(n int, dir, base string) (r nodesResult, err error) {
 	if r.WatchesBefore, r.APIRSSBefore, err = b.apiServerLoad(); err != nil {
 		return r, err
 	}
+	apiCPU0 := b.apiServerCPU()
 	procs := make([]*framework.Process, n)
 	defer func() {
 		// Stopped in parallel: one by one, SIGTERM and exit take most of a second each.
@@ -214,6 +218,7 @@ func (b *bench) simulate(n int, dir, base string) (r nodesResult, err error) {
 		return r, err
 	}
 	r.summarise(counts)
+	r.APICPU = (b.apiServerCPU() - apiCPU0).Seconds()
 	if r.Watches, r.APIRSSMiB, err = b.apiServerLoad(); err != nil {
 		return r, err
 	}
@@ -297,7 +302,7 @@ func (b *bench) nodeCounts(p *framework.Process) (nodeCount, error) {
 		return c, err
 	}
 	rss, _ := procStatusKB(p.Pid(), "VmRSS")
-	c.peakMiB, c.rssMiB = float64(hwm)/1024, float64(rss)/1024
+	c.peakMiB, c.rssMiB, c.cpuS = float64(hwm)/1024, float64(rss)/1024, cpuTime(p.Pid()).Seconds()
 	if _, err := saveHeapProfile("http://"+p.HTTPAddr, filepath.Join(b.s.Work.LogDir, p.Name+".heap.pprof")); err != nil {
 		return c, err
 	}
@@ -327,6 +332,7 @@ func (r *nodesResult) summarise(counts []nodeCount) {
 	r.PeakMed, r.PeakMax = pick(func(c nodeCount) float64 { return c.peakMiB })
 	r.RSSMed, r.RSSMax = pick(func(c nodeCount) float64 { return c.rssMiB })
 	r.HeapMed, r.HeapMax = pick(func(c nodeCount) float64 { return c.heapMiB })
+	r.CPUMed, r.CPUMax = pick(func(c nodeCount) float64 { return c.cpuS })
 	r.Cached = map[string]float64{}
 	for series := range counts[0].cached {
 		r.Cached[series], _ = pick(func(c nodeCount) float64 { return c.cached[series] })
@@ -340,6 +346,16 @@ func median(vs []float64) float64 {
 		return (vs[m-1] + vs[m]) / 2
 	}
 	return vs[len(vs)/2]
+}
+
+// apiServerCPU is the CPU time the API server used so far.
+func (b *bench) apiServerCPU() time.Duration {
+	for _, p := range b.s.Cluster.Procs {
+		if p.Name == "kube-apiserver" {
+			return cpuTime(p.PID)
+		}
+	}
+	return 0
 }
 
 // apiServerLoad returns the WATCH requests the API server has open and its RSS in MiB.
@@ -395,7 +411,9 @@ func (b *bench) addNodesRows(r nodesResult) {
 	}
 	b.add(Row{Name: pre + "API server WATCH requests per node", Value: (r.Watches - r.WatchesBefore) / float64(r.N), Unit: "",
 		Note: fmt.Sprintf("%.0f open, %.0f before the node processes", r.Watches, r.WatchesBefore)})
+	b.add(Row{Name: pre + "node CPU from start to idle, median", Value: r.CPUMed, Unit: "s", Note: fmt.Sprintf("max %.1f", r.CPUMax)})
 	b.add(Row{Name: pre + "API server RSS", Value: r.APIRSSMiB, Unit: "MiB", Note: fmt.Sprintf("%.0f before the node processes", r.APIRSSBefore)})
+	b.add(Row{Name: pre + "API server CPU, start to idle", Value: r.APICPU, Unit: "s"})
 	b.add(Row{Name: fmt.Sprintf("%s%d claims create->all Bound", pre, r.Claims), Value: r.BoundSeconds, Unit: "s",
 		Note: fmt.Sprintf("%.1f claims/s; %d-%d claims per node", r.ClaimsPerS, r.SpreadMin, r.SpreadMax)})
 }
@@ -420,12 +438,12 @@ func sortedKeys(m map[string]float64) []string {
 // printNodesTable prints the scaling table: one line per N.
 func printNodesTable(rs []nodesResult) {
 	fmt.Printf("\n   simulated nodes (%d claims per node; per node instance: median / max over the nodes)\n", *flagNodeClaims)
-	fmt.Printf("   | %5s | %6s | %-13s | %-13s | %-13s | %-18s | %-14s | %9s |\n",
-		"N", "claims", "peak RSS MiB", "RSS now MiB", "Go heap MiB", "API WATCHes (/node)", "API RSS MiB", "claims/s")
+	fmt.Printf("   | %5s | %6s | %-13s | %-13s | %-13s | %-11s | %-18s | %-14s | %7s | %9s |\n",
+		"N", "claims", "peak RSS MiB", "RSS now MiB", "Go heap MiB", "CPU s", "API WATCHes (/node)", "API RSS MiB", "API CPU", "claims/s")
 	for _, r := range rs {
-		fmt.Printf("   | %5d | %6d | %5.1f / %5.1f | %5.1f / %5.1f | %5.1f / %5.1f | %7.0f (%5.1f)   | %5.0f (+%4.0f) | %9.1f |\n",
-			r.N, r.Claims, r.PeakMed, r.PeakMax, r.RSSMed, r.RSSMax, r.HeapMed, r.HeapMax,
-			r.Watches, (r.Watches-r.WatchesBefore)/float64(r.N), r.APIRSSMiB, r.APIRSSMiB-r.APIRSSBefore, r.ClaimsPerS)
+		fmt.Printf("   | %5d | %6d | %5.1f / %5.1f | %5.1f / %5.1f | %5.1f / %5.1f | %4.1f / %4.1f | %7.0f (%5.1f)   | %5.0f (+%4.0f) | %7.1f | %9.1f |\n",
+			r.N, r.Claims, r.PeakMed, r.PeakMax, r.RSSMed, r.RSSMax, r.HeapMed, r.HeapMax, r.CPUMed, r.CPUMax,
+			r.Watches, (r.Watches-r.WatchesBefore)/float64(r.N), r.APIRSSMiB, r.APIRSSMiB-r.APIRSSBefore, r.APICPU, r.ClaimsPerS)
 		for _, series := range sortedKeys(r.Cached) {
 			fmt.Printf("   |       |        | %s median %.0f\n", series, r.Cached[series])
 		}
