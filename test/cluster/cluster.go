@@ -82,8 +82,8 @@ type Cluster struct {
 	client    kubernetes.Interface
 	stopBeats []context.CancelFunc
 	nodeLock  *os.File
-	// kcmArgs and kcmPort are kube-controller-manager's flags but Options'
-	// ControllerManagerArgs, and its serving port, for RestartControllerManager.
+	// kcmArgs are kube-controller-manager's flags but its serving port (kcmPort) and
+	// Options' ControllerManagerArgs, for RestartControllerManager.
 	kcmArgs []string
 	kcmPort int
 	beatsWG sync.WaitGroup
@@ -246,7 +246,7 @@ func (c *Cluster) startControlPlane(ctx context.Context, opts Options) error {
 	kcmArgs := []string{
 		"--kubeconfig=" + kcmKubeconfig,
 		"--authentication-kubeconfig=" + kcmKubeconfig, "--authorization-kubeconfig=" + kcmKubeconfig,
-		"--bind-address=127.0.0.1", "--secure-port=" + strconv.Itoa(kcmPort),
+		"--bind-address=127.0.0.1",
 		"--cert-dir=" + filepath.Join(c.WorkDir, "kcm-serving"),
 		"--leader-elect=false",
 		"--use-service-account-credentials=true",
@@ -256,7 +256,8 @@ func (c *Cluster) startControlPlane(ctx context.Context, opts Options) error {
 		"--service-cluster-ip-range=" + serviceCIDR,
 	}
 	c.kcmArgs, c.kcmPort = kcmArgs, kcmPort
-	kcm, err := c.start(logDir, "kube-controller-manager", bin("kube-controller-manager"), append(kcmArgs, opts.ControllerManagerArgs...))
+	kcm, err := c.start(logDir, "kube-controller-manager", bin("kube-controller-manager"),
+		append(append(slices.Clone(kcmArgs), "--secure-port="+strconv.Itoa(kcmPort)), opts.ControllerManagerArgs...))
 	if err != nil {
 		return err
 	}
@@ -301,13 +302,18 @@ func (c *Cluster) RestartControllerManager(ctx context.Context, args []string) e
 	if err := c.Procs[i].stop(15 * time.Second); err != nil {
 		return fmt.Errorf("restart kube-controller-manager: %w", err)
 	}
+	// A new port: the old one, just freed, may already be some connection's local port.
+	ports, err := freePorts(1)
+	if err != nil {
+		return err
+	}
 	p, err := startProc(filepath.Join(c.WorkDir, "logs"), c.WorkDir, "kube-controller-manager", c.binPath("kube-controller-manager"),
-		append(slices.Clone(c.kcmArgs), args...), nil, nil)
+		append(append(slices.Clone(c.kcmArgs), "--secure-port="+strconv.Itoa(ports[0])), args...), nil, nil)
 	if err != nil {
 		return err
 	}
 	c.mu.Lock()
-	c.Procs[i] = p
+	c.Procs[i], c.kcmPort = p, ports[0]
 	c.mu.Unlock()
 	return poll(ctx, 60*time.Second, 200*time.Millisecond, "kube-controller-manager /healthz", p,
 		httpOK(insecureHTTPS, fmt.Sprintf("https://127.0.0.1:%d/healthz", c.kcmPort)))
