@@ -731,7 +731,9 @@ func (b *bench) limitSides() []limitSide {
 // only once dirpv has stopped and holds nothing open there.
 func (b *bench) mountLimitBases() error {
 	for _, sd := range b.limitSides() {
-		if err := b.s.MountBtrfs(sd.base, 1<<30, sd.key == "limit"); err != nil {
+		// Larger than a claim (1Gi): dirpv refuses a local volume larger than the base's
+		// free space. The image is sparse; the volumes stay empty.
+		if err := b.s.MountBtrfs(sd.base, 4<<30, sd.key == "limit"); err != nil {
 			return err
 		}
 	}

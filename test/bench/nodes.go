@@ -102,7 +102,8 @@ func (b *bench) nodes() error {
 	base := filepath.Join(dir, "base")
 	// Mounted before any node process starts, so that cleanup (last registered first)
 	// unmounts it only once they have all stopped.
-	if err := b.s.MountBtrfs(base, 2<<30, false); err != nil {
+	// Larger than a claim (1Gi), as dirpv refuses a volume larger than the free space.
+	if err := b.s.MountBtrfs(base, 4<<30, false); err != nil {
 		return err
 	}
 	if b.ctrl == nil {
