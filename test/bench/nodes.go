@@ -160,7 +160,7 @@ func (b *bench) simulate(n int, dir, base string) (r nodesResult, err error) {
 			return nil
 		})
 	}()
-	err = parallel(n, func(i int) error {
+	start := func(i int) error {
 		name := simNodeName(i)
 		own := filepath.Join(dir, name)
 		if err := os.MkdirAll(filepath.Join(own, "registry"), 0o755); err != nil {
@@ -172,9 +172,32 @@ func (b *bench) simulate(n int, dir, base string) (r nodesResult, err error) {
 			"--plugin-registration-dir", filepath.Join(own, "registry")}, b.common...)...)
 		procs[i] = p
 		return err
-	})
-	if err != nil {
+	}
+	if err := parallel(n, start); err != nil {
 		return r, fmt.Errorf("start node processes: %w", err)
+	}
+	// Started in parallel, two processes can be handed the same free port: the second one
+	// exits (address already in use) after the first one's /healthz answered for it. Such a
+	// process is started again, one at a time, on a new port.
+	for attempt := 0; ; attempt++ {
+		var gone []int
+		for i, p := range procs {
+			if exited, _ := p.Exited(); exited {
+				gone = append(gone, i)
+			}
+		}
+		if len(gone) == 0 {
+			break
+		}
+		if attempt == 3 {
+			return r, fmt.Errorf("node processes %v exited after starting:\n%s", gone, procs[gone[0]].Tail(2000))
+		}
+		for _, i := range gone {
+			fmt.Printf("   (node %s exited after starting: started again)\n", simNodeName(i))
+			if err := start(i); err != nil {
+				return r, err
+			}
+		}
 	}
 	fmt.Printf("   (N=%d: %d node processes healthy)\n", n, n)
 	ns := fmt.Sprintf("sim-%d", n)
