@@ -58,7 +58,7 @@ var (
 	flagTimeout  = flag.Duration("phase-timeout", 10*time.Minute, "deadline of each phase")
 	flagBin      = flag.String("dirpv-bin", "", "run this dirpv binary instead of building ./cmd/dirpv (e.g. to compare two builds)")
 	flagPlace    = flag.String("place", "create", `how a claim gets its node: "create" (made with the scheduler's selected-node annotation) or "scheduler" (made unplaced, then updated with it as the scheduler does)`)
-	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,limits,nfs,publish,rss); empty: all. ceiling is always run")
+	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,limits,nfs,publish,nodes,rss,stock); empty: all. ceiling is always run, but for -only nodes")
 )
 
 // Row is one measured figure with its reference.
@@ -97,6 +97,7 @@ type Report struct {
 	LoadAvg   string                        `json:"loadAvg"`
 	Rows      []Row                         `json:"rows"`
 	Goals     []Goal                        `json:"goals"`
+	Targets   []Target                      `json:"targets"`
 	CPU       map[string]map[string]float64 `json:"cpuSecondsByPhase"`
 	Phases    []string                      `json:"phases"`
 }
@@ -184,11 +185,15 @@ func run() (err error) {
 		{"limits", "dirpv local with size limits", b.localLimits},
 		{"nfs", "dirpv nfs bulk+deletion", b.nfsBulk},
 		{"publish", "publish", b.publish},
+		{"nodes", "simulated nodes", b.nodes},
 		{"rss", "rss", b.rss},
+		{"stock", "stock kube-controller-manager", b.stock},
 	}
 	only := b.only
+	// The simulated nodes compare with each other, not with the ceiling.
+	ceiling := !(len(only) == 1 && only["nodes"])
 	for _, s := range steps {
-		wanted := len(only) == 0 || s.group == "ceiling" || only[s.group] || (s.group == "ideal" && (only["local"] || only["nfs"]))
+		wanted := len(only) == 0 || (s.group == "ceiling" && ceiling) || only[s.group] || (s.group == "ideal" && (only["local"] || only["nfs"]))
 		if (s.group == "nfs" && !*flagNFS) || !wanted {
 			continue
 		}
@@ -215,7 +220,9 @@ func run() (err error) {
 		b.report.Phases = append(b.report.Phases, s.name)
 	}
 	b.goals()
+	b.report.Targets = issue14Targets(b.ms, *flagRSSN, *flagN, *flagKCM)
 	b.print()
+	printTargets(b.report.Targets)
 	if *flagJSON != "" {
 		out, _ := json.MarshalIndent(b.report, "", "  ")
 		if err := os.WriteFile(*flagJSON, append(out, '\n'), 0o644); err != nil {
@@ -778,7 +785,9 @@ func (b *bench) limitSides() []limitSide {
 // only once dirpv has stopped and holds nothing open there.
 func (b *bench) mountLimitBases() error {
 	for _, sd := range b.limitSides() {
-		if err := b.s.MountBtrfs(sd.base, 1<<30, sd.key == "limit"); err != nil {
+		// Larger than a claim (1Gi): dirpv refuses a local volume larger than the base's
+		// free space. The image is sparse; the volumes stay empty.
+		if err := b.s.MountBtrfs(sd.base, 4<<30, sd.key == "limit"); err != nil {
 			return err
 		}
 	}

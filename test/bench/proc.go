@@ -113,23 +113,32 @@ func scrape(url string, names ...string) (map[string]float64, error) {
 		return nil, err
 	}
 	out := map[string]float64{}
-	for _, line := range strings.Split(string(b), "\n") {
-		if strings.HasPrefix(line, "#") {
-			continue
-		}
-		for _, n := range names {
-			rest, ok := strings.CutPrefix(line, n)
-			if !ok || (rest != "" && rest[0] != ' ' && rest[0] != '{') {
-				continue
-			}
-			fs := strings.Fields(line)
-			v, err := strconv.ParseFloat(fs[len(fs)-1], 64)
-			if err == nil {
-				out[n] += v
-			}
-		}
+	for _, n := range names {
+		out[n] = sumSamples(string(b), n)
 	}
 	return out, nil
+}
+
+// sumSamples sums the values of the samples of a Prometheus text exposition whose series
+// starts with name (a metric name, or a name with labels) and whose line has every one of labels
+// (e.g. `verb="WATCH"`).
+func sumSamples(text, name string, labels ...string) float64 {
+	var sum float64
+	for _, line := range strings.Split(text, "\n") {
+		rest, ok := strings.CutPrefix(line, name)
+		if !ok || (rest != "" && rest[0] != ' ' && rest[0] != '{') {
+			continue
+		}
+		all := true
+		for _, l := range labels {
+			all = all && strings.Contains(rest, l)
+		}
+		fs := strings.Fields(line)
+		if v, err := strconv.ParseFloat(fs[len(fs)-1], 64); all && err == nil {
+			sum += v
+		}
+	}
+	return sum
 }
 
 // residentBySection returns how many bytes of each loaded section of the ELF binary at path

@@ -17,6 +17,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -81,7 +82,11 @@ type Cluster struct {
 	client    kubernetes.Interface
 	stopBeats []context.CancelFunc
 	nodeLock  *os.File
-	beatsWG   sync.WaitGroup
+	// kcmArgs are kube-controller-manager's flags but its serving port (kcmPort) and
+	// Options' ControllerManagerArgs, for RestartControllerManager.
+	kcmArgs []string
+	kcmPort int
+	beatsWG sync.WaitGroup
 }
 
 const (
@@ -241,7 +246,7 @@ func (c *Cluster) startControlPlane(ctx context.Context, opts Options) error {
 	kcmArgs := []string{
 		"--kubeconfig=" + kcmKubeconfig,
 		"--authentication-kubeconfig=" + kcmKubeconfig, "--authorization-kubeconfig=" + kcmKubeconfig,
-		"--bind-address=127.0.0.1", "--secure-port=" + strconv.Itoa(kcmPort),
+		"--bind-address=127.0.0.1",
 		"--cert-dir=" + filepath.Join(c.WorkDir, "kcm-serving"),
 		"--leader-elect=false",
 		"--use-service-account-credentials=true",
@@ -250,7 +255,9 @@ func (c *Cluster) startControlPlane(ctx context.Context, opts Options) error {
 		"--cluster-signing-cert-file=" + p.path("ca.crt"), "--cluster-signing-key-file=" + p.path("ca.key"),
 		"--service-cluster-ip-range=" + serviceCIDR,
 	}
-	kcm, err := c.start(logDir, "kube-controller-manager", bin("kube-controller-manager"), append(kcmArgs, opts.ControllerManagerArgs...))
+	c.kcmArgs, c.kcmPort = kcmArgs, kcmPort
+	kcm, err := c.start(logDir, "kube-controller-manager", bin("kube-controller-manager"),
+		append(append(slices.Clone(kcmArgs), "--secure-port="+strconv.Itoa(kcmPort)), opts.ControllerManagerArgs...))
 	if err != nil {
 		return err
 	}
@@ -280,6 +287,36 @@ func (c *Cluster) startControlPlane(ctx context.Context, opts Options) error {
 		}
 		return err == nil, err
 	})
+}
+
+// RestartControllerManager stops kube-controller-manager and starts it again with args in
+// place of Options.ControllerManagerArgs (e.g. none: its stock client limits), so that one
+// cluster can measure both; it returns once the new one is healthy.
+func (c *Cluster) RestartControllerManager(ctx context.Context, args []string) error {
+	c.mu.Lock()
+	i := slices.IndexFunc(c.Procs, func(p *Proc) bool { return p.Name == "kube-controller-manager" })
+	c.mu.Unlock()
+	if i < 0 || c.kcmArgs == nil {
+		return errors.New("restart kube-controller-manager: not started by this process")
+	}
+	if err := c.Procs[i].stop(15 * time.Second); err != nil {
+		return fmt.Errorf("restart kube-controller-manager: %w", err)
+	}
+	// A new port: the old one, just freed, may already be some connection's local port.
+	ports, err := freePorts(1)
+	if err != nil {
+		return err
+	}
+	p, err := startProc(filepath.Join(c.WorkDir, "logs"), c.WorkDir, "kube-controller-manager", c.binPath("kube-controller-manager"),
+		append(append(slices.Clone(c.kcmArgs), "--secure-port="+strconv.Itoa(ports[0])), args...), nil, nil)
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	c.Procs[i], c.kcmPort = p, ports[0]
+	c.mu.Unlock()
+	return poll(ctx, 60*time.Second, 200*time.Millisecond, "kube-controller-manager /healthz", p,
+		httpOK(insecureHTTPS, fmt.Sprintf("https://127.0.0.1:%d/healthz", c.kcmPort)))
 }
 
 // start starts a component and records it so Stop finds it even if Start fails later.
