@@ -1,7 +1,11 @@
 package main
 
 import (
+	"net/http"
+	"net/http/httptest"
+	"net/http/pprof"
 	"os"
+	"runtime"
 	"testing"
 )
 
@@ -35,5 +39,35 @@ func TestPageOutBinaryDropsResidentPages(t *testing.T) {
 	}
 	if after := resident(); after >= before/2 {
 		t.Errorf("resident .rodata+.gopclntab of the test binary: %d bytes before MADV_PAGEOUT, %d after; want less than half", before, after)
+	}
+}
+
+// heapStats reads the live heap of a process serving pprof: 32 MiB held live shows in it, and
+// is gone from it once dropped, whatever garbage is around.
+func TestHeapStatsIsLiveHeap(t *testing.T) {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	const held = 32 << 20
+	live := make([]byte, held)
+	for i := range live {
+		live[i] = 1
+	}
+	with, inuse, err := heapStats(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if with < held || inuse < with {
+		t.Fatalf("with %d bytes held: HeapAlloc %.0f, HeapInuse %.0f; want HeapInuse >= HeapAlloc >= %d", held, with, inuse, held)
+	}
+	runtime.KeepAlive(live)
+	live = nil
+	without, _, err := heapStats(srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if with-without < held/2 {
+		t.Errorf("HeapAlloc %.0f with %d bytes held, %.0f after dropping them; want the difference after a GC", with, held, without)
 	}
 }
