@@ -951,9 +951,12 @@ func (b *bench) rss() error {
 			}
 			m, _ := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_stack_inuse_bytes")
 			b.ms["rss."+p.Args[0]+"."+what] = float64(hwm) / 1024
-			note := fmt.Sprintf("now %.1f MiB RSS = %.1f anon (Go heap: %.1f live, %.1f in spans; stacks %.1f) + %.1f file-backed (%s)",
+			// What GC tuning costs shows in the CPU time (the processes started with this phase).
+			cpu := cpuTime(pid).Seconds()
+			b.ms["cpu."+p.Args[0]+"."+what] = cpu
+			note := fmt.Sprintf("now %.1f MiB RSS = %.1f anon (Go heap: %.1f live, %.1f in spans; stacks %.1f) + %.1f file-backed (%s); CPU %.2f s since start",
 				float64(rss)/1024, float64(anon)/1024, live/(1<<20), inuse/(1<<20), m["go_memstats_stack_inuse_bytes"]/(1<<20),
-				float64(file)/1024, sectionsNote(secs))
+				float64(file)/1024, sectionsNote(secs), cpu)
 			b.add(Row{Name: fmt.Sprintf("dirpv %s peak RSS (VmHWM), %s", p.Args[0], what), Value: float64(hwm) / 1024, Unit: "MiB",
 				Ref: peerRSSRef, RefValue: peerRSSMiB, Note: note})
 			fmt.Printf("   (%s %s)\n", p.Args[0], note)
@@ -988,8 +991,8 @@ func (b *bench) rss() error {
 
 // memoryFigures returns the rss phase's figures under stable names: for node and controller,
 // the peak RSS over the phase (MiB) and its ratio to the best peer's, the largest Go heap
-// growth, scaled to 1000 PVs (MiB), and its ratio to the goal; the binary's working set; the
-// floor; and the references themselves.
+// growth, scaled to 1000 PVs (MiB), and its ratio to the goal; its CPU time while binding the
+// PVs; the binary's working set; the floor; and the references themselves.
 func (b *bench) memoryFigures() map[string]float64 {
 	out := map[string]float64{
 		"peerRSSMiB":                  peerRSSMiB,
@@ -1014,6 +1017,9 @@ func (b *bench) memoryFigures() map[string]float64 {
 		out[proc+"PeakRSSVsPeer"] = peak / peerRSSMiB
 		out[proc+"HeapGrowthMiBPer1000PVs"] = heap
 		out[proc+"HeapGrowthVsGoal"] = heap / heapGrowthGoalMiB
+		if v, ok := b.ms[fmt.Sprintf("cpu.%s.provisioning %d", proc, *flagRSSN)]; ok {
+			out[proc+"CPUSecondsProvisioning"] = v
+		}
 		if v, ok := b.ms["ws."+proc]; ok {
 			out[proc+"BinaryWorkingSetMiB"] = v
 		}
