@@ -15,7 +15,7 @@ FUZZTIME    ?= 10m
 all: build
 
 build:
-	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/dirpv ./cmd/dirpv
+	CGO_ENABLED=0 $(GO) build -trimpath -tags grpcnotrace -ldflags '$(LDFLAGS)' -o bin/dirpv ./cmd/dirpv
 
 ## test: lint, then every tier in order: unit + csi-sanity, integration, end to end, real kernel,
 ## Kubernetes' External Storage suite (conformance: ~4.5 min warm, +3.5 min to build e2e.test

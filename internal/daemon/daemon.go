@@ -112,6 +112,7 @@ var checkKernel = volume.CheckKernel
 // holding the lease provisions; on shutdown it finishes its work, releases its NFS mounts and
 // then the lease, and returns nil. It returns an error if the lease is lost while running.
 func RunController(ctx context.Context, cfg ControllerConfig) error {
+	tuneGC()
 	if err := checkKernel(); err != nil {
 		return err
 	}

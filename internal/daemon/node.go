@@ -51,6 +51,7 @@ const DefaultBasePath = provisioner.DefaultBasePath
 // RunNode serves the CSI node plugin, and the local-class provisioner for this node, until ctx
 // is done.
 func RunNode(ctx context.Context, cfg NodeConfig) error {
+	tuneGC()
 	if err := checkKernel(); err != nil {
 		return err
 	}

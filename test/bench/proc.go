@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"debug/elf"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -279,4 +280,43 @@ func copyUncached(src, dst string) error {
 		return fmt.Errorf("drop %s from the page cache: %w", dst, err)
 	}
 	return f.Close()
+}
+
+// heapStats returns HeapAlloc (the live heap) and HeapInuse of the dirpv process serving base
+// (run with --profiling), read right after a GC: the text heap profile ends with the
+// runtime.MemStats that the handler reads after the GC it runs for gc=1.
+func heapStats(base string) (alloc, inuse float64, err error) {
+	hc := &http.Client{Timeout: 30 * time.Second}
+	resp, err := hc.Get(base + "/debug/pprof/heap?gc=1&debug=1")
+	if err != nil {
+		return 0, 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return 0, 0, fmt.Errorf("heap profile: %s (run dirpv with --profiling)", resp.Status)
+	}
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0, 0, err
+	}
+	return parseMemStats(string(body))
+}
+
+// parseMemStats reads HeapAlloc and HeapInuse from a debug=1 heap profile.
+func parseMemStats(profile string) (alloc, inuse float64, err error) {
+	found := 0
+	for _, line := range strings.Split(profile, "\n") {
+		for name, dst := range map[string]*float64{"# HeapAlloc = ": &alloc, "# HeapInuse = ": &inuse} {
+			if v, ok := strings.CutPrefix(line, name); ok {
+				if *dst, err = strconv.ParseFloat(strings.TrimSpace(v), 64); err != nil {
+					return 0, 0, fmt.Errorf("heap profile line %q: %w", line, err)
+				}
+				found++
+			}
+		}
+	}
+	if found != 2 {
+		return 0, 0, errors.New("heap profile has no runtime.MemStats (HeapAlloc, HeapInuse)")
+	}
+	return alloc, inuse, nil
 }

@@ -21,6 +21,8 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
+
+	"github.com/dirpv/dirpv/test/image"
 )
 
 // RepoRoot is the module's root directory, found from this source file.
@@ -35,11 +37,13 @@ var (
 	buildErr  error
 )
 
-// BuildDirpv builds cmd/dirpv once per process into dir and returns the binary's path.
+// BuildDirpv builds cmd/dirpv once per process into dir and returns the binary's path. It is
+// built as it ships (image.DirpvBuildArgs): what the tests and the bench run, and measure, is
+// the released binary.
 func BuildDirpv(ctx context.Context, dir string) (string, error) {
 	buildOnce.Do(func() {
 		out := filepath.Join(dir, "dirpv")
-		cmd := exec.CommandContext(ctx, "go", "build", "-o", out, "./cmd/dirpv")
+		cmd := exec.CommandContext(ctx, "go", append(image.DirpvBuildArgs("dev"), "-o", out, "./cmd/dirpv")...)
 		cmd.Dir = RepoRoot()
 		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 		if b, err := cmd.CombinedOutput(); err != nil {

@@ -216,8 +216,21 @@ func DirpvLDFlags(version string) string {
 	return "-s -w -X github.com/dirpv/dirpv/internal/daemon.Version=" + version
 }
 
+// DirpvTags are the build tags of the Dockerfile and the Makefile's build target. grpcnotrace
+// leaves out gRPC's golang.org/x/net/trace, whose html/template (text/template's reflective
+// method calls) makes the linker keep every exported method of every type it keeps: without
+// it the binary has 27 MiB of code instead of 16, and a process has 8 MiB more of it resident
+// from startup on. dirpv never enables gRPC's tracing, nor serves http.DefaultServeMux where
+// it would show.
+const DirpvTags = "grpcnotrace"
+
+// DirpvBuildArgs are the arguments of `go build` for the binary that ships, before -o.
+func DirpvBuildArgs(version string) []string {
+	return []string{"build", "-trimpath", "-tags", DirpvTags, "-ldflags", DirpvLDFlags(version)}
+}
+
 func buildDirpv(ctx context.Context, moduleDir, version, out string) error {
-	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags", DirpvLDFlags(version), "-o", out, "./cmd/dirpv")
+	cmd := exec.CommandContext(ctx, "go", append(DirpvBuildArgs(version), "-o", out, "./cmd/dirpv")...)
 	cmd.Dir = moduleDir
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH=amd64")
 	var stderr bytes.Buffer
