@@ -47,8 +47,9 @@ type sourceTree struct {
 	attrs volume.Attributes
 	// mountOptions mount the source's NFS export.
 	mountOptions []string
-	// node holds a local source.
-	node string
+	// node holds a local source, and hostname is that node's kubernetes.io/hostname label,
+	// which a pod's nodeAffinity names.
+	node, hostname string
 	// size is the source's size; the new claim must ask for at least as much.
 	size resource.Quantity
 	// protect, if set, keeps the source from going away while it is copied.
@@ -133,7 +134,7 @@ func (p *Provisioner) resolveDataSource(ctx context.Context, claim *v1.Persisten
 			"%s lives on node %s, and a local volume is copied on the node that holds it, but the scheduler chose node %s: "+
 				"make the pod that uses this claim run on node %s (for example a nodeAffinity on %s In [%s]); "+
 				"asking the scheduler to choose again",
-			src.what, src.node, p.cfg.NodeName, src.node, v1.LabelHostname, src.node)
+			src.what, src.node, p.cfg.NodeName, src.node, v1.LabelHostname, src.hostname)
 	}
 	if attrs.Backend == volume.BackendNFS && !p.servesExport(src.attrs.Server, src.attrs.Share) {
 		// A PV names any server; the controller mounts only those its classes name.
@@ -192,12 +193,28 @@ func resolveClaimSource(ctx context.Context, p *Provisioner, claim *v1.Persisten
 		attrs:        attrs,
 		mountOptions: pv.Spec.MountOptions,
 		node:         pv.Annotations[AnnNode],
+		hostname:     affinityHostname(pv),
 		size:         pv.Spec.Capacity[v1.ResourceStorage],
 		protect: func(ctx context.Context) error {
 			return p.protectClaim(ctx, claim.Namespace, name)
 		},
 	}
 	return tree, nil
+}
+
+// affinityHostname returns the hostname a local PV's node affinity names (buildPV), or its
+// node's name.
+func affinityHostname(pv *v1.PersistentVolume) string {
+	if a := pv.Spec.NodeAffinity; a != nil && a.Required != nil {
+		for _, term := range a.Required.NodeSelectorTerms {
+			for _, e := range term.MatchExpressions {
+				if e.Key == v1.LabelHostname && e.Operator == v1.NodeSelectorOpIn && len(e.Values) == 1 {
+					return e.Values[0]
+				}
+			}
+		}
+	}
+	return pv.Annotations[AnnNode]
 }
 
 // apiTimeout bounds each API call dirpv makes on its own.
