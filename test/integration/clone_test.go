@@ -22,6 +22,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/dirpv/dirpv/internal/failpoint"
 	"github.com/dirpv/dirpv/test/framework"
 )
 
@@ -46,9 +47,10 @@ func volumeDir(pv *v1.PersistentVolume) string {
 
 // writeTree fills dir with every kind of entry a copy must keep: regular files with odd
 // modes and owners, a large sparse file, hard links, a symlink to a file outside (which a copy
-// must never follow), a relative symlink leading out, directories, a FIFO and, if xattrs,
-// an extended attribute.
-func writeTree(t *testing.T, dir, outside string, xattrs bool) {
+// must never follow), a relative symlink leading out, directories and, if local, a FIFO and
+// an extended attribute (the FUSE NFS client of the integration tier has neither mknod nor
+// xattrs; the VM tier's kernel client does).
+func writeTree(t *testing.T, dir, outside string, local bool) {
 	t.Helper()
 	must := func(err error) {
 		t.Helper()
@@ -73,10 +75,10 @@ func writeTree(t *testing.T, dir, outside string, xattrs bool) {
 	must(f.Close())
 	must(os.Symlink(filepath.Join(outside, "target"), filepath.Join(dir, "out")))
 	must(os.Symlink("../../../etc/passwd", filepath.Join(dir, "sub", "up")))
-	must(unix.Mkfifo(filepath.Join(dir, "fifo"), 0o600))
 	past := time.Date(2020, 1, 2, 3, 4, 5, 0, time.UTC)
 	must(os.Chtimes(filepath.Join(dir, "a.txt"), past, past))
-	if xattrs {
+	if local {
+		must(unix.Mkfifo(filepath.Join(dir, "fifo"), 0o600))
 		must(unix.Lsetxattr(filepath.Join(dir, "a.txt"), "user.dirpv-test", []byte("kept"), 0))
 	}
 }
@@ -381,5 +383,57 @@ func TestCloneNFSClaim(t *testing.T) {
 	}
 	if f := claimFinalizers(t, ns, "src"); !slices.Contains(f, cloningProtection) {
 		t.Errorf("source claim finalizers %v, want %s", f, cloningProtection)
+	}
+}
+
+// A node instance killed in the middle of a clone's copy (failpoint.DuringCopy), then
+// restarted: the half-made copy under its temporary name is no PV, and after the restart the
+// clone binds with a complete copy and nothing temporary is left.
+func TestCloneKilledMidCopyRestarts(t *testing.T) {
+	ctx := context.Background()
+	const (
+		node  = "node-clone-kill"
+		files = 20_000
+		point = failpoint.DuringCopy
+	)
+	proc := startNodeInstance(t, node, failpoint.Env+"="+point+":"+fmt.Sprint(files/2))
+	ns := suite.NewNamespace(t)
+	class, base := localClass(t, nil)
+	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(node))
+	_, srcPV := waitBound(t, ns, "src")
+	fillOnServer(t, volumeDir(srcPV), files)
+
+	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(node), cloneOf("src"))
+	if err := framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
+		exited, _ := proc.Exited()
+		return exited, errors.New("the node instance is still running")
+	}); err != nil {
+		t.Fatalf("%v\n--- log tail:\n%s", err, proc.Tail(3000))
+	}
+	_, exitErr := proc.Exited()
+	if !strings.Contains(proc.Tail(4000), "failpoint "+point+" reached") || exitErr == nil || !strings.Contains(exitErr.Error(), "killed") {
+		t.Fatalf("the node instance exited (%v) but not at failpoint %s:\n%s", exitErr, point, proc.Tail(3000))
+	}
+	temps := tempDirs(t, base)
+	if len(temps) != 1 {
+		t.Fatalf("base after the kill holds %v, want the source and one temporary directory", entries(t, base))
+	}
+	if n := countFiles(t, filepath.Join(base, temps[0])); n == 0 || n >= files {
+		t.Errorf("the killed copy holds %d of %d files, want a part", n, files)
+	}
+	if pvs := pvsOf(t, ns); len(pvs) != 1 {
+		t.Fatalf("PVs after the kill: %v, want only the source's", pvs)
+	}
+
+	proc.Env = nil
+	if err := proc.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	_, pv := waitBound(t, ns, "copy")
+	if n := countFiles(t, volumeDir(pv)); n != files {
+		t.Errorf("clone after the restart holds %d files, want %d", n, files)
+	}
+	if left := tempDirs(t, base); len(left) != 0 {
+		t.Errorf("temporary directories left after the restart: %v", left)
 	}
 }
