@@ -84,9 +84,10 @@ func writeTree(t *testing.T, dir, outside string, local bool) {
 }
 
 // checkSameTree fails unless clone holds what source does: names, types, modes, owners,
-// contents and link targets (framework.SnapshotTree), hard links still linked, the sparse
-// file still sparse, mtimes and, if xattrs, extended attributes.
-func checkSameTree(t *testing.T, source, clone string, xattrs bool) {
+// contents and link targets (framework.SnapshotTree), hard links still linked, mtimes and, if
+// local, the sparse file still sparse and extended attributes (NFSv3, which the integration
+// tier's FUSE client speaks, has no SEEK_HOLE nor xattrs).
+func checkSameTree(t *testing.T, source, clone string, local bool) {
 	t.Helper()
 	// Markers dirpv keeps beside a volume's contents are its own.
 	skip := func(rel string) bool { return strings.HasPrefix(filepath.Base(rel), ".dirpv-") }
@@ -103,13 +104,13 @@ func checkSameTree(t *testing.T, source, clone string, xattrs bool) {
 	if a.Ino != h.Ino || a.Ino != h2.Ino || a.Nlink != 3 {
 		t.Errorf("hard links in the clone: a.txt inode %d (%d links), hard %d, sub/hard2 %d; want one inode with 3 links", a.Ino, a.Nlink, h.Ino, h2.Ino)
 	}
-	if used := sp.Blocks * 512; used > 1<<20 {
+	if used := sp.Blocks * 512; local && used > 1<<20 {
 		t.Errorf("sparse file of %d bytes uses %d bytes in the clone: its holes were filled", sp.Size, used)
 	}
 	if got := time.Unix(a.Mtim.Unix()); !got.Equal(time.Date(2020, 1, 2, 3, 4, 5, 0, time.UTC)) {
 		t.Errorf("a.txt mtime in the clone %s, want the source's 2020-01-02T03:04:05Z", got.UTC())
 	}
-	if xattrs {
+	if local {
 		buf := make([]byte, 64)
 		n, err := unix.Lgetxattr(filepath.Join(clone, "a.txt"), "user.dirpv-test", buf)
 		if err != nil || string(buf[:n]) != "kept" {
