@@ -94,7 +94,9 @@ var ErrSourceMoved = errors.New("was moved while it was being copied")
 // Where the base is btrfs, the target limited and the source a subvolume of the same file
 // system (a limited volume, or a snapshot of one), the new volume is a snapshot of it
 // (MethodBtrfsSnapshot) given its own qgroup limit, which fails if the source already uses
-// more. Elsewhere each file is cloned (FICLONE) where the file system can, copied otherwise.
+// more. A snapshot keeps the subvolume as it is, device nodes included: leaving them out would
+// mean walking the tree the snapshot spares; the clone is in the source's namespace, and the
+// node was already as exposed in the source. Elsewhere each file is cloned (FICLONE) where the file system can, copied otherwise.
 // A copy that does not fit the limit fails with an error wrapping unix.EDQUOT or ENOSPC.
 func (r *Root) MkdirAllFrom(ctx context.Context, rel string, claim Claim, limit uint64, src Source) (created bool, id quota.ID, stats CopyStats, err error) {
 	if src.Root == nil {
@@ -134,6 +136,36 @@ type copyFrom struct {
 	src   Source
 	fd    int // the source's root directory
 	stats *CopyStats
+}
+
+// snapshot makes name in parentFd a btrfs snapshot of the source, if there is one and it is a
+// subvolume of fs, btrfs with quota on; it reports false, having made nothing, if not.
+func (f *copyFrom) snapshot(fs *quota.FS, parentFd int, name string) (bool, error) {
+	if f == nil || fs.Kind() != quota.Btrfs {
+		return false, nil
+	}
+	err := quota.Snapshot(f.fd, parentFd, name, false)
+	if errors.Is(err, quota.ErrNoSnapshot) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("snapshot %s in %s: %w", f.src.Rel, f.src.Root.path, err)
+	}
+	f.stats.Method = MethodBtrfsSnapshot
+	return true, nil
+}
+
+// checkFits fails, wrapping EDQUOT, if the volume open at fd, limited by id, already holds
+// more than its limit: a snapshot of a source bigger than the new volume may hold.
+func checkFits(fs *quota.FS, fd int, id quota.ID) error {
+	u, err := fs.Usage(fd, id)
+	if err != nil {
+		return fmt.Errorf("read the snapshot's usage: %w", err)
+	}
+	if u.LimitBytes > 0 && u.UsedBytes > u.LimitBytes {
+		return fmt.Errorf("the source holds %d bytes, more than the new volume's limit of %d: %w", u.UsedBytes, u.LimitBytes, unix.EDQUOT)
+	}
+	return nil
 }
 
 // openSourceDir opens the directory rel of root as a copy source: read-only, and without
@@ -407,12 +439,14 @@ func (c *copier) copyEntry(name string) error {
 	return nil
 }
 
-// openBeneath opens name in dirFd without following symlinks or leaving dirFd.
+// openBeneath opens name in dirFd without following symlinks or leaving dirFd. A file it
+// creates has mode 0600.
 func openBeneath(dirFd int, name string, flags int) (int, error) {
-	return unix.Openat2(dirFd, name, &unix.OpenHow{
-		Flags:   uint64(flags | unix.O_NOFOLLOW | unix.O_CLOEXEC),
-		Resolve: resolveBeneath,
-	})
+	how := &unix.OpenHow{Flags: uint64(flags | unix.O_NOFOLLOW | unix.O_CLOEXEC), Resolve: resolveBeneath}
+	if flags&unix.O_CREAT != 0 {
+		how.Mode = 0o600
+	}
+	return unix.Openat2(dirFd, name, how)
 }
 
 // openSource opens name in the current source directory, without updating its access time
@@ -538,7 +572,10 @@ func (c *copier) copyFile(name string, lst *unix.Stat_t) (bool, error) {
 // copyData makes the file open at dst hold the data of src, size bytes: a clone of it where
 // the file system can, else a copy of its data extents only, so holes stay holes.
 func (c *copier) copyData(dst, src int, size int64) error {
-	if !c.noReflink && size > 0 {
+	if size == 0 {
+		return nil // no data: neither cloned nor copied
+	}
+	if !c.noReflink {
 		err := unix.IoctlFileClone(dst, src)
 		switch {
 		case err == nil:

@@ -416,14 +416,19 @@ func (r *Root) adopt(parentFd int, name, rel string, claim Claim) (quota.ID, err
 // left empty).
 func (r *Root) makeMarked(parentFd int, name string, owner Owner, claim Claim, limit uint64, from *copyFrom) (quota.ID, error) {
 	var fs *quota.FS
+	snapshot := false
 	if limit > 0 {
 		var err error
 		if fs, err = r.Quota(); err != nil {
 			return quota.ID{}, err
 		}
-		err = fs.Mkdir(parentFd, name, owner.Mode&0o777)
-		if err != nil {
+		if snapshot, err = from.snapshot(fs, parentFd, name); err != nil {
 			return quota.ID{}, err
+		}
+		if !snapshot {
+			if err := fs.Mkdir(parentFd, name, owner.Mode&0o777); err != nil {
+				return quota.ID{}, err
+			}
 		}
 	} else if err := unix.Mkdirat(parentFd, name, owner.Mode&0o777); err != nil {
 		return quota.ID{}, fmt.Errorf("mkdir: %w", err)
@@ -447,11 +452,16 @@ func (r *Root) makeMarked(parentFd int, name string, owner Owner, claim Claim, l
 		if id, err = fs.SetLimit(fd, limit); err != nil {
 			return quota.ID{}, fmt.Errorf("set size limit: %w", err)
 		}
+		if snapshot {
+			if err := checkFits(fs, fd, id); err != nil {
+				return quota.ID{}, err
+			}
+		}
 	}
 	if err := r.writeMarker(parentFd, fd, claim, id.String()); err != nil {
 		return quota.ID{}, err
 	}
-	if from != nil {
+	if from != nil && !snapshot {
 		if err := from.fill(fd, r.xattr); err != nil {
 			return quota.ID{}, err
 		}
