@@ -72,6 +72,18 @@ mkfifo fifo; touch -d '2020-01-02 03:04:05' a.txt; sync
 		t.Errorf("the clone's pod sees\n%s\nthe source's pod saw\n%s", got, want)
 	}
 	cloneDir := volumeDir(t, ns, "copy")
+	// What the pods cannot see: extended attributes, hard-link groups, nanosecond mtimes.
+	wantHash, err := framework.TreeHash(srcDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gotHash, err := framework.TreeHash(cloneDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := framework.DiffSnapshots(wantHash, gotHash); len(d) > 0 {
+		t.Errorf("the clone on the node differs from its source:\n%s", strings.Join(d, "\n"))
+	}
 	buf := make([]byte, 16)
 	if n, err := unix.Lgetxattr(filepath.Join(cloneDir, "a.txt"), "user.dirpv-test", buf); err != nil || string(buf[:n]) != "kept" {
 		t.Errorf("xattr in the clone: %q, %v", buf[:max(n, 0)], err)
