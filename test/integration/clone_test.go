@@ -277,6 +277,12 @@ func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 		t.Errorf("event %s %q: want a Warning that says to pin the pod to %s", ev.Type, ev.Message, nodeA)
 	}
 	noPVFor(t, ns, "copy")
+	// The controller, which sees the claim unplaced between two tries, finds nothing wrong
+	// with it, and node-b runs the plugin.
+	if hasEvent(ctx, t, ns, "copy", "ProvisioningFailed", "dirpv cannot provision this claim") ||
+		hasEvent(ctx, t, ns, "copy", "NodePluginMissing", "") {
+		t.Errorf("the controller misreported the clone: %s", framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy"))
+	}
 
 	// The user follows the event: the pod goes to the source's node.
 	if err := suite.Client.CoreV1().Pods(ns).Delete(ctx, "app", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
