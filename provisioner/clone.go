@@ -54,6 +54,25 @@ type sourceTree struct {
 	size resource.Quantity
 	// protect, if set, keeps the source from going away while it is copied.
 	protect func(context.Context) error
+	// owner, if set, is the claim the source directory's marker must name (or name none, for
+	// volumes made before markers named owners): a PV, which whoever may create PVs can
+	// write, must not point a clone at another claim's data.
+	owner *volume.Claim
+}
+
+// checkSourceOwner refuses a source tree whose marker names another claim than src.owner.
+func checkSourceOwner(from *volume.Root, src *sourceTree) error {
+	if src.owner == nil {
+		return nil
+	}
+	got, _, err := from.VolumeOwner(src.attrs.Path)
+	if err != nil {
+		return fmt.Errorf("%s: %w", src.what, err)
+	}
+	if got.UID != "" && got.UID != src.owner.UID {
+		return fmt.Errorf("the directory %s of %s belongs to another claim's volume; refusing to copy it", src.attrs.Path, src.what)
+	}
+	return nil
 }
 
 // resolveSource finds the tree a data source of some kind names, in the claim's namespace.
@@ -198,6 +217,7 @@ func resolveClaimSource(ctx context.Context, p *Provisioner, claim *v1.Persisten
 		protect: func(ctx context.Context) error {
 			return p.protectClaim(ctx, claim.Namespace, name)
 		},
+		owner: &volume.Claim{UID: string(src.UID), PVName: pv.Name},
 	}
 	return tree, nil
 }

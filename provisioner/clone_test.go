@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/dirpv/dirpv/volume"
 )
 
 // A copy that outlasts the inline wait goes on in the background: the first call gets no job,
@@ -87,5 +89,26 @@ func TestCopyJobsDeadlineAndStop(t *testing.T) {
 	}
 	if _, err := j.run(context.Background(), "new", "src", time.Hour, wait, nil); !errors.Is(err, errCopyStopped) {
 		t.Errorf("copy after stop: %v, want errCopyStopped", err)
+	}
+}
+
+// A source PV pointing at a directory another claim's marker names is refused.
+func TestCheckSourceOwner(t *testing.T) {
+	root, err := volume.OpenRoot(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	if _, err := root.MkdirAll("vol", volume.Owner{Mode: 0o755, UID: -1, GID: -1}, volume.Claim{UID: "mine", PVName: "pv-mine"}); err != nil {
+		t.Fatal(err)
+	}
+	src := func(uid string) *sourceTree {
+		return &sourceTree{what: "source", attrs: volume.Attributes{Path: "vol"}, owner: &volume.Claim{UID: uid}}
+	}
+	if err := checkSourceOwner(root, src("mine")); err != nil {
+		t.Errorf("the source's own directory: %v", err)
+	}
+	if err := checkSourceOwner(root, src("theirs")); err == nil || !strings.Contains(err.Error(), "belongs to another claim") {
+		t.Errorf("another claim's directory: %v, want a refusal", err)
 	}
 }

@@ -391,6 +391,9 @@ func (p *Provisioner) makeVolume(ctx context.Context, attrs volume.Attributes, m
 		var err error
 		switch {
 		case from != nil:
+			if err := checkSourceOwner(from, src); err != nil {
+				return err
+			}
 			m.created, id, m.stats, err = root.MkdirAllFrom(ctx, rel, owner, limit, volume.Source{Root: from, Rel: src.attrs.Path})
 		case limit > 0:
 			m.created, id, err = root.MkdirAllLimited(rel, params.owner, owner, limit)
