@@ -99,11 +99,24 @@ mkfifo fifo; touch -d '2020-01-02 03:04:05' a.txt; sync
 	if err := unix.Lstat(cloneDir, &st); err != nil || st.Ino != 256 {
 		t.Errorf("clone directory inode %d (%v): want a btrfs subvolume (256)", st.Ino, err)
 	}
-	pvc, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "copy", metav1.GetOptions{})
+	// The node plugin's log says how the tree was copied: on a btrfs base whose volumes are
+	// subvolumes, by snapshot.
+	pods, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
+	if err != nil || len(pods.Items) != 1 {
+		t.Fatalf("dirpv node pods: %v, %v", pods, err)
+	}
+	logs, err := suite.Client.CoreV1().Pods("dirpv").GetLogs(pods.Items[0].Name, &v1.PodLogOptions{Container: "node"}).DoRaw(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	// Set only when the copy outlived Provision's inline wait; the node's log says how it was
-	// copied in any case.
-	t.Logf("clone of %s: %q", srcDir, pvc.Annotations["dirpv.io/copied-from"])
+	var copied string
+	for _, l := range strings.Split(string(logs), "\n") {
+		if strings.Contains(l, "Copied data source into the new volume") && strings.Contains(l, ns+"/src") {
+			copied = l
+		}
+	}
+	t.Logf("node plugin: %s", copied)
+	if !strings.Contains(copied, "by btrfs-snapshot") {
+		t.Errorf("the clone on btrfs was not made by a btrfs snapshot: %q", copied)
+	}
 }
