@@ -105,7 +105,7 @@ mkfifo fifo; touch -d '2020-01-02 03:04:05' a.txt; sync
 	if err != nil || len(pods.Items) != 1 {
 		t.Fatalf("dirpv node pods: %v, %v", pods, err)
 	}
-	logs, err := suite.Client.CoreV1().Pods("dirpv").GetLogs(pods.Items[0].Name, &v1.PodLogOptions{Container: "node"}).DoRaw(ctx)
+	logs, err := suite.Client.CoreV1().Pods("dirpv").GetLogs(pods.Items[0].Name, &v1.PodLogOptions{Container: "dirpv"}).DoRaw(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
