@@ -147,6 +147,7 @@ var wantRules = map[string][]rbacv1.PolicyRule{
 		// driverOwner: the CSIDriver owns the controller's CSIStorageCapacity objects.
 		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"csidrivers"}, ResourceNames: []string{"dirpv.io"}, Verbs: []string{"get"}},
 		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
+		snapshotRules[0], snapshotRules[1], snapshotRules[2], snapshotRules[3],
 	},
 	// The capacity controller (external-provisioner's pkg/capacity) watches, creates, updates
 	// and deletes its own objects in dirpv's namespace, and never gets one.
@@ -164,7 +165,17 @@ var wantRules = map[string][]rbacv1.PolicyRule{
 		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"storageclasses"}, Verbs: []string{"get", "list", "watch"}},
 		{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get"}},
 		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
+		snapshotRules[0], snapshotRules[1], snapshotRules[2], snapshotRules[3],
 	},
+}
+
+// snapshotRules are the in-process sidecar controller's (external-snapshotter's
+// pkg/sidecar-controller) and restore's, in the controller (NFS) and each node (local).
+var snapshotRules = []rbacv1.PolicyRule{
+	{APIGroups: []string{"snapshot.storage.k8s.io"}, Resources: []string{"volumesnapshotclasses"}, Verbs: []string{"get", "list", "watch"}},
+	{APIGroups: []string{"snapshot.storage.k8s.io"}, Resources: []string{"volumesnapshotcontents"}, Verbs: []string{"get", "list", "watch", "update", "patch"}},
+	{APIGroups: []string{"snapshot.storage.k8s.io"}, Resources: []string{"volumesnapshotcontents/status"}, Verbs: []string{"update", "patch"}},
+	{APIGroups: []string{"snapshot.storage.k8s.io"}, Resources: []string{"volumesnapshots"}, Verbs: []string{"get"}},
 }
 
 var capacityRules = []rbacv1.PolicyRule{
@@ -197,8 +208,10 @@ func TestRBACLeastPrivilege(t *testing.T) {
 						}
 					}
 					for _, res := range r.Resources {
-						// The one subresource: external-resizer's controller patches claims' status.
-						if res == "secrets" || res == "configmaps" || (strings.Contains(res, "/") && res != "persistentvolumeclaims/status") {
+						// The subresources: external-resizer's controller patches claims' status,
+						// the snapshot sidecar its contents'.
+						if res == "secrets" || res == "configmaps" || (strings.Contains(res, "/") &&
+							res != "persistentvolumeclaims/status" && res != "volumesnapshotcontents/status") {
 							t.Errorf("%s: needs no %s", role, res)
 						}
 					}
