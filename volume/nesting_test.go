@@ -252,7 +252,7 @@ func TestCrashLeftoversAreNotVolumes(t *testing.T) {
 		defer unix.Close(ns)
 		// The crash: claim A's volume is made and marked under its temporary name, not renamed.
 		leftover := tempName(claimA, "db")
-		if _, err := r.makeMarked(ns, leftover, owner, claimA, 0); err != nil {
+		if _, err := r.makeMarked(ns, leftover, owner, claimA, 0, nil); err != nil {
 			t.Fatal(err)
 		}
 		if err := os.WriteFile(filepath.Join(base, "ns", leftover, "half"), nil, 0o600); err != nil {

@@ -156,7 +156,7 @@ type Owner struct {
 // different depths cannot put one tenant's volume inside another's, and (ErrReservedName) paths
 // through names dirpv keeps for itself.
 func (r *Root) MkdirAll(rel string, owner Owner, claim Claim) (created bool, err error) {
-	created, _, err = r.mkdirAll(rel, owner, claim, 0)
+	created, _, err = r.mkdirAll(rel, owner, claim, 0, nil)
 	return created, err
 }
 
@@ -177,7 +177,7 @@ func (r *Root) MkdirAllLimited(rel string, owner Owner, claim Claim, limit uint6
 	if err := fs.Enforces(); err != nil {
 		return false, quota.ID{}, fmt.Errorf("base %s: %w", r.path, err)
 	}
-	return r.mkdirAll(rel, owner, claim, limit)
+	return r.mkdirAll(rel, owner, claim, limit, nil)
 }
 
 // Quota probes, once, what the base's file system can enforce.
@@ -240,8 +240,9 @@ func (r *Root) ReleaseQuota(id quota.ID) error {
 	return nil
 }
 
-// mkdirAll is MkdirAll with a limit of limit bytes, none if 0.
-func (r *Root) mkdirAll(rel string, owner Owner, claim Claim, limit uint64) (created bool, id quota.ID, err error) {
+// mkdirAll is MkdirAll with a limit of limit bytes, none if 0, for a volume that starts as a
+// copy of from (nil: empty).
+func (r *Root) mkdirAll(rel string, owner Owner, claim Claim, limit uint64, from *copyFrom) (created bool, id quota.ID, err error) {
 	if _, err := CleanRelPath(rel); err != nil {
 		return false, quota.ID{}, err
 	}
@@ -286,7 +287,7 @@ func (r *Root) mkdirAll(rel string, owner Owner, claim Claim, limit uint64) (cre
 			return false, quota.ID{}, fmt.Errorf("%s in %s: %w", where, r.path, err)
 		}
 	}
-	return r.createVolume(parentFd, components[len(components)-1], rel, owner, claim, limit)
+	return r.createVolume(parentFd, components[len(components)-1], rel, owner, claim, limit, from)
 }
 
 // openChild opens the directory name in parentFd for reading, refusing symlinks.
@@ -302,8 +303,8 @@ func (r *Root) openChild(parentFd int, name, where string) (int, error) {
 }
 
 // createVolume makes the volume name in parentFd for claim, limited to limit bytes (0: no
-// limit), or adopts it if it is claim's.
-func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim Claim, limit uint64) (bool, quota.ID, error) {
+// limit) and filled from from (nil: empty), or adopts it if it is claim's.
+func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim Claim, limit uint64, from *copyFrom) (bool, quota.ID, error) {
 	// An existing volume is judged before anything is made, so a refusal changes nothing.
 	if id, err := r.adopt(parentFd, name, rel, claim); !errors.Is(err, os.ErrNotExist) {
 		return false, id, err
@@ -316,7 +317,7 @@ func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim C
 	if err := r.removeTemp(parentFd, tmp, mnt, limit); err != nil {
 		return false, quota.ID{}, fmt.Errorf("remove what an earlier attempt left of %s in %s: %w", rel, r.path, err)
 	}
-	id, err := r.makeMarked(parentFd, tmp, owner, claim, limit)
+	id, err := r.makeMarked(parentFd, tmp, owner, claim, limit, from)
 	if err != nil {
 		err = fmt.Errorf("%s in %s: %w", rel, r.path, err)
 		if rerr := r.removeTemp(parentFd, tmp, mnt, limit); rerr != nil {
@@ -411,17 +412,23 @@ func (r *Root) adopt(parentFd int, name, rel string, claim Claim) (quota.ID, err
 }
 
 // makeMarked makes the directory name in parentFd with exactly owner's mode and ids and a
-// limit of limit bytes (0: none), marked as claim's volume.
-func (r *Root) makeMarked(parentFd int, name string, owner Owner, claim Claim, limit uint64) (quota.ID, error) {
+// limit of limit bytes (0: none), marked as claim's volume, and fills it from from (nil:
+// left empty).
+func (r *Root) makeMarked(parentFd int, name string, owner Owner, claim Claim, limit uint64, from *copyFrom) (quota.ID, error) {
 	var fs *quota.FS
+	snapshot := false
 	if limit > 0 {
 		var err error
 		if fs, err = r.Quota(); err != nil {
 			return quota.ID{}, err
 		}
-		err = fs.Mkdir(parentFd, name, owner.Mode&0o777)
-		if err != nil {
+		if snapshot, err = from.snapshot(fs, parentFd, name); err != nil {
 			return quota.ID{}, err
+		}
+		if !snapshot {
+			if err := fs.Mkdir(parentFd, name, owner.Mode&0o777); err != nil {
+				return quota.ID{}, err
+			}
 		}
 	} else if err := unix.Mkdirat(parentFd, name, owner.Mode&0o777); err != nil {
 		return quota.ID{}, fmt.Errorf("mkdir: %w", err)
@@ -445,8 +452,21 @@ func (r *Root) makeMarked(parentFd int, name string, owner Owner, claim Claim, l
 		if id, err = fs.SetLimit(fd, limit); err != nil {
 			return quota.ID{}, fmt.Errorf("set size limit: %w", err)
 		}
+		if snapshot {
+			if err := checkFits(fs, fd, id); err != nil {
+				return quota.ID{}, err
+			}
+		}
 	}
-	return id, r.writeMarker(parentFd, fd, claim, id.String())
+	if err := r.writeMarker(parentFd, fd, claim, id.String()); err != nil {
+		return quota.ID{}, err
+	}
+	if from != nil && !snapshot {
+		if err := from.fill(fd, r.xattr); err != nil {
+			return quota.ID{}, err
+		}
+	}
+	return id, nil
 }
 
 // VolumeOwner returns the claim the marker of the volume directory rel names. marked is false

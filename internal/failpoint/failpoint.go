@@ -3,13 +3,17 @@
 // and can check what a restart does with it. A window of a few microseconds is never hit
 // reliably by killing the process from outside.
 //
-// A point is armed by starting the process with DIRPV_TEST_FAILPOINT set to its name. Nothing
-// else changes the behaviour: unset (as in every deployment), Hit does nothing.
+// A point is armed by starting the process with DIRPV_TEST_FAILPOINT set to its name, or, for a
+// point reached once per item of a long job (DuringCopy), to its name, a colon and a count N:
+// the process dies the Nth time it gets there (HitAfter). Nothing else changes the behaviour:
+// unset (as in every deployment), Hit and HitAfter do nothing.
 package failpoint
 
 import (
 	"fmt"
 	"os"
+	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 )
@@ -25,15 +29,39 @@ const (
 	// BeforeRename is after the temporary directory got its limit and marker, before it is
 	// renamed into place.
 	BeforeRename = "before-rename"
+	// DuringCopy is in the copy of a tree into a new volume (volume.Root.MkdirAllFrom), once
+	// per entry copied, before the volume is renamed into place. Armed as "during-copy:N",
+	// the process dies after copying N entries, leaving a half-made copy under the volume's
+	// temporary name; armed without a count it dies at the first entry.
+	DuringCopy = "during-copy"
 )
 
-// armed is read once: a process is started with the point it is to die at.
-var armed = os.Getenv(Env)
+// armed and armedCount are read once: a process is started with the point it is to die at.
+var armed, armedCount = parse(os.Getenv(Env))
+
+// parse splits "name" or "name:N".
+func parse(v string) (string, int64) {
+	name, count, ok := strings.Cut(v, ":")
+	if !ok {
+		return v, 1
+	}
+	n, err := strconv.ParseInt(count, 10, 64)
+	if err != nil || n < 1 {
+		// A typo must not leave the test believing it armed something.
+		fmt.Fprintf(os.Stderr, "failpoint: %s=%q: the count must be a positive integer\n", Env, v)
+		os.Exit(2)
+	}
+	return name, n
+}
 
 // Hit kills the process with SIGKILL if name is the armed point, after saying so on stderr
 // (the test reads it in the process's log to know the process died there and nowhere else).
-func Hit(name string) {
-	if armed == "" || armed != name {
+func Hit(name string) { HitAfter(name, 1) }
+
+// HitAfter is Hit for a point reached once per item: n counts the times it was reached so far,
+// this one included, and the process dies when n reaches the armed count (1 without one).
+func HitAfter(name string, n int64) {
+	if armed == "" || armed != name || n < armedCount {
 		return
 	}
 	fmt.Fprintf(os.Stderr, "failpoint %s reached: killing the process (%s=%s)\n", name, Env, armed)

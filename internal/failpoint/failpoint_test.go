@@ -2,6 +2,7 @@ package failpoint
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"strings"
@@ -32,5 +33,32 @@ func TestHitKills(t *testing.T) {
 	}
 	if !strings.Contains(string(out), "failpoint "+BeforeLimit+" reached") {
 		t.Errorf("the killed process did not say where it died:\n%s", out)
+	}
+}
+
+// TestHelperHitAfter is the process TestHitAfterCounts starts: it reaches DuringCopy five
+// times, saying so each time.
+func TestHelperHitAfter(t *testing.T) {
+	if os.Getenv(Env) == "" {
+		t.Skip("run by TestHitAfterCounts")
+	}
+	for n := int64(1); n <= 5; n++ {
+		fmt.Fprintf(os.Stderr, "entry %d\n", n)
+		HitAfter(DuringCopy, n)
+	}
+	t.Fatal("the process lived on past its armed count")
+}
+
+// TestHitAfterCounts: armed with a count, a point dies the Nth time it is reached, not before.
+func TestHitAfterCounts(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperHitAfter$", "-test.v")
+	cmd.Env = append(os.Environ(), Env+"="+DuringCopy+":3")
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+		t.Fatalf("process armed at %s:3: %v, want killed by SIGKILL\n%s", DuringCopy, err, out)
+	}
+	if s := string(out); !strings.Contains(s, "entry 3\n") || strings.Contains(s, "entry 4") {
+		t.Errorf("the process did not die at the third entry:\n%s", out)
 	}
 }

@@ -174,3 +174,85 @@ func btrfsDestroyQgroup(fd int, sub uint64) error {
 	}
 	return fmt.Errorf("remove qgroup 0/%d: %w", sub, err)
 }
+
+// btrfs snapshot ioctls, from <linux/btrfs.h>.
+const (
+	btrfsIocSnapCreateV2 = 0x50009417 // _IOW(0x94, 23, struct btrfs_ioctl_vol_args_v2)
+	btrfsIocSnapDestroy  = 0x5000940f // _IOW(0x94, 15, struct btrfs_ioctl_vol_args)
+	btrfsSubvolRdonly    = 1 << 1
+	btrfsSubvolNameMax   = 4039
+)
+
+type btrfsVolArgsV2 struct {
+	Fd             int64
+	Transid, Flags uint64
+	_              [4]uint64
+	Name           [btrfsSubvolNameMax + 1]byte
+}
+
+// ErrNoSnapshot wraps every reason Snapshot cannot be used, so that the caller copies instead.
+var ErrNoSnapshot = errors.New("no btrfs snapshot possible")
+
+// IsSubvolume reports whether the directory open at fd is the root of a btrfs subvolume.
+func IsSubvolume(fd int) bool {
+	var sfs unix.Statfs_t
+	var st unix.Stat_t
+	return unix.Fstatfs(fd, &sfs) == nil && uint32(sfs.Type) == unix.BTRFS_SUPER_MAGIC &&
+		unix.Fstat(fd, &st) == nil && st.Ino == btrfsFirstFreeObject
+}
+
+// Snapshot makes name in the directory open at parentFd a snapshot of the btrfs subvolume
+// whose root is open at srcFd (any flags but O_PATH), read-only if readOnly. Where quota is
+// on, the snapshot gets a qgroup of its own, with no limit. It fails with an error wrapping
+// ErrNoSnapshot if srcFd is no subvolume or parentFd is on another file system.
+func Snapshot(srcFd, parentFd int, name string, readOnly bool) error {
+	if !IsSubvolume(srcFd) {
+		return fmt.Errorf("%w: the source is not a btrfs subvolume", ErrNoSnapshot)
+	}
+	if len(name) > btrfsSubvolNameMax {
+		return unix.ENAMETOOLONG
+	}
+	args := btrfsVolArgsV2{Fd: int64(srcFd)}
+	if readOnly {
+		args.Flags = btrfsSubvolRdonly
+	}
+	copy(args.Name[:], name)
+	err := ioctl(parentFd, btrfsIocSnapCreateV2, unsafe.Pointer(&args))
+	if errors.Is(err, unix.EXDEV) || errors.Is(err, unix.ENOTTY) {
+		return fmt.Errorf("%w: BTRFS_IOC_SNAP_CREATE_V2: %w", ErrNoSnapshot, err)
+	}
+	if err != nil {
+		return fmt.Errorf("BTRFS_IOC_SNAP_CREATE_V2: %w", err)
+	}
+	return nil
+}
+
+// DeleteSubvolume deletes the btrfs subvolume name in the directory open at parentFd, read-only
+// or not, with what it holds (nested subvolumes excepted: it fails then), and its qgroup where
+// quota is on. A missing name is not an error.
+func DeleteSubvolume(parentFd int, name string) error {
+	fd, err := unix.Openat(parentFd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ENOENT) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("open subvolume %s: %w", name, err)
+	}
+	sub, err := btrfsSubvolID(fd)
+	unix.Close(fd)
+	if err != nil {
+		return err
+	}
+	if len(name) > btrfsPathNameMax {
+		return unix.ENAMETOOLONG
+	}
+	var args btrfsVolArgs
+	copy(args.Name[:], name)
+	if err := ioctl(parentFd, btrfsIocSnapDestroy, unsafe.Pointer(&args)); err != nil && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("delete subvolume %s (BTRFS_IOC_SNAP_DESTROY): %w", name, err)
+	}
+	if probeBtrfs(parentFd) != nil {
+		return nil // quota is off: there is no qgroup
+	}
+	return btrfsDestroyQgroup(parentFd, sub)
+}

@@ -1,0 +1,553 @@
+package volume
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dirpv/dirpv/internal/failpoint"
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
+)
+
+// treeHash describes every entry of the tree at dir, one line each, sorted: path, kind, mode
+// bits, owner, size, content hash, link target, extended attributes (dirpv's marker left out),
+// the first name of its hard-link group, and modification time. Access times are left out:
+// hashing reads every file.
+func treeHash(t testing.TB, dir string) map[string]string {
+	t.Helper()
+	out := map[string]string{}
+	firstName := map[uint64]string{}
+	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(dir, p)
+		var st unix.Stat_t
+		if err := unix.Lstat(p, &st); err != nil {
+			return err
+		}
+		kind := st.Mode & unix.S_IFMT
+		line := fmt.Sprintf("kind=%o mode=%o owner=%d:%d mtime=%d.%09d", kind, st.Mode&0o7777, st.Uid, st.Gid, st.Mtim.Sec, st.Mtim.Nsec)
+		switch kind {
+		case unix.S_IFREG:
+			f, err := os.Open(p)
+			if err != nil {
+				return err
+			}
+			h := sha256.New()
+			_, err = io.Copy(h, f)
+			f.Close()
+			if err != nil {
+				return err
+			}
+			line += fmt.Sprintf(" size=%d sha=%s", st.Size, hex.EncodeToString(h.Sum(nil)[:8]))
+		case unix.S_IFLNK:
+			target, err := os.Readlink(p)
+			if err != nil {
+				return err
+			}
+			line += " target=" + target
+		}
+		if kind != unix.S_IFDIR && st.Nlink > 1 {
+			if first, ok := firstName[st.Ino]; ok {
+				line += " linkto=" + first
+			} else {
+				firstName[st.Ino] = rel
+			}
+		}
+		line += " xattrs=" + xattrsOf(t, p)
+		out[rel] = line
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("hash tree %s: %v", dir, err)
+	}
+	return out
+}
+
+func xattrsOf(t testing.TB, p string) string {
+	t.Helper()
+	buf := make([]byte, 64<<10)
+	n, err := unix.Llistxattr(p, buf)
+	if err != nil {
+		t.Fatalf("llistxattr %s: %v", p, err)
+	}
+	var attrs []string
+	for _, a := range strings.Split(strings.TrimSuffix(string(buf[:n]), "\x00"), "\x00") {
+		if a == "" || a == volumeMarker {
+			continue
+		}
+		val := make([]byte, 64<<10)
+		m, err := unix.Lgetxattr(p, a, val)
+		if err != nil {
+			t.Fatalf("lgetxattr %s %s: %v", p, a, err)
+		}
+		attrs = append(attrs, a+"="+string(val[:m]))
+	}
+	sort.Strings(attrs)
+	return strings.Join(attrs, ",")
+}
+
+func diffTrees(t testing.TB, want, got map[string]string) {
+	t.Helper()
+	var names []string
+	for n := range want {
+		names = append(names, n)
+	}
+	for n := range got {
+		if _, ok := want[n]; !ok {
+			names = append(names, n)
+		}
+	}
+	sort.Strings(names)
+	bad := 0
+	for _, n := range names {
+		if want[n] != got[n] {
+			if bad++; bad <= 20 {
+				t.Errorf("%s:\n  source: %s\n  copy:   %s", n, want[n], got[n])
+			}
+		}
+	}
+	if bad > 20 {
+		t.Errorf("... %d entries differ in all", bad)
+	}
+}
+
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// oldTime is a time no test run writes at, so that a copied time is told from a new one.
+var oldTime = time.Date(2001, 2, 3, 4, 5, 6, 789, time.UTC)
+
+// writeEveryKind fills dir with an entry of every kind the copy handles, with odd modes,
+// owners, attributes and times; outside is a file outside the base the symlink "out" names.
+func writeEveryKind(t testing.TB, dir, outside string) {
+	t.Helper()
+	p := func(rel string) string { return filepath.Join(dir, rel) }
+	must(t, os.MkdirAll(p("a/b/c"), 0o755))
+	must(t, os.WriteFile(p("a/b/c/file"), []byte("hello"), 0o644))
+	must(t, os.WriteFile(p("empty"), nil, 0o600))
+	f, err := os.Create(p("sparse"))
+	must(t, err)
+	_, err = f.WriteAt([]byte(strings.Repeat("x", 4096)), 0)
+	must(t, err)
+	_, err = f.WriteAt([]byte(strings.Repeat("y", 4096)), 8<<20)
+	must(t, err)
+	must(t, f.Truncate(16<<20))
+	must(t, f.Close())
+	must(t, os.WriteFile(p("setuid"), []byte("#!/bin/sh\n"), 0o755))
+	must(t, os.Lchown(p("setuid"), 1234, 4321))
+	must(t, os.Chmod(p("setuid"), 0o4755|os.ModeSetuid))
+	must(t, unix.Chmod(p("setuid"), 0o4755))
+	must(t, os.Mkdir(p("sgid"), 0o755))
+	must(t, os.Lchown(p("sgid"), 5, 6))
+	must(t, unix.Chmod(p("sgid"), 0o2775))
+	must(t, os.Mkdir(p("sticky"), 0o755))
+	must(t, unix.Chmod(p("sticky"), 0o1777))
+	must(t, os.Mkdir(p("ro"), 0o755))
+	must(t, os.WriteFile(p("ro/inside"), []byte("ro"), 0o400))
+	must(t, unix.Chmod(p("ro"), 0o500))
+	must(t, os.Symlink("a/b/c/file", p("rel")))
+	must(t, os.Symlink(outside, p("out")))
+	must(t, os.Symlink("nowhere", p("dangling")))
+	must(t, os.Lchown(p("dangling"), 77, 88))
+	must(t, os.WriteFile(p("hl1"), []byte("linked"), 0o640))
+	must(t, os.Link(p("hl1"), p("a/hl2")))
+	must(t, os.Link(p("hl1"), p("a/b/hl3")))
+	must(t, unix.Mkfifo(p("fifo"), 0o640))
+	must(t, unix.Mknod(p("sock"), unix.S_IFSOCK|0o755, 0))
+	must(t, unix.Mknod(p("null"), unix.S_IFCHR|0o666, int(unix.Mkdev(1, 3))))
+	must(t, unix.Setxattr(p("a/b/c/file"), "user.color", []byte("blue"), 0))
+	must(t, unix.Setxattr(p("a"), "trusted.t", []byte("dir attr"), 0))
+	must(t, unix.Lsetxattr(p("rel"), "trusted.l", []byte("on a symlink"), 0))
+	must(t, unix.Setxattr(p("fifo"), "trusted.f", []byte("on a fifo"), 0))
+	must(t, unix.Setxattr(p("setuid"), "security.dirpvtest", []byte("sec"), 0))
+	must(t, unix.Setxattr(dir, "user.root", []byte("on the root"), 0))
+	// Times last, deepest first: making entries changes their directory's.
+	for _, rel := range []string{"a/b/c/file", "empty", "sparse", "setuid", "ro/inside", "hl1", "fifo", "sock", "a/b/c", "a/b", "a", "sgid", "sticky", "ro", "."} {
+		must(t, os.Chtimes(p(rel), oldTime, oldTime))
+	}
+	for _, rel := range []string{"rel", "out", "dangling"} {
+		must(t, unix.Lutimes(p(rel), []unix.Timeval{unix.NsecToTimeval(oldTime.UnixNano()), unix.NsecToTimeval(oldTime.UnixNano())}))
+	}
+}
+
+// copyBase is a base directory with a source volume "src" holding every kind of entry, and
+// a file outside the base the source links to.
+type copyBase struct {
+	root    *Root
+	base    string
+	outside string
+}
+
+func newCopyBase(t testing.TB, dir string) *copyBase {
+	t.Helper()
+	b := &copyBase{base: filepath.Join(dir, "base"), outside: filepath.Join(dir, "outside")}
+	must(t, os.MkdirAll(b.base, 0o755))
+	must(t, os.WriteFile(b.outside, []byte("secret"), 0o600))
+	must(t, os.Chtimes(b.outside, oldTime, oldTime))
+	r, err := OpenRoot(b.base)
+	must(t, err)
+	t.Cleanup(func() { r.Close() })
+	b.root = r
+	if _, err := r.MkdirAll("ns/src", Owner{Mode: 0o2750, UID: 1000, GID: 2000}, Claim{UID: "src-uid", PVName: "pv-src"}); err != nil {
+		t.Fatal(err)
+	}
+	writeEveryKind(t, filepath.Join(b.base, "ns/src"), b.outside)
+	return b
+}
+
+// expectedCopy is the source's hash without what a copy leaves out: device nodes.
+func expectedCopy(t testing.TB, dir string) map[string]string {
+	want := treeHash(t, dir)
+	delete(want, "null")
+	return want
+}
+
+// noTemp fails if a temporary volume is left in dir.
+func noTemp(t testing.TB, dir string) {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	must(t, err)
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), tempPrefix) {
+			t.Errorf("temporary directory %s left in %s", e.Name(), dir)
+		}
+	}
+}
+
+// TestMkdirAllFromCopiesEveryKind: a copy holds the same tree as its source (names, kinds,
+// modes, owners, contents, link targets, attributes, hard-link groups, times), holes stay
+// holes, device nodes are left out, the symlink to a file outside is copied as a symlink and
+// its target is never opened, and the copy is marked as the new claim's.
+func TestMkdirAllFromCopiesEveryKind(t *testing.T) {
+	b := newCopyBase(t, t.TempDir())
+	src := filepath.Join(b.base, "ns/src")
+	var before unix.Stat_t
+	must(t, unix.Stat(b.outside, &before))
+	want := expectedCopy(t, src)
+	// Hashing read the source's files, which moved their access times.
+	var srcFile unix.Stat_t
+	must(t, unix.Lstat(filepath.Join(src, "a/b/c/file"), &srcFile))
+
+	claim := Claim{UID: "copy-uid", PVName: "pv-copy"}
+	created, id, stats, err := b.root.MkdirAllFrom(context.Background(), "ns/copy", claim, 0, Source{Root: b.root, Rel: "ns/src"})
+	if err != nil || !created || id.Kind != "" {
+		t.Fatalf("MkdirAllFrom = %v, %v, %v; want created without a limit", created, id, err)
+	}
+	dst := filepath.Join(b.base, "ns/copy")
+	var file unix.Stat_t
+	must(t, unix.Lstat(filepath.Join(dst, "a/b/c/file"), &file))
+	if file.Atim != srcFile.Atim {
+		t.Errorf("copied file's atime %v, want the source's %v", file.Atim, srcFile.Atim)
+	}
+	diffTrees(t, want, treeHash(t, dst))
+
+	var sparse unix.Stat_t
+	must(t, unix.Stat(filepath.Join(dst, "sparse"), &sparse))
+	if sparse.Size != 16<<20 || sparse.Blocks*512 > 1<<20 {
+		t.Errorf("sparse copy: size %d, %d bytes allocated; want 16 MiB with its holes (8 KiB of data)", sparse.Size, sparse.Blocks*512)
+	}
+	var after unix.Stat_t
+	must(t, unix.Stat(b.outside, &after))
+	if after.Atim != before.Atim || after.Mtim != before.Mtim {
+		t.Errorf("the file outside the source was touched: atime %v -> %v", before.Atim, after.Atim)
+	}
+	if got, _ := os.ReadFile(b.outside); string(got) != "secret" {
+		t.Errorf("the file outside the source now holds %q", got)
+	}
+	if target, err := os.Readlink(filepath.Join(dst, "out")); err != nil || target != b.outside {
+		t.Errorf("out in the copy: %q, %v; want a symlink to %s", target, err, b.outside)
+	}
+	if owner, marked, err := b.root.VolumeOwner("ns/copy"); err != nil || !marked || owner != claim {
+		t.Errorf("copy's marker names %+v (marked %v, %v), want %+v", owner, marked, err, claim)
+	}
+	wantStats := CopyStats{Dirs: 6, Files: 6, Symlinks: 3, HardLinks: 2, Special: 2, Bytes: 5 + 16<<20 + 10 + 2 + 6, SkippedDevices: 1}
+	stats.Allocated, stats.Method = 0, ""
+	if stats != wantStats {
+		t.Errorf("stats %+v\nwant  %+v", stats, wantStats)
+	}
+	noTemp(t, filepath.Join(b.base, "ns"))
+
+	// A retry adopts it, copying nothing.
+	created, _, stats, err = b.root.MkdirAllFrom(context.Background(), "ns/copy", claim, 0, Source{Root: b.root, Rel: "ns/src"})
+	if err != nil || created || stats.Files != 0 {
+		t.Errorf("retry = %v, %+v, %v; want adopted, nothing copied", created, stats, err)
+	}
+}
+
+// TestMkdirAllFromRefusesEscapes: a source reached through a symlink is refused, whether it
+// leads outside the base or not, and nothing is made.
+func TestMkdirAllFromRefusesEscapes(t *testing.T) {
+	dir := t.TempDir()
+	b := newCopyBase(t, dir)
+	must(t, os.Mkdir(filepath.Join(dir, "elsewhere"), 0o755))
+	must(t, os.Symlink(filepath.Join(dir, "elsewhere"), filepath.Join(b.base, "ns/escape")))
+	must(t, os.Symlink("src", filepath.Join(b.base, "ns/alias")))
+	for _, rel := range []string{"ns/escape", "ns/alias", "ns/../../elsewhere", "ns/missing"} {
+		_, _, _, err := b.root.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "u"}, 0, Source{Root: b.root, Rel: rel})
+		if err == nil {
+			t.Errorf("copy from %s: no error", rel)
+		}
+		if _, err := os.Lstat(filepath.Join(b.base, "ns/copy")); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("copy from %s: a volume was made (%v)", rel, err)
+		}
+	}
+	noTemp(t, filepath.Join(b.base, "ns"))
+}
+
+// TestMkdirAllFromDoesNotCrossMounts: a mount inside the source stops the copy with
+// ErrMountInSource; nothing is left, and what is mounted is not read.
+func TestMkdirAllFromDoesNotCrossMounts(t *testing.T) {
+	b := newCopyBase(t, t.TempDir())
+	mnt := filepath.Join(b.base, "ns/src/a/mnt")
+	must(t, os.Mkdir(mnt, 0o755))
+	must(t, unix.Mount("tmpfs", mnt, "tmpfs", 0, "size=1m"))
+	t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
+	must(t, os.WriteFile(filepath.Join(mnt, "other"), []byte("another file system"), 0o644))
+	_, _, _, err := b.root.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "u"}, 0, Source{Root: b.root, Rel: "ns/src"})
+	if !errors.Is(err, ErrMountInSource) {
+		t.Fatalf("copy across a mount: %v, want ErrMountInSource", err)
+	}
+	if _, err := os.Lstat(filepath.Join(b.base, "ns/copy")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a volume was made: %v", err)
+	}
+	noTemp(t, filepath.Join(b.base, "ns"))
+}
+
+// TestMkdirAllFromBigTrees: 100k files and a tree deeper than a descriptor per level would
+// allow are copied with the process's descriptors limited to 64.
+func TestMkdirAllFromBigTrees(t *testing.T) {
+	if testing.Short() {
+		t.Skip("100k files")
+	}
+	// tmpfs: making 100k files on a disk takes longer than copying them.
+	dir := t.TempDir()
+	must(t, unix.Mount("tmpfs", dir, "tmpfs", 0, "size=512m"))
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	r, err := OpenRoot(dir)
+	must(t, err)
+	defer r.Close()
+	_, err = r.MkdirAll("src", Owner{Mode: 0o755}, Claim{UID: "src"})
+	must(t, err)
+	src := filepath.Join(dir, "src")
+	for d := 0; d < 100; d++ {
+		sub := filepath.Join(src, fmt.Sprintf("d%02d", d))
+		must(t, os.Mkdir(sub, 0o755))
+		for f := 0; f < 1000; f++ {
+			must(t, os.WriteFile(filepath.Join(sub, fmt.Sprint(f)), nil, 0o644))
+		}
+	}
+	deep := filepath.Join(src, "deep")
+	for i := 0; i < 1500; i++ {
+		deep = filepath.Join(deep, "d")
+	}
+	must(t, os.MkdirAll(deep, 0o755))
+	must(t, os.WriteFile(filepath.Join(deep, "bottom"), []byte("deep"), 0o644))
+
+	var lim unix.Rlimit
+	must(t, unix.Getrlimit(unix.RLIMIT_NOFILE, &lim))
+	low := lim
+	low.Cur = 64
+	must(t, unix.Setrlimit(unix.RLIMIT_NOFILE, &low))
+	start := time.Now()
+	_, _, stats, err := r.MkdirAllFrom(context.Background(), "copy", Claim{UID: "copy"}, 0, Source{Root: r, Rel: "src"})
+	must(t, unix.Setrlimit(unix.RLIMIT_NOFILE, &lim))
+	if err != nil {
+		t.Fatalf("copy with 64 descriptors: %v", err)
+	}
+	t.Logf("copied %d files and %d directories in %v", stats.Files, stats.Dirs, time.Since(start))
+	if stats.Files != 100_001 || stats.Dirs != 100+1+1500 {
+		t.Errorf("stats %+v, want 100001 files and 1601 directories", stats)
+	}
+	got, err := os.ReadFile(filepath.Join(dir, "copy", strings.TrimPrefix(deep, src), "bottom"))
+	if err != nil || string(got) != "deep" {
+		t.Errorf("deepest file in the copy: %q, %v", got, err)
+	}
+	n, _ := os.ReadDir(filepath.Join(dir, "copy/d42"))
+	if len(n) != 1000 {
+		t.Errorf("copy/d42 holds %d files, want 1000", len(n))
+	}
+}
+
+// TestMkdirAllFromSourceChanging: a source written while it is copied (files and directories
+// made and removed all the time) is copied without error, and what was not touched is there.
+func TestMkdirAllFromSourceChanging(t *testing.T) {
+	dir := t.TempDir()
+	r, err := OpenRoot(dir)
+	must(t, err)
+	defer r.Close()
+	_, err = r.MkdirAll("src", Owner{Mode: 0o755}, Claim{UID: "src"})
+	must(t, err)
+	src := filepath.Join(dir, "src")
+	for d := 0; d < 20; d++ {
+		must(t, os.MkdirAll(filepath.Join(src, "stable", fmt.Sprint(d)), 0o755))
+		for f := 0; f < 100; f++ {
+			must(t, os.WriteFile(filepath.Join(src, "stable", fmt.Sprint(d), fmt.Sprint(f)), []byte("s"), 0o644))
+		}
+	}
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			d := filepath.Join(src, "churn", fmt.Sprint(i%7))
+			os.MkdirAll(d, 0o755)
+			os.WriteFile(filepath.Join(d, fmt.Sprint(i%13)), []byte(strings.Repeat("c", i%5000)), 0o644)
+			os.Symlink("x", filepath.Join(d, fmt.Sprint("l", i%11)))
+			if i%3 == 0 {
+				os.RemoveAll(filepath.Join(src, "churn", fmt.Sprint((i+3)%7)))
+			}
+		}
+	}()
+	for i := 0; i < 5; i++ {
+		name := fmt.Sprint("copy", i)
+		_, _, _, err := r.MkdirAllFrom(context.Background(), name, Claim{UID: name}, 0, Source{Root: r, Rel: "src"})
+		if err != nil {
+			t.Errorf("copy %d of a changing source: %v", i, err)
+			continue
+		}
+		n, _ := os.ReadDir(filepath.Join(dir, name, "stable/13"))
+		if len(n) != 100 {
+			t.Errorf("copy %d: stable/13 holds %d files, want 100", i, len(n))
+		}
+	}
+	close(stop)
+	wg.Wait()
+}
+
+// TestMkdirAllFromCancelled: a cancelled copy fails with the context's error and leaves
+// nothing.
+func TestMkdirAllFromCancelled(t *testing.T) {
+	b := newCopyBase(t, t.TempDir())
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, _, _, err := b.root.MkdirAllFrom(ctx, "ns/copy", Claim{UID: "u"}, 0, Source{Root: b.root, Rel: "ns/src"})
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled copy: %v, want context.Canceled", err)
+	}
+	if _, err := os.Lstat(filepath.Join(b.base, "ns/copy")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a volume was made: %v", err)
+	}
+	noTemp(t, filepath.Join(b.base, "ns"))
+}
+
+// TestHelperCopyCrash is the process TestMkdirAllFromCrash starts and kills mid-copy.
+func TestHelperCopyCrash(t *testing.T) {
+	base := os.Getenv("DIRPV_TEST_COPY_BASE")
+	if base == "" {
+		t.Skip("run by TestMkdirAllFromCrash")
+	}
+	r, err := OpenRoot(base)
+	must(t, err)
+	_, _, _, err = r.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "copy-uid"}, 0, Source{Root: r, Rel: "ns/src"})
+	t.Fatalf("the copy returned (%v) instead of dying at its failpoint", err)
+}
+
+// TestMkdirAllFromCrash: a process killed in the middle of a copy leaves only the temporary
+// directory, half full; the next attempt removes it and makes a complete copy.
+func TestMkdirAllFromCrash(t *testing.T) {
+	b := newCopyBase(t, t.TempDir())
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperCopyCrash$", "-test.v")
+	cmd.Env = append(os.Environ(), "DIRPV_TEST_COPY_BASE="+b.base, failpoint.Env+"="+failpoint.DuringCopy+":10")
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+		t.Fatalf("copy armed to die: %v, want killed\n%s", err, out)
+	}
+	ns := filepath.Join(b.base, "ns")
+	tmp := filepath.Join(ns, tempName(Claim{UID: "copy-uid"}, "copy"))
+	if n, err := os.ReadDir(tmp); err != nil || len(n) == 0 {
+		t.Fatalf("the killed copy left %d entries in %s (%v), want a half copy", len(n), tmp, err)
+	}
+	if _, err := os.Lstat(filepath.Join(ns, "copy")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the killed copy is in place: %v", err)
+	}
+	created, _, _, err := b.root.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "copy-uid"}, 0, Source{Root: b.root, Rel: "ns/src"})
+	if err != nil || !created {
+		t.Fatalf("copy after the crash = %v, %v", created, err)
+	}
+	diffTrees(t, expectedCopy(t, filepath.Join(ns, "src")), treeHash(t, filepath.Join(ns, "copy")))
+	noTemp(t, ns)
+}
+
+// TestMkdirAllFromFull: a copy that does not fit the new volume's limit fails saying so and
+// leaves nothing, its limit released.
+func TestMkdirAllFromFull(t *testing.T) {
+	mnt := quotatest.Btrfs(t, true)
+	r, err := OpenRoot(mnt)
+	must(t, err)
+	defer r.Close()
+	srcDir := t.TempDir() // another file system: a plain copy
+	sr, err := OpenRoot(srcDir)
+	must(t, err)
+	defer sr.Close()
+	_, err = sr.MkdirAll("src", Owner{Mode: 0o755}, Claim{UID: "src"})
+	must(t, err)
+	data := make([]byte, 8<<20)
+	for i := range data {
+		data[i] = byte(i * 7)
+	}
+	must(t, os.WriteFile(filepath.Join(srcDir, "src/big"), data, 0o644))
+	before := quotatest.Qgroups(t, mnt)
+	_, _, _, err = r.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "u"}, 2<<20, Source{Root: sr, Rel: "src"})
+	if !errors.Is(err, unix.EDQUOT) && !errors.Is(err, unix.ENOSPC) {
+		t.Fatalf("copy of 8 MiB into 2 MiB: %v, want EDQUOT", err)
+	}
+	if !strings.Contains(err.Error(), "full") {
+		t.Errorf("error does not say the volume is full: %v", err)
+	}
+	if _, err := os.Lstat(filepath.Join(mnt, "ns/copy")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a volume was made: %v", err)
+	}
+	noTemp(t, filepath.Join(mnt, "ns"))
+	if after := quotatest.Qgroups(t, mnt); len(after) != len(before) {
+		t.Errorf("qgroups %v after the failed copy, want %v", after, before)
+	}
+}
+
+// TestMkdirAllFromIntoItsSource: a copy made inside its own source (a source that is not a
+// volume) leaves itself out instead of copying itself without end.
+func TestMkdirAllFromIntoItsSource(t *testing.T) {
+	dir := t.TempDir()
+	r, err := OpenRoot(dir)
+	must(t, err)
+	defer r.Close()
+	must(t, os.MkdirAll(filepath.Join(dir, "ns/data"), 0o755))
+	must(t, os.WriteFile(filepath.Join(dir, "ns/data/f"), []byte("f"), 0o644))
+	_, _, stats, err := r.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "u"}, 0, Source{Root: r, Rel: "ns"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if stats.Dirs != 1 || stats.Files != 1 {
+		t.Errorf("stats %+v, want only data/ and data/f copied", stats)
+	}
+	if _, err := os.Lstat(filepath.Join(dir, "ns/copy/copy")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the copy holds itself: %v", err)
+	}
+}

@@ -1,0 +1,261 @@
+package volume
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dirpv/dirpv/volume/quota"
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
+)
+
+// btrfsCopyBase is a copyBase on a btrfs file system with quota on, whose source volume is
+// limited (a subvolume).
+func btrfsCopyBase(t *testing.T) (*copyBase, quota.ID) {
+	t.Helper()
+	mnt := quotatest.Btrfs(t, true)
+	b := &copyBase{base: mnt, outside: filepath.Join(t.TempDir(), "outside")}
+	must(t, os.WriteFile(b.outside, []byte("secret"), 0o600))
+	r, err := OpenRoot(mnt)
+	must(t, err)
+	t.Cleanup(func() { r.Close() })
+	b.root = r
+	_, id, err := r.MkdirAllLimited("ns/src", Owner{Mode: 0o2750, UID: 1000, GID: 2000}, Claim{UID: "src-uid"}, 64<<20)
+	must(t, err)
+	writeEveryKind(t, filepath.Join(mnt, "ns/src"), b.outside)
+	return b, id
+}
+
+// limitOf reads the limit and ID of the volume rel from its marker.
+func limitOf(t *testing.T, r *Root, rel string) (quota.ID, quota.Usage) {
+	t.Helper()
+	f, err := os.Open(filepath.Join(r.Path(), rel))
+	must(t, err)
+	defer f.Close()
+	id, ok, err := VolumeQuota(int(f.Fd()))
+	if err != nil || !ok {
+		t.Fatalf("%s: no quota in its marker (%v)", rel, err)
+	}
+	fs, err := r.Quota()
+	must(t, err)
+	u, err := fs.Usage(int(f.Fd()), id)
+	must(t, err)
+	return id, u
+}
+
+// TestMkdirAllFromBtrfsSnapshot: a limited clone of a limited volume on btrfs is a snapshot
+// of it, with a qgroup and limit of its own and the new claim's marker; a source bigger than
+// the clone's limit is refused and leaves nothing.
+func TestMkdirAllFromBtrfsSnapshot(t *testing.T) {
+	b, srcID := btrfsCopyBase(t)
+	// A snapshot keeps the subvolume as it is, device nodes included (see MkdirAllFrom).
+	want := treeHash(t, filepath.Join(b.base, "ns/src"))
+	claim := Claim{UID: "clone-uid", PVName: "pv-clone"}
+	created, id, stats, err := b.root.MkdirAllFrom(context.Background(), "ns/clone", claim, 32<<20, Source{Root: b.root, Rel: "ns/src"})
+	if err != nil || !created {
+		t.Fatalf("MkdirAllFrom = %v, %v", created, err)
+	}
+	if stats.Method != MethodBtrfsSnapshot {
+		t.Errorf("Method %q, want %q", stats.Method, MethodBtrfsSnapshot)
+	}
+	if id.Kind != quota.Btrfs || id == srcID {
+		t.Errorf("clone's quota %v, want a btrfs qgroup of its own (the source's is %v)", id, srcID)
+	}
+	marked, u := limitOf(t, b.root, "ns/clone")
+	if marked != id || u.LimitBytes != 32<<20 {
+		t.Errorf("clone's marker names %v with limit %d, want %v limited to 32 MiB", marked, u.LimitBytes, id)
+	}
+	if owner, _, err := b.root.VolumeOwner("ns/clone"); err != nil || owner != claim {
+		t.Errorf("clone's owner %+v, %v; want %+v", owner, err, claim)
+	}
+	diffTrees(t, want, treeHash(t, filepath.Join(b.base, "ns/clone")))
+	if _, u := limitOf(t, b.root, "ns/src"); u.LimitBytes != 64<<20 {
+		t.Errorf("source's limit is now %d, want 64 MiB", u.LimitBytes)
+	}
+
+	data := make([]byte, 8<<20)
+	for i := range data {
+		data[i] = byte(i*7 + i>>9)
+	}
+	must(t, os.WriteFile(filepath.Join(b.base, "ns/src/big"), data, 0o644))
+	before := quotatest.Qgroups(t, b.base)
+	_, _, _, err = b.root.MkdirAllFrom(context.Background(), "ns/small", Claim{UID: "small"}, 4<<20, Source{Root: b.root, Rel: "ns/src"})
+	if !errors.Is(err, unix.EDQUOT) {
+		t.Fatalf("clone of more than 8 MiB into 4 MiB: %v, want EDQUOT", err)
+	}
+	if _, err := os.Lstat(filepath.Join(b.base, "ns/small")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a volume was made: %v", err)
+	}
+	noTemp(t, filepath.Join(b.base, "ns"))
+	if after := quotatest.Qgroups(t, b.base); len(after) != len(before) {
+		t.Errorf("qgroups %v after the refused clone, want %v", after, before)
+	}
+}
+
+// TestMkdirAllFromReflinkOnBtrfs: a copy of a plain directory on btrfs clones every file
+// (reflink), into a plain directory and into a limited subvolume.
+func TestMkdirAllFromReflinkOnBtrfs(t *testing.T) {
+	mnt := quotatest.Btrfs(t, true)
+	r, err := OpenRoot(mnt)
+	must(t, err)
+	defer r.Close()
+	_, err = r.MkdirAll("ns/src", Owner{Mode: 0o755, UID: 1, GID: 2}, Claim{UID: "src"})
+	must(t, err)
+	outside := filepath.Join(t.TempDir(), "outside")
+	writeEveryKind(t, filepath.Join(mnt, "ns/src"), outside)
+	want := expectedCopy(t, filepath.Join(mnt, "ns/src"))
+	for _, limit := range []uint64{0, 64 << 20} {
+		name := "ns/copy0"
+		if limit > 0 {
+			name = "ns/copy-limited"
+		}
+		_, _, stats, err := r.MkdirAllFrom(context.Background(), name, Claim{UID: name}, limit, Source{Root: r, Rel: "ns/src"})
+		if err != nil {
+			t.Fatalf("copy with limit %d: %v", limit, err)
+		}
+		if stats.Method != MethodReflink {
+			t.Errorf("copy with limit %d: Method %q, want %q", limit, stats.Method, MethodReflink)
+		}
+		diffTrees(t, want, treeHash(t, filepath.Join(mnt, name)))
+	}
+}
+
+// TestSnapshotCopy: where no btrfs snapshot can be made, a snapshot is a copy of the volume
+// as it was, kept under the reserved name; it is idempotent, restored by MkdirAllFrom, and
+// deleted without a trace.
+func TestSnapshotCopy(t *testing.T) {
+	b := newCopyBase(t, t.TempDir())
+	src := filepath.Join(b.base, "ns/src")
+	want := expectedCopy(t, src)
+	start := time.Now().Add(-time.Second)
+	ctx := context.Background()
+	info, err := b.root.Snapshot(ctx, "ns/src", "snap-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Name != "snap-1" || info.Method != MethodCopy || info.Size < 8<<10 || info.CreatedAt.Before(start.Truncate(time.Second)) {
+		t.Errorf("SnapshotInfo %+v, want snap-1, copied, at least 8 KiB, made now", info)
+	}
+	must(t, os.WriteFile(filepath.Join(src, "later"), []byte("after the snapshot"), 0o644))
+	must(t, os.Remove(filepath.Join(src, "a/b/c/file")))
+
+	again, err := b.root.Snapshot(ctx, "ns/src", "snap-1")
+	if err != nil || again != info {
+		t.Errorf("second Snapshot = %+v, %v; want the first one, %+v", again, err, info)
+	}
+	if got, err := b.root.SnapshotInfo("snap-1"); err != nil || got != info {
+		t.Errorf("SnapshotInfo = %+v, %v; want %+v", got, err, info)
+	}
+	if _, err := b.root.Snapshot(ctx, "ns/other", "snap-1"); err == nil {
+		t.Error("a snapshot of another volume under the same name: no error")
+	}
+	for _, bad := range []string{"", ".", "..", "a/b", ReservedPrefix + "x"} {
+		if _, err := b.root.Snapshot(ctx, "ns/src", bad); err == nil {
+			t.Errorf("snapshot named %q: no error", bad)
+		}
+	}
+	if _, err := b.root.MkdirAll(snapshotsDir+"/snap-1", Owner{Mode: 0o755}, Claim{UID: "x"}); !errors.Is(err, ErrReservedName) {
+		t.Errorf("MkdirAll into the snapshots: %v, want ErrReservedName", err)
+	}
+
+	_, _, _, err = b.root.MkdirAllFrom(ctx, "ns/restored", Claim{UID: "restored"}, 0, b.root.SnapshotSource("snap-1"))
+	if err != nil {
+		t.Fatalf("restore: %v", err)
+	}
+	diffTrees(t, want, treeHash(t, filepath.Join(b.base, "ns/restored")))
+
+	if err := b.root.DeleteSnapshot("snap-1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.root.SnapshotInfo("snap-1"); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("SnapshotInfo after DeleteSnapshot: %v, want ErrNotExist", err)
+	}
+	if n, err := os.ReadDir(filepath.Join(b.base, snapshotsDir)); err != nil || len(n) != 0 {
+		t.Errorf("snapshots directory after the delete holds %v (%v), want nothing", n, err)
+	}
+	if err := b.root.DeleteSnapshot("snap-1"); err != nil {
+		t.Errorf("deleting a missing snapshot: %v", err)
+	}
+	if got, _ := os.ReadFile(filepath.Join(b.base, "ns/restored/a/b/c/file")); string(got) != "hello" {
+		t.Errorf("restored volume lost its file with the snapshot: %q", got)
+	}
+}
+
+// TestSnapshotLeftovers: what a crash left of a snapshot being made or deleted is removed by
+// the next Snapshot or DeleteSnapshot of the name.
+func TestSnapshotLeftovers(t *testing.T) {
+	b := newCopyBase(t, t.TempDir())
+	dir := filepath.Join(b.base, snapshotsDir)
+	must(t, os.MkdirAll(filepath.Join(dir, snapshotTemp("s"), snapshotTree, "half"), 0o755))
+	must(t, os.MkdirAll(filepath.Join(dir, snapshotGonePrefix+nameHash("s"), snapshotTree, "half"), 0o755))
+	if _, err := b.root.Snapshot(context.Background(), "ns/src", "s"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, snapshotTemp("s"))); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the half-made snapshot is still there: %v", err)
+	}
+	if err := b.root.DeleteSnapshot("s"); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := os.ReadDir(dir); len(n) != 0 {
+		t.Errorf("snapshots directory holds %v, want nothing", n)
+	}
+}
+
+// TestSnapshotBtrfs: a snapshot of a limited volume on btrfs is a read-only btrfs snapshot,
+// point in time; restoring it makes a writable volume with its own limit; deleting it removes
+// it and its qgroup.
+func TestSnapshotBtrfs(t *testing.T) {
+	b, _ := btrfsCopyBase(t)
+	src := filepath.Join(b.base, "ns/src")
+	want := treeHash(t, src)
+	ctx := context.Background()
+	groups := len(quotatest.Qgroups(t, b.base))
+	info, err := b.root.Snapshot(ctx, "ns/src", "snap")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Method != MethodBtrfsSnapshot || info.Size < 8<<10 {
+		t.Errorf("SnapshotInfo %+v, want a btrfs snapshot of at least 8 KiB", info)
+	}
+	tree := filepath.Join(b.base, snapshotsDir, "snap", snapshotTree)
+	if err := os.WriteFile(filepath.Join(tree, "new"), nil, 0o644); !errors.Is(err, unix.EROFS) {
+		t.Errorf("writing into the snapshot: %v, want EROFS", err)
+	}
+	if err := os.Remove(filepath.Join(tree, "empty")); !errors.Is(err, unix.EROFS) {
+		t.Errorf("removing from the snapshot: %v, want EROFS", err)
+	}
+	must(t, os.WriteFile(filepath.Join(src, "later"), []byte("after"), 0o644))
+	if again, err := b.root.Snapshot(ctx, "ns/src", "snap"); err != nil || again != info {
+		t.Errorf("second Snapshot = %+v, %v; want %+v", again, err, info)
+	}
+
+	_, id, stats, err := b.root.MkdirAllFrom(ctx, "ns/restored", Claim{UID: "restored"}, 16<<20, b.root.SnapshotSource("snap"))
+	if err != nil {
+		t.Fatalf("restore: %v", err)
+	}
+	if stats.Method != MethodBtrfsSnapshot {
+		t.Errorf("restore Method %q, want %q", stats.Method, MethodBtrfsSnapshot)
+	}
+	if got, u := limitOf(t, b.root, "ns/restored"); got != id || u.LimitBytes != 16<<20 {
+		t.Errorf("restored volume's quota %v limit %d, want %v limited to 16 MiB", got, u.LimitBytes, id)
+	}
+	diffTrees(t, want, treeHash(t, filepath.Join(b.base, "ns/restored")))
+	must(t, os.WriteFile(filepath.Join(b.base, "ns/restored/writable"), nil, 0o644))
+
+	if err := b.root.DeleteSnapshot("snap"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.root.SnapshotInfo("snap"); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("SnapshotInfo after DeleteSnapshot: %v, want ErrNotExist", err)
+	}
+	// The source's, the restored volume's; the snapshot's is gone.
+	if got := len(quotatest.Qgroups(t, b.base)); got != groups+1 {
+		t.Errorf("%d qgroups after the delete, want %d", got, groups+1)
+	}
+}
