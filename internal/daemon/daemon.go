@@ -50,7 +50,7 @@ type KubeConfig struct {
 	Burst int
 }
 
-func (k KubeConfig) client() (kubernetes.Interface, error) {
+func (k KubeConfig) restConfig() (*rest.Config, error) {
 	var cfg *rest.Config
 	var err error
 	if k.Path != "" {
@@ -63,6 +63,14 @@ func (k KubeConfig) client() (kubernetes.Interface, error) {
 	}
 	cfg.QPS, cfg.Burst = k.QPS, k.Burst
 	cfg.UserAgent = "dirpv/" + Version
+	return cfg, nil
+}
+
+func (k KubeConfig) client() (kubernetes.Interface, error) {
+	cfg, err := k.restConfig()
+	if err != nil {
+		return nil, err
+	}
 	// Every type dirpv reads and writes is built in, so protobuf works, as for kube-scheduler
 	// and kube-controller-manager: the initial list of every claim and volume decodes with far
 	// fewer transient allocations (the process's peak heap) and less CPU than JSON.
@@ -81,6 +89,8 @@ type ProvisionerConfig struct {
 	OperationTimeout time.Duration
 	// Resync is the informers' resync period; the lib retries failed claims on its own queue.
 	Resync time.Duration
+	// SnapshotTimeout bounds the copy of one VolumeSnapshot.
+	SnapshotTimeout time.Duration
 }
 
 // ControllerConfig configures `dirpv controller`.
@@ -146,7 +156,13 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	}
 	// Resizing NFS volumes is the leader's too (provisioning): each claim has one instance that
 	// resizes it.
-	lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub)
+	snapClient, err := cfg.Kube.snapshotClient()
+	if err != nil {
+		return err
+	}
+	// Snapshots of NFS volumes are the leader's too.
+	snapshots := snapshotting(snapClient, client, p.Snapshotter(factory.Core().V1().PersistentVolumes().Lister(), cfg.Provisioner.SnapshotTimeout), "", cfg.Provisioner)
+	lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub, snapshots)
 	run := func(ctx context.Context) error {
 		lead(ctx)
 		return nil
@@ -161,13 +177,14 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 }
 
 // provisioning returns what runs the lib's ProvisionController around p, external-resizer's
-// controller around p's Resizer, and pub's capacity publishing if pub is not nil, until its
-// context is done, and registers the lib's metrics and dirpv's own on reg. What it returns
-// comes back only once the controllers' workers have returned and p has released its NFS
-// mounts and local bases, in that order: a worker still running after the release could
-// mount an export again, or use a closed base.
+// controller around p's Resizer, pub's capacity publishing if pub is not nil, and each of
+// also (snapshots) until its context is done, and registers the lib's metrics and dirpv's own
+// on reg. What it returns comes back only once the controllers' workers and also have
+// returned and p has released its NFS mounts and local bases, in that order: a worker still
+// running after the release could mount an export again, or use a closed base.
 func provisioning(ctx context.Context, client kubernetes.Interface, factory informers.SharedInformerFactory,
 	p *provisioner.Provisioner, cfg ProvisionerConfig, reg *prometheus.Registry, pub *capacityPublisher,
+	also ...func(context.Context),
 ) func(context.Context) {
 	m := libmetrics.New("dirpv")
 	reg.MustRegister(
@@ -221,11 +238,16 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 			defer close(resized)
 			resize(ctx)
 		}()
+		var others sync.WaitGroup
+		for _, fn := range also {
+			others.Go(func() { fn(ctx) })
+		}
 		pc.Run(ctx)
 		start := time.Now()
 		workers.Wait()
 		<-published
 		<-resized
+		others.Wait()
 		// The resize controller's Run does not wait for its workers: the Resizer does.
 		resizer.Drain()
 		stop()

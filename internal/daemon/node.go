@@ -103,7 +103,15 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 		if err != nil {
 			return err
 		}
-		lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub)
+		snapClient, err := cfg.Kube.snapshotClient()
+		if err != nil {
+			return err
+		}
+		// Snapshots of this node's local volumes: the common controller labels their
+		// VolumeSnapshotContents with the node (distributed snapshotting).
+		snapshots := snapshotting(snapClient, client, p.Snapshotter(factory.Core().V1().PersistentVolumes().Lister(), cfg.Provisioner.SnapshotTimeout),
+			cfg.NodeName, cfg.Provisioner)
+		lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub, snapshots)
 		fns = append(fns, func(ctx context.Context) error {
 			lead(ctx)
 			return nil
