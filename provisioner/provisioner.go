@@ -75,6 +75,9 @@ type Config struct {
 	OperationTimeout time.Duration
 	// IdleUnmount is how long an unused NFS mount stays mounted.
 	IdleUnmount time.Duration
+	// CloneTimeout bounds each copy that starts a volume from a data source; 0 means
+	// DefaultCloneTimeout. The copy runs in the background meanwhile.
+	CloneTimeout time.Duration
 	// Events records events beyond those the lib records: on PVs of volumes left on lost
 	// nodes (role controller), on claims whose size is not enforced (role node). Nil records
 	// none.
@@ -90,6 +93,8 @@ type Provisioner struct {
 	nodePlugins nodePluginChecks
 	// unplaced rate-limits the controller's checks of local claims no node can serve.
 	unplaced claimChecks
+	// copies are the copies under way that start volumes from data sources.
+	copies *copyJobs
 
 	hostnameOnce sync.Mutex
 	hostname     string
@@ -124,21 +129,36 @@ func New(cfg Config) (*Provisioner, error) {
 	if cfg.IdleUnmount <= 0 {
 		cfg.IdleUnmount = 5 * time.Minute
 	}
-	p := &Provisioner{cfg: cfg}
+	if cfg.CloneTimeout <= 0 {
+		cfg.CloneTimeout = DefaultCloneTimeout
+	}
+	p := &Provisioner{cfg: cfg, copies: newCopyJobs()}
 	if cfg.Role == RoleController {
 		p.exports = newExports(cfg.Mounter, cfg.WorkDir, cfg.OperationTimeout)
 	}
 	return p, nil
 }
 
-// Run unmounts idle NFS exports until ctx is done, then releases every mount and directory.
+// DefaultCloneTimeout is the default of Config.CloneTimeout.
+const DefaultCloneTimeout = 6 * time.Hour
+
+// Run unmounts idle NFS exports until ctx is done, then stops the copies under way and
+// releases every mount and directory.
 func (p *Provisioner) Run(ctx context.Context) {
 	defer p.locals.closeAll()
+	if p.exports != nil {
+		defer p.exports.closeAll(context.WithoutCancel(ctx))
+	}
+	// Before the bases and mounts go: a copy must not outlive the roots it works on.
+	defer func() {
+		if !p.copies.stop(p.cfg.OperationTimeout) {
+			klog.FromContext(ctx).Info("Shutting down with copies still running: their next step waits on storage")
+		}
+	}()
 	if p.exports == nil {
 		<-ctx.Done()
 		return
 	}
-	defer p.exports.closeAll(context.WithoutCancel(ctx))
 	tick := time.NewTicker(p.cfg.IdleUnmount / 2)
 	defer tick.Stop()
 	for {
@@ -255,41 +275,22 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 			return nil, controller.ProvisioningNoChange, err
 		}
 	}
+	src, state, err := p.resolveDataSource(ctx, claim, attrs)
+	if err != nil {
+		return nil, state, err
+	}
 	owner := volume.Claim{UID: string(claim.UID), PVName: opts.PVName}
-	created := false
 	size := claim.Spec.Resources.Requests[v1.ResourceStorage]
-	// notEnforced says why a best-effort local volume got no limit.
-	var notEnforced error
-	err = p.onStore(ctx, attrs, opts.StorageClass.MountOptions, func(root *volume.Root) error {
-		var err error
-		if attrs.Backend != volume.BackendLocal || size.Sign() <= 0 {
-			created, err = root.MkdirAll(rel, params.owner, owner)
-			return err
-		}
-		if err := checkRoom(root, rel, size); err != nil {
-			return err
-		}
-		fs, err := root.Quota()
-		if err != nil {
-			return err
-		}
-		if why := fs.Enforces(); why != nil {
-			if params.capacity == EnforceRequired {
-				return why
-			}
-			notEnforced = why
-			created, err = root.MkdirAll(rel, params.owner, owner)
-			return err
-		}
-		var id quota.ID
-		created, id, err = root.MkdirAllLimited(rel, params.owner, owner, uint64(size.Value()))
-		attrs.Quota = id.String()
-		if err == nil && attrs.Quota == "" && params.capacity == EnforceRequired {
-			// Adopted from an attempt made while the base could not enforce.
-			return fmt.Errorf("volume %s was made without a size limit: %w", rel, quota.ErrNotEnforceable)
-		}
-		return err
-	})
+	mk := func(ctx context.Context) (made, error) {
+		return p.makeVolume(ctx, attrs, opts.StorageClass.MountOptions, params, owner, size, src)
+	}
+	var m made
+	if src == nil {
+		m, err = mk(ctx)
+	} else if m, state, err = p.copyVolume(ctx, claim, src, mk); state != controller.ProvisioningFinished {
+		return nil, state, err
+	}
+	attrs.Quota = m.quota
 	var exists *volume.ExistsError
 	switch {
 	case errors.As(err, &exists):
@@ -306,6 +307,9 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s: %w: the NFS server refused to give the directory to %d:%d; "+
 			"it may squash root (root_squash): export %s with no_root_squash, or drop %s and %s from the StorageClass",
 			rel, err, params.owner.UID, params.owner.GID, volume.ExportSource(attrs.Server, attrs.Share), ParamUID, ParamGID)
+	case src != nil && err != nil:
+		// Another node cannot copy a local tree: the claim stays where its source is.
+		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s in %s: %w", rel, storeName(attrs), err)
 	case errors.Is(err, quota.ErrNotEnforceable):
 		// Another node's base may well enforce sizes.
 		return nil, controller.ProvisioningReschedule, fmt.Errorf(
@@ -331,7 +335,7 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 	case err != nil:
 		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s: %w", rel, err)
 	}
-	if notEnforced != nil && created {
+	if notEnforced, created := m.notEnforced, m.created; notEnforced != nil && created {
 		logger.Info("Volume size is not enforced", "path", rel, "reason", notEnforced.Error())
 		if p.cfg.Events != nil {
 			p.cfg.Events.Eventf(claim, v1.EventTypeNormal, "SizeNotEnforced",
@@ -339,13 +343,74 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 				size.String(), p.cfg.NodeName, ParamCapacityEnforcement, EnforceBestEffort, notEnforced)
 		}
 	}
-	if created {
+	if m.created {
 		logger.Info("Provisioned volume", "path", rel, "backend", attrs.Backend, "quota", attrs.Quota)
 	} else {
 		// A retry after the PV of an earlier attempt was never saved (a crash, a lost leader).
 		logger.Info("adopted existing directory", "path", rel, "backend", attrs.Backend)
 	}
 	return p.buildPV(opts, params, attrs, hostname), controller.ProvisioningFinished, nil
+}
+
+// made is what makeVolume did.
+type made struct {
+	created bool
+	// quota is the volume's limit ID, "" if it has none.
+	quota string
+	// notEnforced says why a best-effort local volume got no limit.
+	notEnforced error
+	stats       volume.CopyStats
+}
+
+// makeVolume creates the volume's directory with its size limit, if its class has one, and
+// with src's contents if src is not nil.
+func (p *Provisioner) makeVolume(ctx context.Context, attrs volume.Attributes, mountOptions []string, params *classParams,
+	owner volume.Claim, size resource.Quantity, src *sourceTree,
+) (made, error) {
+	var m made
+	rel := attrs.Path
+	fn := func(ctx context.Context, root, from *volume.Root) error {
+		var limit uint64
+		if attrs.Backend == volume.BackendLocal && size.Sign() > 0 {
+			if err := checkRoom(root, rel, size); err != nil {
+				return err
+			}
+			fs, err := root.Quota()
+			if err != nil {
+				return err
+			}
+			if why := fs.Enforces(); why == nil {
+				limit = uint64(size.Value())
+			} else if params.capacity == EnforceRequired {
+				return why
+			} else {
+				m.notEnforced = why
+			}
+		}
+		var id quota.ID
+		var err error
+		switch {
+		case from != nil:
+			m.created, id, m.stats, err = root.MkdirAllFrom(ctx, rel, owner, limit, volume.Source{Root: from, Rel: src.attrs.Path})
+		case limit > 0:
+			m.created, id, err = root.MkdirAllLimited(rel, params.owner, owner, limit)
+		default:
+			m.created, err = root.MkdirAll(rel, params.owner, owner)
+		}
+		m.quota = id.String()
+		if err == nil && limit > 0 && m.quota == "" && params.capacity == EnforceRequired {
+			// Adopted from an attempt made while the base could not enforce.
+			return fmt.Errorf("volume %s was made without a size limit: %w", rel, quota.ErrNotEnforceable)
+		}
+		return err
+	}
+	var err error
+	if src == nil {
+		err = p.onStore(ctx, attrs, mountOptions, func(root *volume.Root) error { return fn(ctx, root, nil) })
+	} else {
+		err = p.onStores(ctx, attrs, mountOptions, src, fn)
+	}
+	return m, err
 }
 
 // checkRoom refuses a new local volume larger than the base's free space. A limit does not
@@ -396,8 +461,8 @@ func checkClassAndClaim(class *storagev1.StorageClass, claim *v1.PersistentVolum
 	if claim.Spec.VolumeMode != nil && *claim.Spec.VolumeMode == v1.PersistentVolumeBlock {
 		return nil, fmt.Errorf("volumeMode Block is not supported: dirpv volumes are directories (use Filesystem)")
 	}
-	if claim.Spec.DataSource != nil || claim.Spec.DataSourceRef != nil {
-		return nil, fmt.Errorf("dataSource is not supported: dirpv cannot clone or restore volumes")
+	if err := checkDataSource(claim); err != nil {
+		return nil, err
 	}
 	if params.backend == volume.BackendLocal {
 		if class.VolumeBindingMode == nil || *class.VolumeBindingMode != storagev1.VolumeBindingWaitForFirstConsumer {

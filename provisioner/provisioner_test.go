@@ -27,6 +27,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/klog/v2/ktesting"
 	"k8s.io/mount-utils"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
 	"github.com/dirpv/dirpv/volume"
@@ -252,9 +253,15 @@ func TestRejectionsLeaveNothingOnDisk(t *testing.T) {
 			c.Spec.AccessModes = []v1.PersistentVolumeAccessMode{v1.ReadWriteMany}
 		}, want: "ReadWriteMany"},
 		"mountOptions local": {mutate: func(s *storagev1.StorageClass, _ *v1.PersistentVolumeClaim) { s.MountOptions = []string{"noatime"} }, want: "mountOptions"},
-		"data source": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
+		"data source of another kind": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
+			c.Spec.DataSource = &v1.TypedLocalObjectReference{APIGroup: ptr.To("example.com"), Kind: "Backup", Name: "x"}
+		}, want: "dataSource kind Backup of apiGroup example.com is not supported"},
+		"data source in another namespace": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
+			c.Spec.DataSourceRef = &v1.TypedObjectReference{Kind: "PersistentVolumeClaim", Name: "x", Namespace: ptr.To("other")}
+		}, want: "another namespace"},
+		"missing source claim": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
 			c.Spec.DataSource = &v1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: "x"}
-		}, want: "dataSource"},
+		}, want: "PersistentVolumeClaim ns/x does not exist"},
 		"immediate local": {mutate: func(s *storagev1.StorageClass, _ *v1.PersistentVolumeClaim) { s.VolumeBindingMode = nil }, want: "WaitForFirstConsumer"},
 		"other node's claim": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
 			c.Annotations[annSelectedNode] = "node-b"

@@ -35,20 +35,39 @@ var errNoSlot = errors.New("earlier calls are still waiting for the server")
 // bounded runs fn and waits for it until ctx is done. sem limits how many fn may be running,
 // abandoned ones included.
 func bounded(ctx context.Context, sem *callSlots, what string, fn func() error) error {
-	slot, err := sem.acquire(ctx)
-	if err != nil {
-		return fmt.Errorf("%s: %d %w: %w (%w)", what, sem.size(), errNoSlot, errExportUnresponsive, err)
+	return boundedOn(ctx, []*callSlots{sem}, what, fn)
+}
+
+// boundedOn is bounded for a call that waits on several exports (a clone from one to
+// another): it takes a slot of each, in the order given, so that callers that always order
+// them the same way never deadlock each other.
+func boundedOn(ctx context.Context, sems []*callSlots, what string, fn func() error) error {
+	slots := make([]*callSlot, 0, len(sems))
+	release := func() {
+		for _, s := range slots {
+			s.release()
+		}
+	}
+	for _, sem := range sems {
+		slot, err := sem.acquire(ctx)
+		if err != nil {
+			release()
+			return fmt.Errorf("%s: %d %w: %w (%w)", what, sem.size(), errNoSlot, errExportUnresponsive, err)
+		}
+		slots = append(slots, slot)
 	}
 	done := make(chan error, 1)
 	go func() {
-		defer slot.release()
+		defer release()
 		done <- fn()
 	}()
 	select {
 	case err := <-done:
 		return err
 	case <-ctx.Done():
-		slot.abandon()
+		for _, s := range slots {
+			s.abandon()
+		}
 		return fmt.Errorf("%s: %w (%w)", what, errExportUnresponsive, ctx.Err())
 	}
 }
@@ -177,36 +196,101 @@ func (e *exports) do(ctx context.Context, server, share string, options []string
 }
 
 func (e *exports) run(ctx context.Context, ex *export, fn func(*volume.Root) error) error {
-	ctx, cancel := context.WithTimeout(ctx, e.timeout)
-	defer cancel()
+	return e.runOn(ctx, e.timeout, []*export{ex}, func(_ context.Context, roots []*volume.Root) error { return fn(roots[0]) })
+}
+
+// exportRef names one export a call needs.
+type exportRef struct {
+	server, share string
+	options       []string
+}
+
+// doPair runs fn on the roots of two exports, a's first, mounting them first if needed,
+// under timeout rather than the operation timeout: a copy from one to the other takes as long
+// as its tree. Mounting is still bounded by the operation timeout. When a and b are one
+// export, fn gets its root twice and the call takes one slot.
+func (e *exports) doPair(ctx context.Context, timeout time.Duration, a, b exportRef, fn func(ctx context.Context, ra, rb *volume.Root) error) error {
+	exA, exB := e.get(a.server, a.share, a.options), e.get(b.server, b.share, b.options)
+	if exA == exB {
+		return e.runOn(ctx, timeout, []*export{exA}, func(ctx context.Context, roots []*volume.Root) error {
+			return fn(ctx, roots[0], roots[0])
+		})
+	}
+	// Slots are taken in the order of the exports' keys, whichever is the source, so that
+	// clones running both ways between two exports never hold one slot each while waiting
+	// for the other's.
+	exs, swapped := []*export{exA, exB}, false
+	if exportKey(a.server, a.share, a.options) > exportKey(b.server, b.share, b.options) {
+		exs, swapped = []*export{exB, exA}, true
+	}
+	return e.runOn(ctx, timeout, exs, func(ctx context.Context, roots []*volume.Root) error {
+		if swapped {
+			return fn(ctx, roots[1], roots[0])
+		}
+		return fn(ctx, roots[0], roots[1])
+	})
+}
+
+// runOn runs fn on the roots of exs, each mounted first if needed, all within timeout and
+// the mounting also within the operation timeout.
+func (e *exports) runOn(ctx context.Context, timeout time.Duration, exs []*export, fn func(context.Context, []*volume.Root) error) error {
 	e.mu.Lock()
 	if e.closed {
 		e.mu.Unlock()
-		return fmt.Errorf("NFS %s: %w", ex.source, errShuttingDown)
+		return fmt.Errorf("NFS %s: %w", exs[0].source, errShuttingDown)
 	}
-	ex.users++
+	for _, ex := range exs {
+		ex.users++
+	}
 	e.mu.Unlock()
-	defer e.release(ex)
-
-	root, gen, err := e.acquire(ctx, ex)
-	if err != nil {
-		return err
+	for _, ex := range exs {
+		defer e.release(ex)
 	}
-	err = bounded(ctx, ex.sem, "NFS "+ex.source, func() error {
-		defer root.Close()
-		return fn(root)
+
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	mountCtx := ctx
+	if timeout > e.timeout {
+		var cancelMount context.CancelFunc
+		mountCtx, cancelMount = context.WithTimeout(ctx, e.timeout)
+		defer cancelMount()
+	}
+	roots := make([]*volume.Root, 0, len(exs))
+	gens := make([]uint64, 0, len(exs))
+	closeRoots := func() {
+		for _, r := range roots {
+			r.Close()
+		}
+	}
+	sems := make([]*callSlots, 0, len(exs))
+	sources := make([]string, 0, len(exs))
+	for _, ex := range exs {
+		root, gen, err := e.acquire(mountCtx, ex)
+		if err != nil {
+			closeRoots()
+			return err
+		}
+		roots, gens, sems, sources = append(roots, root), append(gens, gen), append(sems, ex.sem), append(sources, ex.source)
+	}
+	err := boundedOn(ctx, sems, "NFS "+strings.Join(sources, " and "), func() error {
+		defer closeRoots()
+		return fn(ctx, roots)
 	})
 	if errors.Is(err, errNoSlot) {
-		root.Close() // fn never ran
+		closeRoots() // fn never ran
 	}
 	if isBrokenMount(err) {
-		klog.FromContext(ctx).Info("Dropping NFS mount after error; the next call mounts again", "export", ex.source, "err", err)
-		// In the background: unmounting from a hung server takes up to another timeout, and
-		// the caller's deadline has passed already. The next mount waits for it on ex.lock.
 		logger := klog.FromContext(ctx)
-		e.mu.Lock()
-		e.background(&e.running, func() { e.unmount(logger, ex, gen, false) })
-		e.mu.Unlock()
+		for i, ex := range exs {
+			logger.Info("Dropping NFS mount after error; the next call mounts again", "export", ex.source, "err", err)
+			// In the background: unmounting from a hung server takes up to another timeout,
+			// and the caller's deadline has passed already. The next mount waits for it on
+			// ex.lock.
+			gen := gens[i]
+			e.mu.Lock()
+			e.background(&e.running, func() { e.unmount(logger, ex, gen, false) })
+			e.mu.Unlock()
+		}
 	}
 	return err
 }

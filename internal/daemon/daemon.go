@@ -13,6 +13,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/kubernetes-csi/csi-lib-utils/rpc"
+	provisionercontroller "github.com/kubernetes-csi/external-provisioner/v5/pkg/controller"
 	resizecontroller "github.com/kubernetes-csi/external-resizer/pkg/controller"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -91,7 +94,12 @@ type ProvisionerConfig struct {
 	Resync time.Duration
 	// SnapshotTimeout bounds the copy of one VolumeSnapshot.
 	SnapshotTimeout time.Duration
+	// CloneTimeout bounds each copy that starts a volume from a data source.
+	CloneTimeout time.Duration
 }
+
+// DefaultCloneTimeout is the default of ProvisionerConfig.CloneTimeout.
+const DefaultCloneTimeout = provisioner.DefaultCloneTimeout
 
 // ControllerConfig configures `dirpv controller`.
 type ControllerConfig struct {
@@ -143,6 +151,7 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 		Mounter:          mount.New(cfg.Mounter),
 		WorkDir:          cfg.WorkDir,
 		OperationTimeout: cfg.Provisioner.OperationTimeout,
+		CloneTimeout:     cfg.Provisioner.CloneTimeout,
 		IdleUnmount:      cfg.IdleUnmount,
 	})
 	if err != nil {
@@ -162,7 +171,17 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	}
 	// Snapshots of NFS volumes are the leader's too.
 	snapshots := snapshotting(snapClient, client, p.Snapshotter(factory.Core().V1().PersistentVolumes().Lister(), cfg.Provisioner.SnapshotTimeout), "", cfg.Provisioner)
-	lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub, snapshots)
+	provision := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub, snapshots)
+	protect := cloningProtection(client, factory, cfg.Provisioner.Workers)
+	lead := func(ctx context.Context) {
+		protected := make(chan struct{})
+		go func() {
+			defer close(protected)
+			protect(ctx)
+		}()
+		provision(ctx)
+		<-protected
+	}
 	run := func(ctx context.Context) error {
 		lead(ctx)
 		return nil
@@ -254,6 +273,20 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 		<-released
 		logger.Info("Provisioning stopped: workers finished and mounts released", "drainDuration", time.Since(start))
 	}
+}
+
+// cloningProtection returns what runs external-provisioner's CloningProtectionController
+// until its context is done. The instance that copies a claim (the controller for NFS, the
+// source's node for local) puts provisioner.FinalizerCloningProtection on it; this controller
+// removes it from a claim being deleted once no Pending claim names it as data source. It
+// needs the whole cluster's claims, so it runs in the leader of dirpv controller only.
+func cloningProtection(client kubernetes.Interface, factory informers.SharedInformerFactory, workers int) func(context.Context) {
+	claims := factory.Core().V1().PersistentVolumeClaims()
+	cc := provisionercontroller.NewCloningProtectionController(client, claims.Lister(), claims.Informer(),
+		workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[any]()),
+		// It runs only for drivers that can clone.
+		rpc.ControllerCapabilitySet{csi.ControllerServiceCapability_RPC_CLONE_VOLUME: true})
+	return func(ctx context.Context) { cc.Run(ctx, max(1, workers/4)) }
 }
 
 // resizeRetryMax bounds the resize controller's backoff after a failed resize, and is how

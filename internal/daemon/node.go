@@ -93,6 +93,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			Client:           client,
 			Classes:          factory.Storage().V1().StorageClasses().Lister(),
 			OperationTimeout: cfg.Provisioner.OperationTimeout,
+			CloneTimeout:     cfg.Provisioner.CloneTimeout,
 		})
 		if err != nil {
 			return err

@@ -1,0 +1,385 @@
+package integration
+
+// Clones: a claim whose dataSource is another claim starts as a copy of that claim's tree.
+// These tests check what a user would: the clone binds, its tree is the source's, the source
+// is protected while it is copied, refusals are events with nothing on disk, and a local
+// clone placed on the wrong node goes back to the scheduler with an event naming the node to
+// pin the pod to.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+
+	"github.com/dirpv/dirpv/test/framework"
+)
+
+// cloningProtection is external-provisioner's finalizer on a claim being copied.
+const cloningProtection = "provisioner.storage.kubernetes.io/cloning-protection"
+
+// cloneOf makes the claim a clone of the claim source.
+func cloneOf(source string) framework.ClaimOption {
+	return func(c *v1.PersistentVolumeClaim) {
+		c.Spec.DataSource = &v1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: source}
+	}
+}
+
+// volumeDir is the directory of a bound local or NFS PV as the test sees it on the host.
+func volumeDir(pv *v1.PersistentVolume) string {
+	a := pv.Spec.CSI.VolumeAttributes
+	if a["backend"] == "nfs" {
+		return filepath.Join(suite.NFS.ExportDir, a["path"])
+	}
+	return filepath.Join(a["basePath"], a["path"])
+}
+
+// writeTree fills dir with every kind of entry a copy must keep: regular files with odd
+// modes and owners, a large sparse file, hard links, a symlink to a file outside (which a copy
+// must never follow), a relative symlink leading out, directories, a FIFO and, if xattrs,
+// an extended attribute.
+func writeTree(t *testing.T, dir, outside string, xattrs bool) {
+	t.Helper()
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(os.WriteFile(filepath.Join(dir, "a.txt"), []byte("hello clone\n"), 0o640))
+	must(os.Chown(filepath.Join(dir, "a.txt"), 1234, 5678))
+	must(os.Link(filepath.Join(dir, "a.txt"), filepath.Join(dir, "hard")))
+	must(os.Mkdir(filepath.Join(dir, "sub"), 0o755))
+	must(os.Chmod(filepath.Join(dir, "sub"), 0o1777))
+	must(os.WriteFile(filepath.Join(dir, "sub", "setuid"), []byte("#!/bin/sh\n"), 0o755))
+	must(os.Chmod(filepath.Join(dir, "sub", "setuid"), 0o4751))
+	must(os.Link(filepath.Join(dir, "a.txt"), filepath.Join(dir, "sub", "hard2")))
+	f, err := os.Create(filepath.Join(dir, "sparse"))
+	must(err)
+	_, err = f.WriteAt([]byte("head"), 0)
+	must(err)
+	_, err = f.WriteAt([]byte("tail"), 256<<20)
+	must(err)
+	must(f.Close())
+	must(os.Symlink(filepath.Join(outside, "target"), filepath.Join(dir, "out")))
+	must(os.Symlink("../../../etc/passwd", filepath.Join(dir, "sub", "up")))
+	must(unix.Mkfifo(filepath.Join(dir, "fifo"), 0o600))
+	past := time.Date(2020, 1, 2, 3, 4, 5, 0, time.UTC)
+	must(os.Chtimes(filepath.Join(dir, "a.txt"), past, past))
+	if xattrs {
+		must(unix.Lsetxattr(filepath.Join(dir, "a.txt"), "user.dirpv-test", []byte("kept"), 0))
+	}
+}
+
+// checkSameTree fails unless clone holds what source does: names, types, modes, owners,
+// contents and link targets (framework.SnapshotTree), hard links still linked, the sparse
+// file still sparse, mtimes and, if xattrs, extended attributes.
+func checkSameTree(t *testing.T, source, clone string, xattrs bool) {
+	t.Helper()
+	// Markers dirpv keeps beside a volume's contents are its own.
+	skip := func(rel string) bool { return strings.HasPrefix(filepath.Base(rel), ".dirpv-") }
+	want, got := snapshotTree(t, source, skip), snapshotTree(t, clone, skip)
+	if d := framework.DiffSnapshots(want, got); len(d) > 0 {
+		t.Errorf("clone differs from its source:\n%s", strings.Join(d, "\n"))
+	}
+	var a, h, h2, sp unix.Stat_t
+	for p, st := range map[string]*unix.Stat_t{"a.txt": &a, "hard": &h, "sub/hard2": &h2, "sparse": &sp} {
+		if err := unix.Lstat(filepath.Join(clone, p), st); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if a.Ino != h.Ino || a.Ino != h2.Ino || a.Nlink != 3 {
+		t.Errorf("hard links in the clone: a.txt inode %d (%d links), hard %d, sub/hard2 %d; want one inode with 3 links", a.Ino, a.Nlink, h.Ino, h2.Ino)
+	}
+	if used := sp.Blocks * 512; used > 1<<20 {
+		t.Errorf("sparse file of %d bytes uses %d bytes in the clone: its holes were filled", sp.Size, used)
+	}
+	if got := time.Unix(a.Mtim.Unix()); !got.Equal(time.Date(2020, 1, 2, 3, 4, 5, 0, time.UTC)) {
+		t.Errorf("a.txt mtime in the clone %s, want the source's 2020-01-02T03:04:05Z", got.UTC())
+	}
+	if xattrs {
+		buf := make([]byte, 64)
+		n, err := unix.Lgetxattr(filepath.Join(clone, "a.txt"), "user.dirpv-test", buf)
+		if err != nil || string(buf[:n]) != "kept" {
+			t.Errorf("xattr user.dirpv-test in the clone = %q, %v; want \"kept\"", buf[:max(n, 0)], err)
+		}
+	}
+}
+
+// outsideDir makes a directory outside every base with a file a symlink in a volume points
+// at, and returns it with a snapshot of it.
+func outsideDir(t *testing.T) (string, map[string]string) {
+	t.Helper()
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "target"), []byte("outside, never copied\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return dir, snapshotTree(t, dir, nil)
+}
+
+func claimFinalizers(t *testing.T, ns, name string) []string {
+	t.Helper()
+	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c.Finalizers
+}
+
+// A user clones a local claim: the clone binds on the source's node with the source's tree,
+// the symlink's target outside is left alone, and the source keeps the cloning-protection
+// finalizer until it is deleted, when dirpv controller removes it and the claim goes.
+func TestCloneLocalClaim(t *testing.T) {
+	ctx := context.Background()
+	ns := suite.NewNamespace(t)
+	class, _ := localClass(t, nil)
+	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(nodeA), framework.Request("1Gi"))
+	_, srcPV := waitBound(t, ns, "src")
+	outside, before := outsideDir(t)
+	writeTree(t, volumeDir(srcPV), outside, true)
+
+	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(nodeA), framework.Request("2Gi"), cloneOf("src"))
+	pvc, pv := waitBound(t, ns, "copy")
+	checkSameTree(t, volumeDir(srcPV), volumeDir(pv), true)
+	if d := framework.DiffSnapshots(before, snapshotTree(t, outside, nil)); len(d) > 0 {
+		t.Errorf("the copy changed the symlink's target outside the volume:\n%s", strings.Join(d, "\n"))
+	}
+	if got := pv.Spec.Capacity[v1.ResourceStorage]; got.String() != "2Gi" {
+		t.Errorf("clone PV capacity %s, want the clone's request 2Gi", got.String())
+	}
+	if pv.Annotations["dirpv.io/node"] != nodeA {
+		t.Errorf("clone PV on node %q, want the source's %s", pv.Annotations["dirpv.io/node"], nodeA)
+	}
+	t.Logf("clone claim annotations: %v", pvc.Annotations)
+
+	if f := claimFinalizers(t, ns, "src"); !slices.Contains(f, cloningProtection) {
+		t.Errorf("source claim finalizers %v, want %s (set before the copy)", f, cloningProtection)
+	}
+	deleteClaim(t, ns, "src")
+	err := framework.WaitForDeleted(ctx, timeout, "source claim", func(ctx context.Context) (string, error) {
+		c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "src", metav1.GetOptions{})
+		if err != nil {
+			return "", err
+		}
+		return fmt.Sprintf("finalizers %v", c.Finalizers), nil
+	})
+	if err != nil {
+		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(3000))
+	}
+	waitPVGone(t, srcPV.Name)
+	// The clone is its own volume: the source's removal leaves it whole.
+	if _, err := os.Stat(filepath.Join(volumeDir(pv), "sub", "setuid")); err != nil {
+		t.Errorf("clone after its source was deleted: %v", err)
+	}
+}
+
+// Refusals: a source larger than the clone's request, a source that is not there (it is in
+// another namespace), a data source of a kind dirpv cannot copy. Each gives a clear event and
+// nothing on disk; the source keeps no finalizer.
+func TestCloneRefusals(t *testing.T) {
+	ctx := context.Background()
+	ns := suite.NewNamespace(t)
+	other := suite.NewNamespace(t)
+	class, base := localClass(t, nil)
+	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(nodeA), framework.Request("2Gi"))
+	waitBound(t, ns, "src")
+	suite.CreateClaim(t, other, "elsewhere", class.Name, framework.OnNode(nodeA))
+	waitBound(t, other, "elsewhere")
+	dirs := entries(t, base)
+
+	suite.CreateClaim(t, ns, "small", class.Name, framework.OnNode(nodeA), framework.Request("1Gi"), cloneOf("src"))
+	suite.CreateClaim(t, ns, "foreign", class.Name, framework.OnNode(nodeA), cloneOf("elsewhere"))
+	suite.CreateClaim(t, ns, "backup", class.Name, framework.OnNode(nodeA), func(c *v1.PersistentVolumeClaim) {
+		c.Spec.DataSourceRef = &v1.TypedObjectReference{APIGroup: ptr.To("backup.example.com"), Kind: "Backup", Name: "nightly"}
+	})
+	for claim, want := range map[string]string{
+		"small":   "PersistentVolumeClaim " + ns + "/src has 2Gi, more than the 1Gi this claim asks for",
+		"foreign": "PersistentVolumeClaim " + ns + "/elsewhere does not exist",
+		"backup":  "dataSource kind Backup of apiGroup backup.example.com is not supported",
+	} {
+		if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", claim, "ProvisioningFailed", want, timeout); err != nil {
+			t.Errorf("claim %s: %v\nevents: %s", claim, err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", claim))
+			continue
+		}
+		noPVFor(t, ns, claim)
+	}
+	if got := entries(t, base); !slices.Equal(got, dirs) {
+		t.Errorf("base holds %v after the refusals, want only the sources' %v", got, dirs)
+	}
+	if f := claimFinalizers(t, ns, "src"); slices.Contains(f, cloningProtection) {
+		t.Errorf("source of a refused clone has finalizers %v: nothing was copied, it must stay deletable", f)
+	}
+}
+
+// startNodeInstance starts a dirpv node instance for a new Ready node whose local bases are
+// the suite's, as node-a's are, and returns it.
+func startNodeInstance(t *testing.T, node string, env ...string) *framework.Process {
+	t.Helper()
+	ctx := context.Background()
+	if err := suite.Cluster.CreateReadyNode(ctx, node, map[string]string{"kubernetes.io/hostname": "host-" + node}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { suite.Client.CoreV1().Nodes().Delete(ctx, node, metav1.DeleteOptions{}) })
+	proc, err := suite.StartDirpv(ctx, node, "node", "--v=2", "--operation-timeout=10s",
+		"--node-name", node, "--allowed-base-paths", suite.Work.BaseRoot,
+		"--csi-endpoint", "unix://"+filepath.Join(t.TempDir(), "csi.sock"), "--plugin-registration-dir", "-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { proc.Stop(10 * time.Second) })
+	if len(env) > 0 {
+		proc.Kill()
+		proc.Env = env
+		if err := proc.Restart(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := proc.WaitHealthy(ctx, timeout); err != nil {
+		t.Fatal(err)
+	}
+	if err := suite.Cluster.RegisterCSIDriver(ctx, node, "dirpv.io"); err != nil {
+		t.Fatal(err)
+	}
+	return proc
+}
+
+// A local clone whose pod the scheduler put on another node than the source's: the claim goes
+// back to the scheduler with an event that names the source's node and says to pin the pod
+// there; once the user does, it binds there.
+func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
+	ctx := context.Background()
+	const nodeB = "node-clone-b"
+	procB := startNodeInstance(t, nodeB)
+	ns := suite.NewNamespace(t)
+	class, _ := localClass(t, nil)
+	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(nodeA))
+	_, srcPV := waitBound(t, ns, "src")
+	if err := os.WriteFile(filepath.Join(volumeDir(srcPV), "seed"), []byte("seed"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	suite.CreateClaim(t, ns, "copy", class.Name, cloneOf("src"))
+	createPod(t, ns, "app", "copy", nodeB)
+	want := "lives on node " + nodeA + ", and a local volume is copied on the node that holds it, but the scheduler chose node " + nodeB
+	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy", "ProvisioningFailed", want, timeout)
+	if err != nil {
+		t.Fatalf("%v\nevents: %s\n--- %s log tail:\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy"), nodeB, procB.Tail(3000))
+	}
+	t.Logf("event: %s", ev.Message)
+	if ev.Type != v1.EventTypeWarning || !strings.Contains(ev.Message, "make the pod that uses this claim run on node "+nodeA) ||
+		!strings.Contains(ev.Message, "kubernetes.io/hostname In [host-"+nodeA+"]") {
+		t.Errorf("event %s %q: want a Warning that says to pin the pod to %s", ev.Type, ev.Message, nodeA)
+	}
+	noPVFor(t, ns, "copy")
+
+	// The user follows the event: the pod goes to the source's node.
+	if err := suite.Client.CoreV1().Pods(ns).Delete(ctx, "app", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := framework.WaitForPodDeleted(ctx, suite.Client, ns, "app", timeout); err != nil {
+		t.Fatal(err)
+	}
+	createPod(t, ns, "app2", "copy", nodeA)
+	pvc, pv := waitBound(t, ns, "copy")
+	if got := pvc.Annotations["volume.kubernetes.io/selected-node"]; got != nodeA {
+		t.Errorf("clone placed on %q, want %s", got, nodeA)
+	}
+	if b, err := os.ReadFile(filepath.Join(volumeDir(pv), "seed")); err != nil || string(b) != "seed" {
+		t.Errorf("clone's seed file: %q, %v", b, err)
+	}
+}
+
+// A clone of a 100k-file local claim is copied in the background: the node instance binds
+// another claim while the copy runs, and the clone binds once its copy is complete.
+func TestCloneLargeTreeInBackground(t *testing.T) {
+	ctx := context.Background()
+	const files = 100_000
+	ns := suite.NewNamespace(t)
+	class, _ := localClass(t, nil)
+	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(nodeA))
+	_, srcPV := waitBound(t, ns, "src")
+	fillOnServer(t, volumeDir(srcPV), files)
+
+	start := time.Now()
+	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(nodeA), cloneOf("src"))
+	// Provision gave the copy to the background: the lib says so on the claim.
+	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy", "ProvisioningFailed",
+		"in the background; the claim binds once the copy is complete", timeout); err != nil {
+		t.Fatalf("%v\nevents: %s\n--- node-a log tail:\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy"), nodeProc.Tail(3000))
+	}
+	suite.CreateClaim(t, ns, "other", class.Name, framework.OnNode(nodeA))
+	waitBound(t, ns, "other")
+	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "copy", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Status.Phase != v1.ClaimPending {
+		t.Fatalf("clone is %s once the other claim bound, want Pending: its copy ended before the other claim was served", c.Status.Phase)
+	}
+	if _, err := os.Stat(filepath.Join(volumeDir(srcPV))); err != nil {
+		t.Fatal(err)
+	}
+	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, "copy", 10*time.Minute)
+	if err != nil {
+		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
+	}
+	t.Logf("clone of %d files bound after %s; annotations %v", files, time.Since(start).Round(time.Millisecond), pvc.Annotations)
+	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := countFiles(t, volumeDir(pv)); n != files {
+		t.Errorf("clone holds %d files, want %d", n, files)
+	}
+}
+
+// countFiles counts the regular files beneath dir.
+func countFiles(t *testing.T, dir string) int {
+	t.Helper()
+	n := 0
+	err := filepath.WalkDir(dir, func(_ string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.Type().IsRegular() {
+			n++
+		}
+		return nil
+	})
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// A user clones an NFS claim, on the real Ganesha server: the clone binds with the source's
+// tree, on the same export.
+func TestCloneNFSClaim(t *testing.T) {
+	ns := suite.NewNamespace(t)
+	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=2"}, nil)
+	suite.CreateClaim(t, ns, "src", class.Name)
+	_, srcPV := waitNFSBound(t, ns, "src")
+	outside, before := outsideDir(t)
+	// Written on the server's side, as any NFS client's writes end up.
+	writeTree(t, volumeDir(srcPV), outside, false)
+
+	suite.CreateClaim(t, ns, "copy", class.Name, cloneOf("src"), framework.Request("1Gi"))
+	_, pv := waitNFSBound(t, ns, "copy")
+	checkSameTree(t, volumeDir(srcPV), volumeDir(pv), false)
+	if d := framework.DiffSnapshots(before, snapshotTree(t, outside, nil)); len(d) > 0 {
+		t.Errorf("the copy changed the symlink's target outside the volume:\n%s", strings.Join(d, "\n"))
+	}
+	if f := claimFinalizers(t, ns, "src"); !slices.Contains(f, cloningProtection) {
+		t.Errorf("source claim finalizers %v, want %s", f, cloningProtection)
+	}
+}
