@@ -26,9 +26,8 @@ import (
 // copy is complete and the answer is ready. A copy cut short (a crash, a deadline) leaves no
 // snapshot: the next CreateSnapshot starts it again.
 type Snapshotter struct {
-	p       *Provisioner
-	pvs     corelisters.PersistentVolumeLister
-	timeout time.Duration
+	p   *Provisioner
+	pvs corelisters.PersistentVolumeLister
 
 	mu   sync.Mutex
 	jobs map[string]*snapshotJob // by snapshot handle
@@ -46,10 +45,10 @@ type snapshotJob struct {
 
 var _ snapshotter.Snapshotter = (*Snapshotter)(nil)
 
-// Snapshotter returns the Provisioner's Snapshotter. It reads source volumes from pvs;
-// timeout bounds each snapshot's copy. Start it, then hand it to the sidecar controller.
-func (p *Provisioner) Snapshotter(pvs corelisters.PersistentVolumeLister, timeout time.Duration) *Snapshotter {
-	return &Snapshotter{p: p, pvs: pvs, timeout: timeout, jobs: map[string]*snapshotJob{}}
+// Snapshotter returns the Provisioner's Snapshotter. It reads source volumes from pvs; each
+// copy is bounded by Config.CloneTimeout. Start it, then hand it to the sidecar controller.
+func (p *Provisioner) Snapshotter(pvs corelisters.PersistentVolumeLister) *Snapshotter {
+	return &Snapshotter{p: p, pvs: pvs, jobs: map[string]*snapshotJob{}}
 }
 
 // Start lets copies start until ctx is done. The function it returns waits for that, then
@@ -158,7 +157,7 @@ func (s *Snapshotter) start(ctx context.Context, id string, h volume.SnapshotHan
 	if s.ctx == nil {
 		return fmt.Errorf("snapshot %s: shutting down", h.Name)
 	}
-	copyCtx, cancel := context.WithTimeout(s.ctx, s.timeout)
+	copyCtx, cancel := context.WithTimeout(s.ctx, s.p.cfg.CloneTimeout)
 	copyCtx = klog.NewContext(copyCtx, klog.FromContext(ctx).WithValues("snapshot", h.Name, "path", rel))
 	job := &snapshotJob{done: make(chan struct{}), cancel: cancel}
 	s.jobs[id] = job
@@ -168,10 +167,14 @@ func (s *Snapshotter) start(ctx context.Context, id string, h volume.SnapshotHan
 		defer cancel()
 		defer close(job.done)
 		start := time.Now()
-		err := s.p.onStore(copyCtx, h.Store(rel), h.MountOptions, func(root *volume.Root) error {
-			_, err := root.Snapshot(copyCtx, rel, h.Name)
-			return err
-		})
+		// Through onStores, as a clone's copy: on NFS under the copy's deadline rather than
+		// the operation timeout.
+		store := h.Store(rel)
+		err := s.p.onStores(copyCtx, store, h.MountOptions, &sourceTree{attrs: store, mountOptions: h.MountOptions},
+			func(ctx context.Context, root, _ *volume.Root) error {
+				_, err := root.Snapshot(ctx, rel, h.Name)
+				return err
+			})
 		if err != nil {
 			job.err = fmt.Errorf("snapshot of %s in %s: %w", rel, storeName(h.Store(rel)), err)
 			klog.FromContext(copyCtx).Error(err, "Snapshot failed")

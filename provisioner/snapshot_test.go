@@ -32,7 +32,7 @@ func snapshotFixture(t *testing.T) (*fixture, *Snapshotter, *v1.PersistentVolume
 	}
 	pvs := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
 	pvs.Add(pv)
-	s := f.node.Snapshotter(corelisters.NewPersistentVolumeLister(pvs), time.Minute)
+	s := f.node.Snapshotter(corelisters.NewPersistentVolumeLister(pvs))
 	ctx, cancel := context.WithCancel(context.Background())
 	wait := s.Start(ctx)
 	t.Cleanup(func() {

@@ -85,10 +85,8 @@ func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfi
 	fs.DurationVar(&prov.OperationTimeout, "operation-timeout", 30*time.Second,
 		"Deadline of each call that can hang on storage: NFS mounts, directory creation and removal on NFS, unmounts.")
 	fs.DurationVar(&prov.Resync, "resync-period", 15*time.Minute, "Informer resync period.")
-	fs.DurationVar(&prov.SnapshotTimeout, "snapshot-timeout", time.Hour,
-		"Deadline of the copy of one VolumeSnapshot; one cut short starts again at the next retry.")
 	fs.DurationVar(&prov.CloneTimeout, "clone-timeout", daemon.DefaultCloneTimeout,
-		"Deadline of each copy that starts a volume from a data source (a clone); the copy runs in the background meanwhile, and starts again after it.")
+		"Deadline of each copy that starts a volume from a data source (a clone, a restore) or makes a VolumeSnapshot; the copy runs in the background meanwhile, and starts again after it.")
 	httpAddr := fs.String("http-address", ":9809", "Address for /healthz and /metrics. Empty disables them.")
 	profiling := fs.Bool("profiling", false, "Also serve Go's /debug/pprof/ on --http-address (heap and CPU profiles).")
 	return kube, prov, httpAddr, profiling

@@ -92,9 +92,8 @@ type ProvisionerConfig struct {
 	OperationTimeout time.Duration
 	// Resync is the informers' resync period; the lib retries failed claims on its own queue.
 	Resync time.Duration
-	// SnapshotTimeout bounds the copy of one VolumeSnapshot.
-	SnapshotTimeout time.Duration
-	// CloneTimeout bounds each copy that starts a volume from a data source.
+	// CloneTimeout bounds each copy that starts a volume from a data source or makes a
+	// VolumeSnapshot.
 	CloneTimeout time.Duration
 }
 
@@ -142,10 +141,15 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
 	defer broadcaster.Shutdown()
 	events := broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: DriverName + "-controller"})
+	snapClient, err := cfg.Kube.snapshotClient()
+	if err != nil {
+		return err
+	}
 	p, err := provisioner.New(provisioner.Config{
 		Events:           events,
 		DriverName:       DriverName,
 		Role:             provisioner.RoleController,
+		Snapshots:        snapClient,
 		Client:           client,
 		Classes:          factory.Storage().V1().StorageClasses().Lister(),
 		Mounter:          mount.New(cfg.Mounter),
@@ -165,12 +169,8 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	}
 	// Resizing NFS volumes is the leader's too (provisioning): each claim has one instance that
 	// resizes it.
-	snapClient, err := cfg.Kube.snapshotClient()
-	if err != nil {
-		return err
-	}
 	// Snapshots of NFS volumes are the leader's too.
-	snapshots := snapshotting(snapClient, client, p.Snapshotter(factory.Core().V1().PersistentVolumes().Lister(), cfg.Provisioner.SnapshotTimeout), "", cfg.Provisioner)
+	snapshots := snapshotting(snapClient, client, p.Snapshotter(factory.Core().V1().PersistentVolumes().Lister()), "", cfg.Provisioner)
 	provision := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub, snapshots)
 	protect := cloningProtection(client, factory, cfg.Provisioner.Workers)
 	lead := func(ctx context.Context) {
