@@ -2,12 +2,14 @@ package deploy
 
 import (
 	"fmt"
+	"maps"
 	"path"
 	"reflect"
 	"slices"
 	"strings"
 	"testing"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -119,6 +121,11 @@ func TestObjectsAreValid(t *testing.T) {
 	for name, objs := range variants(t) {
 		t.Run(name, func(t *testing.T) {
 			for _, k := range objs.keys() {
+				// The snapshot option's CRDs and classes are not client-go types; the CRDs are
+				// upstream's (TestSnapshotCRDsAreUpstream).
+				if kind := objs[k].GetKind(); kind == "CustomResourceDefinition" || kind == "VolumeSnapshotClass" {
+					continue
+				}
 				typed(t, objs[k])
 			}
 			for _, want := range []string{"CSIDriver /dirpv.io", "ServiceAccount dirpv/dirpv-node", "DaemonSet dirpv/dirpv-node",
@@ -191,7 +198,12 @@ func TestRBACLeastPrivilege(t *testing.T) {
 					roles[kind+" "+n] = true
 				}
 			}
-			for role, want := range wantRules {
+			all := maps.Clone(wantRules)
+			if objs["ClusterRole /dirpv-snapshot-controller"] != nil {
+				// The snapshots option (e2e-local has it).
+				maps.Copy(all, snapshotControllerRules)
+			}
+			for role, want := range all {
 				if !roles[role] {
 					t.Errorf("missing %s", role)
 					continue
@@ -211,7 +223,7 @@ func TestRBACLeastPrivilege(t *testing.T) {
 						// The subresources: external-resizer's controller patches claims' status,
 						// the snapshot sidecar its contents'.
 						if res == "secrets" || res == "configmaps" || (strings.Contains(res, "/") &&
-							res != "persistentvolumeclaims/status" && res != "volumesnapshotcontents/status") {
+							res != "persistentvolumeclaims/status" && res != "volumesnapshotcontents/status" && res != "volumesnapshots/status") {
 							t.Errorf("%s: needs no %s", role, res)
 						}
 					}
@@ -238,6 +250,10 @@ func TestRBACLeastPrivilege(t *testing.T) {
 				"RoleBinding dirpv/dirpv-controller-leader-election": "dirpv-controller",
 				"RoleBinding dirpv/dirpv-controller-capacity":        "dirpv-controller",
 				"RoleBinding dirpv/dirpv-node-capacity":              "dirpv-node",
+			}
+			if objs["ClusterRole /dirpv-snapshot-controller"] != nil {
+				binds["ClusterRoleBinding /dirpv-snapshot-controller"] = "dirpv-snapshot-controller"
+				binds["RoleBinding dirpv/dirpv-snapshot-controller-leader-election"] = "dirpv-snapshot-controller"
 			}
 			for k, sa := range binds {
 				var subjects []rbacv1.Subject
@@ -618,7 +634,9 @@ func TestRenderE2ELocal(t *testing.T) {
 	if *d.Spec.Replicas != 1 {
 		t.Errorf("controller replicas %d: two on one host network collide on the port", *d.Spec.Replicas)
 	}
-	for name, spec := range map[string]corev1.PodSpec{"controller": d.Spec.Template.Spec, "node": ds.Spec.Template.Spec} {
+	snap := get[*appsv1.Deployment](t, objs, "Deployment dirpv/dirpv-snapshot-controller")
+	for name, spec := range map[string]corev1.PodSpec{"controller": d.Spec.Template.Spec, "node": ds.Spec.Template.Spec,
+		"snapshot-controller": snap.Spec.Template.Spec} {
 		if !spec.HostNetwork || spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
 			t.Errorf("%s: hostNetwork %v dnsPolicy %s", name, spec.HostNetwork, spec.DNSPolicy)
 		}
