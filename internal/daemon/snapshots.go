@@ -30,9 +30,9 @@ import (
 	"github.com/dirpv/dirpv/provisioner"
 )
 
-// SnapshotAPIPoll is how often a process whose cluster lacks the VolumeSnapshot CRDs looks
+// snapshotAPIPoll is how often a process whose cluster lacks the VolumeSnapshot CRDs looks
 // for them again: snapshots start working once they are installed, without a restart.
-var SnapshotAPIPoll = 30 * time.Second
+var snapshotAPIPoll = 30 * time.Second
 
 // Retry bounds of failed or not yet ready snapshot operations, in both controllers.
 // external-snapshotter's default start; a lower ceiling than its 5 minutes, since a copy that
@@ -66,7 +66,7 @@ func waitForSnapshotAPI(ctx context.Context, d discovery.DiscoveryInterface) boo
 	logger := klog.FromContext(ctx)
 	gv := snapshotv1.SchemeGroupVersion.String()
 	logged := false
-	err := wait.PollUntilContextCancel(ctx, SnapshotAPIPoll, true, func(ctx context.Context) (bool, error) {
+	err := wait.PollUntilContextCancel(ctx, snapshotAPIPoll, true, func(ctx context.Context) (bool, error) {
 		list, err := d.ServerResourcesForGroupVersion(gv)
 		found := map[string]bool{}
 		if err == nil {
