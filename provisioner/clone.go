@@ -251,13 +251,16 @@ func (p *Provisioner) protectClaim(ctx context.Context, namespace, name string) 
 }
 
 // copyInline is how long Provision waits for a copy before it leaves it to the background:
-// most copies of small trees are done by then, and their claims bind on the first call.
-const copyInline = 5 * time.Second
+// copies of small trees are done by then (tens of thousands of files a second), and their
+// claims bind on the first call, with no event saying that the copy goes on.
+const copyInline = 2 * time.Second
 
 // copyJobs runs the copies that start new volumes, one per claim, in the background: the lib
 // calls Provision again while one runs (controller.ProvisioningInBackground), and gets the
 // volume once it is done.
 type copyJobs struct {
+	// inline is copyInline, shorter in tests.
+	inline time.Duration
 	mu     sync.Mutex
 	byUID  map[types.UID]*copyJob
 	ctx    context.Context
@@ -280,14 +283,14 @@ type copyJob struct {
 
 func newCopyJobs() *copyJobs {
 	ctx, cancel := context.WithCancel(context.Background())
-	return &copyJobs{byUID: map[types.UID]*copyJob{}, ctx: ctx, cancel: cancel}
+	return &copyJobs{inline: copyInline, byUID: map[types.UID]*copyJob{}, ctx: ctx, cancel: cancel}
 }
 
 // errCopyStopped refuses copies once the provisioner shuts down.
 var errCopyStopped = errors.New("dirpv is shutting down; the copy starts again after the restart")
 
 // run returns the claim's finished copy and forgets it, or starts the copy (fn, under
-// timeout) if none runs, and waits up to copyInline for it. It returns nil while the copy
+// timeout) if none runs, and waits up to j.inline for it. It returns nil while the copy
 // goes on; done is called from the job's goroutine once a copy that nobody waited for ends.
 func (j *copyJobs) run(ctx context.Context, uid types.UID, what string, timeout time.Duration,
 	fn func(context.Context) (made, error), done func(made, error, time.Duration),
@@ -322,7 +325,7 @@ func (j *copyJobs) run(ctx context.Context, uid types.UID, what string, timeout 
 		}()
 	}
 	j.mu.Unlock()
-	timer := time.NewTimer(copyInline)
+	timer := time.NewTimer(j.inline)
 	defer timer.Stop()
 	select {
 	case <-job.done:
@@ -378,14 +381,14 @@ func (p *Provisioner) copyVolume(ctx context.Context, claim *v1.PersistentVolume
 		return made{}, controller.ProvisioningFinished, fmt.Errorf("copy %s: %w", src.what, job.err)
 	}
 	klog.FromContext(ctx).Info("Copied data source into the new volume", "source", src.what,
-		"duration", time.Since(job.started), "stats", job.result.stats)
+		"copy", describeCopy(job.result.stats, time.Since(job.started)))
 	return job.result, controller.ProvisioningFinished, nil
 }
 
 // noteCopied records on the claim that its background copy ended, which makes the lib call
 // Provision again at once instead of after its back-off.
 func (p *Provisioner) noteCopied(namespace, name, what string, res made, copyErr error, took time.Duration) {
-	note := fmt.Sprintf("%s in %s", what, took.Round(time.Millisecond))
+	note := fmt.Sprintf("%s: %s", what, describeCopy(res.stats, took))
 	if copyErr != nil {
 		note = fmt.Sprintf("%s: failed after %s, retrying", what, took.Round(time.Millisecond))
 	}
@@ -408,6 +411,20 @@ func (p *Provisioner) noteCopied(namespace, name, what string, res made, copyErr
 		// The lib still calls again after its back-off.
 		klog.Background().Error(err, "Recording a finished copy on its claim", "claim", klog.KRef(namespace, name))
 	}
+}
+
+// describeCopy says what a copy made and how, for people.
+func describeCopy(st volume.CopyStats, took time.Duration) string {
+	d := fmt.Sprintf("%d files, %d directories, %d symlinks, %d hard links, %s, by %s, in %s",
+		st.Files, st.Dirs, st.Symlinks, st.HardLinks, resource.NewQuantity(st.Bytes, resource.BinarySI).String(),
+		st.Method, took.Round(time.Millisecond))
+	if st.SkippedDevices > 0 {
+		d += fmt.Sprintf("; %d device nodes left out", st.SkippedDevices)
+	}
+	if st.XattrsSkipped > 0 {
+		d += fmt.Sprintf("; %d extended attributes the target does not support left out", st.XattrsSkipped)
+	}
+	return d
 }
 
 // onStores runs fn on the root of the volume's store and the root of the source's, which may

@@ -2,16 +2,11 @@ package volume
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
-	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"sort"
 	"strings"
 	"sync"
 	"syscall"
@@ -21,110 +16,30 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dirpv/dirpv/internal/failpoint"
+	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/volume/quota/quotatest"
 )
 
-// treeHash describes every entry of the tree at dir, one line each, sorted: path, kind, mode
-// bits, owner, size, content hash, link target, extended attributes (dirpv's marker left out),
-// the first name of its hard-link group, and modification time. Access times are left out:
-// hashing reads every file.
+// treeHash is framework.TreeHash of dir, failing the test on error.
 func treeHash(t testing.TB, dir string) map[string]string {
 	t.Helper()
-	out := map[string]string{}
-	firstName := map[uint64]string{}
-	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, _ := filepath.Rel(dir, p)
-		var st unix.Stat_t
-		if err := unix.Lstat(p, &st); err != nil {
-			return err
-		}
-		kind := st.Mode & unix.S_IFMT
-		line := fmt.Sprintf("kind=%o mode=%o owner=%d:%d mtime=%d.%09d", kind, st.Mode&0o7777, st.Uid, st.Gid, st.Mtim.Sec, st.Mtim.Nsec)
-		switch kind {
-		case unix.S_IFREG:
-			f, err := os.Open(p)
-			if err != nil {
-				return err
-			}
-			h := sha256.New()
-			_, err = io.Copy(h, f)
-			f.Close()
-			if err != nil {
-				return err
-			}
-			line += fmt.Sprintf(" size=%d sha=%s", st.Size, hex.EncodeToString(h.Sum(nil)[:8]))
-		case unix.S_IFLNK:
-			target, err := os.Readlink(p)
-			if err != nil {
-				return err
-			}
-			line += " target=" + target
-		}
-		if kind != unix.S_IFDIR && st.Nlink > 1 {
-			if first, ok := firstName[st.Ino]; ok {
-				line += " linkto=" + first
-			} else {
-				firstName[st.Ino] = rel
-			}
-		}
-		line += " xattrs=" + xattrsOf(t, p)
-		out[rel] = line
-		return nil
-	})
+	h, err := framework.TreeHash(dir)
 	if err != nil {
-		t.Fatalf("hash tree %s: %v", dir, err)
+		t.Fatal(err)
 	}
-	return out
+	return h
 }
 
-func xattrsOf(t testing.TB, p string) string {
-	t.Helper()
-	buf := make([]byte, 64<<10)
-	n, err := unix.Llistxattr(p, buf)
-	if err != nil {
-		t.Fatalf("llistxattr %s: %v", p, err)
-	}
-	var attrs []string
-	for _, a := range strings.Split(strings.TrimSuffix(string(buf[:n]), "\x00"), "\x00") {
-		if a == "" || a == volumeMarker {
-			continue
-		}
-		val := make([]byte, 64<<10)
-		m, err := unix.Lgetxattr(p, a, val)
-		if err != nil {
-			t.Fatalf("lgetxattr %s %s: %v", p, a, err)
-		}
-		attrs = append(attrs, a+"="+string(val[:m]))
-	}
-	sort.Strings(attrs)
-	return strings.Join(attrs, ",")
-}
-
+// diffTrees fails the test if the trees described by want and got differ.
 func diffTrees(t testing.TB, want, got map[string]string) {
 	t.Helper()
-	var names []string
-	for n := range want {
-		names = append(names, n)
-	}
-	for n := range got {
-		if _, ok := want[n]; !ok {
-			names = append(names, n)
+	diffs := framework.DiffSnapshots(want, got)
+	for i, d := range diffs {
+		if i == 20 {
+			t.Errorf("... %d differences in all", len(diffs))
+			break
 		}
-	}
-	sort.Strings(names)
-	bad := 0
-	for _, n := range names {
-		if want[n] != got[n] {
-			if bad++; bad <= 20 {
-				t.Errorf("%s:\n  source: %s\n  copy:   %s", n, want[n], got[n])
-			}
-		}
-	}
-	if bad > 20 {
-		t.Errorf("... %d entries differ in all", bad)
+		t.Errorf("copy differs from its source: %s", d)
 	}
 }
 

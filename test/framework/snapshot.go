@@ -3,13 +3,17 @@ package framework
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
 	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // SnapshotTree describes every entry under root (names, types, modes, owners, file contents and
@@ -17,7 +21,21 @@ import (
 // nothing. skip leaves entries out by their path relative to root. Sockets and FIFOs are
 // described, never opened.
 func SnapshotTree(root string, skip func(rel string) bool) (map[string]string, error) {
+	return describeTree(root, skip, false)
+}
+
+// TreeHash is SnapshotTree plus what a copy of the tree (a clone, a restored snapshot) must
+// keep besides: sizes, modification times, extended attributes (dirpv's own, trusted.dirpv.*,
+// left out) and hard-link groups (each name of a file with several names the walk meets after
+// the first says which it is linked to). Access times are left out: describing a file reads
+// it. Two trees are the same to a user if their TreeHash is (DiffSnapshots).
+func TreeHash(root string) (map[string]string, error) {
+	return describeTree(root, nil, true)
+}
+
+func describeTree(root string, skip func(rel string) bool, full bool) (map[string]string, error) {
 	out := map[string]string{}
+	firstName := map[uint64]string{}
 	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			if os.IsNotExist(err) && p != root {
@@ -60,6 +78,13 @@ func SnapshotTree(root string, skip func(rel string) bool) (map[string]string, e
 			}
 			desc += " " + hex.EncodeToString(h.Sum(nil))
 		}
+		if full {
+			more, err := describeMore(p, rel, fi, firstName)
+			if err != nil {
+				return err
+			}
+			desc += more
+		}
 		out[rel] = desc
 		return nil
 	})
@@ -67,6 +92,57 @@ func SnapshotTree(root string, skip func(rel string) bool) (map[string]string, e
 		return nil, fmt.Errorf("snapshot %s: %w", root, err)
 	}
 	return out, nil
+}
+
+// describeMore is what TreeHash adds to SnapshotTree's description of p.
+func describeMore(p, rel string, fi fs.FileInfo, firstName map[uint64]string) (string, error) {
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return "", fmt.Errorf("%s: no stat", p)
+	}
+	desc := fmt.Sprintf(" size=%d mtime=%d.%09d", st.Size, st.Mtim.Sec, st.Mtim.Nsec)
+	if fi.IsDir() {
+		desc = fmt.Sprintf(" mtime=%d.%09d", st.Mtim.Sec, st.Mtim.Nsec) // a directory's size is the file system's
+	} else if st.Nlink > 1 {
+		if first, ok := firstName[st.Ino]; ok {
+			desc += " linked-to=" + first
+		} else {
+			firstName[st.Ino] = rel
+		}
+	}
+	names, err := xattr(func(b []byte) (int, error) { return unix.Llistxattr(p, b) })
+	if err != nil {
+		return "", fmt.Errorf("list extended attributes of %s: %w", p, err)
+	}
+	var attrs []string
+	for _, name := range strings.Split(strings.TrimSuffix(string(names), "\x00"), "\x00") {
+		if name == "" || strings.HasPrefix(name, "trusted.dirpv.") {
+			continue
+		}
+		val, err := xattr(func(b []byte) (int, error) { return unix.Lgetxattr(p, name, b) })
+		if err != nil {
+			return "", fmt.Errorf("read extended attribute %s of %s: %w", name, p, err)
+		}
+		attrs = append(attrs, fmt.Sprintf("%s=%q", name, val))
+	}
+	sort.Strings(attrs)
+	return desc + " xattrs[" + strings.Join(attrs, " ") + "]", nil
+}
+
+// xattr calls read with a buffer as big as it needs.
+func xattr(read func([]byte) (int, error)) ([]byte, error) {
+	for {
+		n, err := read(nil)
+		if err != nil || n == 0 {
+			return nil, err
+		}
+		buf := make([]byte, n)
+		n, err = read(buf)
+		if errors.Is(err, unix.ERANGE) {
+			continue // grew meanwhile
+		}
+		return buf[:n], err
+	}
 }
 
 // DiffSnapshots lists what was removed, added or changed between two snapshots, sorted.
