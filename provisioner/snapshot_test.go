@@ -92,6 +92,12 @@ func TestSnapshotLocalVolume(t *testing.T) {
 	if ready, _, sz, _, err := s.GetSnapshotStatus(context.Background(), id, nil); err != nil || !ready || sz != size {
 		t.Errorf("GetSnapshotStatus: ready %v size %d err %v", ready, sz, err)
 	}
+	// The controller cannot see a node's disk: a pre-provisioned local content it gets before
+	// the content is labelled for the node is "not ready", not an error.
+	pvs := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
+	if ready, _, sz, _, err := f.ctrl.Snapshotter(corelisters.NewPersistentVolumeLister(pvs)).GetSnapshotStatus(context.Background(), id, nil); err != nil || ready || sz != size {
+		t.Errorf("controller's GetSnapshotStatus of a local snapshot: ready %v size %d err %v, want not ready, the size, no error", ready, sz, err)
+	}
 	for i := 0; i < 2; i++ {
 		if err := s.DeleteSnapshot(context.Background(), id, nil); err != nil {
 			t.Fatalf("DeleteSnapshot #%d: %v", i+1, err)

@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"sync"
 	"time"
@@ -18,16 +19,19 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/selection"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/klog/v2"
 
 	"github.com/dirpv/dirpv/provisioner"
+	"github.com/dirpv/dirpv/volume"
 )
 
 // snapshotAPIPoll is how often a process whose cluster lacks the VolumeSnapshot CRDs looks
@@ -124,6 +128,19 @@ func snapshotting(snapClient snapclientset.Interface, client kubernetes.Interfac
 			false, workqueue.NewTypedItemExponentialFailureRateLimiter[string](snapshotRetryStart, snapshotRetryMax),
 			// No volume group snapshots: dirpv has no consistency across volumes to offer.
 			false, nil, nil, workqueue.NewTypedItemExponentialFailureRateLimiter[string](snapshotRetryStart, snapshotRetryMax))
+		if managedBy == "" {
+			// Pre-provisioned contents (a snapshot handle given by hand, or copied from
+			// another content) get no node label from the common controller; the controller
+			// labels those of local snapshots for their node, whose sidecar then serves them.
+			handler := func(obj any) { labelForNode(ctx, snapClient, obj) }
+			_, err := contents.Snapshot().V1().VolumeSnapshotContents().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+				AddFunc:    handler,
+				UpdateFunc: func(_, obj any) { handler(obj) },
+			})
+			if err != nil {
+				panic(err) // only refused once the informer has stopped
+			}
+		}
 		classes.Start(ctx.Done())
 		contents.Start(ctx.Done())
 		var workers sync.WaitGroup
@@ -132,6 +149,37 @@ func snapshotting(snapClient snapclientset.Interface, client kubernetes.Interfac
 		classes.Shutdown()
 		contents.Shutdown()
 	}
+}
+
+// labelForNode labels obj, a VolumeSnapshotContent of dirpv's naming a local snapshot, with
+// the snapshot's node (snapshot.storage.kubernetes.io/managed-by), as distributed
+// snapshotting labels the contents it makes.
+func labelForNode(ctx context.Context, c snapclientset.Interface, obj any) {
+	content, ok := obj.(*snapshotv1.VolumeSnapshotContent)
+	if !ok || content.Spec.Driver != DriverName || content.Labels[snaputils.VolumeSnapshotContentManagedByLabel] != "" {
+		return
+	}
+	handle := content.Spec.Source.SnapshotHandle
+	if content.Status != nil && content.Status.SnapshotHandle != nil {
+		handle = content.Status.SnapshotHandle
+	}
+	if handle == nil {
+		return
+	}
+	h, err := volume.ParseSnapshotHandle(*handle)
+	if err != nil || h.Backend != volume.BackendLocal {
+		return
+	}
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]string{snaputils.VolumeSnapshotContentManagedByLabel: h.Node}}})
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	logger := klog.FromContext(ctx).WithValues("content", content.Name, "node", h.Node)
+	if _, err := c.SnapshotV1().VolumeSnapshotContents().Patch(ctx, content.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		// The next resync tries again.
+		logger.Error(err, "Labelling a local snapshot's content for its node")
+		return
+	}
+	logger.Info("Labelled a local snapshot's content for its node")
 }
 
 // SnapshotControllerConfig configures `dirpv snapshot-controller`.

@@ -157,6 +157,38 @@ func TestLocalSnapshotDeletionPolicy(t *testing.T) {
 			if !exists(t, dir) {
 				t.Errorf("snapshot directory %s removed although the class says Retain", dir)
 			}
+			// The retained snapshot, pre-provisioned by its handle (as an admin imports one):
+			// dirpv controller labels the content for node-a, whose dirpv finds it ready.
+			pre := &snapshotv1.VolumeSnapshotContent{
+				ObjectMeta: metav1.ObjectMeta{Name: "pre-" + ns},
+				Spec: snapshotv1.VolumeSnapshotContentSpec{
+					Driver: "dirpv.io", DeletionPolicy: snapshotv1.VolumeSnapshotContentRetain,
+					Source:            snapshotv1.VolumeSnapshotContentSource{SnapshotHandle: content.Status.SnapshotHandle},
+					VolumeSnapshotRef: v1.ObjectReference{Namespace: ns, Name: "imported"},
+				},
+			}
+			if _, err := snaps.SnapshotV1().VolumeSnapshotContents().Create(ctx, pre, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { snaps.SnapshotV1().VolumeSnapshotContents().Delete(context.Background(), pre.Name, metav1.DeleteOptions{}) })
+			imported := &snapshotv1.VolumeSnapshot{
+				ObjectMeta: metav1.ObjectMeta{Name: "imported", Namespace: ns},
+				Spec:       snapshotv1.VolumeSnapshotSpec{Source: snapshotv1.VolumeSnapshotSource{VolumeSnapshotContentName: &pre.Name}},
+			}
+			if _, err := snaps.SnapshotV1().VolumeSnapshots(ns).Create(ctx, imported, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+				vs, err := snaps.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "imported", metav1.GetOptions{})
+				return err == nil && vs.Status != nil && vs.Status.ReadyToUse != nil && *vs.Status.ReadyToUse, err
+			})
+			if err != nil {
+				t.Errorf("pre-provisioned VolumeSnapshot not ready: %v\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "VolumeSnapshot", "imported"))
+			}
+			got, err := snaps.SnapshotV1().VolumeSnapshotContents().Get(ctx, pre.Name, metav1.GetOptions{})
+			if err != nil || got.Labels["snapshot.storage.kubernetes.io/managed-by"] != nodeA {
+				t.Errorf("pre-provisioned content labels %v (%v), want managed-by %s", got.Labels, err, nodeA)
+			}
 			// What an admin does to let it go: deleting the content leaves the directory too.
 			snaps.SnapshotV1().VolumeSnapshotContents().Delete(ctx, content.Name, metav1.DeleteOptions{})
 		})
