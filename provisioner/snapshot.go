@@ -84,7 +84,7 @@ func (s *Snapshotter) CreateSnapshot(ctx context.Context, snapshotName, volumeHa
 		sort.Strings(keys)
 		return fail(invalid(fmt.Errorf("VolumeSnapshotClass parameters %s are not known: dirpv snapshot classes take none", volume.QuoteList(keys))))
 	}
-	pv, attrs, err := s.source(volumeHandle)
+	pv, attrs, err := s.source(ctx, volumeHandle)
 	if err != nil {
 		return fail(err)
 	}
@@ -114,7 +114,7 @@ func (s *Snapshotter) CreateSnapshot(ctx context.Context, snapshotName, volumeHa
 
 // source returns the PV of a dirpv volume handle that this instance snapshots, and its
 // attributes.
-func (s *Snapshotter) source(volumeHandle string) (*v1.PersistentVolume, volume.Attributes, error) {
+func (s *Snapshotter) source(ctx context.Context, volumeHandle string) (*v1.PersistentVolume, volume.Attributes, error) {
 	_, pvName, ok := strings.Cut(volumeHandle, ":")
 	if !ok || pvName == "" {
 		return nil, volume.Attributes{}, invalid(fmt.Errorf("volume handle %s is not one of %s's", volume.Quote(volumeHandle), s.p.cfg.DriverName))
@@ -126,7 +126,7 @@ func (s *Snapshotter) source(volumeHandle string) (*v1.PersistentVolume, volume.
 	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != s.p.cfg.DriverName || pv.Spec.CSI.VolumeHandle != volumeHandle {
 		return nil, volume.Attributes{}, invalid(fmt.Errorf("PV %s is not the %s volume %s", pvName, s.p.cfg.DriverName, volume.Quote(volumeHandle)))
 	}
-	if why := s.p.responsibleFor(context.Background(), pv); why != "" {
+	if why := s.p.responsibleFor(ctx, pv); why != "" {
 		return nil, volume.Attributes{}, fmt.Errorf("not snapshotted here: %s", why)
 	}
 	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
@@ -207,13 +207,17 @@ func (s *Snapshotter) status(ctx context.Context, h volume.SnapshotHandle) (read
 	return ready, created, nil
 }
 
-// check refuses handles another instance serves.
+// check refuses handles another instance serves, and NFS exports no dirpv class names: a
+// handle (a pre-provisioned content's) or a PV can name any server, and the controller
+// mounts only those its classes name, as for clones.
 func (s *Snapshotter) check(h volume.SnapshotHandle) error {
 	switch {
 	case s.p.cfg.Role == RoleController && h.Backend != volume.BackendNFS:
 		return fmt.Errorf("snapshot %s is a local one, handled on node %q", h.Name, h.Node)
 	case s.p.cfg.Role == RoleNode && h.Node != s.p.cfg.NodeName:
 		return fmt.Errorf("snapshot %s lives on node %q, not on %q", h.Name, h.Node, s.p.cfg.NodeName)
+	case h.Backend == volume.BackendNFS && !s.p.servesExport(h.Server, h.Share):
+		return invalid(fmt.Errorf("snapshot %s is on NFS export %s, which no dirpv NFS StorageClass names", h.Name, volume.ExportSource(h.Server, h.Share)))
 	}
 	return nil
 }

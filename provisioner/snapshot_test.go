@@ -131,6 +131,16 @@ func TestSnapshotRefusals(t *testing.T) {
 	if err := s.DeleteSnapshot(context.Background(), "nfs:pv", nil); status.Code(err) != codes.InvalidArgument {
 		t.Errorf("DeleteSnapshot of a handle not dirpv's: %v", err)
 	}
+	// A handle naming an export no class names (a pre-provisioned content's): the controller
+	// refuses it without mounting anything.
+	foreign := volume.SnapshotHandle{Backend: volume.BackendNFS, Server: "evil.example.com", Share: "/srv", Name: "x"}.String()
+	ctrl := f.ctrl.Snapshotter(corelisters.NewPersistentVolumeLister(cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})))
+	if err := ctrl.DeleteSnapshot(context.Background(), foreign, nil); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("DeleteSnapshot on an export no class names: %v, want InvalidArgument", err)
+	}
+	if mps, _ := f.mounter.List(); len(mps) != 0 {
+		t.Errorf("mounted %v for a foreign handle", mps)
+	}
 	if got := listTree(t, f.base); len(got) != len(before) {
 		t.Errorf("refusals changed the base:\n before %v\n after  %v", before, got)
 	}
