@@ -170,7 +170,9 @@ func TestLocalSnapshotDeletionPolicy(t *testing.T) {
 			if _, err := snaps.SnapshotV1().VolumeSnapshotContents().Create(ctx, pre, metav1.CreateOptions{}); err != nil {
 				t.Fatal(err)
 			}
-			t.Cleanup(func() { snaps.SnapshotV1().VolumeSnapshotContents().Delete(context.Background(), pre.Name, metav1.DeleteOptions{}) })
+			t.Cleanup(func() {
+				snaps.SnapshotV1().VolumeSnapshotContents().Delete(context.Background(), pre.Name, metav1.DeleteOptions{})
+			})
 			imported := &snapshotv1.VolumeSnapshot{
 				ObjectMeta: metav1.ObjectMeta{Name: "imported", Namespace: ns},
 				Spec:       snapshotv1.VolumeSnapshotSpec{Source: snapshotv1.VolumeSnapshotSource{VolumeSnapshotContentName: &pre.Name}},
@@ -270,11 +272,20 @@ func TestSnapshotRestoreNFS(t *testing.T) {
 }
 
 // writeNumbered writes files 000000, 000001, ... into dir, in order, each fileSize bytes of
-// its own number, until ctx is done or maxWrites are written, counting them in written.
+// its own number and fsynced before the next is made (as a database commits), until ctx is
+// done or maxWrites are written, counting them in written.
 func writeNumbered(ctx context.Context, dir string, written *atomic.Int64, done chan<- struct{}) {
 	defer close(done)
 	for i := 0; i < maxWrites && ctx.Err() == nil; i++ {
-		if err := os.WriteFile(filepath.Join(dir, fmt.Sprintf("%06d", i)), numbered(i), 0o644); err != nil {
+		f, err := os.OpenFile(filepath.Join(dir, fmt.Sprintf("%06d", i)), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+		if err != nil {
+			return
+		}
+		_, err = f.Write(numbered(i))
+		if err == nil {
+			err = f.Sync()
+		}
+		if f.Close() != nil || err != nil {
 			return
 		}
 		written.Store(int64(i + 1))
@@ -304,6 +315,9 @@ func restoredWrites(t *testing.T, dir string) (n int, prefix bool, torn int) {
 		n++
 		if b, err := os.ReadFile(filepath.Join(dir, name)); err != nil || !bytes.Equal(b, numbered(k)) {
 			torn++
+		} else if torn > 0 {
+			// A whole file after one that is not: no moment of the writer's.
+			prefix = false
 		}
 	}
 	return n, prefix, torn
@@ -346,8 +360,10 @@ func snapshotWhileWriting(t *testing.T, ns, class string) (string, string) {
 }
 
 // A snapshot of a volume on btrfs with quota (a subvolume) is a read-only btrfs snapshot: a
-// writer writing numbered files in order meanwhile, the restore holds exactly the files
-// 0..n-1 for some n, each whole: one point in time.
+// writer writing numbered files in order meanwhile, each fsynced, the restore holds exactly
+// the files 0..n-1 for some n, each whole but perhaps the last: one point in time. (Without
+// the fsync, the last few files written before the snapshot came out empty or short, as
+// after a crash: observed 7 of 914 in one run, all after the whole ones.)
 func TestSnapshotWhileWritingBtrfsIsPointInTime(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	base := filepath.Join(suite.Work.BaseRoot, "btrfs-snapshot")
