@@ -58,6 +58,9 @@ type sourceTree struct {
 	// volumes made before markers named owners): a PV, which whoever may create PVs can
 	// write, must not point a clone at another claim's data.
 	owner *volume.Claim
+	// snapshot names the snapshot to copy, which attrs' store holds (restore); empty for a
+	// volume's directory.
+	snapshot string
 }
 
 // checkSourceOwner refuses a source tree whose marker names another claim than src.owner.
@@ -82,7 +85,8 @@ type resolveSource func(ctx context.Context, p *Provisioner, claim *v1.Persisten
 // sourceResolvers holds one resolver for each kind of data source dirpv can start a volume
 // from.
 var sourceResolvers = map[sourceKind]resolveSource{
-	{"", kindPVC}: resolveClaimSource,
+	{"", kindPVC}:      resolveClaimSource,
+	kindVolumeSnapshot: resolveSnapshotSource,
 }
 
 // dataSourceOf returns the claim's data source, or nil. dataSourceRef is read first: it is
@@ -113,8 +117,8 @@ func checkDataSource(claim *v1.PersistentVolumeClaim) error {
 		if group == "" {
 			group = `"" (core)`
 		}
-		return fmt.Errorf("dataSource kind %s of apiGroup %s is not supported: dirpv starts a volume only from a %s in the claim's namespace",
-			kind.kind, group, kindPVC)
+		return fmt.Errorf("dataSource kind %s of apiGroup %s is not supported: dirpv starts a volume only from a %s or a %s (%s) in the claim's namespace",
+			kind.kind, group, kindPVC, kindVolumeSnapshot.kind, kindVolumeSnapshot.apiGroup)
 	}
 	if ns != claim.Namespace {
 		return fmt.Errorf("dataSourceRef names %s %s/%s in another namespace: dirpv copies only from the claim's own namespace %s",

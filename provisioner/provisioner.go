@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	snapclientset "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -75,9 +76,12 @@ type Config struct {
 	OperationTimeout time.Duration
 	// IdleUnmount is how long an unused NFS mount stays mounted.
 	IdleUnmount time.Duration
-	// CloneTimeout bounds each copy that starts a volume from a data source; 0 means
-	// DefaultCloneTimeout. The copy runs in the background meanwhile.
+	// CloneTimeout bounds each copy that starts a volume from a data source, and each
+	// snapshot's copy; 0 means DefaultCloneTimeout. The copy runs in the background meanwhile.
 	CloneTimeout time.Duration
+	// Snapshots reads VolumeSnapshots and their contents, to restore claims from them; nil
+	// refuses such claims.
+	Snapshots snapclientset.Interface
 	// Events records events beyond those the lib records: on PVs of volumes left on lost
 	// nodes (role controller), on claims whose size is not enforced (role node). Nil records
 	// none.
@@ -394,7 +398,7 @@ func (p *Provisioner) makeVolume(ctx context.Context, attrs volume.Attributes, m
 			if err := checkSourceOwner(from, src); err != nil {
 				return err
 			}
-			m.created, id, m.stats, err = root.MkdirAllFrom(ctx, rel, owner, limit, volume.Source{Root: from, Rel: src.attrs.Path})
+			m.created, id, m.stats, err = root.MkdirAllFrom(ctx, rel, owner, limit, src.in(from))
 		case limit > 0:
 			m.created, id, err = root.MkdirAllLimited(rel, params.owner, owner, limit)
 		default:

@@ -22,6 +22,7 @@ const usage = `dirpv turns directories on an NFS export or a node-local path int
 Usage:
   dirpv controller [flags]   provision NFS volumes (Deployment, leader-elected)
   dirpv node [flags]         CSI node plugin + local-volume provisioner for this node (DaemonSet)
+  dirpv snapshot-controller  the common VolumeSnapshot controller, for clusters without one
   dirpv version              print the version
 
 Run "dirpv <command> -h" for the command's flags.
@@ -41,6 +42,8 @@ func main() {
 		run = controllerFlags(fs)
 	case "node":
 		run = nodeFlags(fs)
+	case "snapshot-controller":
+		run = snapshotControllerFlags(fs)
 	case "version":
 		fmt.Println(daemon.Version)
 		return
@@ -83,7 +86,7 @@ func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfi
 		"Deadline of each call that can hang on storage: NFS mounts, directory creation and removal on NFS, unmounts.")
 	fs.DurationVar(&prov.Resync, "resync-period", 15*time.Minute, "Informer resync period.")
 	fs.DurationVar(&prov.CloneTimeout, "clone-timeout", daemon.DefaultCloneTimeout,
-		"Deadline of each copy that starts a volume from a data source (a clone); the copy runs in the background meanwhile, and starts again after it.")
+		"Deadline of each copy that starts a volume from a data source (a clone, a restore) or makes a VolumeSnapshot; the copy runs in the background meanwhile, and starts again after it.")
 	httpAddr := fs.String("http-address", ":9809", "Address for /healthz and /metrics. Empty disables them.")
 	profiling := fs.Bool("profiling", false, "Also serve Go's /debug/pprof/ on --http-address (heap and CPU profiles).")
 	return kube, prov, httpAddr, profiling
@@ -124,7 +127,14 @@ func controllerFlags(fs *flag.FlagSet) func(context.Context) error {
 		"/healthz fails once an NFS export has had all its call slots held by calls its server does not answer, none coming free, "+
 			"for this long, so that kubelet restarts the controller. 0 disables the check.")
 	capacity := capacityFlags(fs)
-	le := &cfg.LeaderElection
+	leaderElectionFlags(fs, &cfg.LeaderElection)
+	return func(ctx context.Context) error {
+		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress, cfg.Profiling, cfg.Capacity = *kube, *prov, *httpAddr, *profiling, *capacity
+		return daemon.RunController(ctx, cfg)
+	}
+}
+
+func leaderElectionFlags(fs *flag.FlagSet, le *daemon.LeaderElectionConfig) {
 	fs.BoolVar(&le.Enabled, "leader-election", true, "Elect one active controller among replicas.")
 	fs.StringVar(&le.Namespace, "leader-election-namespace", "", "Namespace of the leader election lease. Empty: the pod's own namespace.")
 	fs.DurationVar(&le.LeaseDuration, "leader-election-lease-duration", 15*time.Second,
@@ -132,9 +142,15 @@ func controllerFlags(fs *flag.FlagSet) func(context.Context) error {
 	fs.DurationVar(&le.RenewDeadline, "leader-election-renew-deadline", 10*time.Second,
 		"How long the leader retries renewing its lease before it stops and exits.")
 	fs.DurationVar(&le.RetryPeriod, "leader-election-retry-period", 2*time.Second, "Interval between attempts to acquire or renew the lease.")
+}
+
+func snapshotControllerFlags(fs *flag.FlagSet) func(context.Context) error {
+	cfg := daemon.SnapshotControllerConfig{}
+	kube, prov, httpAddr, _ := commonFlags(fs)
+	leaderElectionFlags(fs, &cfg.LeaderElection)
 	return func(ctx context.Context) error {
-		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress, cfg.Profiling, cfg.Capacity = *kube, *prov, *httpAddr, *profiling, *capacity
-		return daemon.RunController(ctx, cfg)
+		cfg.Kube, cfg.Workers, cfg.Resync, cfg.HTTPAddress = *kube, prov.Workers, prov.Resync, *httpAddr
+		return daemon.RunSnapshotController(ctx, cfg)
 	}
 }
 

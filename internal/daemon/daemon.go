@@ -54,7 +54,7 @@ type KubeConfig struct {
 	Burst int
 }
 
-func (k KubeConfig) client() (kubernetes.Interface, error) {
+func (k KubeConfig) restConfig() (*rest.Config, error) {
 	var cfg *rest.Config
 	var err error
 	if k.Path != "" {
@@ -67,6 +67,14 @@ func (k KubeConfig) client() (kubernetes.Interface, error) {
 	}
 	cfg.QPS, cfg.Burst = k.QPS, k.Burst
 	cfg.UserAgent = "dirpv/" + Version
+	return cfg, nil
+}
+
+func (k KubeConfig) client() (kubernetes.Interface, error) {
+	cfg, err := k.restConfig()
+	if err != nil {
+		return nil, err
+	}
 	// Every type dirpv reads and writes is built in, so protobuf works, as for kube-scheduler
 	// and kube-controller-manager: the initial list of every claim and volume decodes with far
 	// fewer transient allocations (the process's peak heap) and less CPU than JSON.
@@ -85,7 +93,8 @@ type ProvisionerConfig struct {
 	OperationTimeout time.Duration
 	// Resync is the informers' resync period; the lib retries failed claims on its own queue.
 	Resync time.Duration
-	// CloneTimeout bounds each copy that starts a volume from a data source.
+	// CloneTimeout bounds each copy that starts a volume from a data source or makes a
+	// VolumeSnapshot.
 	CloneTimeout time.Duration
 }
 
@@ -134,10 +143,15 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
 	defer broadcaster.Shutdown()
 	events := broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: DriverName + "-controller"})
+	snapClient, err := cfg.Kube.snapshotClient()
+	if err != nil {
+		return err
+	}
 	p, err := provisioner.New(provisioner.Config{
 		Events:           events,
 		DriverName:       DriverName,
 		Role:             provisioner.RoleController,
+		Snapshots:        snapClient,
 		Client:           client,
 		Classes:          factory.Storage().V1().StorageClasses().Lister(),
 		Mounter:          mount.New(cfg.Mounter),
@@ -157,7 +171,9 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	}
 	// Resizing NFS volumes is the leader's too (provisioning): each claim has one instance that
 	// resizes it.
-	provision := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub)
+	// Snapshots of NFS volumes are the leader's too.
+	snapshots := snapshotting(snapClient, client, p.Snapshotter(factory.Core().V1().PersistentVolumes().Lister()), "", cfg.Provisioner)
+	provision := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub, snapshots)
 	// The leader labels local claims and PVs with their node: node instances see nothing else.
 	router, err := route.New(client, DriverName, cfg.Provisioner.OperationTimeout, factory.Core().V1().PersistentVolumeClaims(),
 		factory.Core().V1().PersistentVolumes(), factory.Storage().V1().StorageClasses())
@@ -194,13 +210,14 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 }
 
 // provisioning returns what runs the lib's ProvisionController around p, external-resizer's
-// controller around p's Resizer, and pub's capacity publishing if pub is not nil, until its
-// context is done, and registers the lib's metrics and dirpv's own on reg. What it returns
-// comes back only once the controllers' workers have returned and p has released its NFS
-// mounts and local bases, in that order: a worker still running after the release could
-// mount an export again, or use a closed base.
+// controller around p's Resizer, pub's capacity publishing if pub is not nil, and each of
+// also (snapshots) until its context is done, and registers the lib's metrics and dirpv's own
+// on reg. What it returns comes back only once the controllers' workers and also have
+// returned and p has released its NFS mounts and local bases, in that order: a worker still
+// running after the release could mount an export again, or use a closed base.
 func provisioning(ctx context.Context, client kubernetes.Interface, factory informers.SharedInformerFactory,
 	p *provisioner.Provisioner, cfg ProvisionerConfig, reg *prometheus.Registry, pub *capacityPublisher,
+	also ...func(context.Context),
 ) func(context.Context) {
 	m := libmetrics.New("dirpv")
 	reg.MustRegister(
@@ -255,11 +272,16 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 			defer close(resized)
 			resize(ctx)
 		}()
+		var others sync.WaitGroup
+		for _, fn := range also {
+			others.Go(func() { fn(ctx) })
+		}
 		pc.Run(ctx)
 		start := time.Now()
 		workers.Wait()
 		<-published
 		<-resized
+		others.Wait()
 		// The resize controller's Run does not wait for its workers: the Resizer does.
 		resizer.Drain()
 		stop()

@@ -35,6 +35,8 @@ type LeaderElectionConfig struct {
 	RenewDeadline time.Duration
 	// RetryPeriod is the interval between attempts to acquire or renew.
 	RetryPeriod time.Duration
+	// Lease names the Lease; empty means the controller's, dirpv.io.
+	Lease string
 }
 
 // errLostLease means this process stopped holding the lease while it was not shutting down.
@@ -59,7 +61,11 @@ func runElected(ctx context.Context, client kubernetes.Interface, cfg LeaderElec
 	if ns == "" {
 		ns = podNamespace()
 	}
-	lock, err := resourcelock.New(resourcelock.LeasesResourceLock, ns, leaseName,
+	lease := cfg.Lease
+	if lease == "" {
+		lease = leaseName
+	}
+	lock, err := resourcelock.New(resourcelock.LeasesResourceLock, ns, lease,
 		client.CoreV1(), client.CoordinationV1(), resourcelock.ResourceLockConfig{Identity: id, EventRecorder: events})
 	if err != nil {
 		return fmt.Errorf("leader election lock: %w", err)
@@ -86,7 +92,7 @@ func runElected(ctx context.Context, client kubernetes.Interface, cfg LeaderElec
 
 	le, err := leaderelection.NewLeaderElector(leaderelection.LeaderElectionConfig{
 		Lock:            lock,
-		Name:            leaseName,
+		Name:            lease,
 		LeaseDuration:   cfg.LeaseDuration,
 		RenewDeadline:   cfg.RenewDeadline,
 		RetryPeriod:     cfg.RetryPeriod,
@@ -125,7 +131,7 @@ func runElected(ctx context.Context, client kubernetes.Interface, cfg LeaderElec
 	if err != nil {
 		return fmt.Errorf("leader election: %w", err)
 	}
-	logger.Info("Waiting for the leader lease", "lease", ns+"/"+leaseName, "identity", id)
+	logger.Info("Waiting for the leader lease", "lease", ns+"/"+lease, "identity", id)
 	le.Run(electCtx)
 
 	if ctx.Err() == nil {

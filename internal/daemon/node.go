@@ -91,10 +91,15 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 		broadcaster := record.NewBroadcaster(record.WithContext(ctx))
 		broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
 		defer broadcaster.Shutdown()
+		snapClient, err := cfg.Kube.snapshotClient()
+		if err != nil {
+			return err
+		}
 		p, err := provisioner.New(provisioner.Config{
 			Events:           broadcaster.NewRecorder(scheme.Scheme, corev1.EventSource{Component: DriverName + "-node", Host: cfg.NodeName}),
 			DriverName:       DriverName,
 			Role:             provisioner.RoleNode,
+			Snapshots:        snapClient,
 			NodeName:         cfg.NodeName,
 			AllowedBases:     bases,
 			Client:           client,
@@ -111,7 +116,10 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 		if err != nil {
 			return err
 		}
-		lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub)
+		// Snapshots of this node's local volumes: the common controller labels their
+		// VolumeSnapshotContents with the node (distributed snapshotting).
+		snapshots := snapshotting(snapClient, client, p.Snapshotter(factory.Core().V1().PersistentVolumes().Lister()), cfg.NodeName, cfg.Provisioner)
+		lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub, snapshots)
 		fns = append(fns, func(ctx context.Context) error {
 			lead(ctx)
 			return nil

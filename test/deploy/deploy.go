@@ -146,11 +146,11 @@ func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptio
 		fmt.Fprintf(&k, "images:\n  - name: ghcr.io/dirpv/dirpv\n    newName: %s\n    %s: %q\n", name, field, ref)
 	}
 	k.WriteString("patches:\n")
-	for _, w := range []struct{ kind, name string }{{"Deployment", "dirpv-controller"}, {"DaemonSet", "dirpv-node"}} {
+	for _, w := range []struct{ kind, name string }{{"Deployment", "dirpv-controller"}, {"DaemonSet", "dirpv-node"}, {"Deployment", "dirpv-snapshot-controller"}} {
 		patch := fmt.Sprintf("apiVersion: apps/v1\nkind: %s\nmetadata:\n  name: %s\n  namespace: dirpv\n"+
 			"spec:\n  template:\n    spec:\n      containers:\n        - name: dirpv\n          env:\n"+
 			"            - name: KUBERNETES_SERVICE_PORT\n              value: %s\n", w.kind, w.name, port)
-		file := strings.ToLower(w.kind) + "-port.yaml"
+		file := w.name + "-port.yaml"
 		if err := os.WriteFile(filepath.Join(dir, file), []byte(patch), 0o644); err != nil {
 			return nil, fmt.Errorf("deploy: %w", err)
 		}

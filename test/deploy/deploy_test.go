@@ -2,12 +2,14 @@ package deploy
 
 import (
 	"fmt"
+	"maps"
 	"path"
 	"reflect"
 	"slices"
 	"strings"
 	"testing"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -119,6 +121,11 @@ func TestObjectsAreValid(t *testing.T) {
 	for name, objs := range variants(t) {
 		t.Run(name, func(t *testing.T) {
 			for _, k := range objs.keys() {
+				// The snapshot option's CRDs and classes are not client-go types; the CRDs are
+				// upstream's (TestSnapshotCRDsAreUpstream).
+				if kind := objs[k].GetKind(); kind == "CustomResourceDefinition" || kind == "VolumeSnapshotClass" {
+					continue
+				}
 				typed(t, objs[k])
 			}
 			for _, want := range []string{"CSIDriver /dirpv.io", "ServiceAccount dirpv/dirpv-node", "DaemonSet dirpv/dirpv-node",
@@ -148,6 +155,7 @@ var wantRules = map[string][]rbacv1.PolicyRule{
 		// driverOwner: the CSIDriver owns the controller's CSIStorageCapacity objects.
 		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"csidrivers"}, ResourceNames: []string{"dirpv.io"}, Verbs: []string{"get"}},
 		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
+		snapshotRules[0], snapshotRules[1], snapshotRules[2], snapshotRules[3],
 	},
 	// The capacity controller (external-provisioner's pkg/capacity) watches, creates, updates
 	// and deletes its own objects in dirpv's namespace, and never gets one.
@@ -165,7 +173,17 @@ var wantRules = map[string][]rbacv1.PolicyRule{
 		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"storageclasses"}, Verbs: []string{"get", "list", "watch"}},
 		{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get"}},
 		{APIGroups: []string{""}, Resources: []string{"events"}, Verbs: []string{"create", "patch"}},
+		snapshotRules[0], snapshotRules[1], snapshotRules[2], snapshotRules[3],
 	},
+}
+
+// snapshotRules are the in-process sidecar controller's (external-snapshotter's
+// pkg/sidecar-controller) and restore's, in the controller (NFS) and each node (local).
+var snapshotRules = []rbacv1.PolicyRule{
+	{APIGroups: []string{"snapshot.storage.k8s.io"}, Resources: []string{"volumesnapshotclasses"}, Verbs: []string{"get", "list", "watch"}},
+	{APIGroups: []string{"snapshot.storage.k8s.io"}, Resources: []string{"volumesnapshotcontents"}, Verbs: []string{"get", "list", "watch", "update", "patch"}},
+	{APIGroups: []string{"snapshot.storage.k8s.io"}, Resources: []string{"volumesnapshotcontents/status"}, Verbs: []string{"update", "patch"}},
+	{APIGroups: []string{"snapshot.storage.k8s.io"}, Resources: []string{"volumesnapshots"}, Verbs: []string{"get"}},
 }
 
 var capacityRules = []rbacv1.PolicyRule{
@@ -181,7 +199,12 @@ func TestRBACLeastPrivilege(t *testing.T) {
 					roles[kind+" "+n] = true
 				}
 			}
-			for role, want := range wantRules {
+			all := maps.Clone(wantRules)
+			if objs["ClusterRole /dirpv-snapshot-controller"] != nil {
+				// The snapshots option (e2e-local has it).
+				maps.Copy(all, snapshotControllerRules)
+			}
+			for role, want := range all {
 				if !roles[role] {
 					t.Errorf("missing %s", role)
 					continue
@@ -198,8 +221,10 @@ func TestRBACLeastPrivilege(t *testing.T) {
 						}
 					}
 					for _, res := range r.Resources {
-						// The one subresource: external-resizer's controller patches claims' status.
-						if res == "secrets" || res == "configmaps" || (strings.Contains(res, "/") && res != "persistentvolumeclaims/status") {
+						// The subresources: external-resizer's controller patches claims' status,
+						// the snapshot sidecar its contents'.
+						if res == "secrets" || res == "configmaps" || (strings.Contains(res, "/") &&
+							res != "persistentvolumeclaims/status" && res != "volumesnapshotcontents/status" && res != "volumesnapshots/status") {
 							t.Errorf("%s: needs no %s", role, res)
 						}
 					}
@@ -226,6 +251,10 @@ func TestRBACLeastPrivilege(t *testing.T) {
 				"RoleBinding dirpv/dirpv-controller-leader-election": "dirpv-controller",
 				"RoleBinding dirpv/dirpv-controller-capacity":        "dirpv-controller",
 				"RoleBinding dirpv/dirpv-node-capacity":              "dirpv-node",
+			}
+			if objs["ClusterRole /dirpv-snapshot-controller"] != nil {
+				binds["ClusterRoleBinding /dirpv-snapshot-controller"] = "dirpv-snapshot-controller"
+				binds["RoleBinding dirpv/dirpv-snapshot-controller-leader-election"] = "dirpv-snapshot-controller"
 			}
 			for k, sa := range binds {
 				var subjects []rbacv1.Subject
@@ -606,7 +635,9 @@ func TestRenderE2ELocal(t *testing.T) {
 	if *d.Spec.Replicas != 1 {
 		t.Errorf("controller replicas %d: two on one host network collide on the port", *d.Spec.Replicas)
 	}
-	for name, spec := range map[string]corev1.PodSpec{"controller": d.Spec.Template.Spec, "node": ds.Spec.Template.Spec} {
+	snap := get[*appsv1.Deployment](t, objs, "Deployment dirpv/dirpv-snapshot-controller")
+	for name, spec := range map[string]corev1.PodSpec{"controller": d.Spec.Template.Spec, "node": ds.Spec.Template.Spec,
+		"snapshot-controller": snap.Spec.Template.Spec} {
 		if !spec.HostNetwork || spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
 			t.Errorf("%s: hostNetwork %v dnsPolicy %s", name, spec.HostNetwork, spec.DNSPolicy)
 		}

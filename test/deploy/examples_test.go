@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 
+	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
+	snapscheme "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned/scheme"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -19,8 +21,17 @@ import (
 )
 
 // strictDecoder refuses unknown and duplicate fields, as `kubectl apply --validate=strict` does.
-var strictDecoder = json.NewSerializerWithOptions(json.DefaultMetaFactory, scheme.Scheme, scheme.Scheme,
-	json.SerializerOptions{Yaml: true, Strict: true})
+// It knows the built-in types and the snapshot API's.
+var strictDecoder = func() runtime.Decoder {
+	s := runtime.NewScheme()
+	if err := scheme.AddToScheme(s); err != nil {
+		panic(err)
+	}
+	if err := snapscheme.AddToScheme(s); err != nil {
+		panic(err)
+	}
+	return json.NewSerializerWithOptions(json.DefaultMetaFactory, s, s, json.SerializerOptions{Yaml: true, Strict: true})
+}()
 
 // decodeStrict decodes every document of a manifest file into its API type.
 func decodeStrict(t *testing.T, file string) []runtime.Object {
@@ -84,6 +95,10 @@ func TestExamples(t *testing.T) {
 	if defaultClass == "" {
 		t.Fatal("deploy/overlays/kind has no default class")
 	}
+	snapshotClasses := map[string]bool{}
+	for _, name := range kustomizeObjs(t, kustomize, "test/deploy/testdata/snapshots").ofKind("VolumeSnapshotClass") {
+		snapshotClasses[name] = true
+	}
 
 	files, err := filepath.Glob(repoPath(t, "examples/*.yaml"))
 	if err != nil || len(files) < 6 {
@@ -100,6 +115,7 @@ func TestExamples(t *testing.T) {
 				classes[k] = v
 			}
 			claims := map[string]*corev1.PersistentVolumeClaim{}
+			snapshots := map[string]*snapshotv1.VolumeSnapshot{}
 			var pods []*corev1.Pod
 			for _, obj := range decodeStrict(t, file) {
 				switch o := obj.(type) {
@@ -119,6 +135,8 @@ func TestExamples(t *testing.T) {
 					claims[o.Name] = o
 				case *corev1.Pod:
 					pods = append(pods, o)
+				case *snapshotv1.VolumeSnapshot:
+					snapshots[o.Name] = o
 				default:
 					t.Errorf("unexpected %T in an example", obj)
 				}
@@ -138,7 +156,18 @@ func TestExamples(t *testing.T) {
 					t.Errorf("class %s: basePath %s is not mounted by the node DaemonSet (%v)", sc.Name, bp, nodeMounts)
 				}
 			}
+			for _, vs := range snapshots {
+				if c := vs.Spec.VolumeSnapshotClassName; c == nil || !snapshotClasses[*c] {
+					t.Errorf("VolumeSnapshot %s: class %v is not one of deploy/components/snapshots' %v", vs.Name, c, snapshotClasses)
+				}
+				if src := vs.Spec.Source.PersistentVolumeClaimName; src == nil || claims[*src] == nil {
+					t.Errorf("VolumeSnapshot %s: source claim %v is not in the example", vs.Name, src)
+				}
+			}
 			for _, pvc := range claims {
+				if ds := pvc.Spec.DataSource; ds != nil && ds.Kind == "VolumeSnapshot" && snapshots[ds.Name] == nil {
+					t.Errorf("claim %s: VolumeSnapshot %s is not in the example", pvc.Name, ds.Name)
+				}
 				name := defaultClass
 				if pvc.Spec.StorageClassName != nil {
 					name = *pvc.Spec.StorageClassName

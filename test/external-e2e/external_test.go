@@ -104,14 +104,26 @@ func beforeCluster(s *framework.Suite, _ *cluster.Options) error {
 	return nil
 }
 
+// baseEntries lists the volume directories in basePath, and the snapshots in its snapshot
+// directory (which stays, empty, once the first snapshot was made).
 func baseEntries() ([]string, error) {
 	entries, err := os.ReadDir(basePath)
 	var names []string
 	for _, e := range entries {
-		names = append(names, e.Name())
+		if e.Name() != snapshotsDir {
+			names = append(names, e.Name())
+			continue
+		}
+		snaps, _ := os.ReadDir(filepath.Join(basePath, snapshotsDir))
+		for _, s := range snaps {
+			names = append(names, snapshotsDir+"/"+s.Name())
+		}
 	}
 	return names, err
 }
+
+// snapshotsDir is where dirpv keeps a base's snapshots (volume.Root.Snapshot).
+const snapshotsDir = ".dirpv-snapshots"
 
 func setup(ctx context.Context, s *framework.Suite) error {
 	suite = s

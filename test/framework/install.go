@@ -2,6 +2,7 @@ package framework
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"time"
@@ -9,6 +10,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/types"
@@ -98,9 +100,18 @@ func (inst *Installation) resource(o *unstructured.Unstructured) (dynamic.Resour
 	return inst.dyn.Resource(m.Resource), nil
 }
 
-// apply server-side applies one object, as `kubectl apply --server-side` would.
+// apply server-side applies one object, as `kubectl apply --server-side` would. An object of
+// a kind the API server does not serve yet (a custom resource whose CRD was applied just
+// before) is waited for, as kubectl's users retry.
 func (inst *Installation) apply(ctx context.Context, o *unstructured.Unstructured) error {
-	r, err := inst.resource(o)
+	var r dynamic.ResourceInterface
+	err := Poll(ctx, time.Minute, func(context.Context) (bool, error) {
+		var err error
+		if r, err = inst.resource(o); meta.IsNoMatchError(errors.Unwrap(err)) {
+			inst.mapper.Reset()
+		}
+		return err == nil, err
+	})
 	if err != nil {
 		return err
 	}

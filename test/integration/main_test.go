@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	snapclientset "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/klog/v2"
@@ -29,6 +30,8 @@ var (
 	suite    *framework.Suite
 	nodeProc *framework.Process
 	ctrlProc *framework.Process
+	// snaps is a client of the snapshot API, whose CRDs setup installs.
+	snaps snapclientset.Interface
 )
 
 func TestMain(m *testing.M) {
@@ -57,7 +60,18 @@ func setup(ctx context.Context, s *framework.Suite) error {
 	if _, err := suite.Client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "dirpv"}}, metav1.CreateOptions{}); err != nil {
 		return fmt.Errorf("create namespace dirpv: %w", err)
 	}
+	// VolumeSnapshots as deploy/components/snapshots installs them: the CRDs, then the common
+	// snapshot controller from dirpv's binary. Before dirpv starts, so that its snapshot
+	// controllers start at once.
 	var err error
+	if snaps, err = framework.InstallSnapshotCRDs(ctx, s.Cluster.Kubeconfig); err != nil {
+		return err
+	}
+	snapCtrl, err := s.StartDirpv(ctx, "snapshot-controller", "snapshot-controller", "--v=4", "--leader-election=false")
+	if err != nil {
+		return fmt.Errorf("start snapshot-controller: %w", err)
+	}
+	s.Daemons = append(s.Daemons, snapCtrl)
 	common := []string{"--v=2", "--operation-timeout=10s"}
 	ctrlProc, err = s.StartDirpv(ctx, "controller", "controller", append(common,
 		"--work-dir", filepath.Join(s.Work.Dir, "controller"),

@@ -19,6 +19,7 @@ import (
 var serviceAccounts = []string{
 	"system:serviceaccount:dirpv:dirpv-controller",
 	"system:serviceaccount:dirpv:dirpv-node",
+	"system:serviceaccount:dirpv:dirpv-snapshot-controller",
 }
 
 // auditPolicy writes an audit policy recording every request of dirpv's ServiceAccounts and

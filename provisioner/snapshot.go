@@ -1,0 +1,281 @@
+package provisioner
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/kubernetes-csi/external-snapshotter/v8/pkg/snapshotter"
+	v1 "k8s.io/api/core/v1"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/klog/v2"
+
+	"github.com/dirpv/dirpv/volume"
+)
+
+// Snapshotter is external-snapshotter's snapshotter.Snapshotter over the Provisioner's
+// volumes: its sidecar controller, run in-process, calls it where it would call a CSI
+// driver's CreateSnapshot, DeleteSnapshot and ListSnapshots. The controller's instance
+// snapshots NFS volumes, each node's instance the local volumes on that node.
+//
+// A copy can take longer than the sidecar waits for one call, so CreateSnapshot starts it in
+// the background and answers "not ready"; the sidecar calls again (with backoff) until the
+// copy is complete and the answer is ready. A copy cut short (a crash, a deadline) leaves no
+// snapshot: the next CreateSnapshot starts it again.
+type Snapshotter struct {
+	p   *Provisioner
+	pvs corelisters.PersistentVolumeLister
+
+	mu   sync.Mutex
+	jobs map[string]*snapshotJob // by snapshot handle
+	// ctx is the parent of the background copies; nil but between Start and its end.
+	ctx     context.Context
+	running sync.WaitGroup
+}
+
+// snapshotJob is one background copy.
+type snapshotJob struct {
+	done   chan struct{}
+	cancel context.CancelFunc
+	err    error // once done
+}
+
+var _ snapshotter.Snapshotter = (*Snapshotter)(nil)
+
+// Snapshotter returns the Provisioner's Snapshotter. It reads source volumes from pvs; each
+// copy is bounded by Config.CloneTimeout. Start it, then hand it to the sidecar controller.
+func (p *Provisioner) Snapshotter(pvs corelisters.PersistentVolumeLister) *Snapshotter {
+	return &Snapshotter{p: p, pvs: pvs, jobs: map[string]*snapshotJob{}}
+}
+
+// Start lets copies start until ctx is done. The function it returns waits for that, then
+// stops the copies still running and returns once they have: their snapshots are left
+// incomplete, and made again by the next process.
+func (s *Snapshotter) Start(ctx context.Context) (wait func()) {
+	copies, stop := context.WithCancel(context.WithoutCancel(ctx))
+	s.mu.Lock()
+	s.ctx = copies
+	s.mu.Unlock()
+	return func() {
+		<-ctx.Done()
+		s.mu.Lock()
+		s.ctx = nil
+		s.mu.Unlock()
+		stop()
+		s.running.Wait()
+	}
+}
+
+// CreateSnapshot snapshots the volume of volumeHandle as snapshotName, the sidecar's name
+// (prefix and the VolumeSnapshot's UID), so that every call for one VolumeSnapshot means the
+// same snapshot. readyToUse is false while the copy runs.
+func (s *Snapshotter) CreateSnapshot(ctx context.Context, snapshotName, volumeHandle string, parameters, _ map[string]string) (string, string, time.Time, int64, bool, error) {
+	fail := func(err error) (string, string, time.Time, int64, bool, error) {
+		return "", "", time.Time{}, 0, false, err
+	}
+	if len(parameters) > 0 {
+		keys := make([]string, 0, len(parameters))
+		for k := range parameters {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		return fail(invalid(fmt.Errorf("VolumeSnapshotClass parameters %s are not known: dirpv snapshot classes take none", volume.QuoteList(keys))))
+	}
+	pv, attrs, err := s.source(ctx, volumeHandle)
+	if err != nil {
+		return fail(err)
+	}
+	q := pv.Spec.Capacity[v1.ResourceStorage]
+	h := volume.SnapshotHandle{
+		Backend: attrs.Backend, Server: attrs.Server, Share: attrs.Share, BasePath: attrs.BasePath,
+		Name: snapshotName, Size: q.Value(),
+	}
+	if attrs.Backend == volume.BackendNFS {
+		h.MountOptions = pv.Spec.MountOptions
+	} else {
+		h.Node = s.p.cfg.NodeName
+	}
+	if err := h.Validate(); err != nil {
+		return fail(invalid(fmt.Errorf("snapshot of PV %s: %w", pv.Name, err)))
+	}
+	id := h.String()
+	ready, created, err := s.status(ctx, h)
+	if err != nil || ready {
+		return s.p.cfg.DriverName, id, created, h.Size, ready, err
+	}
+	if err := s.start(ctx, id, h, attrs.Path); err != nil {
+		return fail(err)
+	}
+	return s.p.cfg.DriverName, id, time.Now(), h.Size, false, nil
+}
+
+// source returns the PV of a dirpv volume handle that this instance snapshots, and its
+// attributes.
+func (s *Snapshotter) source(ctx context.Context, volumeHandle string) (*v1.PersistentVolume, volume.Attributes, error) {
+	_, pvName, ok := strings.Cut(volumeHandle, ":")
+	if !ok || pvName == "" {
+		return nil, volume.Attributes{}, invalid(fmt.Errorf("volume handle %s is not one of %s's", volume.Quote(volumeHandle), s.p.cfg.DriverName))
+	}
+	pv, err := s.pvs.Get(pvName)
+	if err != nil {
+		return nil, volume.Attributes{}, fmt.Errorf("source volume %s: %w", pvName, err)
+	}
+	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != s.p.cfg.DriverName || pv.Spec.CSI.VolumeHandle != volumeHandle {
+		return nil, volume.Attributes{}, invalid(fmt.Errorf("PV %s is not the %s volume %s", pvName, s.p.cfg.DriverName, volume.Quote(volumeHandle)))
+	}
+	if why := s.p.responsibleFor(ctx, pv); why != "" {
+		return nil, volume.Attributes{}, fmt.Errorf("not snapshotted here: %s", why)
+	}
+	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
+	if err != nil {
+		return nil, volume.Attributes{}, invalid(fmt.Errorf("PV %s: %w", pvName, err))
+	}
+	return pv, attrs, nil
+}
+
+// start starts the copy of rel into h unless it is running already, and returns the error
+// of the last copy of h if that one failed (once: the next call starts it again).
+func (s *Snapshotter) start(ctx context.Context, id string, h volume.SnapshotHandle, rel string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if job, ok := s.jobs[id]; ok {
+		select {
+		case <-job.done:
+			delete(s.jobs, id)
+			if job.err != nil {
+				return job.err
+			}
+			// Done since status looked: the next call reports it ready.
+			return nil
+		default:
+			return nil
+		}
+	}
+	if s.ctx == nil {
+		return fmt.Errorf("snapshot %s: shutting down", h.Name)
+	}
+	copyCtx, cancel := context.WithTimeout(s.ctx, s.p.cfg.CloneTimeout)
+	copyCtx = klog.NewContext(copyCtx, klog.FromContext(ctx).WithValues("snapshot", h.Name, "path", rel))
+	job := &snapshotJob{done: make(chan struct{}), cancel: cancel}
+	s.jobs[id] = job
+	s.running.Add(1)
+	go func() {
+		defer s.running.Done()
+		defer cancel()
+		defer close(job.done)
+		start := time.Now()
+		// Through onStores, as a clone's copy: on NFS under the copy's deadline rather than
+		// the operation timeout.
+		store := h.Store(rel)
+		err := s.p.onStores(copyCtx, store, h.MountOptions, &sourceTree{attrs: store, mountOptions: h.MountOptions},
+			func(ctx context.Context, root, _ *volume.Root) error {
+				_, err := root.Snapshot(ctx, rel, h.Name)
+				return err
+			})
+		if err != nil {
+			job.err = fmt.Errorf("snapshot of %s in %s: %w", rel, storeName(h.Store(rel)), err)
+			klog.FromContext(copyCtx).Error(err, "Snapshot failed")
+			return
+		}
+		klog.FromContext(copyCtx).Info("Snapshot complete", "duration", time.Since(start))
+	}()
+	return nil
+}
+
+// status says whether h's snapshot is complete, and when it was taken.
+func (s *Snapshotter) status(ctx context.Context, h volume.SnapshotHandle) (ready bool, created time.Time, err error) {
+	if err := s.check(h); err != nil {
+		return false, time.Time{}, err
+	}
+	err = s.p.onStore(ctx, h.Store(h.Name), h.MountOptions, func(root *volume.Root) error {
+		info, err := root.SnapshotInfo(h.Name)
+		if err != nil {
+			return err
+		}
+		ready, created = true, info.CreatedAt
+		return nil
+	})
+	if isNotExist(err) {
+		return false, time.Time{}, nil
+	}
+	if err != nil {
+		return false, time.Time{}, fmt.Errorf("snapshot %s in %s: %w", h.Name, storeName(h.Store(h.Name)), err)
+	}
+	return ready, created, nil
+}
+
+// check refuses handles another instance serves, and NFS exports no dirpv class names: a
+// handle (a pre-provisioned content's) or a PV can name any server, and the controller
+// mounts only those its classes name, as for clones.
+func (s *Snapshotter) check(h volume.SnapshotHandle) error {
+	switch {
+	case s.p.cfg.Role == RoleController && h.Backend != volume.BackendNFS:
+		return fmt.Errorf("snapshot %s is a local one, handled on node %q", h.Name, h.Node)
+	case s.p.cfg.Role == RoleNode && h.Node != s.p.cfg.NodeName:
+		return fmt.Errorf("snapshot %s lives on node %q, not on %q", h.Name, h.Node, s.p.cfg.NodeName)
+	case h.Backend == volume.BackendNFS && !s.p.servesExport(h.Server, h.Share):
+		return invalid(fmt.Errorf("snapshot %s is on NFS export %s, which no dirpv NFS StorageClass names", h.Name, volume.ExportSource(h.Server, h.Share)))
+	}
+	return nil
+}
+
+// DeleteSnapshot removes the snapshot, stopping its copy first if one runs. A snapshot that is
+// gone already counts as deleted.
+func (s *Snapshotter) DeleteSnapshot(ctx context.Context, snapshotID string, _ map[string]string) error {
+	h, err := volume.ParseSnapshotHandle(snapshotID)
+	if err != nil {
+		return invalid(err)
+	}
+	if err := s.check(h); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	job, ok := s.jobs[snapshotID]
+	delete(s.jobs, snapshotID)
+	s.mu.Unlock()
+	if ok {
+		job.cancel()
+		select {
+		case <-job.done:
+		case <-ctx.Done():
+			return fmt.Errorf("snapshot %s: waiting for its copy to stop: %w", h.Name, ctx.Err())
+		}
+	}
+	err = s.p.onStore(ctx, h.Store(h.Name), h.MountOptions, func(root *volume.Root) error {
+		return root.DeleteSnapshot(h.Name)
+	})
+	if err != nil && !isNotExist(err) {
+		return fmt.Errorf("delete snapshot %s in %s: %w", h.Name, storeName(h.Store(h.Name)), err)
+	}
+	klog.FromContext(ctx).Info("Deleted snapshot", "snapshot", h.Name, "store", storeName(h.Store(h.Name)))
+	return nil
+}
+
+// GetSnapshotStatus reports a snapshot the sidecar did not create (a pre-provisioned
+// VolumeSnapshotContent naming a handle): ready once complete; its size is the handle's.
+func (s *Snapshotter) GetSnapshotStatus(ctx context.Context, snapshotID string, _ map[string]string) (bool, time.Time, int64, string, error) {
+	h, err := volume.ParseSnapshotHandle(snapshotID)
+	if err != nil {
+		return false, time.Time{}, 0, "", invalid(err)
+	}
+	if s.p.cfg.Role == RoleController && h.Backend == volume.BackendLocal {
+		// A pre-provisioned content of a local snapshot, which nothing labelled for its node
+		// yet: not ready, without an error, until it is labelled and its node answers.
+		return false, time.Time{}, h.Size, "", nil
+	}
+	ready, created, err := s.status(ctx, h)
+	if err == nil && !ready && !s.copying(snapshotID) {
+		err = fmt.Errorf("snapshot %s does not exist in %s", h.Name, storeName(h.Store(h.Name)))
+	}
+	return ready, created, h.Size, "", err
+}
+
+func (s *Snapshotter) copying(id string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.jobs[id]
+	return ok
+}
