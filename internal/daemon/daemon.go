@@ -169,9 +169,8 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	if err != nil {
 		return err
 	}
-	// Resizing NFS volumes is the leader's too (provisioning): each claim has one instance that
-	// resizes it.
-	// Snapshots of NFS volumes are the leader's too.
+	// Resizing and snapshotting NFS volumes are the leader's too (provisioning): each claim has
+	// one instance that resizes it, each snapshot one that takes it.
 	snapshots := snapshotting(snapClient, client, p.Snapshotter(factory.Core().V1().PersistentVolumes().Lister()), "", cfg.Provisioner)
 	provision := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub, snapshots)
 	// The leader labels local claims and PVs with their node: node instances see nothing else.
