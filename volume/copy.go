@@ -509,10 +509,8 @@ func (c *copier) enterDir(name string) error {
 	if (devIno{st.Dev, st.Ino}) == c.dstDir {
 		return nil // the copy itself, made inside its source
 	}
-	if mnt, err := mountID(sfd); err != nil {
+	if err := c.checkMount(sfd, name); err != nil {
 		return err
-	} else if mnt != c.srcMnt {
-		return fmt.Errorf("%s %w", c.where(name), ErrMountInSource)
 	}
 	names, err := listNames(sfd)
 	if errors.Is(err, unix.ENOENT) {
@@ -553,6 +551,20 @@ func (c *copier) enterDir(name string) error {
 	return nil
 }
 
+// checkMount fails with ErrMountInSource if the source entry name, open at fd, is on another
+// mount than the source's root: a directory or a file mounted there (a bind mount of a single
+// file is one too).
+func (c *copier) checkMount(fd int, name string) error {
+	mnt, err := mountID(fd)
+	if err != nil {
+		return err
+	}
+	if mnt != c.srcMnt {
+		return fmt.Errorf("%s %w", c.where(name), ErrMountInSource)
+	}
+	return nil
+}
+
 func (c *copier) copyFile(name string, lst *unix.Stat_t) (bool, error) {
 	var st unix.Stat_t
 	// O_NONBLOCK: should a FIFO take the file's place, the open must not wait for a writer.
@@ -561,6 +573,9 @@ func (c *copier) copyFile(name string, lst *unix.Stat_t) (bool, error) {
 		return false, err
 	}
 	defer unix.Close(sfd)
+	if err := c.checkMount(sfd, name); err != nil {
+		return false, err
+	}
 	*lst = st
 	dfd, err := openBeneath(c.dstCur, name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL)
 	if err != nil {

@@ -236,23 +236,40 @@ func TestMkdirAllFromRefusesEscapes(t *testing.T) {
 	noTemp(t, filepath.Join(b.base, "ns"))
 }
 
-// TestMkdirAllFromDoesNotCrossMounts: a mount inside the source stops the copy with
-// ErrMountInSource; nothing is left, and what is mounted is not read.
+// TestMkdirAllFromDoesNotCrossMounts: a mount inside the source, of a directory or of a single
+// file, stops the copy with ErrMountInSource; nothing is left, and what is mounted is not read.
 func TestMkdirAllFromDoesNotCrossMounts(t *testing.T) {
-	b := newCopyBase(t, t.TempDir())
-	mnt := filepath.Join(b.base, "ns/src/a/mnt")
-	must(t, os.Mkdir(mnt, 0o755))
-	must(t, unix.Mount("tmpfs", mnt, "tmpfs", 0, "size=1m"))
-	t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
-	must(t, os.WriteFile(filepath.Join(mnt, "other"), []byte("another file system"), 0o644))
-	_, _, _, err := b.root.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "u"}, 0, Source{Root: b.root, Rel: "ns/src"})
-	if !errors.Is(err, ErrMountInSource) {
-		t.Fatalf("copy across a mount: %v, want ErrMountInSource", err)
+	for _, tc := range []struct {
+		name  string
+		mount func(t *testing.T, mnt string)
+	}{
+		{"directory", func(t *testing.T, mnt string) {
+			must(t, os.Mkdir(mnt, 0o755))
+			must(t, unix.Mount("tmpfs", mnt, "tmpfs", 0, "size=1m"))
+			t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
+			must(t, os.WriteFile(filepath.Join(mnt, "other"), []byte("another file system"), 0o644))
+		}},
+		{"file", func(t *testing.T, mnt string) {
+			secret := filepath.Join(t.TempDir(), "secret")
+			must(t, os.WriteFile(secret, []byte("a file outside the source"), 0o644))
+			must(t, os.WriteFile(mnt, nil, 0o644))
+			must(t, unix.Mount(secret, mnt, "", unix.MS_BIND, ""))
+			t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b := newCopyBase(t, t.TempDir())
+			tc.mount(t, filepath.Join(b.base, "ns/src/a/mnt"))
+			_, _, _, err := b.root.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "u"}, 0, Source{Root: b.root, Rel: "ns/src"})
+			if !errors.Is(err, ErrMountInSource) {
+				t.Fatalf("copy across a mount: %v, want ErrMountInSource", err)
+			}
+			if _, err := os.Lstat(filepath.Join(b.base, "ns/copy")); !errors.Is(err, os.ErrNotExist) {
+				t.Errorf("a volume was made: %v", err)
+			}
+			noTemp(t, filepath.Join(b.base, "ns"))
+		})
 	}
-	if _, err := os.Lstat(filepath.Join(b.base, "ns/copy")); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("a volume was made: %v", err)
-	}
-	noTemp(t, filepath.Join(b.base, "ns"))
 }
 
 // TestMkdirAllFromBigTrees: 100k files and a tree deeper than a descriptor per level would
