@@ -92,7 +92,8 @@ var ErrSourceMoved = errors.New("was moved while it was being copied")
 // entries and between chunks of a file.
 //
 // Where the base is btrfs, the target limited and the source a subvolume of the same file
-// system (a limited volume, or a snapshot of one), the new volume is a snapshot of it
+// system (a limited volume, or a snapshot of one) holding no nested subvolume (which a
+// snapshot would leave empty, so such a source is walked), the new volume is a snapshot of it
 // (MethodBtrfsSnapshot) given its own qgroup limit, which fails if the source already uses
 // more. A snapshot keeps the subvolume as it is, device nodes included: leaving them out would
 // mean walking the tree the snapshot spares; the clone is in the source's namespace, and the

@@ -47,8 +47,9 @@ type SnapshotInfo struct {
 }
 
 // Snapshot makes a point-in-time copy named name of the volume rel, kept beside the volumes
-// at the base (see SnapshotSource). Where the volume is a btrfs subvolume, the copy is a
-// read-only btrfs snapshot: atomic, and read-only to everyone. Elsewhere it is a copy made as
+// at the base (see SnapshotSource). Where the volume is a btrfs subvolume holding no nested
+// subvolume (a snapshot would leave it empty), the copy is a read-only btrfs snapshot: atomic,
+// and read-only to everyone. Elsewhere it is a copy made as
 // MkdirAllFrom makes one, entry by entry while the volume may be written, so it is only
 // point-in-time for a volume no one writes meanwhile; it is read-only in that dirpv never
 // writes it and never mounts it anywhere, nothing more.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -103,6 +104,37 @@ func TestMkdirAllFromBtrfsSnapshot(t *testing.T) {
 	if after := quotatest.Qgroups(t, b.base); len(after) != len(before) {
 		t.Errorf("qgroups %v after the refused clone, want %v", after, before)
 	}
+}
+
+// TestBtrfsNestedSubvolumesAreCopied: a subvolume a pod made inside its volume is no empty
+// directory in a clone or a snapshot of the volume: the source is walked instead of snapshot.
+func TestBtrfsNestedSubvolumesAreCopied(t *testing.T) {
+	b, _ := btrfsCopyBase(t)
+	nested := filepath.Join(b.base, "ns/src/a/nested")
+	if out, err := exec.Command("btrfs", "subvolume", "create", nested).CombinedOutput(); err != nil {
+		t.Fatalf("btrfs subvolume create: %v: %s", err, out)
+	}
+	must(t, os.WriteFile(filepath.Join(nested, "file"), []byte("in a nested subvolume"), 0o644))
+	ctx := context.Background()
+	check := func(what, method, tree string) {
+		t.Helper()
+		if method == MethodBtrfsSnapshot {
+			t.Errorf("%s: Method %q, want a walk (a snapshot leaves nested subvolumes empty)", what, method)
+		}
+		if got, err := os.ReadFile(filepath.Join(tree, "a/nested/file")); string(got) != "in a nested subvolume" {
+			t.Errorf("%s: the nested subvolume's file holds %q (%v), want its data", what, got, err)
+		}
+	}
+	_, _, stats, err := b.root.MkdirAllFrom(ctx, "ns/clone", Claim{UID: "clone"}, 32<<20, Source{Root: b.root, Rel: "ns/src"})
+	if err != nil {
+		t.Fatalf("clone: %v", err)
+	}
+	check("clone", stats.Method, filepath.Join(b.base, "ns/clone"))
+	info, err := b.root.Snapshot(ctx, "ns/src", "snap")
+	if err != nil {
+		t.Fatalf("snapshot: %v", err)
+	}
+	check("snapshot", info.Method, filepath.Join(b.base, snapshotsDir, "snap", snapshotTree))
 }
 
 // TestMkdirAllFromReflinkOnBtrfs: a copy of a plain directory on btrfs clones every file

@@ -181,7 +181,18 @@ const (
 	btrfsIocSnapDestroy  = 0x5000940f // _IOW(0x94, 15, struct btrfs_ioctl_vol_args)
 	btrfsSubvolRdonly    = 1 << 1
 	btrfsSubvolNameMax   = 4039
+	// btrfsIocGetSubvolRootref is _IOWR(0x94, 61, struct btrfs_ioctl_get_subvol_rootref_args)
+	// (Linux 4.18, no privilege needed).
+	btrfsIocGetSubvolRootref = 0xd000943d
+	btrfsMaxRootrefItems     = 255
 )
+
+type btrfsGetSubvolRootrefArgs struct {
+	MinTreeid uint64
+	Rootref   [btrfsMaxRootrefItems]struct{ Treeid, Dirid uint64 }
+	NumItems  uint8
+	_         [7]uint8
+}
 
 type btrfsVolArgsV2 struct {
 	Fd             int64
@@ -204,13 +215,17 @@ func IsSubvolume(fd int) bool {
 // Snapshot makes name in the directory open at parentFd a snapshot of the btrfs subvolume
 // whose root is open at srcFd (any flags but O_PATH), read-only if readOnly. Where quota is
 // on, the snapshot gets a qgroup of its own, with no limit. It fails with an error wrapping
-// ErrNoSnapshot if srcFd is no subvolume or parentFd is on another file system.
+// ErrNoSnapshot if srcFd is no subvolume, holds nested subvolumes, or parentFd is on another
+// file system.
 func Snapshot(srcFd, parentFd int, name string, readOnly bool) error {
 	if !IsSubvolume(srcFd) {
 		return fmt.Errorf("%w: the source is not a btrfs subvolume", ErrNoSnapshot)
 	}
 	if len(name) > btrfsSubvolNameMax {
 		return unix.ENAMETOOLONG
+	}
+	if err := checkNoNestedSubvolumes(srcFd); err != nil {
+		return err
 	}
 	args := btrfsVolArgsV2{Fd: int64(srcFd)}
 	if readOnly {
@@ -223,6 +238,24 @@ func Snapshot(srcFd, parentFd int, name string, readOnly bool) error {
 	}
 	if err != nil {
 		return fmt.Errorf("BTRFS_IOC_SNAP_CREATE_V2: %w", err)
+	}
+	return nil
+}
+
+// checkNoNestedSubvolumes fails, wrapping ErrNoSnapshot, if the subvolume open at fd holds
+// other subvolumes (a pod can make them in its volume): a snapshot does not descend into
+// them, it would leave an empty directory where each one is. It asks btrfs for the
+// subvolume's root references, which costs the same whatever the tree's size.
+func checkNoNestedSubvolumes(fd int) error {
+	var args btrfsGetSubvolRootrefArgs
+	err := ioctl(fd, btrfsIocGetSubvolRootref, unsafe.Pointer(&args))
+	switch {
+	case errors.Is(err, unix.EOVERFLOW):
+		return fmt.Errorf("%w: the source holds more than %d nested subvolumes, which a snapshot would leave empty", ErrNoSnapshot, btrfsMaxRootrefItems)
+	case err != nil:
+		return fmt.Errorf("%w: list nested subvolumes (BTRFS_IOC_GET_SUBVOL_ROOTREF): %w", ErrNoSnapshot, err)
+	case args.NumItems > 0:
+		return fmt.Errorf("%w: the source holds %d nested subvolumes, which a snapshot would leave empty", ErrNoSnapshot, args.NumItems)
 	}
 	return nil
 }
