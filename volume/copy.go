@@ -100,10 +100,17 @@ var ErrSourceMoved = errors.New("was moved while it was being copied")
 // node was already as exposed in the source. Elsewhere each file is cloned (FICLONE) where
 // the file system can, copied otherwise. A copy that does not fit the limit fails with an
 // error wrapping unix.EDQUOT or ENOSPC.
+//
+// It works on handles of its own: r and src.Root may be closed once it has started.
 func (r *Root) MkdirAllFrom(ctx context.Context, rel string, claim Claim, limit uint64, src Source) (created bool, id quota.ID, stats CopyStats, err error) {
 	if src.Root == nil {
 		return false, quota.ID{}, stats, fmt.Errorf("volume %s: no source to copy from", rel)
 	}
+	if r, src.Root, err = dupRoots(r, src.Root); err != nil {
+		return false, quota.ID{}, stats, err
+	}
+	defer r.Close()
+	defer src.Root.Close()
 	if limit > 0 {
 		fs, err := r.Quota()
 		if err != nil {
@@ -122,6 +129,23 @@ func (r *Root) MkdirAllFrom(ctx context.Context, rel string, claim Claim, limit 
 			"source", src.Rel, "sourceBase", src.Root.path, "stats", stats)
 	}
 	return created, id, stats, err
+}
+
+// dupRoots returns handles of their own on target and source, for a copy: one can outlast
+// the wait for it at shutdown (nothing interrupts a clone of a huge file), after which its
+// caller closes its roots, and a descriptor number closed under the copy can be handed to
+// another file before the copy uses it.
+func dupRoots(target, source *Root) (*Root, *Root, error) {
+	t, err := target.Dup()
+	if err != nil {
+		return nil, nil, err
+	}
+	s, err := source.Dup()
+	if err != nil {
+		t.Close()
+		return nil, nil, err
+	}
+	return t, s, nil
 }
 
 // copyFrom is what createVolume needs to fill a new volume from a source.

@@ -28,7 +28,8 @@ const resolveBeneath = unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RE
 var ErrNotDirectory = errors.New("not a directory (symlinks are never followed)")
 
 // Root is an open base directory. Every operation on it resolves beneath it without following
-// symlinks. It is not safe to Close while operations run.
+// symlinks. It is not safe to Close while operations run, but for the long ones, MkdirAllFrom
+// and Snapshot, once they have started.
 type Root struct {
 	path string
 	fd   int

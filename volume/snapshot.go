@@ -57,7 +57,7 @@ type SnapshotInfo struct {
 // It is idempotent: a complete snapshot named name is returned as it is, and one of another
 // volume is refused. It is made under a temporary name and renamed once complete; what a
 // crash leaves is removed by the next attempt. name is one path component not starting with
-// ReservedPrefix.
+// ReservedPrefix. It works on a handle of its own: r may be closed once it has started.
 func (r *Root) Snapshot(ctx context.Context, rel, name string) (SnapshotInfo, error) {
 	if err := checkSnapshotName(name); err != nil {
 		return SnapshotInfo{}, err
@@ -68,6 +68,12 @@ func (r *Root) Snapshot(ctx context.Context, rel, name string) (SnapshotInfo, er
 	if err := checkReserved(rel); err != nil {
 		return SnapshotInfo{}, err
 	}
+	// A handle of its own, as MkdirAllFrom's (dupRoots).
+	r, err := r.Dup()
+	if err != nil {
+		return SnapshotInfo{}, err
+	}
+	defer r.Close()
 	if err := r.Mkdir(snapshotsDir, 0o700); err != nil {
 		return SnapshotInfo{}, err
 	}
