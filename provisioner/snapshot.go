@@ -103,6 +103,10 @@ func (s *Snapshotter) CreateSnapshot(ctx context.Context, snapshotName, volumeHa
 	}
 	id := h.String()
 	ready, created, err := s.status(ctx, h)
+	if ready {
+		// The sidecar asks no more once told ready: this is the last look at the job.
+		s.forget(id)
+	}
 	if err != nil || ready {
 		return s.p.cfg.DriverName, id, created, h.Size, ready, err
 	}
@@ -271,6 +275,15 @@ func (s *Snapshotter) GetSnapshotStatus(ctx context.Context, snapshotID string, 
 		err = fmt.Errorf("snapshot %s does not exist in %s", h.Name, storeName(h.Store(h.Name)))
 	}
 	return ready, created, h.Size, "", err
+}
+
+// forget drops the job of snapshot id, complete: the job would otherwise stay until the
+// snapshot is deleted. Its goroutine, if it has not returned yet, is past the copy (the
+// snapshot is complete once the copy is) and still counted in running.
+func (s *Snapshotter) forget(id string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.jobs, id)
 }
 
 func (s *Snapshotter) copying(id string) bool {

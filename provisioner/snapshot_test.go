@@ -81,6 +81,9 @@ func TestSnapshotLocalVolume(t *testing.T) {
 	if h.Backend != volume.BackendLocal || h.Node != testNode || h.BasePath != f.base || h.Name != "snapshot-1" {
 		t.Errorf("handle %+v", h)
 	}
+	if s.copying(id) {
+		t.Error("the copy's job is still kept after CreateSnapshot reported the snapshot ready")
+	}
 	tree := filepath.Join(f.base, ".dirpv-snapshots", "snapshot-1", "tree")
 	if b, err := os.ReadFile(filepath.Join(tree, "data")); err != nil || string(b) != "hello" {
 		t.Errorf("snapshot's copy of data: %q %v", b, err)
