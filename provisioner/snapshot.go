@@ -103,6 +103,10 @@ func (s *Snapshotter) CreateSnapshot(ctx context.Context, snapshotName, volumeHa
 	}
 	id := h.String()
 	ready, created, err := s.status(ctx, h)
+	if ready {
+		// The sidecar asks no more once told ready: this is the last look at the job.
+		s.forget(id)
+	}
 	if err != nil || ready {
 		return s.p.cfg.DriverName, id, created, h.Size, ready, err
 	}
@@ -111,6 +115,12 @@ func (s *Snapshotter) CreateSnapshot(ctx context.Context, snapshotName, volumeHa
 	}
 	return s.p.cfg.DriverName, id, time.Now(), h.Size, false, nil
 }
+
+// distributedHint is why the controller's sidecar is asked about a local volume's snapshot:
+// the common snapshot controller labels the content of a local volume with its node, so
+// that the node's sidecar takes it and the controller's does not, only when it runs with
+// --enable-distributed-snapshotting.
+const distributedHint = "the snapshot controller must run with --enable-distributed-snapshotting (dirpv's snapshot component sets it) for the node to take it"
 
 // source returns the PV of a dirpv volume handle that this instance snapshots, and its
 // attributes.
@@ -125,6 +135,9 @@ func (s *Snapshotter) source(ctx context.Context, volumeHandle string) (*v1.Pers
 	}
 	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != s.p.cfg.DriverName || pv.Spec.CSI.VolumeHandle != volumeHandle {
 		return nil, volume.Attributes{}, invalid(fmt.Errorf("PV %s is not the %s volume %s", pvName, s.p.cfg.DriverName, volume.Quote(volumeHandle)))
+	}
+	if s.p.cfg.Role == RoleController && volume.Backend(pv.Spec.CSI.VolumeAttributes[volume.AttrBackend]) == volume.BackendLocal {
+		return nil, volume.Attributes{}, fmt.Errorf("PV %s is a local volume, snapshotted on its node, not by the controller: %s", pvName, distributedHint)
 	}
 	if why := s.p.responsibleFor(ctx, pv); why != "" {
 		return nil, volume.Attributes{}, fmt.Errorf("not snapshotted here: %s", why)
@@ -213,7 +226,7 @@ func (s *Snapshotter) status(ctx context.Context, h volume.SnapshotHandle) (read
 func (s *Snapshotter) check(h volume.SnapshotHandle) error {
 	switch {
 	case s.p.cfg.Role == RoleController && h.Backend != volume.BackendNFS:
-		return fmt.Errorf("snapshot %s is a local one, handled on node %q", h.Name, h.Node)
+		return fmt.Errorf("snapshot %s is a local one, handled on node %q: %s", h.Name, h.Node, distributedHint)
 	case s.p.cfg.Role == RoleNode && h.Node != s.p.cfg.NodeName:
 		return fmt.Errorf("snapshot %s lives on node %q, not on %q", h.Name, h.Node, s.p.cfg.NodeName)
 	case h.Backend == volume.BackendNFS && !s.p.servesExport(h.Server, h.Share):
@@ -271,6 +284,15 @@ func (s *Snapshotter) GetSnapshotStatus(ctx context.Context, snapshotID string, 
 		err = fmt.Errorf("snapshot %s does not exist in %s", h.Name, storeName(h.Store(h.Name)))
 	}
 	return ready, created, h.Size, "", err
+}
+
+// forget drops the job of snapshot id, complete: the job would otherwise stay until the
+// snapshot is deleted. Its goroutine, if it has not returned yet, is past the copy (the
+// snapshot is complete once the copy is) and still counted in running.
+func (s *Snapshotter) forget(id string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.jobs, id)
 }
 
 func (s *Snapshotter) copying(id string) bool {

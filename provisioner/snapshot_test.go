@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -81,6 +82,9 @@ func TestSnapshotLocalVolume(t *testing.T) {
 	if h.Backend != volume.BackendLocal || h.Node != testNode || h.BasePath != f.base || h.Name != "snapshot-1" {
 		t.Errorf("handle %+v", h)
 	}
+	if s.copying(id) {
+		t.Error("the copy's job is still kept after CreateSnapshot reported the snapshot ready")
+	}
 	tree := filepath.Join(f.base, ".dirpv-snapshots", "snapshot-1", "tree")
 	if b, err := os.ReadFile(filepath.Join(tree, "data")); err != nil || string(b) != "hello" {
 		t.Errorf("snapshot's copy of data: %q %v", b, err)
@@ -137,6 +141,14 @@ func TestSnapshotRefusals(t *testing.T) {
 	ctrl := f.ctrl.Snapshotter(corelisters.NewPersistentVolumeLister(cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})))
 	if err := ctrl.DeleteSnapshot(context.Background(), foreign, nil); status.Code(err) != codes.InvalidArgument {
 		t.Errorf("DeleteSnapshot on an export no class names: %v, want InvalidArgument", err)
+	}
+	// A local volume's content reaching the controller's sidecar: the cluster's snapshot
+	// controller does not label it for its node, and the error says what to change.
+	pvs := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
+	pvs.Add(pv)
+	ctrl = f.ctrl.Snapshotter(corelisters.NewPersistentVolumeLister(pvs))
+	if _, _, _, _, _, err := ctrl.CreateSnapshot(context.Background(), "snapshot-c", pv.Spec.CSI.VolumeHandle, nil, nil); err == nil || !strings.Contains(err.Error(), "--enable-distributed-snapshotting") {
+		t.Errorf("controller's CreateSnapshot of a local volume: %v, want it to name --enable-distributed-snapshotting", err)
 	}
 	if mps, _ := f.mounter.List(); len(mps) != 0 {
 		t.Errorf("mounted %v for a foreign handle", mps)

@@ -176,7 +176,8 @@ func nodeFlags(fs *flag.FlagSet) func(context.Context) error {
 	fs.StringVar(&cfg.Mounter, "nfs-mount-helper", "", "Program run instead of mount(8) for NFS mounts (tests only). Empty: the system's mount.")
 	fs.BoolVar(&cfg.LocalProvisioning, "local-provisioning", true, "Provision local-class volumes scheduled to this node.")
 	fs.BoolVar(&cfg.WatchAllVolumes, "watch-all-volumes", false, "Watch every claim and PV of the cluster, not only those dirpv controller labelled "+
-		"dirpv.io/node=<this node>: for clusters that run no dirpv controller. Memory and watch traffic then grow with the cluster.")
+		"dirpv.io/node=<this node>: for clusters that run no dirpv controller, whose cloning-protection finalizer the node then removes too. "+
+		"Memory and watch traffic then grow with the cluster.")
 	capacity := capacityFlags(fs)
 	fs.StringVar(&capacity.PodName, "pod-name", os.Getenv("POD_NAME"),
 		"Name of the pod this runs in, the owner of the node's CSIStorageCapacity objects (they go with it). Default: $POD_NAME; empty: no owner.")

@@ -293,7 +293,8 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 // until its context is done. The instance that copies a claim (the controller for NFS, the
 // source's node for local) puts provisioner.FinalizerCloningProtection on it; this controller
 // removes it from a claim being deleted once no Pending claim names it as data source. It
-// needs the whole cluster's claims, so it runs in the leader of dirpv controller only.
+// needs the whole cluster's claims, so it runs in the leader of dirpv controller, and in node
+// instances only where there is no controller (nodeAlso).
 func cloningProtection(client kubernetes.Interface, factory informers.SharedInformerFactory, workers int) func(context.Context) {
 	claims := factory.Core().V1().PersistentVolumeClaims()
 	cc := provisionercontroller.NewCloningProtectionController(client, claims.Lister(), claims.Informer(),

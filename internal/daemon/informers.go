@@ -24,13 +24,19 @@ func newInformerFactory(client kubernetes.Interface, resync time.Duration) infor
 
 // trimObject drops from a cached object what neither dirpv nor the lib reads: managedFields,
 // often the largest part of a claim or volume, and kubectl's last-applied-configuration (a
-// copy of the whole manifest). Both are safe to drop only because nothing writes a cached
+// copy of the whole manifest). Both are safe to drop because almost nothing writes a cached
 // object back whole: the lib patches a PV with the diff between its cached copy and that copy
 // plus finalizers, and updates a claim from a fresh GET; external-resizer's controller patches
 // a claim's status and a PV's capacity with the diff between its cached copy and its change;
-// the apiserver keeps its managedFields when an update carries none. Everything else stays: the lib reads claims' and volumes'
-// annotations, finalizers, spec and status, and pathPattern reads claims' labels and
-// annotations. Tombstones are passed on as they are.
+// the apiserver keeps its managedFields when an update carries none. The one exception is
+// external-provisioner's CloningProtectionController (cloningProtection), which updates a
+// claim from its cached copy to remove dirpv's cloning finalizer, and so drops the claim's
+// last-applied-configuration. That is harmless: it does so only to a claim being deleted,
+// which nothing applies again (kubectl apply creates a new claim once the old one is gone),
+// and the update carries the cached resourceVersion, so it never overwrites a newer claim.
+// Everything else stays: the lib reads claims' and volumes' annotations, finalizers, spec and
+// status, and pathPattern reads claims' labels and annotations. Tombstones are passed on as
+// they are.
 func trimObject(obj any) (any, error) {
 	m, err := meta.Accessor(obj)
 	if err != nil {

@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/record"
@@ -119,13 +121,28 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 		// Snapshots of this node's local volumes: the common controller labels their
 		// VolumeSnapshotContents with the node (distributed snapshotting).
 		snapshots := snapshotting(snapClient, client, p.Snapshotter(factory.Core().V1().PersistentVolumes().Lister()), cfg.NodeName, cfg.Provisioner)
-		lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub, snapshots)
+		lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub, nodeAlso(cfg, client, factory, snapshots)...)
 		fns = append(fns, func(ctx context.Context) error {
 			lead(ctx)
 			return nil
 		}, runInformers(factory))
 	}
 	return runAll(ctx, httpConfig{cfg.HTTPAddress, cfg.Profiling}, reg, driver.Ready, fns...)
+}
+
+// nodeAlso returns what a node instance runs besides provisioning: snapshots, and, where no
+// dirpv controller runs (WatchAllVolumes), cloningProtection. This node puts the cloning
+// finalizer on the source of each local clone it copies, and without a controller nothing
+// else would remove it: the source claim could never be deleted. Every node runs it then,
+// which is safe: each sees every claim, so all judge a claim alike, removal is idempotent
+// (a claim without the finalizer is left alone), and an update that lost the race to another
+// node conflicts on its resourceVersion and is retried from the cache, finding nothing to do.
+func nodeAlso(cfg NodeConfig, client kubernetes.Interface, factory informers.SharedInformerFactory, snapshots func(context.Context)) []func(context.Context) {
+	also := []func(context.Context){snapshots}
+	if cfg.WatchAllVolumes {
+		also = append(also, cloningProtection(client, factory, cfg.Provisioner.Workers))
+	}
+	return also
 }
 
 // DefaultRegistrationDir is kubelet's plugin registration directory under its root dir.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math"
 	"sync"
 	"time"
 
@@ -34,9 +35,12 @@ import (
 	"github.com/dirpv/dirpv/volume"
 )
 
-// snapshotAPIPoll is how often a process whose cluster lacks the VolumeSnapshot CRDs looks
-// for them again: snapshots start working once they are installed, without a restart.
-var snapshotAPIPoll = 30 * time.Second
+// snapshotAPIBackoff is how a process whose cluster lacks the VolumeSnapshot CRDs looks for
+// them again: snapshots start working once they are installed, without a restart. The wait
+// doubles up to 10 minutes: on a cluster that never installs them (kind's default), every
+// node would otherwise ask discovery every 30 s for ever (1000 nodes, 33 requests a second).
+// The jitter spreads nodes started together.
+var snapshotAPIBackoff = wait.Backoff{Duration: 30 * time.Second, Factor: 2, Jitter: 0.1, Steps: math.MaxInt32, Cap: 10 * time.Minute}
 
 // Retry bounds of failed or not yet ready snapshot operations, in both controllers.
 // external-snapshotter's default start; a lower ceiling than its 5 minutes, since a copy that
@@ -70,7 +74,7 @@ func waitForSnapshotAPI(ctx context.Context, d discovery.DiscoveryInterface) boo
 	logger := klog.FromContext(ctx)
 	gv := snapshotv1.SchemeGroupVersion.String()
 	logged := false
-	err := wait.PollUntilContextCancel(ctx, snapshotAPIPoll, true, func(ctx context.Context) (bool, error) {
+	err := snapshotAPIBackoff.DelayFunc().Until(ctx, true, true, func(ctx context.Context) (bool, error) {
 		list, err := d.ServerResourcesForGroupVersion(gv)
 		found := map[string]bool{}
 		if err == nil {
