@@ -94,10 +94,14 @@ func (p *Provisioner) Exports() []ExportStatus {
 		return nil
 	}
 	p.exports.mu.Lock()
+	// Copies count among the stuck calls, but a copy slot taken is no sign of a dead
+	// server: copies run for as long as their trees take.
 	slots := make(map[string][]*callSlots, len(p.exports.byKey))
+	copies := make(map[string][]*callSlots, len(p.exports.byKey))
 	lockedSince := make(map[string]time.Time, len(p.exports.byKey))
 	for _, ex := range p.exports.byKey {
 		slots[ex.source] = append(slots[ex.source], ex.sem)
+		copies[ex.source] = append(copies[ex.source], ex.copySem)
 		if ns := ex.lockedSince.Load(); ns != 0 {
 			if t, ok := lockedSince[ex.source]; !ok || time.Unix(0, ns).Before(t) {
 				lockedSince[ex.source] = time.Unix(0, ns)
@@ -114,6 +118,11 @@ func (p *Provisioner) Exports() []ExportStatus {
 			if !s.fullSince.IsZero() && (st.SaturatedSince.IsZero() || s.fullSince.Before(st.SaturatedSince)) {
 				st.Saturated, st.SaturatedSince = true, s.fullSince
 			}
+			s.mu.Unlock()
+		}
+		for _, s := range copies[source] {
+			s.mu.Lock()
+			st.Stuck += s.abandoned
 			s.mu.Unlock()
 		}
 		out = append(out, st)

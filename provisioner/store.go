@@ -26,6 +26,11 @@ import (
 // server cost a fixed number of goroutines instead of one per retry.
 const maxStuckCalls = 8
 
+// maxCopies caps the copies (clones, snapshots) running on one export at once. Copies have
+// their own slots: one runs for as long as its tree takes, and were they to hold ordinary
+// call slots, a few would leave none for the export's other claims.
+const maxCopies = 8
+
 // errExportUnresponsive marks calls abandoned because the NFS server did not answer in time.
 var errExportUnresponsive = errors.New("NFS server did not answer in time")
 
@@ -35,13 +40,14 @@ var errNoSlot = errors.New("earlier calls are still waiting for the server")
 // bounded runs fn and waits for it until ctx is done. sem limits how many fn may be running,
 // abandoned ones included.
 func bounded(ctx context.Context, sem *callSlots, what string, fn func() error) error {
-	return boundedOn(ctx, []*callSlots{sem}, what, fn)
+	return boundedOn(ctx, ctx, []*callSlots{sem}, what, fn)
 }
 
 // boundedOn is bounded for a call that waits on several exports (a clone from one to
-// another): it takes a slot of each, in the order given, so that callers that always order
-// them the same way never deadlock each other.
-func boundedOn(ctx context.Context, sems []*callSlots, what string, fn func() error) error {
+// another), taking slots until ctx is done and abandoning fn once wait is: it takes a slot of
+// each, in the order given, so that callers that always order them the same way never
+// deadlock each other.
+func boundedOn(ctx, wait context.Context, sems []*callSlots, what string, fn func() error) error {
 	slots := make([]*callSlot, 0, len(sems))
 	release := func() {
 		for _, s := range slots {
@@ -64,12 +70,33 @@ func boundedOn(ctx context.Context, sems []*callSlots, what string, fn func() er
 	select {
 	case err := <-done:
 		return err
-	case <-ctx.Done():
+	case <-wait.Done():
 		for _, s := range slots {
 			s.abandon()
 		}
-		return fmt.Errorf("%s: %w (%w)", what, errExportUnresponsive, ctx.Err())
+		return fmt.Errorf("%s: %w (%w)", what, errExportUnresponsive, context.Cause(wait))
 	}
+}
+
+// graceAfter returns a context that ends grace after ctx does: how long a copy told to stop
+// may take to notice before its server counts as not answering.
+func graceAfter(ctx context.Context, grace time.Duration) (context.Context, context.CancelFunc) {
+	wait, cancel := context.WithCancelCause(context.WithoutCancel(ctx))
+	go func() {
+		select {
+		case <-ctx.Done():
+		case <-wait.Done():
+			return
+		}
+		t := time.NewTimer(grace)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			cancel(fmt.Errorf("still running %v after it was stopped: %w", grace, context.DeadlineExceeded))
+		case <-wait.Done():
+		}
+	}()
+	return wait, func() { cancel(context.Canceled) }
 }
 
 // errShuttingDown refuses calls that arrive after the exports were released for shutdown.
@@ -115,8 +142,9 @@ type export struct {
 	options []string
 	dir     string
 	// sem caps the calls, abandoned ones included, that may wait on the server; forceSem the
-	// forced and lazy unmounts, which do not wait on it and so need their own slots.
-	sem, forceSem *callSlots
+	// forced and lazy unmounts, which do not wait on it and so need their own slots;
+	// copySem the copies (maxCopies).
+	sem, forceSem, copySem *callSlots
 	// lock serialises mounting and unmounting and guards root and gen; a channel so that
 	// waiters honour their deadline.
 	lock chan struct{}
@@ -167,6 +195,7 @@ func (e *exports) get(server, share string, options []string) *export {
 			dir:      filepath.Join(e.workDir, "exports", hex.EncodeToString(sum[:8])),
 			sem:      newCallSlots(maxStuckCalls),
 			forceSem: newCallSlots(2),
+			copySem:  newCallSlots(maxCopies),
 			lock:     make(chan struct{}, 1),
 		}
 		e.byKey[key] = ex
@@ -196,7 +225,7 @@ func (e *exports) do(ctx context.Context, server, share string, options []string
 }
 
 func (e *exports) run(ctx context.Context, ex *export, fn func(*volume.Root) error) error {
-	return e.runOn(ctx, e.timeout, []*export{ex}, func(_ context.Context, roots []*volume.Root) error { return fn(roots[0]) })
+	return e.runOn(ctx, 0, []*export{ex}, func(_ context.Context, roots []*volume.Root) error { return fn(roots[0]) })
 }
 
 // exportRef names one export a call needs.
@@ -205,10 +234,10 @@ type exportRef struct {
 	options       []string
 }
 
-// doPair runs fn on the roots of two exports, a's first, mounting them first if needed,
-// under timeout rather than the operation timeout: a copy from one to the other takes as long
-// as its tree. Mounting is still bounded by the operation timeout. When a and b are one
-// export, fn gets its root twice and the call takes one slot.
+// doPair runs fn, a copy from one export to another, on the roots of both, a's first,
+// mounting them first if needed, under timeout rather than the operation timeout: a copy
+// takes as long as its tree. Mounting is still bounded by the operation timeout. When a and
+// b are one export, fn gets its root twice and the call takes one slot.
 func (e *exports) doPair(ctx context.Context, timeout time.Duration, a, b exportRef, fn func(ctx context.Context, ra, rb *volume.Root) error) error {
 	exA, exB := e.get(a.server, a.share, a.options), e.get(b.server, b.share, b.options)
 	if exA == exB {
@@ -231,9 +260,10 @@ func (e *exports) doPair(ctx context.Context, timeout time.Duration, a, b export
 	})
 }
 
-// runOn runs fn on the roots of exs, each mounted first if needed, all within timeout and
-// the mounting also within the operation timeout.
-func (e *exports) runOn(ctx context.Context, timeout time.Duration, exs []*export, fn func(context.Context, []*volume.Root) error) error {
+// runOn runs fn on the roots of exs, each mounted first if needed, within the operation
+// timeout; or, if copyTimeout is set, fn is a copy (doPair), which stops when its ctx ends,
+// and gets copyTimeout and the export's copy slots.
+func (e *exports) runOn(ctx context.Context, copyTimeout time.Duration, exs []*export, fn func(context.Context, []*volume.Root) error) error {
 	e.mu.Lock()
 	if e.closed {
 		e.mu.Unlock()
@@ -247,14 +277,28 @@ func (e *exports) runOn(ctx context.Context, timeout time.Duration, exs []*expor
 		defer e.release(ex)
 	}
 
+	// Only a server that does not answer abandons fn, and so drops the mount: a call is
+	// waited for the operation timeout whatever its caller does; a copy, for the operation
+	// timeout after it was told to stop (cancelled, or past its deadline), which it heeds
+	// between files on a live server.
+	timeout := e.timeout
+	if copyTimeout > 0 {
+		timeout = copyTimeout
+	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	mountCtx := ctx
-	if timeout > e.timeout {
+	var wait context.Context
+	var stopWait context.CancelFunc
+	if copyTimeout > 0 {
+		wait, stopWait = graceAfter(ctx, e.timeout)
 		var cancelMount context.CancelFunc
 		mountCtx, cancelMount = context.WithTimeout(ctx, e.timeout)
 		defer cancelMount()
+	} else {
+		wait, stopWait = context.WithTimeout(context.WithoutCancel(ctx), e.timeout)
 	}
+	defer stopWait()
 	roots := make([]*volume.Root, 0, len(exs))
 	gens := make([]uint64, 0, len(exs))
 	closeRoots := func() {
@@ -270,14 +314,21 @@ func (e *exports) runOn(ctx context.Context, timeout time.Duration, exs []*expor
 			closeRoots()
 			return err
 		}
-		roots, gens, sems, sources = append(roots, root), append(gens, gen), append(sems, ex.sem), append(sources, ex.source)
+		sem := ex.sem
+		if copyTimeout > 0 {
+			sem = ex.copySem
+		}
+		roots, gens, sems, sources = append(roots, root), append(gens, gen), append(sems, sem), append(sources, ex.source)
 	}
-	err := boundedOn(ctx, sems, "NFS "+strings.Join(sources, " and "), func() error {
+	err := boundedOn(ctx, wait, sems, "NFS "+strings.Join(sources, " and "), func() error {
 		defer closeRoots()
 		return fn(ctx, roots)
 	})
 	if errors.Is(err, errNoSlot) {
-		closeRoots() // fn never ran
+		// fn never ran. The calls holding the slots are slow or stuck, and those stuck
+		// dropped the mount already when they were abandoned.
+		closeRoots()
+		return err
 	}
 	if isBrokenMount(err) {
 		logger := klog.FromContext(ctx)

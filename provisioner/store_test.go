@@ -366,3 +366,148 @@ func TestLeftoverMountWithHungUnmountIsReplaced(t *testing.T) {
 		t.Errorf("%d mounts at %s, want exactly one (the leftover gone, a fresh one made)", n, dir)
 	}
 }
+
+// longCopy stands in for a copy on a live server: it holds the roots, as a copy holds its
+// open directories, until done is closed, or until told to stop, and then returns as a copy
+// does between files.
+func longCopy(started chan<- struct{}, done <-chan struct{}) func(ctx context.Context, _, _ *volume.Root) error {
+	return func(ctx context.Context, _, _ *volume.Root) error {
+		started <- struct{}{}
+		select {
+		case <-done:
+			return nil
+		case <-ctx.Done():
+			return fmt.Errorf("copy: %w", ctx.Err())
+		}
+	}
+}
+
+// A copy stopped on purpose (its snapshot deleted, its clone past --clone-timeout) is not a
+// dead server: the copy's error comes back, the export stays mounted, and the next call uses
+// the same mount.
+func TestStoppedCopyKeepsTheExport(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		copyTimeout time.Duration
+		cancel      bool
+		want        error
+	}{
+		{"cancelled", time.Minute, true, context.Canceled},
+		{"past its deadline", 100 * time.Millisecond, false, context.DeadlineExceeded},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := newBindMounter(t)
+			m.export(t, "nfs.example", "/export")
+			e := newExports(m, t.TempDir(), 5*time.Second)
+			defer e.closeAll(context.Background())
+			dir := exportDir(e, "nfs.example", "/export")
+			ref := exportRef{"nfs.example", "/export", nil}
+
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			started := make(chan struct{}, 1)
+			copied := make(chan error, 1)
+			go func() { copied <- e.doPair(ctx, tc.copyTimeout, ref, ref, longCopy(started, nil)) }()
+			<-started
+			if tc.cancel {
+				cancel()
+			}
+			if err := <-copied; !errors.Is(err, tc.want) || errors.Is(err, errExportUnresponsive) {
+				t.Fatalf("stopped copy: %v, want %v and not errExportUnresponsive", err, tc.want)
+			}
+			e.running.Wait() // any unmount the copy started
+			if !isMounted(dir) {
+				t.Fatal("the export was unmounted after a copy was stopped")
+			}
+			if err := e.do(context.Background(), "nfs.example", "/export", nil, func(root *volume.Root) error {
+				return root.Mkdir("after", 0o755)
+			}); err != nil {
+				t.Fatalf("call after the stopped copy: %v", err)
+			}
+			if n := m.mounts.Load(); n != 1 {
+				t.Errorf("mounted %d times, want 1", n)
+			}
+		})
+	}
+}
+
+// More copies than an export has call slots neither hold up its other calls nor get it
+// unmounted: copies have slots of their own, and one beyond them waits its turn.
+func TestManyCopiesLeaveCallsAlone(t *testing.T) {
+	m := newBindMounter(t)
+	m.export(t, "nfs.example", "/export")
+	const timeout = time.Second
+	e := newExports(m, t.TempDir(), timeout)
+	defer e.closeAll(context.Background())
+	dir := exportDir(e, "nfs.example", "/export")
+	ref := exportRef{"nfs.example", "/export", nil}
+
+	started, done := make(chan struct{}, maxCopies+1), make(chan struct{})
+	var wg sync.WaitGroup
+	errs := make(chan error, maxCopies+1)
+	for range maxCopies + 1 {
+		wg.Go(func() { errs <- e.doPair(context.Background(), time.Minute, ref, ref, longCopy(started, done)) })
+	}
+	for range maxCopies {
+		<-started
+	}
+	start := time.Now()
+	if err := e.do(context.Background(), "nfs.example", "/export", nil, func(root *volume.Root) error {
+		return root.Mkdir("during", 0o755)
+	}); err != nil {
+		t.Errorf("call while %d copies run: %v", maxCopies+1, err)
+	}
+	if d := time.Since(start); d > timeout/2 {
+		t.Errorf("call while %d copies run took %v", maxCopies+1, d)
+	}
+	// The copy beyond the slots gets one once another copy is done.
+	close(done)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Errorf("copy: %v", err)
+		}
+	}
+	e.running.Wait()
+	if !isMounted(dir) {
+		t.Error("the export was unmounted")
+	}
+	if n := m.mounts.Load(); n != 1 {
+		t.Errorf("mounted %d times, want 1", n)
+	}
+}
+
+// A copy that does not stop when told to is stuck on its server: it is abandoned an
+// operation timeout later, counted among the stuck calls, and the mount is dropped.
+func TestCopyThatDoesNotStopIsAbandoned(t *testing.T) {
+	m := newBindMounter(t)
+	m.export(t, "nfs.example", "/export")
+	const timeout = 200 * time.Millisecond
+	e := newExports(m, t.TempDir(), timeout)
+	p := &Provisioner{exports: e}
+	defer e.closeAll(context.Background())
+	dir := exportDir(e, "nfs.example", "/export")
+	ref := exportRef{"nfs.example", "/export", nil}
+
+	answer := make(chan struct{})
+	defer close(answer)
+	ctx, cancel := context.WithCancel(context.Background())
+	copied := make(chan error, 1)
+	go func() {
+		copied <- e.doPair(ctx, time.Minute, ref, ref, func(context.Context, *volume.Root, *volume.Root) error {
+			cancel()
+			<-answer // in the kernel, deaf to ctx
+			return nil
+		})
+	}()
+	if err := <-copied; !errors.Is(err, errExportUnresponsive) {
+		t.Fatalf("copy that does not stop: %v, want errExportUnresponsive", err)
+	}
+	if st := p.Exports(); len(st) != 1 || st[0].Stuck != 1 {
+		t.Errorf("exports: %+v, want one stuck call", st)
+	}
+	eventually(t, 10*time.Second, func() (bool, string) {
+		return !isMounted(dir), "the export is still mounted after its copy was abandoned"
+	})
+}
