@@ -120,9 +120,11 @@ func checkDataSource(claim *v1.PersistentVolumeClaim) error {
 		return fmt.Errorf("dataSource kind %s of apiGroup %s is not supported: dirpv starts a volume only from a %s or a %s (%s) in the claim's namespace",
 			kind.kind, group, kindPVC, kindVolumeSnapshot.kind, kindVolumeSnapshot.apiGroup)
 	}
-	if ns != claim.Namespace {
-		return fmt.Errorf("dataSourceRef names %s %s/%s in another namespace: dirpv copies only from the claim's own namespace %s",
-			kind.kind, ns, name, claim.Namespace)
+	if ref := claim.Spec.DataSourceRef; ref != nil && ref.Namespace != nil && *ref.Namespace != "" {
+		// Even the claim's own: the API server then leaves dataSource empty, and the cloning
+		// protection, which reads only dataSource, would let the source go mid-copy.
+		return fmt.Errorf("dataSourceRef names namespace %s for %s %s: cross-namespace data sources are not supported; "+
+			"leave out dataSourceRef.namespace to copy from the claim's own namespace %s", ns, kind.kind, name, claim.Namespace)
 	}
 	return nil
 }
