@@ -120,9 +120,11 @@ func checkDataSource(claim *v1.PersistentVolumeClaim) error {
 		return fmt.Errorf("dataSource kind %s of apiGroup %s is not supported: dirpv starts a volume only from a %s or a %s (%s) in the claim's namespace",
 			kind.kind, group, kindPVC, kindVolumeSnapshot.kind, kindVolumeSnapshot.apiGroup)
 	}
-	if ns != claim.Namespace {
-		return fmt.Errorf("dataSourceRef names %s %s/%s in another namespace: dirpv copies only from the claim's own namespace %s",
-			kind.kind, ns, name, claim.Namespace)
+	if ref := claim.Spec.DataSourceRef; ref != nil && ref.Namespace != nil && *ref.Namespace != "" {
+		// Even the claim's own: the API server then leaves dataSource empty, and the cloning
+		// protection, which reads only dataSource, would let the source go mid-copy.
+		return fmt.Errorf("dataSourceRef names namespace %s for %s %s: cross-namespace data sources are not supported; "+
+			"leave out dataSourceRef.namespace to copy from the claim's own namespace %s", ns, kind.kind, name, claim.Namespace)
 	}
 	return nil
 }
@@ -296,9 +298,12 @@ type copyJob struct {
 	done    chan struct{}
 	// Guarded by copyJobs.mu. background says that a Provision call stopped waiting for the
 	// job, so that the job must make the lib call again when it is done.
-	finished, background bool
-	result               made
-	err                  error
+	// abandoned says that nobody is to get the job's volume: discard removes it.
+	finished, background, abandoned bool
+	result                          made
+	err                             error
+	cancel                          context.CancelFunc
+	discard                         func(made)
 }
 
 func newCopyJobs() *copyJobs {
@@ -306,14 +311,18 @@ func newCopyJobs() *copyJobs {
 	return &copyJobs{inline: copyInline, byUID: map[types.UID]*copyJob{}, ctx: ctx, cancel: cancel}
 }
 
+// errCopyAbandoned ends a copy whose volume nobody is to get; its job is forgotten.
+var errCopyAbandoned = errors.New("the claim is gone; its copy was removed")
+
 // errCopyStopped refuses copies once the provisioner shuts down.
 var errCopyStopped = errors.New("dirpv is shutting down; the copy starts again after the restart")
 
 // run returns the claim's finished copy and forgets it, or starts the copy (fn, under
 // timeout) if none runs, and waits up to j.inline for it. It returns nil while the copy
-// goes on; done is called from the job's goroutine once a copy that nobody waited for ends.
+// goes on; done is called from the job's goroutine once a copy that nobody waited for ends,
+// and discard with the volume of a copy abandoned (fn returning errCopyAbandoned, or abandon).
 func (j *copyJobs) run(ctx context.Context, uid types.UID, what string, timeout time.Duration,
-	fn func(context.Context) (made, error), done func(made, error, time.Duration),
+	fn func(context.Context) (made, error), done func(made, error, time.Duration), discard func(made),
 ) (*copyJob, error) {
 	j.mu.Lock()
 	job, ok := j.byUID[uid]
@@ -322,10 +331,10 @@ func (j *copyJobs) run(ctx context.Context, uid types.UID, what string, timeout 
 			j.mu.Unlock()
 			return nil, errCopyStopped
 		}
-		job = &copyJob{what: what, started: time.Now(), done: make(chan struct{})}
-		j.byUID[uid] = job
 		logger := klog.FromContext(ctx)
 		jctx, cancel := context.WithTimeout(klog.NewContext(j.ctx, logger), timeout)
+		job = &copyJob{what: what, started: time.Now(), done: make(chan struct{}), cancel: cancel, discard: discard}
+		j.byUID[uid] = job
 		j.wg.Add(1)
 		go func() {
 			defer j.wg.Done()
@@ -336,9 +345,19 @@ func (j *copyJobs) run(ctx context.Context, uid types.UID, what string, timeout 
 			}
 			j.mu.Lock()
 			job.finished, job.result, job.err = true, res, err
-			poke := job.background && j.ctx.Err() == nil
+			if errors.Is(err, errCopyAbandoned) {
+				job.abandoned = true
+			}
+			if job.abandoned && j.byUID[uid] == job {
+				delete(j.byUID, uid)
+			}
+			abandoned := job.abandoned
+			poke := job.background && !abandoned && j.ctx.Err() == nil
 			j.mu.Unlock()
 			close(job.done)
+			if abandoned && err == nil {
+				discard(res)
+			}
 			if poke {
 				done(res, err, time.Since(job.started))
 			}
@@ -358,8 +377,35 @@ func (j *copyJobs) run(ctx context.Context, uid types.UID, what string, timeout 
 		job.background = true
 		return nil, nil
 	}
-	delete(j.byUID, uid)
+	if j.byUID[uid] == job {
+		delete(j.byUID, uid)
+	}
 	return job, nil
+}
+
+// running reports whether a copy for the claim is under way or done but not yet taken.
+func (j *copyJobs) running(uid types.UID) bool {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	_, ok := j.byUID[uid]
+	return ok
+}
+
+// abandon cancels the claim's copy and forgets it; the volume it made, if any, is discarded
+// here when the copy is already done, or by the job once it ends.
+func (j *copyJobs) abandon(uid types.UID) {
+	j.mu.Lock()
+	job, ok := j.byUID[uid]
+	if ok {
+		delete(j.byUID, uid)
+		job.abandoned = true
+		job.cancel()
+	}
+	done := ok && job.finished && job.err == nil
+	j.mu.Unlock()
+	if done {
+		job.discard(job.result)
+	}
 }
 
 // stop cancels the copies under way and waits for them up to wait: a copy stops between two
@@ -375,8 +421,11 @@ func (j *copyJobs) stop(wait time.Duration) bool {
 // copyVolume makes the claim's volume as a copy of src in the background, and returns the
 // result once the copy is done. While it runs, it returns ProvisioningInBackground with an
 // error saying so, which the lib records on the claim; if it could not start the copy,
-// ProvisioningNoChange.
-func (p *Provisioner) copyVolume(ctx context.Context, claim *v1.PersistentVolumeClaim, src *sourceTree, fn func(context.Context) (made, error)) (made, controller.ProvisioningState, error) {
+// ProvisioningNoChange. discard removes a volume the copy made for nobody: the claim was
+// deleted (or made anew) meanwhile, and no PV will ever name the volume.
+func (p *Provisioner) copyVolume(ctx context.Context, claim *v1.PersistentVolumeClaim, src *sourceTree,
+	fn func(context.Context) (made, error), discard func(made),
+) (made, controller.ProvisioningState, error) {
 	p.copies.mu.Lock()
 	_, running := p.copies.byUID[claim.UID]
 	p.copies.mu.Unlock()
@@ -386,10 +435,18 @@ func (p *Provisioner) copyVolume(ctx context.Context, claim *v1.PersistentVolume
 			return made{}, controller.ProvisioningNoChange, err
 		}
 	}
-	ns, name := claim.Namespace, claim.Name
-	job, err := p.copies.run(ctx, claim.UID, src.what, p.cfg.CloneTimeout, fn, func(res made, err error, took time.Duration) {
+	ns, name, uid := claim.Namespace, claim.Name, claim.UID
+	copyAndCheck := func(ctx context.Context) (made, error) {
+		m, err := fn(ctx)
+		if err == nil && p.claimGone(ns, name, uid) {
+			discard(m)
+			return made{}, errCopyAbandoned
+		}
+		return m, err
+	}
+	job, err := p.copies.run(ctx, uid, src.what, p.cfg.CloneTimeout, copyAndCheck, func(res made, err error, took time.Duration) {
 		p.noteCopied(ns, name, src.what, res, err, took)
-	})
+	}, discard)
 	if err != nil {
 		return made{}, controller.ProvisioningInBackground, err
 	}
@@ -398,11 +455,45 @@ func (p *Provisioner) copyVolume(ctx context.Context, claim *v1.PersistentVolume
 			"copying %s into the new volume in the background; the claim binds once the copy is complete", src.what)
 	}
 	if job.err != nil {
-		return made{}, controller.ProvisioningFinished, fmt.Errorf("copy %s: %w", src.what, job.err)
+		// The result says how far the copy got.
+		return job.result, controller.ProvisioningFinished, fmt.Errorf("copy %s: %w", src.what, job.err)
 	}
 	klog.FromContext(ctx).Info("Copied data source into the new volume", "source", src.what,
 		"copy", describeCopy(job.result.stats, time.Since(job.started)))
 	return job.result, controller.ProvisioningFinished, nil
+}
+
+// claimGone reports whether the claim of uid no longer exists (deleted, or made anew under
+// the same name), so that the volume copied for it is nobody's. A failed read keeps it.
+func (p *Provisioner) claimGone(namespace, name string, uid types.UID) bool {
+	ctx, cancel := context.WithTimeout(context.Background(), apiTimeout)
+	defer cancel()
+	c, err := p.cfg.Client.CoreV1().PersistentVolumeClaims(namespace).Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return true
+	}
+	if err != nil {
+		klog.Background().Error(err, "Checking that a copied volume's claim still exists", "claim", klog.KRef(namespace, name))
+		return false
+	}
+	return c.UID != uid
+}
+
+// discardVolume removes a volume made for a claim that is gone; nothing else would, since no
+// PV names it.
+func (p *Provisioner) discardVolume(logger klog.Logger, attrs volume.Attributes, mountOptions []string, m made) {
+	if !m.created {
+		return
+	}
+	attrs.Quota = m.quota
+	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.CloneTimeout)
+	defer cancel()
+	err := p.onStore(ctx, attrs, mountOptions, func(root *volume.Root) error { return removeVolume(root, attrs) })
+	if err != nil {
+		logger.Error(err, "Removing a copied volume nobody will use", "path", attrs.Path)
+		return
+	}
+	logger.Info("Removed a copied volume nobody will use", "path", attrs.Path)
 }
 
 // noteCopied records on the claim that its background copy ended, which makes the lib call

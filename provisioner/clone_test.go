@@ -3,11 +3,22 @@ package provisioner
 import (
 	"context"
 	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	v1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
 	"github.com/dirpv/dirpv/volume"
 )
@@ -24,7 +35,7 @@ func TestCopyJobsBackground(t *testing.T) {
 		return made{created: true}, nil
 	}
 	done := func(_ made, err error, _ time.Duration) { noted <- err }
-	job, err := j.run(context.Background(), "uid", "src", time.Minute, fn, done)
+	job, err := j.run(context.Background(), "uid", "src", time.Minute, fn, done, nil)
 	if job != nil || err != nil {
 		t.Fatalf("first call: job %v, %v; want none while the copy runs", job, err)
 	}
@@ -32,7 +43,7 @@ func TestCopyJobsBackground(t *testing.T) {
 	if job, err := j.run(context.Background(), "uid", "src", time.Minute, func(context.Context) (made, error) {
 		t.Error("a second copy started for the same claim")
 		return made{}, nil
-	}, done); job != nil || err != nil {
+	}, done, nil); job != nil || err != nil {
 		t.Fatalf("second call: job %v, %v", job, err)
 	}
 	close(release)
@@ -44,7 +55,7 @@ func TestCopyJobsBackground(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("done was not called once the background copy ended")
 	}
-	job, err = j.run(context.Background(), "uid", "src", time.Minute, fn, done)
+	job, err = j.run(context.Background(), "uid", "src", time.Minute, fn, done, nil)
 	if err != nil || job == nil || !job.result.created {
 		t.Fatalf("call after the copy: job %+v, %v; want its result", job, err)
 	}
@@ -61,7 +72,7 @@ func TestCopyJobsInline(t *testing.T) {
 	j := newCopyJobs()
 	job, err := j.run(context.Background(), "uid", "src", time.Minute, func(context.Context) (made, error) {
 		return made{quota: "btrfs/1"}, nil
-	}, func(made, error, time.Duration) { t.Error("done called for a copy its caller waited for") })
+	}, func(made, error, time.Duration) { t.Error("done called for a copy its caller waited for") }, nil)
 	if err != nil || job == nil || job.result.quota != "btrfs/1" {
 		t.Fatalf("job %+v, %v", job, err)
 	}
@@ -76,18 +87,18 @@ func TestCopyJobsDeadlineAndStop(t *testing.T) {
 		<-ctx.Done()
 		return made{}, ctx.Err()
 	}
-	job, err := j.run(context.Background(), "late", "src", 5*time.Millisecond, wait, func(made, error, time.Duration) {})
+	job, err := j.run(context.Background(), "late", "src", 5*time.Millisecond, wait, func(made, error, time.Duration) {}, nil)
 	if err != nil || job == nil || !errors.Is(job.err, context.DeadlineExceeded) || !strings.Contains(job.err.Error(), "--clone-timeout") {
 		t.Fatalf("job %+v, %v; want a deadline error naming --clone-timeout", job, err)
 	}
 	j.inline = time.Millisecond
-	if job, err := j.run(context.Background(), types.UID("long"), "src", time.Hour, wait, func(made, error, time.Duration) {}); job != nil || err != nil {
+	if job, err := j.run(context.Background(), types.UID("long"), "src", time.Hour, wait, func(made, error, time.Duration) {}, nil); job != nil || err != nil {
 		t.Fatalf("long copy: job %v, %v", job, err)
 	}
 	if !j.stop(10 * time.Second) {
 		t.Fatal("stop did not end the copy under way")
 	}
-	if _, err := j.run(context.Background(), "new", "src", time.Hour, wait, nil); !errors.Is(err, errCopyStopped) {
+	if _, err := j.run(context.Background(), "new", "src", time.Hour, wait, nil, nil); !errors.Is(err, errCopyStopped) {
 		t.Errorf("copy after stop: %v, want errCopyStopped", err)
 	}
 }
@@ -111,4 +122,144 @@ func TestCheckSourceOwner(t *testing.T) {
 	if err := checkSourceOwner(root, src("theirs")); err == nil || !strings.Contains(err.Error(), "belongs to another claim") {
 		t.Errorf("another claim's directory: %v, want a refusal", err)
 	}
+}
+
+// sourceClaim provisions the Bound local claim name, with a volume of the given capacity,
+// and fills its directory with fill; it returns the claim.
+func (f *fixture) sourceClaim(t *testing.T, class *storagev1.StorageClass, name, capacity string, fill func(dir string)) *v1.PersistentVolumeClaim {
+	t.Helper()
+	pvc := claim(name)
+	pvc.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse(capacity)
+	pv, _, err := f.node.Provision(context.Background(), opts(class, pvc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill(filepath.Join(f.base, pv.Spec.CSI.VolumeAttributes["path"]))
+	pv.Spec.Capacity = v1.ResourceList{v1.ResourceStorage: resource.MustParse(capacity)}
+	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}
+	pvc.Spec.VolumeName, pvc.Status.Phase = pv.Name, v1.ClaimBound
+	client := f.node.cfg.Client
+	if _, err := client.CoreV1().PersistentVolumes().Create(context.Background(), pv, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.CoreV1().PersistentVolumeClaims(pvc.Namespace).Create(context.Background(), pvc, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return pvc
+}
+
+// cloneOf returns a claim copying src, created in the API.
+func (f *fixture) cloneOf(t *testing.T, class *storagev1.StorageClass, name string, src *v1.PersistentVolumeClaim) controller.ProvisionOptions {
+	t.Helper()
+	pvc := claim(name)
+	pvc.Spec.DataSource = &v1.TypedLocalObjectReference{Kind: kindPVC, Name: src.Name}
+	o := opts(class, pvc)
+	if _, err := f.node.cfg.Client.CoreV1().PersistentVolumeClaims(pvc.Namespace).Create(context.Background(), pvc, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return o
+}
+
+func fillFiles(n int) func(dir string) {
+	return func(dir string) {
+		for i := range n {
+			os.WriteFile(filepath.Join(dir, fmt.Sprintf("f%d", i)), []byte("data"), 0o600)
+		}
+	}
+}
+
+// onlySource waits until the base holds the source's volume alone: no copy, finished or
+// half-made, and no job for the clone.
+func (f *fixture) onlySource(t *testing.T, src *v1.PersistentVolumeClaim, clone types.UID) {
+	t.Helper()
+	pv, err := f.node.cfg.Client.CoreV1().PersistentVolumes().Get(context.Background(), src.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	prefix := pv.Spec.CSI.VolumeAttributes["path"]
+	eventually(t, 10*time.Second, func() (bool, string) {
+		for _, e := range listTree(t, f.base) {
+			if !strings.HasPrefix(e, prefix) {
+				return false, fmt.Sprintf("the clone left %s on disk", e)
+			}
+		}
+		if f.node.copies.running(clone) {
+			return false, "the clone's copy job is still there"
+		}
+		return true, ""
+	})
+}
+
+// A source deleted while its copy runs in the background makes the lib give up the claim:
+// the copy is cancelled, or its finished volume removed, since no PV will name it.
+func TestCloneOfDeletedSourceLeavesNothing(t *testing.T) {
+	f := newFixture(t)
+	class := f.localClass(nil)
+	src := f.sourceClaim(t, class, "src", "1Gi", fillFiles(2000))
+	f.node.copies.inline = time.Nanosecond
+	o := f.cloneOf(t, class, "clone", src)
+	if _, state, err := f.node.Provision(context.Background(), o); state != controller.ProvisioningInBackground {
+		t.Fatalf("first call: %s, %v; want the copy in the background", state, err)
+	}
+	if err := f.node.cfg.Client.CoreV1().PersistentVolumeClaims("ns").Delete(context.Background(), src.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	_, state, err := f.node.Provision(context.Background(), o)
+	if state != controller.ProvisioningFinished || err == nil || !strings.Contains(err.Error(), "does not exist") {
+		t.Fatalf("call after the source went: %s, %v; want a final error naming the missing source", state, err)
+	}
+	f.onlySource(t, src, o.PVC.UID)
+}
+
+// A claim deleted while its copy runs gets no volume: the copy is removed once done.
+func TestCloneOfDeletedClaimLeavesNothing(t *testing.T) {
+	f := newFixture(t)
+	class := f.localClass(nil)
+	src := f.sourceClaim(t, class, "src", "1Gi", fillFiles(10))
+	o := f.cloneOf(t, class, "clone", src)
+	// Deleted before the copy ends: whether it ends inline or not, its claim is gone by then.
+	if err := f.node.cfg.Client.CoreV1().PersistentVolumeClaims("ns").Delete(context.Background(), o.PVC.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if pv, _, err := f.node.Provision(context.Background(), o); pv != nil {
+		t.Fatalf("Provision returned a PV for a deleted claim (%v)", err)
+	}
+	f.onlySource(t, src, o.PVC.UID)
+}
+
+// A source holding more than its capacity fails the copy every time, each after a full copy:
+// the claim is refused for good, with an event saying how much the source holds.
+func TestCloneOverLimitIsFinal(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("mounts a small tmpfs: needs root")
+	}
+	base := t.TempDir()
+	if err := unix.Mount("tmpfs", base, "tmpfs", 0, "size=12m"); err != nil {
+		t.Skipf("mount tmpfs: %v", err)
+	}
+	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })
+	f := newFixtureOn(t, base)
+	class := f.localClass(nil)
+	src := f.sourceClaim(t, class, "src", "1Mi", func(dir string) {
+		if err := os.WriteFile(filepath.Join(dir, "big"), make([]byte, 8<<20), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	})
+	o := f.cloneOf(t, class, "clone", src)
+	o.PVC.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("1Mi")
+	var state controller.ProvisioningState
+	var err error
+	eventually(t, 30*time.Second, func() (bool, string) {
+		_, state, err = f.node.Provision(context.Background(), o)
+		return state != controller.ProvisioningInBackground, "the copy is still running"
+	})
+	if state != controller.ProvisioningFinished || status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("Provision = %s, %v; want a final InvalidArgument refusal", state, err)
+	}
+	for _, want := range []string{"PersistentVolumeClaim ns/src does not fit in the 1Mi this claim asks for", "it holds at least", "request more"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not say %q", err, want)
+		}
+	}
+	f.onlySource(t, src, o.PVC.UID)
 }

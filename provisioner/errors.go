@@ -41,6 +41,12 @@ func (e *invalidError) GRPCStatus() *status.Status {
 	return status.New(codes.InvalidArgument, e.err.Error())
 }
 
+// isInvalid reports whether err is a refusal marked by invalid.
+func isInvalid(err error) bool {
+	var e *invalidError
+	return errors.As(err, &e)
+}
+
 // invalid marks err as permanent for this claim and class.
 func invalid(err error) error {
 	if err == nil {

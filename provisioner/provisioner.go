@@ -279,8 +279,15 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 			return nil, controller.ProvisioningNoChange, err
 		}
 	}
+	// Looked up first: a failed resolution must not leave a copy running for the lib to forget.
+	copying := p.copies.running(claim.UID)
 	src, state, err := p.resolveDataSource(ctx, claim, attrs)
 	if err != nil {
+		if copying && (state != controller.ProvisioningFinished || isInvalid(err)) {
+			// The claim goes elsewhere or waits for its user: no call takes this copy's volume.
+			logger.Info("Abandoning the copy under way", "reason", err.Error())
+			p.copies.abandon(claim.UID)
+		}
 		return nil, state, err
 	}
 	owner := volume.Claim{UID: string(claim.UID), PVName: opts.PVName}
@@ -288,10 +295,13 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 	mk := func(ctx context.Context) (made, error) {
 		return p.makeVolume(ctx, attrs, opts.StorageClass.MountOptions, params, owner, size, src)
 	}
+	discard := func(m made) {
+		p.discardVolume(logger, attrs, opts.StorageClass.MountOptions, m)
+	}
 	var m made
 	if src == nil {
 		m, err = mk(ctx)
-	} else if m, state, err = p.copyVolume(ctx, claim, src, mk); state != controller.ProvisioningFinished {
+	} else if m, state, err = p.copyVolume(ctx, claim, src, mk, discard); state != controller.ProvisioningFinished {
 		return nil, state, err
 	}
 	attrs.Quota = m.quota
@@ -307,10 +317,28 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 			rel, storeName(attrs), exists.Reason(), ParamPathPattern))
 	case errors.Is(err, volume.ErrReservedName):
 		return nil, controller.ProvisioningFinished, invalid(fmt.Errorf("directory %s: %w", rel, err))
+	case errors.Is(err, unix.EPERM) && attrs.Backend == volume.BackendNFS && src != nil:
+		// A copy takes its source's owner, not the class's.
+		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s: %w: the NFS server refused to give the copy "+
+			"the owner of %s; it may squash root (root_squash): export %s with no_root_squash",
+			rel, err, src.what, volume.ExportSource(attrs.Server, attrs.Share))
 	case errors.Is(err, unix.EPERM) && attrs.Backend == volume.BackendNFS:
 		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s: %w: the NFS server refused to give the directory to %d:%d; "+
 			"it may squash root (root_squash): export %s with no_root_squash, or drop %s and %s from the StorageClass",
 			rel, err, params.owner.UID, params.owner.GID, volume.ExportSource(attrs.Server, attrs.Share), ParamUID, ParamGID)
+	case errors.Is(err, errExportUnresponsive):
+		// An NFS server that did not answer may still create the directory; retrying adopts it.
+		return nil, controller.ProvisioningInBackground, fmt.Errorf("create directory %s: %w", rel, err)
+	case src != nil && (errors.Is(err, unix.EDQUOT) || errors.Is(err, unix.ENOSPC)):
+		// The source holds more than its capacity says (written past a limit that was not
+		// enforced, say): every retry would fail the same way, each after a full copy.
+		return nil, controller.ProvisioningFinished, invalid(fmt.Errorf(
+			"%s does not fit in the %s this claim asks for: it holds at least %s (copied when the volume ran out of room: %w); "+
+				"request more than the source holds", src.what, size.String(),
+			resource.NewQuantity(m.stats.Bytes, resource.BinarySI).String(), err))
+	case src != nil && (errors.Is(err, volume.ErrInsideVolume) || errors.Is(err, volume.ErrNotDirectory)):
+		// As for an empty volume below, but a copy never goes back to the scheduler.
+		return nil, controller.ProvisioningFinished, invalid(fmt.Errorf("create directory %s in %s: %w", rel, storeName(attrs), err))
 	case src != nil && err != nil:
 		// Another node cannot copy a local tree: the claim stays where its source is.
 		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s in %s: %w", rel, storeName(attrs), err)
@@ -319,9 +347,6 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 		return nil, controller.ProvisioningReschedule, fmt.Errorf(
 			"the class asks for sizes to be enforced (%s: %s) but base path %s on node %s cannot: %w",
 			ParamCapacityEnforcement, EnforceRequired, attrs.BasePath, p.cfg.NodeName, err)
-	case errors.Is(err, errExportUnresponsive):
-		// An NFS server that did not answer may still create the directory; retrying adopts it.
-		return nil, controller.ProvisioningInBackground, fmt.Errorf("create directory %s: %w", rel, err)
 	case attrs.Backend == volume.BackendLocal && isNodeLocalFailure(err):
 		// Another node may well have room: hand the claim back to the scheduler (the lib
 		// removes the selected-node annotation) rather than keep the pod stuck here.

@@ -262,7 +262,10 @@ func TestRejectionsLeaveNothingOnDisk(t *testing.T) {
 		}, want: "dataSource kind Backup of apiGroup example.com is not supported"},
 		"data source in another namespace": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
 			c.Spec.DataSourceRef = &v1.TypedObjectReference{Kind: "PersistentVolumeClaim", Name: "x", Namespace: ptr.To("other")}
-		}, want: "another namespace"},
+		}, want: "cross-namespace data sources are not supported"},
+		"data source ref naming its own namespace": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
+			c.Spec.DataSourceRef = &v1.TypedObjectReference{Kind: "PersistentVolumeClaim", Name: "x", Namespace: ptr.To("ns")}
+		}, want: "leave out dataSourceRef.namespace"},
 		"missing source claim": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
 			c.Spec.DataSource = &v1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: "x"}
 		}, want: "PersistentVolumeClaim ns/x does not exist"},
