@@ -104,6 +104,9 @@ func (s *Snapshotter) CreateSnapshot(ctx context.Context, snapshotName, volumeHa
 	id := h.String()
 	ready, created, err := s.status(ctx, h)
 	if err != nil || ready {
+		if ready {
+			s.forget(id)
+		}
 		return s.p.cfg.DriverName, id, created, h.Size, ready, err
 	}
 	if err := s.start(ctx, id, h, attrs.Path); err != nil {
@@ -273,9 +276,33 @@ func (s *Snapshotter) GetSnapshotStatus(ctx context.Context, snapshotID string, 
 	return ready, created, h.Size, "", err
 }
 
+// copying reports whether the copy of id runs: a finished one says nothing about whether
+// its snapshot is still there.
 func (s *Snapshotter) copying(id string) bool {
 	s.mu.Lock()
+	job, ok := s.jobs[id]
+	s.mu.Unlock()
+	if !ok {
+		return false
+	}
+	select {
+	case <-job.done:
+		return false
+	default:
+		return true
+	}
+}
+
+// forget drops the finished copy of a snapshot found complete, so that jobs holds only
+// copies whose outcome is not yet reported.
+func (s *Snapshotter) forget(id string) {
+	s.mu.Lock()
 	defer s.mu.Unlock()
-	_, ok := s.jobs[id]
-	return ok
+	if job, ok := s.jobs[id]; ok {
+		select {
+		case <-job.done:
+			delete(s.jobs, id)
+		default:
+		}
+	}
 }
