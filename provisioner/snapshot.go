@@ -264,11 +264,6 @@ func (s *Snapshotter) GetSnapshotStatus(ctx context.Context, snapshotID string, 
 	if err != nil {
 		return false, time.Time{}, 0, "", invalid(err)
 	}
-	if s.p.cfg.Role == RoleController && h.Backend == volume.BackendLocal {
-		// A pre-provisioned content of a local snapshot, which nothing labelled for its node
-		// yet: not ready, without an error, until it is labelled and its node answers.
-		return false, time.Time{}, h.Size, "", nil
-	}
 	ready, created, err := s.status(ctx, h)
 	if err == nil && !ready && !s.copying(snapshotID) {
 		err = fmt.Errorf("snapshot %s does not exist in %s", h.Name, storeName(h.Store(h.Name)))
