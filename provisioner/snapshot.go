@@ -274,11 +274,6 @@ func (s *Snapshotter) GetSnapshotStatus(ctx context.Context, snapshotID string, 
 	if err != nil {
 		return false, time.Time{}, 0, "", invalid(err)
 	}
-	if s.p.cfg.Role == RoleController && h.Backend == volume.BackendLocal {
-		// A pre-provisioned content of a local snapshot, which nothing labelled for its node
-		// yet: not ready, without an error, until it is labelled and its node answers.
-		return false, time.Time{}, h.Size, "", nil
-	}
 	ready, created, err := s.status(ctx, h)
 	if err == nil && !ready && !s.copying(snapshotID) {
 		err = fmt.Errorf("snapshot %s does not exist in %s", h.Name, storeName(h.Store(h.Name)))
@@ -295,9 +290,19 @@ func (s *Snapshotter) forget(id string) {
 	delete(s.jobs, id)
 }
 
+// copying reports whether the copy of id runs: a finished one says nothing about whether
+// its snapshot is still there.
 func (s *Snapshotter) copying(id string) bool {
 	s.mu.Lock()
-	defer s.mu.Unlock()
-	_, ok := s.jobs[id]
-	return ok
+	job, ok := s.jobs[id]
+	s.mu.Unlock()
+	if !ok {
+		return false
+	}
+	select {
+	case <-job.done:
+		return false
+	default:
+		return true
+	}
 }

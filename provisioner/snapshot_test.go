@@ -96,11 +96,15 @@ func TestSnapshotLocalVolume(t *testing.T) {
 	if ready, _, sz, _, err := s.GetSnapshotStatus(context.Background(), id, nil); err != nil || !ready || sz != size {
 		t.Errorf("GetSnapshotStatus: ready %v size %d err %v", ready, sz, err)
 	}
-	// The controller cannot see a node's disk: a pre-provisioned local content it gets before
-	// the content is labelled for the node is "not ready", not an error.
+	// The controller cannot see a node's disk (its sidecar is not given local contents:
+	// internal/daemon hideNodeContents).
 	pvs := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
-	if ready, _, sz, _, err := f.ctrl.Snapshotter(corelisters.NewPersistentVolumeLister(pvs)).GetSnapshotStatus(context.Background(), id, nil); err != nil || ready || sz != size {
-		t.Errorf("controller's GetSnapshotStatus of a local snapshot: ready %v size %d err %v, want not ready, the size, no error", ready, sz, err)
+	if ready, _, _, _, err := f.ctrl.Snapshotter(corelisters.NewPersistentVolumeLister(pvs)).GetSnapshotStatus(context.Background(), id, nil); err == nil {
+		t.Errorf("controller's GetSnapshotStatus of a local snapshot: ready %v, no error", ready)
+	}
+	// Its copy is over: whether it is still there is the disk's to say, not the copy's.
+	if s.copying(id) {
+		t.Error("a complete snapshot's copy still counts as running")
 	}
 	for i := 0; i < 2; i++ {
 		if err := s.DeleteSnapshot(context.Background(), id, nil); err != nil {
@@ -156,4 +160,20 @@ func TestSnapshotRefusals(t *testing.T) {
 	if got := listTree(t, f.base); len(got) != len(before) {
 		t.Errorf("refusals changed the base:\n before %v\n after  %v", before, got)
 	}
+}
+
+// A snapshot gone from the disk by other means than DeleteSnapshot (an admin's rm, a lost
+// disk) while its content remains: importing its handle reports the error, rather than
+// "not ready" for ever, as if its long finished copy still ran.
+func TestSnapshotStatusOfVanishedSnapshot(t *testing.T) {
+	f, s, pv := snapshotFixture(t)
+	id, _ := createUntilReady(t, s, "snapshot-v", pv.Spec.CSI.VolumeHandle)
+	if err := os.RemoveAll(filepath.Join(f.base, ".dirpv-snapshots", "snapshot-v")); err != nil {
+		t.Fatal(err)
+	}
+	ready, _, _, _, err := s.GetSnapshotStatus(context.Background(), id, nil)
+	if err == nil {
+		t.Fatalf("GetSnapshotStatus of a vanished snapshot: ready %v, no error", ready)
+	}
+	t.Logf("GetSnapshotStatus: %v", err)
 }

@@ -122,8 +122,29 @@ func snapshotting(snapClient snapclientset.Interface, client kubernetes.Interfac
 			panic(err) // a constant key
 		}
 		classes := snapinformers.NewSharedInformerFactory(snapClient, cfg.Resync)
-		contents := snapinformers.NewSharedInformerFactoryWithOptions(snapClient, cfg.Resync,
-			snapinformers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = req.String() }))
+		selected := snapinformers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = req.String() })
+		contents := snapinformers.NewSharedInformerFactoryWithOptions(snapClient, cfg.Resync, selected)
+		var unlabelled snapinformers.SharedInformerFactory
+		if managedBy == "" {
+			// Pre-provisioned contents (a snapshot handle given by hand, or copied from
+			// another content) get no node label from the common controller; the controller
+			// labels those of local snapshots for their node, whose sidecar then serves them.
+			// The controller's own sidecar must not touch them meanwhile: it would write
+			// them "not ready", and the node's sidecar, which takes status changes for its
+			// own, would not look again until a resync (15 min), so they would stay not ready.
+			unlabelled = snapinformers.NewSharedInformerFactoryWithOptions(snapClient, cfg.Resync, selected)
+			handler := func(obj any) { labelForNode(ctx, snapClient, obj) }
+			_, err := unlabelled.Snapshot().V1().VolumeSnapshotContents().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+				AddFunc:    handler,
+				UpdateFunc: func(_, obj any) { handler(obj) },
+			})
+			if err != nil {
+				panic(err) // only refused once the informer has stopped
+			}
+			if err := contents.Snapshot().V1().VolumeSnapshotContents().Informer().SetTransform(hideNodeContents); err != nil {
+				panic(err) // only refused once the informer has started
+			}
+		}
 		ctrl := sidecarcontroller.NewCSISnapshotSideCarController(snapClient, client, DriverName,
 			contents.Snapshot().V1().VolumeSnapshotContents(), classes.Snapshot().V1().VolumeSnapshotClasses(),
 			s, nil, cfg.OperationTimeout, cfg.Resync,
@@ -132,21 +153,12 @@ func snapshotting(snapClient snapclientset.Interface, client kubernetes.Interfac
 			false, workqueue.NewTypedItemExponentialFailureRateLimiter[string](snapshotRetryStart, snapshotRetryMax),
 			// No volume group snapshots: dirpv has no consistency across volumes to offer.
 			false, nil, nil, workqueue.NewTypedItemExponentialFailureRateLimiter[string](snapshotRetryStart, snapshotRetryMax))
-		if managedBy == "" {
-			// Pre-provisioned contents (a snapshot handle given by hand, or copied from
-			// another content) get no node label from the common controller; the controller
-			// labels those of local snapshots for their node, whose sidecar then serves them.
-			handler := func(obj any) { labelForNode(ctx, snapClient, obj) }
-			_, err := contents.Snapshot().V1().VolumeSnapshotContents().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-				AddFunc:    handler,
-				UpdateFunc: func(_, obj any) { handler(obj) },
-			})
-			if err != nil {
-				panic(err) // only refused once the informer has stopped
-			}
-		}
 		classes.Start(ctx.Done())
 		contents.Start(ctx.Done())
+		if unlabelled != nil {
+			unlabelled.Start(ctx.Done())
+			defer unlabelled.Shutdown()
+		}
 		var workers sync.WaitGroup
 		ctrl.Run(cfg.Workers, ctx.Done(), &workers)
 		workers.Wait()
@@ -155,29 +167,50 @@ func snapshotting(snapClient snapclientset.Interface, client kubernetes.Interfac
 	}
 }
 
-// labelForNode labels obj, a VolumeSnapshotContent of dirpv's naming a local snapshot, with
-// the snapshot's node (snapshot.storage.kubernetes.io/managed-by), as distributed
-// snapshotting labels the contents it makes.
-func labelForNode(ctx context.Context, c snapclientset.Interface, obj any) {
+// hideNodeContents is the transform of the controller's sidecar's contents: an unlabelled
+// content naming a local snapshot loses its driver there, so that the sidecar passes it by
+// as another driver's until it is labelled for its node and leaves this informer.
+func hideNodeContents(obj any) (any, error) {
+	if localSnapshotNode(obj) != "" {
+		obj.(*snapshotv1.VolumeSnapshotContent).Spec.Driver = ""
+	}
+	return obj, nil
+}
+
+// localSnapshotNode returns the node of obj if it is an unlabelled VolumeSnapshotContent of
+// dirpv's naming a local snapshot, else "".
+func localSnapshotNode(obj any) string {
 	content, ok := obj.(*snapshotv1.VolumeSnapshotContent)
 	if !ok || content.Spec.Driver != DriverName || content.Labels[snaputils.VolumeSnapshotContentManagedByLabel] != "" {
-		return
+		return ""
 	}
 	handle := content.Spec.Source.SnapshotHandle
 	if content.Status != nil && content.Status.SnapshotHandle != nil {
 		handle = content.Status.SnapshotHandle
 	}
 	if handle == nil {
-		return
+		return ""
 	}
 	h, err := volume.ParseSnapshotHandle(*handle)
 	if err != nil || h.Backend != volume.BackendLocal {
+		return ""
+	}
+	return h.Node
+}
+
+// labelForNode labels obj, a VolumeSnapshotContent of dirpv's naming a local snapshot, with
+// the snapshot's node (snapshot.storage.kubernetes.io/managed-by), as distributed
+// snapshotting labels the contents it makes.
+func labelForNode(ctx context.Context, c snapclientset.Interface, obj any) {
+	node := localSnapshotNode(obj)
+	if node == "" {
 		return
 	}
-	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]string{snaputils.VolumeSnapshotContentManagedByLabel: h.Node}}})
+	content := obj.(*snapshotv1.VolumeSnapshotContent)
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]string{snaputils.VolumeSnapshotContentManagedByLabel: node}}})
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	logger := klog.FromContext(ctx).WithValues("content", content.Name, "node", h.Node)
+	logger := klog.FromContext(ctx).WithValues("content", content.Name, "node", node)
 	if _, err := c.SnapshotV1().VolumeSnapshotContents().Patch(ctx, content.Name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
 		// The next resync tries again.
 		logger.Error(err, "Labelling a local snapshot's content for its node")
