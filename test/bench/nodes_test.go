@@ -60,7 +60,7 @@ func TestSummariseMedianAndMax(t *testing.T) {
 	if r.PeakMed != 43 || r.PeakMax != 60 || r.RSSMed != 32 || r.RSSMax != 35 || r.HeapMed != 8.5 || r.HeapMax != 20 {
 		t.Errorf("summarise: %+v", r)
 	}
-	if r.Cached["dirpv_informer_objects"] != 5.5 {
-		t.Errorf("cached median = %v, want 5.5", r.Cached)
+	if r.Cached["dirpv_informer_objects"] != 5.5 || r.CachedMax["dirpv_informer_objects"] != 8 || r.CachedTotal["dirpv_informer_objects"] != 23 {
+		t.Errorf("cached median, max, total = %v, %v, %v, want 5.5, 8, 23", r.Cached, r.CachedMax, r.CachedTotal)
 	}
 }
