@@ -206,17 +206,8 @@ func (r *Root) writeMarker(parentFd, fd int, c Claim, quota string) error {
 	if err != nil {
 		return fmt.Errorf("create volume record %s: %w", name, err)
 	}
-	f := os.NewFile(uintptr(rfd), name)
-	if _, err := f.Write(b); err != nil {
-		f.Close()
-		return fmt.Errorf("write volume record %s: %w", name, err)
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return fmt.Errorf("sync volume record %s: %w", name, err)
-	}
-	if err := f.Close(); err != nil {
-		return fmt.Errorf("close volume record %s: %w", name, err)
+	if err := writeSynced(rfd, name, b); err != nil {
+		return fmt.Errorf("volume record: %w", err)
 	}
 	return nil
 }

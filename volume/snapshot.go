@@ -341,6 +341,11 @@ func writeFileAt(dirFd int, name string, b []byte) error {
 	if err != nil {
 		return fmt.Errorf("create %s: %w", name, err)
 	}
+	return writeSynced(fd, name, b)
+}
+
+// writeSynced writes b to the new file open at fd, syncs and closes it.
+func writeSynced(fd int, name string, b []byte) error {
 	f := os.NewFile(uintptr(fd), name)
 	if _, err := f.Write(b); err != nil {
 		f.Close()
@@ -350,5 +355,8 @@ func writeFileAt(dirFd int, name string, b []byte) error {
 		f.Close()
 		return fmt.Errorf("sync %s: %w", name, err)
 	}
-	return f.Close()
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("close %s: %w", name, err)
+	}
+	return nil
 }
