@@ -994,23 +994,32 @@ func (r *Root) renameNoReplace(parentFd int, name string, dirFd int, newName str
 	if !errors.Is(err, unix.EINVAL) {
 		return err
 	}
-	// NFS (the kernel client, and so the test helper) has no RENAME_NOREPLACE. Check, then
-	// rename, one at a time per target in this process; dirpv's NFS volumes are all made by
-	// the one leader, so the race left is with a process outside dirpv writing the export.
+	// NFS (the kernel client, and so the test helper) has no RENAME_NOREPLACE. Claim the name,
+	// then rename, one at a time per target in this process; dirpv's NFS volumes are all made
+	// by the one leader, so the race left is with a process outside dirpv writing the export.
+	// A crash between the two leaves an empty directory that is not a volume: its claim is
+	// then refused as for any directory in the way, with an event.
 	var dir unix.Stat_t
 	if err := unix.Fstat(dirFd, &dir); err != nil {
 		return fmt.Errorf("stat target directory: %w", err)
 	}
 	defer renameLocks.lock(renameTarget{dirIno: dir.Ino, name: newName})()
-	var st unix.Stat_t
-	switch serr := unix.Fstatat(dirFd, newName, &st, unix.AT_SYMLINK_NOFOLLOW); {
-	case serr == nil:
-		return unix.EEXIST
-	case errors.Is(serr, unix.ENOENT):
-		return unix.Renameat(parentFd, name, dirFd, newName)
-	default:
-		return serr
+	// The check is the server's, not a stat: a mount's cached lookup can still miss a directory
+	// that another mount of the export (a class with other mount options, its own superblock
+	// and caches) renamed into place an instant ago, and the rename would then replace that
+	// empty new volume, handing one directory to two claims (TestSameNameClaimsAcrossMounts,
+	// 1 round in many). The server decides a mkdir, and the rename replaces the empty
+	// directory it made.
+	if err := unix.Mkdirat(dirFd, newName, 0); err != nil {
+		return err
 	}
+	if err := unix.Renameat(parentFd, name, dirFd, newName); err != nil {
+		if rerr := unix.Unlinkat(dirFd, newName, unix.AT_REMOVEDIR); rerr != nil {
+			err = errors.Join(err, fmt.Errorf("remove the placeholder %s: %w", newName, rerr))
+		}
+		return err
+	}
+	return nil
 }
 
 // renameLocks serialises renameNoReplace's check-then-rename per target, for the whole
