@@ -47,6 +47,7 @@ const (
 var (
 	flagN        = flag.Int("n", 500, "claims per bulk run (create->Bound, deletion)")
 	flagLatN     = flag.Int("latency-n", 30, "sequential claims for single-claim latency")
+	flagLatGap   = flag.Duration("latency-gap", 250*time.Millisecond, "pause before each single-claim latency claim, so that it meets the idle client rate limiters (dirpv's, kube-controller-manager's) a lone claim meets; 0: back to back, which measures a stream of claims instead")
 	flagPubN     = flag.Int("publish-n", 200, "NodePublish+NodeUnpublish iterations (and as many bare bind mounts)")
 	flagRSSN     = flag.Int("rss-n", 1000, "claims bound before reading peak RSS")
 	flagJSON     = flag.String("json", "", "write the results as JSON to this file")
@@ -82,24 +83,25 @@ type Goal struct {
 
 // Report is the JSON output.
 type Report struct {
-	Started   time.Time                     `json:"started"`
-	N         int                           `json:"n"`
-	LatencyN  int                           `json:"latencyN"`
-	PublishN  int                           `json:"publishN"`
-	RSSN      int                           `json:"rssN"`
-	KCM       string                        `json:"kcm"`
-	Place     string                        `json:"place"`
-	KCMArgs   []string                      `json:"kcmArgs"`
-	DirpvArgs []string                      `json:"dirpvArgs"`
-	DirpvEnv  []string                      `json:"dirpvEnv,omitempty"`
-	DirpvBin  string                        `json:"dirpvBin,omitempty"`
-	CPUs      int                           `json:"cpus"`
-	LoadAvg   string                        `json:"loadAvg"`
-	Rows      []Row                         `json:"rows"`
-	Goals     []Goal                        `json:"goals"`
-	Targets   []Target                      `json:"targets"`
-	CPU       map[string]map[string]float64 `json:"cpuSecondsByPhase"`
-	Phases    []string                      `json:"phases"`
+	Started    time.Time                     `json:"started"`
+	N          int                           `json:"n"`
+	LatencyN   int                           `json:"latencyN"`
+	LatencyGap time.Duration                 `json:"latencyGapNanoseconds"`
+	PublishN   int                           `json:"publishN"`
+	RSSN       int                           `json:"rssN"`
+	KCM        string                        `json:"kcm"`
+	Place      string                        `json:"place"`
+	KCMArgs    []string                      `json:"kcmArgs"`
+	DirpvArgs  []string                      `json:"dirpvArgs"`
+	DirpvEnv   []string                      `json:"dirpvEnv,omitempty"`
+	DirpvBin   string                        `json:"dirpvBin,omitempty"`
+	CPUs       int                           `json:"cpus"`
+	LoadAvg    string                        `json:"loadAvg"`
+	Rows       []Row                         `json:"rows"`
+	Goals      []Goal                        `json:"goals"`
+	Targets    []Target                      `json:"targets"`
+	CPU        map[string]map[string]float64 `json:"cpuSecondsByPhase"`
+	Phases     []string                      `json:"phases"`
 	// Memory holds the rss phase's figures under stable names (memoryFigures) for tools that
 	// read this file; absent when the phase did not run.
 	Memory map[string]float64 `json:"memory,omitempty"`
@@ -135,7 +137,7 @@ func run() (err error) {
 		return errors.New("needs root (bind mounts, NFS server)")
 	}
 	b := &bench{ctx: context.Background(), ms: map[string]float64{}, only: map[string]bool{}}
-	b.report = Report{Started: time.Now(), N: *flagN, LatencyN: *flagLatN, PublishN: *flagPubN, RSSN: *flagRSSN,
+	b.report = Report{Started: time.Now(), N: *flagN, LatencyN: *flagLatN, LatencyGap: *flagLatGap, PublishN: *flagPubN, RSSN: *flagRSSN,
 		KCM: *flagKCM, Place: *flagPlace, CPUs: runtime.NumCPU(), CPU: map[string]map[string]float64{}}
 	if *flagPlace != "create" && *flagPlace != "scheduler" {
 		return fmt.Errorf("-place %q: want create or scheduler", *flagPlace)
@@ -274,6 +276,11 @@ func (b *bench) prepare() error {
 		return err
 	}
 	if err := b.s.Cluster.CreateReadyNode(b.ctx, nodeName, nil); err != nil {
+		return err
+	}
+	// The namespace an install runs dirpv in, where its processes publish CSIStorageCapacity
+	// objects; without it each publish fails and is retried, traffic no cluster has.
+	if err := createNamespace(b.ctx, b.client, "dirpv"); err != nil {
 		return err
 	}
 	// dirpv node runs without kubelet registration here; list it as kubelet would, so the
@@ -419,6 +426,11 @@ func (b *bench) latency(ns, class, node string, n int, before func(name string) 
 	}()
 	for i := 0; i < n; i++ {
 		name := fmt.Sprintf("l-%04d", i)
+		select {
+		case <-time.After(*flagLatGap):
+		case <-b.ctx.Done():
+			return nil, b.ctx.Err()
+		}
 		if before != nil {
 			if err := before(name); err != nil {
 				return nil, err
@@ -1193,8 +1205,8 @@ func (b *bench) goals() {
 
 func (b *bench) print() {
 	rp := b.report
-	fmt.Printf("\ndirpv bench: n=%d, latency-n=%d, publish-n=%d, rss-n=%d; kube-controller-manager %s %v; claims placed at %s; dirpv flags: defaults %v env %v; %d CPUs, load %s\n\n",
-		rp.N, rp.LatencyN, rp.PublishN, rp.RSSN, rp.KCM, rp.KCMArgs, rp.Place, rp.DirpvArgs, rp.DirpvEnv, rp.CPUs, rp.LoadAvg)
+	fmt.Printf("\ndirpv bench: n=%d, latency-n=%d (%v apart), publish-n=%d, rss-n=%d; kube-controller-manager %s %v; claims placed at %s; dirpv flags: defaults %v env %v; %d CPUs, load %s\n\n",
+		rp.N, rp.LatencyN, rp.LatencyGap, rp.PublishN, rp.RSSN, rp.KCM, rp.KCMArgs, rp.Place, rp.DirpvArgs, rp.DirpvEnv, rp.CPUs, rp.LoadAvg)
 	fmt.Printf("| %-52s | %10s | %-26s |\n", "measurement", "value", "ratio")
 	fmt.Printf("|%s|%s|%s|\n", strings.Repeat("-", 54), strings.Repeat("-", 12), strings.Repeat("-", 28))
 	for _, r := range rp.Rows {
