@@ -84,7 +84,12 @@ func (k KubeConfig) client() (kubernetes.Interface, error) {
 	if err != nil {
 		return nil, fmt.Errorf("kubernetes client: %w", err)
 	}
-	return client, nil
+	// Each clientset made from a config without a RateLimiter gets a limiter of its own.
+	events, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client for events: %w", err)
+	}
+	return withEventsApart(client, events), nil
 }
 
 // ProvisionerConfig tunes the provisioning controller in either process.
