@@ -236,8 +236,9 @@ func BenchmarkProvisionDeleteLocal(b *testing.B) {
 		base func(b *testing.B) string
 	}{
 		{"dir", func(b *testing.B) string { return b.TempDir() }},
-		{"btrfs", func(b *testing.B) string { return quotatest.Btrfs(b, false) }},
-		{"btrfs-qgroup", func(b *testing.B) string { return quotatest.Btrfs(b, true) }},
+		// Large: btrfs frees a deleted subvolume's space in the background, behind the loop.
+		{"btrfs", func(b *testing.B) string { return quotatest.BtrfsOfSize(b, 8<<30, false) }},
+		{"btrfs-qgroup", func(b *testing.B) string { return quotatest.BtrfsOfSize(b, 8<<30, true) }},
 	} {
 		b.Run(c.name, func(b *testing.B) { benchProvisionDelete(b, c.base(b)) })
 	}
@@ -259,6 +260,9 @@ func benchProvisionDelete(b *testing.B, base string) {
 	defer cancel()
 	go p.Run(ctx)
 	opts := benchOptions(class)
+	// A claim larger than a base's free space is refused (rescheduled) before anything is made.
+	opts.PVC = opts.PVC.DeepCopy()
+	opts.PVC.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("16Mi")
 	b.ReportAllocs()
 	i := 0
 	var provision time.Duration

@@ -21,12 +21,18 @@ import (
 // fails rather than skips, so that a machine that cannot run it is noticed.
 func Btrfs(t testing.TB, quota bool) string {
 	t.Helper()
+	return BtrfsOfSize(t, 256<<20, quota)
+}
+
+// BtrfsOfSize is Btrfs with a file system of size bytes (its image file is sparse).
+func BtrfsOfSize(t testing.TB, size int64, quota bool) string {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Fatal("quotatest.Btrfs needs root (loop devices and mount)")
 	}
 	dir := t.TempDir()
 	mnt := filepath.Join(dir, "mnt")
-	fs, err := MountBtrfs(filepath.Join(dir, "btrfs.img"), mnt, 256<<20, quota)
+	fs, err := MountBtrfs(filepath.Join(dir, "btrfs.img"), mnt, size, quota)
 	if err != nil {
 		t.Fatal(err)
 	}
