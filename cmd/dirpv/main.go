@@ -78,9 +78,9 @@ func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfi
 	kube := &daemon.KubeConfig{}
 	prov := &daemon.ProvisionerConfig{}
 	fs.StringVar(&kube.Path, "kubeconfig", "", "Path to a kubeconfig file. Empty: in-cluster configuration.")
-	fs.Func("kube-api-qps", "Queries per second to the API server (default 100).", float32Flag(&kube.QPS))
+	fs.Func("kube-api-qps", "Queries per second to the API server (default 100). Events have a budget of their own of the same size.", float32Flag(&kube.QPS))
 	kube.QPS = 100
-	fs.IntVar(&kube.Burst, "kube-api-burst", 200, "Burst of queries to the API server.")
+	fs.IntVar(&kube.Burst, "kube-api-burst", 200, "Burst of queries to the API server (and, apart, of events).")
 	fs.IntVar(&prov.Workers, "worker-threads", 16, "Claims and volumes handled in parallel.")
 	fs.DurationVar(&prov.OperationTimeout, "operation-timeout", 30*time.Second,
 		"Deadline of each call that can hang on storage: NFS mounts, directory creation and removal on NFS, unmounts.")
