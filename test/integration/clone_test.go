@@ -231,45 +231,13 @@ func TestCloneRefusals(t *testing.T) {
 	}
 }
 
-// startNodeInstance starts a dirpv node instance for a new Ready node whose local bases are
-// the suite's, as node-a's are, and returns it.
-func startNodeInstance(t *testing.T, node string, env ...string) *framework.Process {
-	t.Helper()
-	ctx := context.Background()
-	if err := suite.Cluster.CreateReadyNode(ctx, node, map[string]string{"kubernetes.io/hostname": "host-" + node}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { suite.Client.CoreV1().Nodes().Delete(ctx, node, metav1.DeleteOptions{}) })
-	proc, err := suite.StartDirpv(ctx, node, "node", "--v=2", "--operation-timeout=10s",
-		"--node-name", node, "--allowed-base-paths", suite.Work.BaseRoot,
-		"--csi-endpoint", "unix://"+filepath.Join(t.TempDir(), "csi.sock"), "--plugin-registration-dir", "-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { proc.Stop(10 * time.Second) })
-	if len(env) > 0 {
-		proc.Kill()
-		proc.Env = env
-		if err := proc.Restart(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := proc.WaitHealthy(ctx, timeout); err != nil {
-		t.Fatal(err)
-	}
-	if err := suite.Cluster.RegisterCSIDriver(ctx, node, "dirpv.io"); err != nil {
-		t.Fatal(err)
-	}
-	return proc
-}
-
 // A local clone whose pod the scheduler put on another node than the source's: the claim goes
 // back to the scheduler with an event that names the source's node and says to pin the pod
 // there; once the user does, it binds there.
 func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 	ctx := context.Background()
 	const nodeB = "node-clone-b"
-	procB := startNodeInstance(t, nodeB)
+	procB := startNodeInstance(t, nodeB, suite.Work.BaseRoot)
 	ns := suite.NewNamespace(t)
 	class, _ := localClass(t, nil)
 	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(nodeA))
@@ -404,13 +372,12 @@ func TestCloneNFSClaim(t *testing.T) {
 // restarted: the half-made copy under its temporary name is no PV, and after the restart the
 // clone binds with a complete copy and nothing temporary is left.
 func TestCloneKilledMidCopyRestarts(t *testing.T) {
-	ctx := context.Background()
 	const (
 		node  = "node-clone-kill"
 		files = 20_000
 		point = failpoint.DuringCopy
 	)
-	proc := startNodeInstance(t, node, failpoint.Env+"="+point+":"+fmt.Sprint(files/2))
+	proc := startNodeInstance(t, node, suite.Work.BaseRoot, failpoint.Env+"="+point+":"+fmt.Sprint(files/2))
 	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
 	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(node))
@@ -418,16 +385,7 @@ func TestCloneKilledMidCopyRestarts(t *testing.T) {
 	fillOnServer(t, volumeDir(srcPV), files)
 
 	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(node), cloneOf("src"))
-	if err := framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
-		exited, _ := proc.Exited()
-		return exited, errors.New("the node instance is still running")
-	}); err != nil {
-		t.Fatalf("%v\n--- log tail:\n%s", err, proc.Tail(3000))
-	}
-	_, exitErr := proc.Exited()
-	if !strings.Contains(proc.Tail(4000), "failpoint "+point+" reached") || exitErr == nil || !strings.Contains(exitErr.Error(), "killed") {
-		t.Fatalf("the node instance exited (%v) but not at failpoint %s:\n%s", exitErr, point, proc.Tail(3000))
-	}
+	waitKilledAt(t, proc, point)
 	temps := tempDirs(t, base)
 	if len(temps) != 1 {
 		t.Fatalf("base after the kill holds %v, want the source and one temporary directory", entries(t, base))

@@ -7,7 +7,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -40,29 +39,8 @@ func testCrashAt(t *testing.T, point string) {
 	mnt := quotatest.Btrfs(t, true)
 	before := quotatest.Qgroups(t, mnt)
 
-	if err := suite.Cluster.CreateReadyNode(ctx, node, map[string]string{"kubernetes.io/hostname": "host-" + node}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { suite.Client.CoreV1().Nodes().Delete(ctx, node, metav1.DeleteOptions{}) })
-	proc, err := suite.StartDirpv(ctx, node, "node", "--v=2", "--operation-timeout=10s",
-		"--node-name", node, "--allowed-base-paths", mnt,
-		"--csi-endpoint", "unix://"+filepath.Join(t.TempDir(), "csi.sock"), "--plugin-registration-dir", "-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Before the file system's own cleanup: it cannot be unmounted while dirpv holds it.
-	t.Cleanup(func() { proc.Stop(10 * time.Second) })
-	if err := suite.Cluster.RegisterCSIDriver(ctx, node, "dirpv.io"); err != nil {
-		t.Fatal(err)
-	}
-	proc.Kill()
-	proc.Env = []string{failpoint.Env + "=" + point}
-	if err := proc.Restart(); err != nil {
-		t.Fatal(err)
-	}
-	if err := proc.WaitHealthy(ctx, timeout); err != nil {
-		t.Fatal(err)
-	}
+	// After the file system, so that its cleanup (unmount) comes after the instance's stop.
+	proc := startNodeInstance(t, node, mnt, failpoint.Env+"="+point)
 
 	ns := suite.NewNamespace(t)
 	class := suite.CreateClass(t, "crash-"+point, map[string]string{
@@ -76,16 +54,7 @@ func testCrashAt(t *testing.T, point string) {
 	// The crash: the process died at the point, by SIGKILL, and left exactly what that point
 	// leaves: one directory under a temporary name, a subvolume, limited only past
 	// SetLimit, and no PV.
-	if err := framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
-		exited, _ := proc.Exited()
-		return exited, errors.New("the node instance is still running")
-	}); err != nil {
-		t.Fatalf("%v\n--- log tail:\n%s", err, proc.Tail(3000))
-	}
-	_, exitErr := proc.Exited()
-	if !strings.Contains(proc.Tail(4000), "failpoint "+point+" reached") || exitErr == nil || !strings.Contains(exitErr.Error(), "killed") {
-		t.Fatalf("the node instance exited (%v) but not at failpoint %s:\n%s", exitErr, point, proc.Tail(3000))
-	}
+	waitKilledAt(t, proc, point)
 	temps := tempDirs(t, mnt)
 	if len(temps) != 1 || len(entries(t, mnt)) != 1 {
 		t.Fatalf("base after the crash holds %v, want one temporary directory and nothing else", entries(t, mnt))

@@ -3,7 +3,6 @@ package integration
 import (
 	"context"
 	"fmt"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -14,26 +13,6 @@ import (
 	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/framework"
 )
-
-// startNode creates a Ready node with a dirpv node instance of its own.
-func startNode(t *testing.T, node string) *framework.Process {
-	t.Helper()
-	ctx := context.Background()
-	if err := suite.Cluster.CreateReadyNode(ctx, node, map[string]string{"kubernetes.io/hostname": "host-" + node}); err != nil {
-		t.Fatal(err)
-	}
-	proc, err := suite.StartDirpv(ctx, node, "node", "--v=2", "--operation-timeout=10s",
-		"--node-name", node, "--allowed-base-paths", suite.Work.BaseRoot,
-		"--csi-endpoint", "unix://"+filepath.Join(t.TempDir(), "csi.sock"), "--plugin-registration-dir", "-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { proc.Stop(10 * time.Second) })
-	if err := suite.Cluster.RegisterCSIDriver(ctx, node, "dirpv.io"); err != nil {
-		t.Fatal(err)
-	}
-	return proc
-}
 
 // cached is what the process reports holding in its informer cache of resource.
 func cached(ctx context.Context, p *framework.Process, resource string) (float64, error) {
@@ -70,7 +49,7 @@ func waitLabel(t *testing.T, ns, name, node string) {
 // every class.
 func TestNodeInstancesCacheOwnVolumesOnly(t *testing.T) {
 	const nodeB = "route-b"
-	procB := startNode(t, nodeB)
+	procB := startNodeInstance(t, nodeB, suite.Work.BaseRoot)
 	ns := suite.NewNamespace(t)
 	class, _ := localClass(t, nil)
 	claims := map[string]string{"a1": nodeA, "a2": nodeA, "b1": nodeB, "b2": nodeB, "b3": nodeB}

@@ -1,0 +1,64 @@
+package integration
+
+import (
+	"context"
+	"errors"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/dirpv/dirpv/test/framework"
+)
+
+// startNodeInstance creates a new Ready node and starts a dirpv node instance for it whose
+// allowed base paths are bases, with the extra environment env (e.g. a failpoint), and returns
+// it once healthy. Its stop, and the node's deletion, are the test's cleanups: a file system
+// its bases are on must be made before, so that it is unmounted after the instance stopped.
+func startNodeInstance(t *testing.T, node, bases string, env ...string) *framework.Process {
+	t.Helper()
+	ctx := context.Background()
+	if err := suite.Cluster.CreateReadyNode(ctx, node, map[string]string{"kubernetes.io/hostname": "host-" + node}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { suite.Client.CoreV1().Nodes().Delete(ctx, node, metav1.DeleteOptions{}) })
+	proc, err := suite.StartDirpv(ctx, node, "node", "--v=2", "--operation-timeout=10s",
+		"--node-name", node, "--allowed-base-paths", bases,
+		"--csi-endpoint", "unix://"+filepath.Join(t.TempDir(), "csi.sock"), "--plugin-registration-dir", "-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { proc.Stop(10 * time.Second) })
+	if len(env) > 0 {
+		proc.Kill()
+		proc.Env = env
+		if err := proc.Restart(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := proc.WaitHealthy(ctx, timeout); err != nil {
+		t.Fatal(err)
+	}
+	if err := suite.Cluster.RegisterCSIDriver(ctx, node, "dirpv.io"); err != nil {
+		t.Fatal(err)
+	}
+	return proc
+}
+
+// waitKilledAt waits until proc has died at failpoint point: by SIGKILL, after logging that it
+// reached the point, so that a test of the crash proves the crash happened there.
+func waitKilledAt(t *testing.T, proc *framework.Process, point string) {
+	t.Helper()
+	if err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
+		exited, _ := proc.Exited()
+		return exited, errors.New("the node instance is still running")
+	}); err != nil {
+		t.Fatalf("%v\n--- log tail:\n%s", err, proc.Tail(3000))
+	}
+	_, exitErr := proc.Exited()
+	if !strings.Contains(proc.Tail(4000), "failpoint "+point+" reached") || exitErr == nil || !strings.Contains(exitErr.Error(), "killed") {
+		t.Fatalf("the node instance exited (%v) but not at failpoint %s:\n%s", exitErr, point, proc.Tail(3000))
+	}
+}
