@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/discovery/cached/memory"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/restmapper"
 	"k8s.io/client-go/tools/clientcmd"
 
@@ -63,15 +64,10 @@ func Install(ctx context.Context, c *cluster.Cluster, logf func(string, ...any))
 	if err != nil {
 		return nil, err
 	}
-	inst := &Installation{Objects: objs}
-	if inst.dyn, err = dynamic.NewForConfig(cfg); err != nil {
-		return nil, err
-	}
-	dc, err := discovery.NewDiscoveryClientForConfig(cfg)
+	inst, err := newInstallation(cfg, objs)
 	if err != nil {
 		return nil, err
 	}
-	inst.mapper = restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(dc))
 	for _, o := range objs {
 		if err := inst.apply(ctx, o); err != nil {
 			return nil, err
@@ -217,4 +213,20 @@ func WaitForDriverRegistered(ctx context.Context, client kubernetes.Interface, n
 		return fmt.Errorf("dirpv.io not registered with kubelet on %s: %w", node, err)
 	}
 	return nil
+}
+
+// newInstallation returns an Installation of objs that applies and deletes them through the
+// API server of cfg.
+func newInstallation(cfg *rest.Config, objs []*unstructured.Unstructured) (*Installation, error) {
+	inst := &Installation{Objects: objs}
+	var err error
+	if inst.dyn, err = dynamic.NewForConfig(cfg); err != nil {
+		return nil, err
+	}
+	dc, err := discovery.NewDiscoveryClientForConfig(cfg)
+	if err != nil {
+		return nil, err
+	}
+	inst.mapper = restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(dc))
+	return inst, nil
 }

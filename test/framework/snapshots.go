@@ -10,9 +10,6 @@ import (
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	snapclientset "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
 	"k8s.io/client-go/discovery"
-	"k8s.io/client-go/discovery/cached/memory"
-	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/restmapper"
 	"k8s.io/client-go/tools/clientcmd"
 
 	"github.com/dirpv/dirpv/test/deploy"
@@ -30,15 +27,10 @@ func InstallSnapshotCRDs(ctx context.Context, kubeconfig string) (snapclientset.
 	if err != nil || len(files) == 0 {
 		return nil, fmt.Errorf("snapshot CRDs: %d files (%v)", len(files), err)
 	}
-	inst := &Installation{}
-	if inst.dyn, err = dynamic.NewForConfig(cfg); err != nil {
-		return nil, err
-	}
-	dc, err := discovery.NewDiscoveryClientForConfig(cfg)
+	inst, err := newInstallation(cfg, nil)
 	if err != nil {
 		return nil, err
 	}
-	inst.mapper = restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(dc))
 	for _, f := range files {
 		data, err := os.ReadFile(f)
 		if err != nil {
@@ -53,6 +45,10 @@ func InstallSnapshotCRDs(ctx context.Context, kubeconfig string) (snapclientset.
 				return nil, err
 			}
 		}
+	}
+	dc, err := discovery.NewDiscoveryClientForConfig(cfg)
+	if err != nil {
+		return nil, err
 	}
 	err = Poll(ctx, time.Minute, func(ctx context.Context) (bool, error) {
 		list, err := dc.ServerResourcesForGroupVersion(snapshotv1.SchemeGroupVersion.String())

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-	"k8s.io/mount-utils"
 
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/test/vm/guest"
@@ -150,20 +149,7 @@ func TestCloneOverNFS(t *testing.T) {
 			}
 			writeCopyTree(t, filepath.Join(serverDir, "vol"))
 			want := treeHash(t, filepath.Join(serverDir, "vol"))
-			target := t.TempDir()
-			if err := mount.New("").Mount(guest.NFSAddr+":"+share, target, "nfs", options); err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				if err := unix.Unmount(target, unix.MNT_DETACH); err != nil {
-					t.Errorf("unmount %s: %v", target, err)
-				}
-			})
-			r, err := volume.OpenRoot(target)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer r.Close()
+			r := openExport(t, share, options)
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 			defer cancel()
 			_, _, stats, err := r.MkdirAllFrom(ctx, "clone", volume.Claim{UID: "clone"}, 0, volume.Source{Root: r, Rel: "vol"})

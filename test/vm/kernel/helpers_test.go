@@ -95,6 +95,28 @@ func exportDirFor(t *testing.T, dir string, mountOptions []string, options ...st
 	return exportDir(t, dir, append(options, guest.V4Root)...), "/"
 }
 
+// openExport mounts the guest's export share with the kernel client and options, as the
+// controller does, and returns it as a Root; the test's cleanups close and unmount it.
+func openExport(t *testing.T, share string, options []string) *volume.Root {
+	t.Helper()
+	mnt := t.TempDir()
+	m := mount.New("")
+	if err := m.Mount(guest.NFSAddr+":"+share, mnt, "nfs", options); err != nil {
+		t.Fatalf("mount the export %s: %v", share, err)
+	}
+	t.Cleanup(func() {
+		if err := mount.CleanupMountPoint(mnt, m, false); err != nil {
+			t.Errorf("unmount the export at %s: %v", mnt, err)
+		}
+	})
+	root, err := volume.OpenRoot(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { root.Close() })
+	return root
+}
+
 // controllerFixture is `dirpv controller` below the API: the real Provisioner with the system
 // mount(8) (so the real mount.nfs), a fake clientset for the API side.
 type controllerFixture struct {

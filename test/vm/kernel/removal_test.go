@@ -7,11 +7,7 @@ import (
 	"strconv"
 	"testing"
 
-	"golang.org/x/sys/unix"
-	"k8s.io/mount-utils"
-
 	"github.com/dirpv/dirpv/test/vm/guest"
-	"github.com/dirpv/dirpv/volume"
 )
 
 // A removal reads directories a batch at a time and goes on from directory offsets, which on
@@ -42,21 +38,7 @@ func TestRemoveAllInBatchesOverNFS(t *testing.T) {
 					}
 				}
 			}
-			target := t.TempDir()
-			m := mount.New("")
-			if err := m.Mount(guest.NFSAddr+":"+share, target, "nfs", options); err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				if err := unix.Unmount(target, unix.MNT_DETACH); err != nil {
-					t.Errorf("unmount %s: %v", target, err)
-				}
-			})
-			r, err := volume.OpenRoot(target)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer r.Close()
+			r := openExport(t, share, options)
 			if err := r.RemoveAll("vol"); err != nil {
 				t.Fatalf("RemoveAll over NFS: %v", err)
 			}

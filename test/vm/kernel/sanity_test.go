@@ -1,11 +1,7 @@
 package kernel
 
 import (
-	"os"
-	"path/filepath"
 	"testing"
-
-	"k8s.io/mount-utils"
 
 	"github.com/dirpv/dirpv/test/sanity"
 	"github.com/dirpv/dirpv/test/vm/guest"
@@ -19,24 +15,7 @@ import (
 func TestSanityNFS(t *testing.T) {
 	options := []string{"nfsvers=4.2"}
 	_, share := exportFor(t, options, guest.NoRootSquash)
-	mnt := filepath.Join(t.TempDir(), "export")
-	m := mount.New("")
-	if err := os.Mkdir(mnt, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Mount(guest.NFSAddr+":"+share, mnt, "nfs", options); err != nil {
-		t.Fatalf("mounting the export for the test controller: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := mount.CleanupMountPoint(mnt, m, false); err != nil {
-			t.Errorf("unmounting the test controller's mount of the export: %v", err)
-		}
-	})
-	root, err := volume.OpenRoot(mnt)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { root.Close() })
+	root := openExport(t, share, options)
 	sanity.Run(t, sanity.Config{Dir: t.TempDir(), Volumes: root, FSTypes: []string{"nfs4"},
 		Attributes: func(rel string) volume.Attributes {
 			return volume.Attributes{Backend: volume.BackendNFS, Server: guest.NFSAddr, Share: share, Path: rel}
