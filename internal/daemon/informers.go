@@ -36,15 +36,21 @@ func newInformerFactory(client kubernetes.Interface, resync time.Duration) infor
 // and the update carries the cached resourceVersion, so it never overwrites a newer claim.
 // Everything else stays: the lib reads claims' and volumes' annotations, finalizers, spec and
 // status, and pathPattern reads claims' labels and annotations. Tombstones are passed on as
-// they are.
+// they are. An object with nothing to drop is not written to: client-go's fake clientset
+// hands its watchers the very objects it stores when a watch starts behind them, and a write
+// there races every read of the fake's store.
 func trimObject(obj any) (any, error) {
 	m, err := meta.Accessor(obj)
 	if err != nil {
 		return obj, nil
 	}
-	m.SetManagedFields(nil)
-	// GetAnnotations returns the object's own map (deleting from a nil one is a no-op).
-	delete(m.GetAnnotations(), corev1.LastAppliedConfigAnnotation)
+	if len(m.GetManagedFields()) > 0 {
+		m.SetManagedFields(nil)
+	}
+	// GetAnnotations returns the object's own map.
+	if a := m.GetAnnotations(); a[corev1.LastAppliedConfigAnnotation] != "" {
+		delete(a, corev1.LastAppliedConfigAnnotation)
+	}
 	return obj, nil
 }
 
