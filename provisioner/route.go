@@ -14,7 +14,9 @@ import (
 // LabelNode is the label naming the node of a local volume, on its claim once the scheduler
 // has placed the claim and on its PV. A node instance watches only the claims and PVs that
 // carry its own name here, so that its cache and watch traffic grow with its own volumes, not
-// with the cluster's. dirpv controller sets it on claims (it watches every claim anyway); the
+// with the cluster's. On a claim the API server sets it, in the write that places the claim,
+// where deploy/'s MutatingAdmissionPolicy dirpv-node-label is installed (Kubernetes 1.36 or
+// newer); dirpv controller sets it wherever that did not (it watches every claim anyway). The
 // node sets it on the PVs it makes, and the controller on PVs made before the label existed.
 const LabelNode = "dirpv.io/node"
 

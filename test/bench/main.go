@@ -59,6 +59,7 @@ var (
 	flagTimeout  = flag.Duration("phase-timeout", 10*time.Minute, "deadline of each phase")
 	flagBin      = flag.String("dirpv-bin", "", "run this dirpv binary instead of building ./cmd/dirpv (e.g. to compare two builds)")
 	flagPlace    = flag.String("place", "create", `how a claim gets its node: "create" (made with the scheduler's selected-node annotation) or "scheduler" (made unplaced, then updated with it as the scheduler does)`)
+	flagPolicy   = flag.Bool("node-label-policy", true, "install deploy/'s MutatingAdmissionPolicy that labels placed local claims with their node, as deploy/ does; false: dirpv controller labels them (clusters before Kubernetes 1.36)")
 	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,limits,nfs,publish,nodes,rss,stock); empty: all. ceiling is always run, but for -only nodes")
 )
 
@@ -83,25 +84,26 @@ type Goal struct {
 
 // Report is the JSON output.
 type Report struct {
-	Started    time.Time                     `json:"started"`
-	N          int                           `json:"n"`
-	LatencyN   int                           `json:"latencyN"`
-	LatencyGap time.Duration                 `json:"latencyGapNanoseconds"`
-	PublishN   int                           `json:"publishN"`
-	RSSN       int                           `json:"rssN"`
-	KCM        string                        `json:"kcm"`
-	Place      string                        `json:"place"`
-	KCMArgs    []string                      `json:"kcmArgs"`
-	DirpvArgs  []string                      `json:"dirpvArgs"`
-	DirpvEnv   []string                      `json:"dirpvEnv,omitempty"`
-	DirpvBin   string                        `json:"dirpvBin,omitempty"`
-	CPUs       int                           `json:"cpus"`
-	LoadAvg    string                        `json:"loadAvg"`
-	Rows       []Row                         `json:"rows"`
-	Goals      []Goal                        `json:"goals"`
-	Targets    []Target                      `json:"targets"`
-	CPU        map[string]map[string]float64 `json:"cpuSecondsByPhase"`
-	Phases     []string                      `json:"phases"`
+	Started         time.Time                     `json:"started"`
+	N               int                           `json:"n"`
+	LatencyN        int                           `json:"latencyN"`
+	LatencyGap      time.Duration                 `json:"latencyGapNanoseconds"`
+	PublishN        int                           `json:"publishN"`
+	RSSN            int                           `json:"rssN"`
+	KCM             string                        `json:"kcm"`
+	Place           string                        `json:"place"`
+	KCMArgs         []string                      `json:"kcmArgs"`
+	DirpvArgs       []string                      `json:"dirpvArgs"`
+	DirpvEnv        []string                      `json:"dirpvEnv,omitempty"`
+	DirpvBin        string                        `json:"dirpvBin,omitempty"`
+	NodeLabelPolicy bool                          `json:"nodeLabelPolicy"`
+	CPUs            int                           `json:"cpus"`
+	LoadAvg         string                        `json:"loadAvg"`
+	Rows            []Row                         `json:"rows"`
+	Goals           []Goal                        `json:"goals"`
+	Targets         []Target                      `json:"targets"`
+	CPU             map[string]map[string]float64 `json:"cpuSecondsByPhase"`
+	Phases          []string                      `json:"phases"`
 	// Memory holds the rss phase's figures under stable names (memoryFigures) for tools that
 	// read this file; absent when the phase did not run.
 	Memory map[string]float64 `json:"memory,omitempty"`
@@ -287,6 +289,11 @@ func (b *bench) prepare() error {
 	// controller does not report (and look up) a missing node plugin for every claim.
 	if err := b.s.Cluster.RegisterCSIDriver(b.ctx, nodeName, "dirpv.io"); err != nil {
 		return err
+	}
+	if b.report.NodeLabelPolicy = *flagPolicy; *flagPolicy {
+		if _, err := framework.ApplyFile(b.ctx, b.s.Cluster.Kubeconfig, framework.NodeLabelPolicy); err != nil {
+			return err
+		}
 	}
 	if b.dirpvBin = *flagBin; b.dirpvBin == "" {
 		b.dirpvBin = b.s.Dirpv
@@ -658,7 +665,13 @@ func (b *bench) startProcesses(suffix string) (node, ctrl *framework.Process, er
 func (b *bench) csiSocket() string { return filepath.Join(b.s.Work.Dir, "csi.sock") }
 
 func (b *bench) localClass(name, base string) error {
-	return b.createClass(framework.NewClass(name, map[string]string{"backend": "local", "basePath": base}))
+	if err := b.createClass(framework.NewClass(name, map[string]string{"backend": "local", "basePath": base})); err != nil {
+		return err
+	}
+	if !*flagPolicy {
+		return nil
+	}
+	return framework.WaitNodeLabelPolicy(b.ctx, b.client, "dirpv", name, 30*time.Second)
 }
 
 func (b *bench) localBulk() error {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
 	"time"
 
@@ -82,6 +84,59 @@ func Install(ctx context.Context, c *cluster.Cluster, logf func(string, ...any))
 	}
 	logf("dirpv installed from deploy/overlays/e2e-local in %s", time.Since(start).Round(time.Millisecond))
 	return inst, nil
+}
+
+// NodeLabelPolicy is deploy/'s MutatingAdmissionPolicy that labels placed claims of local
+// classes with their node.
+const NodeLabelPolicy = "deploy/components/node-label-policy/node-label-policy.yaml"
+
+// ApplyFile server-side applies the objects of a manifest of this repository (path relative
+// to its root) to the cluster of kubeconfig, as `kubectl apply --server-side -f` would; the
+// Installation it returns deletes them again.
+func ApplyFile(ctx context.Context, kubeconfig, path string) (*Installation, error) {
+	data, err := os.ReadFile(filepath.Join(RepoRoot(), path))
+	if err != nil {
+		return nil, err
+	}
+	objs, err := deploy.Decode(data)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	inst, err := newInstallation(cfg, objs)
+	if err != nil {
+		return nil, err
+	}
+	for _, o := range objs {
+		if err := inst.apply(ctx, o); err != nil {
+			return nil, err
+		}
+	}
+	return inst, nil
+}
+
+// WaitNodeLabelPolicy waits until the API server applies NodeLabelPolicy to claims of class
+// (a local WaitForFirstConsumer class): a policy takes effect once the API server's informers
+// have it. It asks with dry-run creates in namespace, which leave nothing behind.
+func WaitNodeLabelPolicy(ctx context.Context, c kubernetes.Interface, namespace, class string, timeout time.Duration) error {
+	const node = "policy-probe"
+	dryRun := metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}
+	var labels map[string]string
+	err := Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		claim, err := c.CoreV1().PersistentVolumeClaims(namespace).Create(ctx, NewClaim(namespace, "policy-probe", class, OnNode(node)), dryRun)
+		if err != nil {
+			return false, err
+		}
+		labels = claim.Labels
+		return labels["dirpv.io/node"] == node, nil
+	})
+	if err != nil {
+		return fmt.Errorf("%s does not label a claim of class %s placed on %s (labels %v): %w", NodeLabelPolicy, class, node, labels, err)
+	}
+	return nil
 }
 
 func (inst *Installation) resource(o *unstructured.Unstructured) (dynamic.ResourceInterface, error) {

@@ -248,3 +248,69 @@ func TestClaimsWithPodsBindWithoutConflicts(t *testing.T) {
 		}
 	}
 }
+
+// With deploy/'s MutatingAdmissionPolicy installed, the API server labels a claim of a local
+// class in the write that places it: the claim made placed comes back from its create with the
+// label, and so does the scheduler's update of an unplaced claim, so no write of dirpv's is
+// needed; both bind. Claims of other classes get no label, and a node name too long for a
+// label value is left to dirpv controller, which labels the claim with its hashed value.
+func TestPlacedClaimLabelledByAdmissionPolicy(t *testing.T) {
+	ctx := context.Background()
+	policy, err := framework.ApplyFile(ctx, suite.Cluster.Kubeconfig, framework.NodeLabelPolicy)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := policy.Uninstall(context.Background()); err != nil {
+			t.Error(err)
+		}
+	})
+	ns := suite.NewNamespace(t)
+	class, _ := localClass(t, nil)
+	if err := framework.WaitNodeLabelPolicy(ctx, suite.Client, ns, class.Name, timeout); err != nil {
+		t.Fatal(err)
+	}
+	claims := suite.Client.CoreV1().PersistentVolumeClaims(ns)
+	dryRun := metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}
+
+	placed := suite.CreateClaim(t, ns, "placed", class.Name, framework.OnNode(nodeA))
+	if placed.Labels[provisioner.LabelNode] != nodeA {
+		t.Errorf("claim created on %s came back with labels %v", nodeA, placed.Labels)
+	}
+	unplaced := suite.CreateClaim(t, ns, "unplaced", class.Name)
+	if _, ok := unplaced.Labels[provisioner.LabelNode]; ok {
+		t.Errorf("unplaced claim came back with labels %v", unplaced.Labels)
+	}
+	unplaced.Annotations = map[string]string{"volume.kubernetes.io/selected-node": nodeA}
+	scheduled, err := claims.Update(ctx, unplaced, metav1.UpdateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if scheduled.Labels[provisioner.LabelNode] != nodeA {
+		t.Errorf("claim placed on %s by an update came back with labels %v", nodeA, scheduled.Labels)
+	}
+	for _, name := range []string{"placed", "unplaced"} {
+		if _, pv := waitBound(t, ns, name); pv.Labels[provisioner.LabelNode] != nodeA {
+			t.Errorf("PV of %s labels %v, want %s=%s", name, pv.Labels, provisioner.LabelNode, nodeA)
+		}
+	}
+
+	other := suite.CreateClass(t, "other-provisioner", map[string]string{"backend": "local"}, framework.Provisioner("example.com/other"))
+	immediate := suite.CreateClass(t, "immediate-local", map[string]string{"backend": "local"}, framework.Immediate)
+	for _, c := range []string{other.Name, immediate.Name} {
+		got, err := claims.Create(ctx, framework.NewClaim(ns, "of-"+c, c, framework.OnNode(nodeA)), dryRun)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, ok := got.Labels[provisioner.LabelNode]; ok {
+			t.Errorf("claim of class %s came back with labels %v", c, got.Labels)
+		}
+	}
+
+	long := "node-" + strings.Repeat("x", 70)
+	c := suite.CreateClaim(t, ns, "long", class.Name, framework.OnNode(long))
+	if _, ok := c.Labels[provisioner.LabelNode]; ok {
+		t.Errorf("claim on a node of %d characters came back with labels %v", len(long), c.Labels)
+	}
+	waitLabel(t, ns, "long", provisioner.NodeLabel(long))
+}
