@@ -391,6 +391,7 @@ func (b *bench) bulk(ns, class, node string, n int) (time.Duration, error) {
 		return 0, err
 	}
 	defer w.Stop()
+	b.settle(class)
 	t0, err := b.createClaims(ns, "c", class, node, n)
 	if err != nil {
 		return 0, err
@@ -419,6 +420,7 @@ func (b *bench) latency(ns, class, node string, n int, before func(name string) 
 		return nil, err
 	}
 	defer w.Stop()
+	b.settle(class)
 	var out []time.Duration
 	var spans [4][]time.Duration
 	defer func() {

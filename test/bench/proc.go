@@ -320,3 +320,50 @@ func parseMemStats(profile string) (alloc, inuse float64, err error) {
 	}
 	return alloc, inuse, nil
 }
+
+// quietShare is how little CPU the cluster's processes (etcd, kube-apiserver,
+// kube-controller-manager, kube-scheduler and dirpv's) use together, in a share of one CPU over
+// settleWindow, when the cluster counts as settled.
+const (
+	quietShare   = 0.25
+	settleWindow = time.Second
+	settleMax    = 30 * time.Second
+)
+
+// settle waits until the cluster is quiet (quietShare in two windows in a row), at most
+// settleMax, so that each timed run starts from the same state: without it a run right after
+// the clean-up of an earlier one (a thousand claims and PVs deleted) meets the cluster still
+// working off that, and measures the order of the phases more than what it times.
+func (b *bench) settle(what string) {
+	t0 := time.Now()
+	used := func() time.Duration {
+		var d time.Duration
+		for name, c := range b.cpuSnapshot() {
+			if name != "bench" {
+				d += c
+			}
+		}
+		return d
+	}
+	quiet := 0
+	last := used()
+	for quiet < 2 && time.Since(t0) < settleMax {
+		select {
+		case <-time.After(settleWindow):
+		case <-b.ctx.Done():
+			return
+		}
+		now := used()
+		if float64(now-last) < quietShare*float64(settleWindow) {
+			quiet++
+		} else {
+			quiet = 0
+		}
+		last = now
+	}
+	if quiet < 2 {
+		fmt.Printf("   (%s: the cluster did not settle below %.0f%% of a CPU within %s; timing anyway)\n", what, 100*quietShare, settleMax)
+		return
+	}
+	fmt.Printf("   (%s: cluster settled in %.1fs)\n", what, time.Since(t0).Seconds())
+}
