@@ -62,18 +62,9 @@ func Install(ctx context.Context, c *cluster.Cluster, logf func(string, ...any))
 	if err != nil {
 		return nil, err
 	}
-	cfg, err := clientcmd.BuildConfigFromFlags("", c.Kubeconfig)
+	inst, err := applyObjects(ctx, c.Kubeconfig, objs)
 	if err != nil {
 		return nil, err
-	}
-	inst, err := newInstallation(cfg, objs)
-	if err != nil {
-		return nil, err
-	}
-	for _, o := range objs {
-		if err := inst.apply(ctx, o); err != nil {
-			return nil, err
-		}
 	}
 	client, err := c.Client()
 	if err != nil {
@@ -102,6 +93,11 @@ func ApplyFile(ctx context.Context, kubeconfig, path string) (*Installation, err
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
+	return applyObjects(ctx, kubeconfig, objs)
+}
+
+// applyObjects applies objs in order to the cluster of kubeconfig.
+func applyObjects(ctx context.Context, kubeconfig string, objs []*unstructured.Unstructured) (*Installation, error) {
 	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 	if err != nil {
 		return nil, err
