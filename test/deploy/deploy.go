@@ -71,14 +71,28 @@ func Kustomize(ctx context.Context, kustomizeBin, dir string) ([]byte, error) {
 	return run(ctx, kustomizeBin, "build", dir)
 }
 
+// MutatingAdmissionPolicyAPI is the API version of the node-label policy's kind, as helm's
+// --api-versions names it: Kubernetes 1.36 and newer serve it.
+const MutatingAdmissionPolicyAPI = "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"
+
 // HelmTemplate runs `helm template dirpv deploy/helm/dirpv --namespace namespace` with the
-// given values files and --set arguments ("key=value").
+// given values files and --set arguments ("key=value"), for a cluster that serves
+// MutatingAdmissionPolicyAPI, as the clusters of this repository's tests do.
 func HelmTemplate(ctx context.Context, helmBin, namespace string, valuesFiles []string, set ...string) ([]byte, error) {
+	return HelmTemplateFor(ctx, helmBin, namespace, []string{MutatingAdmissionPolicyAPI}, valuesFiles, set...)
+}
+
+// HelmTemplateFor is HelmTemplate for a cluster that serves, beyond helm's built-in API
+// versions, apiVersions ("group/version/Kind").
+func HelmTemplateFor(ctx context.Context, helmBin, namespace string, apiVersions, valuesFiles []string, set ...string) ([]byte, error) {
 	root, err := RepoDir()
 	if err != nil {
 		return nil, err
 	}
 	args := []string{"template", "dirpv", filepath.Join(root, "deploy", "helm", "dirpv"), "--namespace", namespace}
+	for _, v := range apiVersions {
+		args = append(args, "--api-versions", v)
+	}
 	for _, f := range valuesFiles {
 		args = append(args, "--values", f)
 	}

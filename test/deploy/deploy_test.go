@@ -35,6 +35,35 @@ func TestHelmMatchesKindOverlay(t *testing.T) {
 	sameObjects(t, kustomizeObjs(t, kustomize, "deploy/overlays/kind"), helmObjs(t, helm, []string{"testdata/kind-values.yaml"}))
 }
 
+// TestNodeLabelPolicyOnlyWhereServed: the chart renders the node-label policy for a cluster
+// that serves its kind, and leaves it out for an older one (helm would otherwise refuse the
+// whole install) and when nodeLabelPolicy.enabled is false; everything else stays the same.
+func TestNodeLabelPolicyOnlyWhereServed(t *testing.T) {
+	_, helm := tools(t)
+	policy := []string{"MutatingAdmissionPolicy /dirpv-node-label", "MutatingAdmissionPolicyBinding /dirpv-node-label"}
+	served := helmObjs(t, helm, nil)
+	for _, k := range policy {
+		if served[k] == nil {
+			t.Errorf("helm template for a cluster that serves %s lacks %s", MutatingAdmissionPolicyAPI, k)
+		}
+	}
+	out, err := HelmTemplateFor(t.Context(), helm, "dirpv", nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, objs := range map[string]objects{"an older cluster": decode(t, out), "nodeLabelPolicy.enabled=false": helmObjs(t, helm, nil, "nodeLabelPolicy.enabled=false")} {
+		for _, k := range policy {
+			if objs[k] != nil {
+				t.Errorf("helm template for %s renders %s", name, k)
+			}
+			delete(served, k)
+		}
+		if !reflect.DeepEqual(objs.keys(), served.keys()) {
+			t.Errorf("helm template for %s: objects %v, want %v", name, objs.keys(), served.keys())
+		}
+	}
+}
+
 // sameObjects fails unless kustomize's and helm's renders are the same objects, field for
 // field, but for Helm's own labels (which it removes from chart).
 func sameObjects(t *testing.T, kind, chart objects) {

@@ -273,6 +273,11 @@ func TestPlacedClaimLabelledByAdmissionPolicy(t *testing.T) {
 		}
 	})
 	ns := suite.NewNamespace(t)
+	// The classes whose claims must not be labelled come first: the API server reads the
+	// policy's params from its informer, in order, so once the local class (made last) takes
+	// effect below, these are known too, and their "no label" below is the policy's answer.
+	other := suite.CreateClass(t, "other-provisioner", map[string]string{"backend": "local"}, framework.Provisioner("example.com/other"))
+	immediate := suite.CreateClass(t, "immediate-local", map[string]string{"backend": "local"}, framework.Immediate)
 	class, _ := localClass(t, nil)
 	if err := framework.WaitNodeLabelPolicy(ctx, suite.Client, ns, class.Name, timeout); err != nil {
 		t.Fatal(err)
@@ -302,8 +307,6 @@ func TestPlacedClaimLabelledByAdmissionPolicy(t *testing.T) {
 		}
 	}
 
-	other := suite.CreateClass(t, "other-provisioner", map[string]string{"backend": "local"}, framework.Provisioner("example.com/other"))
-	immediate := suite.CreateClass(t, "immediate-local", map[string]string{"backend": "local"}, framework.Immediate)
 	for _, c := range []string{other.Name, immediate.Name} {
 		got, err := claims.Create(ctx, framework.NewClaim(ns, "of-"+c, c, framework.OnNode(nodeA)), dryRun)
 		if err != nil {
@@ -312,6 +315,16 @@ func TestPlacedClaimLabelledByAdmissionPolicy(t *testing.T) {
 		if _, ok := got.Labels[provisioner.LabelNode]; ok {
 			t.Errorf("claim of class %s came back with labels %v", c, got.Labels)
 		}
+	}
+
+	// Not a node name the scheduler writes, nor a valid label value: the claim is still
+	// admitted, unlabelled, rather than failing validation after the policy's mutation.
+	odd, err := claims.Create(ctx, framework.NewClaim(ns, "odd-node", class.Name, framework.OnNode("odd_node_")), dryRun)
+	if err != nil {
+		t.Fatalf("claim placed on a node name that is no label value: %v", err)
+	}
+	if _, ok := odd.Labels[provisioner.LabelNode]; ok {
+		t.Errorf("claim placed on %q came back with labels %v", "odd_node_", odd.Labels)
 	}
 
 	long := "node-" + strings.Repeat("x", 70)
