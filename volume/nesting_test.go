@@ -293,6 +293,71 @@ func TestCrashLeftoversAreNotVolumes(t *testing.T) {
 	})
 }
 
+// A crash inside the rename into place where the file system has no RENAME_NOREPLACE (NFS)
+// leaves the name claimed by an empty mode-0 directory beside the claim's complete temporary
+// one: the claim's retry removes that placeholder and makes the volume. A placeholder with
+// something in it, or without the claim's temporary directory beside it, is refused as before.
+func TestCrashAfterPlaceholderIsRetried(t *testing.T) {
+	forEachMarker(t, func(t *testing.T, r *Root, base string) {
+		owner := Owner{Mode: 0o750, UID: -1, GID: -1}
+		if err := os.Mkdir(filepath.Join(base, "ns"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		ns, err := r.openDir("ns", unix.O_PATH)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer unix.Close(ns)
+		crash := func(name string, inPlaceholder bool) {
+			t.Helper()
+			if _, err := r.makeMarked(ns, tempName(claimA, name), owner, claimA, 0, nil); err != nil {
+				t.Fatal(err)
+			}
+			if err := unix.Mkdirat(ns, name, 0); err != nil {
+				t.Fatal(err)
+			}
+			if inPlaceholder {
+				if err := os.WriteFile(filepath.Join(base, "ns", name, "data"), nil, 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		crash("db", false)
+		if created, err := r.MkdirAll("ns/db", owner, claimA); err != nil || !created {
+			t.Fatalf("retry after the crash: %v %v", created, err)
+		}
+		var st unix.Stat_t
+		if err := unix.Stat(filepath.Join(base, "ns/db"), &st); err != nil || st.Mode&0o7777 != 0o750 {
+			t.Errorf("volume mode %o (%v), want 750", st.Mode&0o7777, err)
+		}
+		if got, _, err := r.VolumeOwner("ns/db"); err != nil || got != claimA {
+			t.Errorf("volume's owner %+v (%v), want claim A", got, err)
+		}
+		if _, err := os.Lstat(filepath.Join(base, "ns", tempName(claimA, "db"))); !os.IsNotExist(err) {
+			t.Errorf("temporary directory still there: %v", err)
+		}
+
+		crash("full", true)
+		var exists *ExistsError
+		if _, err := r.MkdirAll("ns/full", owner, claimA); !errors.As(err, &exists) {
+			t.Errorf("placeholder holding a file: %v, want ExistsError", err)
+		}
+		if _, err := os.Stat(filepath.Join(base, "ns/full/data")); err != nil {
+			t.Errorf("the file in the refused directory: %v", err)
+		}
+		if err := unix.Mkdirat(ns, "stray", 0); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := r.MkdirAll("ns/stray", owner, claimA); !errors.As(err, &exists) {
+			t.Errorf("empty mode-0 directory without a temporary one: %v, want ExistsError", err)
+		}
+		crash("theirs", false)
+		if _, err := r.MkdirAll("ns/theirs", owner, claimB); !errors.As(err, &exists) {
+			t.Errorf("another claim at claim A's placeholder: %v, want ExistsError", err)
+		}
+	})
+}
+
 // Archiving renames a volume and deleting removes it; the marker goes with the directory and
 // no record is left behind.
 func TestMarkerFollowsRenameAndRemove(t *testing.T) {

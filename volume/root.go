@@ -306,6 +306,10 @@ func (r *Root) openChild(parentFd int, name, where string) (int, error) {
 // createVolume makes the volume name in parentFd for claim, limited to limit bytes (0: no
 // limit) and filled from from (nil: empty), or adopts it if it is claim's.
 func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim Claim, limit uint64, from *copyFrom) (bool, quota.ID, error) {
+	tmp := tempName(claim, name)
+	if err := r.dropPlaceholder(parentFd, name, tmp, claim); err != nil {
+		return false, quota.ID{}, fmt.Errorf("%s in %s: %w", rel, r.path, err)
+	}
 	// An existing volume is judged before anything is made, so a refusal changes nothing.
 	if id, err := r.adopt(parentFd, name, rel, claim); !errors.Is(err, os.ErrNotExist) {
 		return false, id, err
@@ -314,7 +318,6 @@ func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim C
 	if err != nil {
 		return false, quota.ID{}, fmt.Errorf("%s in %s: %w", rel, r.path, err)
 	}
-	tmp := tempName(claim, name)
 	if err := r.removeTemp(parentFd, tmp, mnt, limit); err != nil {
 		return false, quota.ID{}, fmt.Errorf("remove what an earlier attempt left of %s in %s: %w", rel, r.path, err)
 	}
@@ -340,6 +343,33 @@ func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim C
 		return false, id, err
 	}
 	return false, quota.ID{}, fmt.Errorf("rename new volume into place as %s in %s: %w", rel, r.path, err)
+}
+
+// dropPlaceholder removes what a crash inside renameNoReplace's NFS path leaves at name: the
+// empty mode-0 directory that claimed the name, beside claim's own marked temporary directory
+// tmp, which was about to be renamed over it. Without this the claim's every retry found a
+// directory that is no volume and was refused for good (a leader killed at that instant,
+// TestControllerLeaderKilledMidway). Anything else at name is left for adopt to judge; rmdir
+// removes only an empty directory.
+func (r *Root) dropPlaceholder(parentFd int, name, tmp string, claim Claim) error {
+	var st unix.Stat_t
+	if err := unix.Fstatat(parentFd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil ||
+		st.Mode&unix.S_IFMT != unix.S_IFDIR || st.Mode&0o7777 != 0 {
+		return nil
+	}
+	fd, err := r.openChild(parentFd, tmp, tmp)
+	if err != nil {
+		return nil
+	}
+	defer unix.Close(fd)
+	if m, err := r.readMarker(parentFd, fd); err != nil || !m.marked || m.owner.UID != claim.UID {
+		return nil
+	}
+	if err := unix.Unlinkat(parentFd, name, unix.AT_REMOVEDIR); err != nil &&
+		!errors.Is(err, unix.ENOTEMPTY) && !errors.Is(err, unix.EEXIST) && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("remove the placeholder a crash left at %s: %w", name, err)
+	}
+	return nil
 }
 
 // removeTemp removes the temporary directory tmp in parentFd, made or left by an attempt
@@ -997,8 +1027,8 @@ func (r *Root) renameNoReplace(parentFd int, name string, dirFd int, newName str
 	// NFS (the kernel client, and so the test helper) has no RENAME_NOREPLACE. Claim the name,
 	// then rename, one at a time per target in this process; dirpv's NFS volumes are all made
 	// by the one leader, so the race left is with a process outside dirpv writing the export.
-	// A crash between the two leaves an empty directory that is not a volume: its claim is
-	// then refused as for any directory in the way, with an event.
+	// A crash between the two leaves the empty placeholder beside the complete temporary
+	// directory; the claim's retry removes the placeholder (dropPlaceholder) and starts again.
 	var dir unix.Stat_t
 	if err := unix.Fstat(dirFd, &dir); err != nil {
 		return fmt.Errorf("stat target directory: %w", err)
