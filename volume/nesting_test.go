@@ -237,19 +237,26 @@ func TestNoVolumeInsideOneBeingMade(t *testing.T) {
 	})
 }
 
+// openNewDir makes the directory name in the base and opens it (O_PATH) for the test.
+func openNewDir(t *testing.T, r *Root, base, name string) int {
+	t.Helper()
+	if err := os.Mkdir(filepath.Join(base, name), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	fd, err := r.openDir(name, unix.O_PATH)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	return fd
+}
+
 // What a crash leaves between mkdir and the rename into place sits under a reserved name:
 // no pattern can name it, the same claim's next attempt removes it, other claims ignore it.
 func TestCrashLeftoversAreNotVolumes(t *testing.T) {
 	forEachMarker(t, func(t *testing.T, r *Root, base string) {
 		owner := Owner{Mode: 0o750, UID: -1, GID: -1}
-		if err := os.Mkdir(filepath.Join(base, "ns"), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		ns, err := r.openDir("ns", unix.O_PATH)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer unix.Close(ns)
+		ns := openNewDir(t, r, base, "ns")
 		// The crash: claim A's volume is made and marked under its temporary name, not renamed.
 		leftover := tempName(claimA, "db")
 		if _, err := r.makeMarked(ns, leftover, owner, claimA, 0, nil); err != nil {
@@ -300,14 +307,7 @@ func TestCrashLeftoversAreNotVolumes(t *testing.T) {
 func TestCrashAfterPlaceholderIsRetried(t *testing.T) {
 	forEachMarker(t, func(t *testing.T, r *Root, base string) {
 		owner := Owner{Mode: 0o750, UID: -1, GID: -1}
-		if err := os.Mkdir(filepath.Join(base, "ns"), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		ns, err := r.openDir("ns", unix.O_PATH)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer unix.Close(ns)
+		ns := openNewDir(t, r, base, "ns")
 		crash := func(name string, inPlaceholder bool) {
 			t.Helper()
 			if _, err := r.makeMarked(ns, tempName(claimA, name), owner, claimA, 0, nil); err != nil {
