@@ -488,7 +488,11 @@ func (p *Provisioner) discardVolume(logger klog.Logger, attrs volume.Attributes,
 	attrs.Quota = m.quota
 	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.CloneTimeout)
 	defer cancel()
-	err := p.onStore(ctx, attrs, mountOptions, func(root *volume.Root) error { return removeVolume(root, attrs) })
+	unlock, err := p.lockVolume(ctx, attrs)
+	if err == nil {
+		err = p.onStore(ctx, attrs, mountOptions, func(root *volume.Root) error { return removeVolume(root, attrs) })
+		unlock()
+	}
 	if err != nil {
 		logger.Error(err, "Removing a copied volume nobody will use", "path", attrs.Path)
 		return

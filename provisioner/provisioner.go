@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path"
 	"slices"
 	"strings"
 	"sync"
@@ -29,6 +30,8 @@ import (
 	"k8s.io/mount-utils"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
+	"github.com/dirpv/dirpv/internal/failpoint"
+	"github.com/dirpv/dirpv/internal/keyed"
 	"github.com/dirpv/dirpv/volume"
 	"github.com/dirpv/dirpv/volume/quota"
 )
@@ -99,6 +102,8 @@ type Provisioner struct {
 	unplaced claimChecks
 	// copies are the copies under way that start volumes from data sources.
 	copies *copyJobs
+	// volumeLocks serialise the creation, resize and deletion of each volume (lockVolume).
+	volumeLocks keyed.Locks[string]
 
 	hostnameOnce sync.Mutex
 	hostname     string
@@ -442,7 +447,11 @@ func (p *Provisioner) makeVolume(ctx context.Context, attrs volume.Attributes, m
 		}
 		return err
 	}
-	var err error
+	unlock, err := p.lockVolume(ctx, attrs)
+	if err != nil {
+		return m, err
+	}
+	defer unlock()
 	if src == nil {
 		err = p.onStore(ctx, attrs, mountOptions, func(root *volume.Root) error { return fn(ctx, root, nil) })
 	} else {
@@ -548,6 +557,16 @@ func (p *Provisioner) onStore(ctx context.Context, attrs volume.Attributes, moun
 	return fmt.Errorf("unknown backend %q", attrs.Backend)
 }
 
+// lockVolume waits until no other creation, resize or deletion of the volume at attrs' path
+// runs in this process, and returns the function that lets the next one go. A Delete that
+// found no directory there must not then remove the one a new claim of a pattern without
+// ${pv.metadata.name} made at the same path meanwhile, and a Resize must not raise the limit
+// of a quota ID that a Delete has just released: an empty ID with a limit is never handed out
+// again.
+func (p *Provisioner) lockVolume(ctx context.Context, attrs volume.Attributes) (func(), error) {
+	return p.volumeLocks.Lock(ctx, storeName(attrs)+"\x00"+path.Clean("/"+attrs.Path))
+}
+
 func storeName(a volume.Attributes) string {
 	if a.Backend == volume.BackendNFS {
 		return "NFS export " + volume.ExportSource(a.Server, a.Share)
@@ -645,6 +664,11 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 		logger.Info("Kept volume directory (onDelete retain)", "path", attrs.Path)
 		return nil
 	}
+	unlock, err := p.lockVolume(ctx, attrs)
+	if err != nil {
+		return fmt.Errorf("onDelete %s of %s in %s: %w", policy, attrs.Path, storeName(attrs), err)
+	}
+	defer unlock()
 	if policy == OnDeleteDelete && attrs.Backend == volume.BackendNFS && p.exports != nil {
 		// A big tree takes longer than a dead server may: only the move to the trash is
 		// bounded by the operation timeout, the removal goes on in the background.
@@ -659,6 +683,7 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 		if err := checkOwnedBy(root, attrs.Path, pv); err != nil {
 			return err
 		}
+		failpoint.Reach(failpoint.DeleteChecked)
 		if policy == OnDeleteDelete {
 			return removeVolume(root, attrs)
 		}

@@ -132,10 +132,15 @@ func (r *Resizer) Resize(pv *v1.PersistentVolume, size resource.Quantity) (resou
 	ctx, cancel := context.WithTimeout(r.ctx, r.p.cfg.OperationTimeout)
 	defer cancel()
 	var limited bool
+	unlock, err := r.p.lockVolume(ctx, attrs)
+	if err != nil {
+		return size, false, status.Errorf(codes.Aborted, "node %s: resize volume %s: %v", r.p.cfg.NodeName, pv.Name, err)
+	}
 	err = r.p.onStore(ctx, attrs, nil, func(root *volume.Root) error {
 		limited, err = root.Resize(attrs.Path, claim, uint64(size.Value()))
 		return err
 	})
+	unlock()
 	switch {
 	case errors.Is(err, volume.ErrNotEnoughSpace):
 		return size, false, status.Errorf(codes.OutOfRange, "node %s cannot grow volume %s to %s: %v", r.p.cfg.NodeName, pv.Name, size.String(), err)

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/dirpv/dirpv/internal/keyed"
 )
 
 // withoutNoReplace makes renames behave as on the Linux NFS client, which refuses
@@ -117,13 +119,13 @@ func TestRenameWithoutNoReplaceKeepsEmptyTarget(t *testing.T) {
 // TestRenameLockIsPerTarget: a rename stuck on one target (a dead NFS server) holds only that
 // target; a second rename of it waits, a rename of another target does not.
 func TestRenameLockIsPerTarget(t *testing.T) {
-	var locks = targetLocks{held: map[renameTarget]*targetLock{}}
+	var locks keyed.Locks[renameTarget]
 	stuck := renameTarget{dirIno: 7, name: "data"}
-	unlockStuck := locks.lock(stuck)
+	unlockStuck := locks.MustLock(stuck)
 	other := make(chan struct{})
 	go func() {
-		locks.lock(renameTarget{dirIno: 8, name: "data"})()
-		locks.lock(renameTarget{dirIno: 7, name: "other"})()
+		locks.MustLock(renameTarget{dirIno: 8, name: "data"})()
+		locks.MustLock(renameTarget{dirIno: 7, name: "other"})()
 		close(other)
 	}()
 	select {
@@ -133,16 +135,13 @@ func TestRenameLockIsPerTarget(t *testing.T) {
 	}
 	same := make(chan struct{})
 	go func() {
-		locks.lock(stuck)()
+		locks.MustLock(stuck)()
 		close(same)
 	}()
 	// The second locker of stuck is counted once it waits; it must still be waiting then.
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		locks.mu.Lock()
-		users := locks.held[stuck].users
-		locks.mu.Unlock()
-		if users == 2 {
+		if locks.Users(stuck) == 2 {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -161,9 +160,7 @@ func TestRenameLockIsPerTarget(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the second rename of the target never got it after the first ended")
 	}
-	locks.mu.Lock()
-	defer locks.mu.Unlock()
-	if len(locks.held) != 0 {
-		t.Fatalf("%d targets still held after every rename ended", len(locks.held))
+	if n := locks.Users(stuck); n != 0 {
+		t.Fatalf("%d holders of the target after every rename ended", n)
 	}
 }

@@ -6,6 +6,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/dirpv/dirpv/internal/failpoint"
 	"github.com/dirpv/dirpv/volume/quota"
 )
 
@@ -80,6 +81,7 @@ func (r *Root) Resize(rel string, claim Claim, bytes uint64) (limited bool, err 
 		return false, fmt.Errorf("growing volume %s from %d to %d bytes takes %d more bytes, base %s has %d free: %w",
 			rel, u.LimitBytes, want, growth, r.path, avail, ErrNotEnoughSpace)
 	}
+	failpoint.Reach(failpoint.ResizeChecked)
 	if err := fs.Resize(fd, id, bytes); err != nil {
 		return false, fmt.Errorf("%s in %s: %w", rel, r.path, err)
 	}

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dirpv/dirpv/internal/failpoint"
+	"github.com/dirpv/dirpv/internal/keyed"
 	"github.com/dirpv/dirpv/volume/quota"
 )
 
@@ -1033,7 +1034,7 @@ func (r *Root) renameNoReplace(parentFd int, name string, dirFd int, newName str
 	if err := unix.Fstat(dirFd, &dir); err != nil {
 		return fmt.Errorf("stat target directory: %w", err)
 	}
-	defer renameLocks.lock(renameTarget{dirIno: dir.Ino, name: newName})()
+	defer renameLocks.MustLock(renameTarget{dirIno: dir.Ino, name: newName})()
 	// The check is the server's, not a stat: a mount's cached lookup can still miss a directory
 	// that another mount of the export (a class with other mount options, its own superblock
 	// and caches) renamed into place an instant ago, and the rename would then replace that
@@ -1061,43 +1062,11 @@ func (r *Root) renameNoReplace(parentFd int, name string, dirFd int, newName str
 // numbers of other file systems only serialise more. One lock per target rather than one for
 // the process, because a rename on a dead server holds its lock until the server answers,
 // which must not stop renames on other exports.
-var renameLocks = targetLocks{held: map[renameTarget]*targetLock{}}
+var renameLocks keyed.Locks[renameTarget]
 
 type renameTarget struct {
 	dirIno uint64
 	name   string
-}
-
-type targetLocks struct {
-	mu   sync.Mutex
-	held map[renameTarget]*targetLock
-}
-
-type targetLock struct {
-	mu sync.Mutex
-	// users counts holders and waiters, guarded by targetLocks.mu; the last one out deletes it.
-	users int
-}
-
-// lock locks target and returns the function that unlocks it.
-func (l *targetLocks) lock(target renameTarget) (unlock func()) {
-	l.mu.Lock()
-	t := l.held[target]
-	if t == nil {
-		t = &targetLock{}
-		l.held[target] = t
-	}
-	t.users++
-	l.mu.Unlock()
-	t.mu.Lock()
-	return func() {
-		t.mu.Unlock()
-		l.mu.Lock()
-		if t.users--; t.users == 0 {
-			delete(l.held, target)
-		}
-		l.mu.Unlock()
-	}
 }
 
 // Mkdir makes sure the directory rel exists beneath the root, creating it with mode (umask

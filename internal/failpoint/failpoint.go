@@ -1,7 +1,8 @@
 // Package failpoint lets a test make a dirpv process die at a named point of its work, as a
 // crash or an OOM kill would, so that the test knows exactly what the dead process left behind
 // and can check what a restart does with it. A window of a few microseconds is never hit
-// reliably by killing the process from outside.
+// reliably by killing the process from outside. A test that runs dirpv's code in its own
+// process can also hold one goroutine at a racy point while another goes on (Reach).
 //
 // A point is armed by starting the process with DIRPV_TEST_FAILPOINT set to its name, or, for a
 // point reached once per item of a long job (DuringCopy), to its name, a colon and a count N:
@@ -14,6 +15,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 )
@@ -68,4 +70,31 @@ func HitAfter(name string, n int64) {
 	_ = unix.Kill(os.Getpid(), unix.SIGKILL)
 	// The signal is delivered before the process runs on; nothing after this point may run.
 	select {}
+}
+
+// Points where a test that runs dirpv's code in its own process holds one side of a race
+// (SetOnReach), to prove that the other side waits. The environment never arms them.
+const (
+	// DeleteChecked is in a local volume's Delete, after the directory's owner was checked and
+	// before the directory is removed or archived.
+	DeleteChecked = "delete-checked"
+	// ResizeChecked is in Resize, after the volume's marker named its quota ID and before the
+	// limit of that ID is raised.
+	ResizeChecked = "resize-checked"
+)
+
+var onReach atomic.Pointer[func(string)]
+
+// Reach calls the function installed by SetOnReach with name; without one it does nothing.
+func Reach(name string) {
+	if fn := onReach.Load(); fn != nil {
+		(*fn)(name)
+	}
+}
+
+// SetOnReach makes Reach call fn until restore is called. fn runs on the goroutine that
+// reached the point, so it holds that goroutine for as long as it blocks.
+func SetOnReach(fn func(name string)) (restore func()) {
+	onReach.Store(&fn)
+	return func() { onReach.Store(nil) }
 }
