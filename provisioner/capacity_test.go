@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -106,6 +108,45 @@ func TestProvisionLocalRequiredRefusedWithoutQuota(t *testing.T) {
 	}
 	if tree := listTree(t, f.base); len(tree) != 0 {
 		t.Errorf("refused claim left %v", tree)
+	}
+}
+
+// TestQuotaEnabledUnderRunningNodeIsUsed: once the admin enables quota on a base that could
+// not enforce, the running node instance publishes its room for a class that requires limits
+// and provisions that class's claims with a limit, without a restart.
+func TestQuotaEnabledUnderRunningNodeIsUsed(t *testing.T) {
+	f := newFixtureOn(t, quotatest.Btrfs(t, false))
+	class := f.localClass(map[string]string{ParamCapacityEnforcement: string(EnforceRequired)})
+	capacity := func() int64 {
+		t.Helper()
+		resp, err := f.node.GetCapacity(context.Background(), &csi.GetCapacityRequest{Parameters: class.Parameters})
+		if err != nil {
+			t.Fatalf("GetCapacity: %v", err)
+		}
+		return resp.AvailableCapacity
+	}
+	if got := capacity(); got != 0 {
+		t.Errorf("capacity for a required class before quota is enabled = %d, want 0", got)
+	}
+	if _, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("before", "10Mi"))); err == nil {
+		t.Fatal("a required class was provisioned on a base without quota")
+	}
+	if out, err := exec.Command("btrfs", "quota", "enable", f.base).CombinedOutput(); err != nil {
+		t.Fatalf("btrfs quota enable: %v: %s", err, out)
+	}
+	if got := capacity(); got == 0 {
+		t.Error("capacity for a required class after quota was enabled is still 0")
+	}
+	pv, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("after", "10Mi")))
+	if err != nil {
+		t.Fatalf("Provision after quota was enabled: %v", err)
+	}
+	if q := pv.Spec.CSI.VolumeAttributes[volume.AttrQuota]; !strings.HasPrefix(q, "btrfs/") {
+		t.Errorf("PV quota = %q, want a btrfs qgroup", q)
+	}
+	rel := pv.Spec.CSI.VolumeAttributes[volume.AttrPath]
+	if n, err := quotatest.Fill(t, filepath.Join(f.base, rel, "data"), 20<<20); !errors.Is(err, unix.EDQUOT) {
+		t.Errorf("10Mi volume took %d bytes of 20 MiB: %v; want EDQUOT", n, err)
 	}
 }
 

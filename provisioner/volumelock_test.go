@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -140,7 +141,7 @@ func TestDeleteWaitsForResizeOfSameVolume(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	group := "0/" + attrs.Quota[len("btrfs:"):]
+	group := "0/" + strings.TrimPrefix(attrs.Quota, "btrfs/")
 	if limit := quotatest.Qgroups(t, mnt)[group]; limit == "" || limit == "none" {
 		t.Fatalf("volume's qgroup %s has limit %q, want one (qgroups %v)", group, limit, quotatest.Qgroups(t, mnt))
 	}

@@ -36,10 +36,10 @@ type Root struct {
 	fd   int
 	// xattr is the volume marker's attribute name; tests point it at an unsupported namespace
 	// to exercise the record files NFS gets.
-	xattr     string
-	quotaOnce sync.Once
-	quotaFS   *quota.FS
-	quotaErr  error
+	xattr string
+	// quotaFS is what the base's file system enforces, once it enforces something (Quota).
+	quotaMu sync.Mutex
+	quotaFS *quota.FS
 }
 
 // OpenRoot opens the base directory at an absolute path. The base itself may be reached through
@@ -182,21 +182,30 @@ func (r *Root) MkdirAllLimited(rel string, owner Owner, claim Claim, limit uint6
 	return r.mkdirAll(rel, owner, claim, limit, nil)
 }
 
-// Quota probes, once, what the base's file system can enforce.
+// Quota probes what the base's file system can enforce. A file system that enforces limits
+// is probed once. One that cannot, or a probe that fails, is probed again on the next call:
+// an admin who runs `btrfs quota enable`, or remounts with prjquota, under a running node gets
+// limits (and capacity for classes that require them) at once, not after a restart. A probe is
+// a statfs and an ioctl, cheap beside the work that asks for it.
 func (r *Root) Quota() (*quota.FS, error) {
-	r.quotaOnce.Do(func() {
-		fd, err := r.openDir("", unix.O_RDONLY)
-		if err != nil {
-			r.quotaErr = err
-			return
-		}
-		defer unix.Close(fd)
-		r.quotaFS, r.quotaErr = quota.Probe(fd)
-		if r.quotaErr != nil {
-			r.quotaErr = fmt.Errorf("base %s: %w", r.path, r.quotaErr)
-		}
-	})
-	return r.quotaFS, r.quotaErr
+	r.quotaMu.Lock()
+	defer r.quotaMu.Unlock()
+	if r.quotaFS != nil {
+		return r.quotaFS, nil
+	}
+	fd, err := r.openDir("", unix.O_RDONLY)
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(fd)
+	fs, err := quota.Probe(fd)
+	if err != nil {
+		return nil, fmt.Errorf("base %s: %w", r.path, err)
+	}
+	if fs.Enforces() == nil {
+		r.quotaFS = fs
+	}
+	return fs, nil
 }
 
 // RemoveLimited removes the volume rel, limited by id, as RemoveAll does, and gives its limit
