@@ -33,6 +33,68 @@ type hostChanges struct {
 	NetnsBefore []string `json:"netnsBefore"`
 	// ShimAddress identifies our containerd's shims by their -address argument.
 	ShimAddress string `json:"shimAddress"`
+	// SharedRoot is set when Start made / a shared mount (shareRoot); Stop makes it private
+	// again.
+	SharedRoot bool `json:"sharedRoot,omitempty"`
+}
+
+// LocalBase is the base path of deploy/'s default local class, which `make up` and the
+// install suites use as a user would.
+const LocalBase = "/var/lib/dirpv"
+
+// shareRoot makes / a shared mount, as systemd makes it on real nodes and kind in its node
+// containers. dirpv's node pod mounts LocalBase with HostToContainer propagation, so that a
+// disk an admin mounts beneath it after the pod started reaches the pod; containerd refuses
+// that propagation from a private mount, and the pod would keep writing to the empty
+// directory under the disk. Only / itself changes, not the mounts beneath it, and Stop makes
+// it private again; a disk mounted meanwhile stays mounted.
+func (h *hostChanges) shareRoot() error {
+	if err := os.MkdirAll(LocalBase, 0o755); err != nil {
+		return fmt.Errorf("create %s: %w", LocalBase, err)
+	}
+	if sharedMount(LocalBase) {
+		return nil
+	}
+	if err := unix.Mount("", "/", "", unix.MS_SHARED, ""); err != nil {
+		return fmt.Errorf("make / a shared mount: %w", err)
+	}
+	h.SharedRoot = true
+	if !sharedMount(LocalBase) {
+		return fmt.Errorf("%s is on a mount of its own that is not shared: make it shared (mount --make-shared) for HostToContainer propagation", LocalBase)
+	}
+	return nil
+}
+
+// sharedMount reports whether dir is on a mount that propagates to its peers: the mount with
+// the deepest mount point at or above dir has a shared:N tag in /proc/self/mountinfo.
+func sharedMount(dir string) bool {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	best, shared := "", false
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64*1024), 1024*1024)
+	for sc.Scan() {
+		// id parent major:minor root mountpoint options optional-fields... - type source super
+		fields := strings.Fields(sc.Text())
+		if len(fields) < 7 {
+			continue
+		}
+		mp := unescapeMountinfo(fields[4])
+		if mp != "/" && mp != dir && !strings.HasPrefix(dir, mp+"/") || len(mp) < len(best) {
+			continue
+		}
+		best, shared = mp, false
+		for _, opt := range fields[6:] {
+			if opt == "-" {
+				break
+			}
+			shared = shared || strings.HasPrefix(opt, "shared:")
+		}
+	}
+	return shared
 }
 
 const netnsDir = "/run/netns"
@@ -171,6 +233,9 @@ func (h *hostChanges) revert(c *Cluster) []error {
 	// Mounts first: pod volumes and kubelet's own rshared bind mount of its root dir, the
 	// sandboxes' netns bind mounts, container rootfs and shm mounts under containerd's state.
 	add(unmountUnder(KubeletRootDir))
+	if h.SharedRoot {
+		add(unix.Mount("", "/", "", unix.MS_PRIVATE, ""))
+	}
 	add(unmountUnder(c.WorkDir))
 	add(unmountUnder("/run/containerd"))
 	before := map[string]bool{}

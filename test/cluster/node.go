@@ -106,6 +106,9 @@ func (c *Cluster) startNode(ctx context.Context, opts Options) error {
 		return err
 	}
 	c.Host = h
+	if err := h.shareRoot(); err != nil {
+		return err
+	}
 
 	imgDir := filepath.Join(c.WorkDir, "images")
 	if err := os.MkdirAll(imgDir, 0o755); err != nil {

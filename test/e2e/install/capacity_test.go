@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
 )
 
 // btrfsBase is a btrfs file system with quota on, mounted by beforeCluster beneath the node
@@ -249,5 +250,75 @@ func TestPodWritesPastOldSizeAfterExpansion(t *testing.T) {
 	err = framework.SetClaimSize(ctx, suite.Client, ns, "grow", "1Gi")
 	if !apierrors.IsInvalid(err) || !strings.Contains(err.Error(), "can not be less than status.capacity") {
 		t.Errorf("shrinking the claim back to 1Gi: %v, want the API server's Invalid: can not be less than status.capacity", err)
+	}
+}
+
+// A disk an admin mounts beneath /var/lib/dirpv while dirpv's node pod runs reaches the pod
+// (HostToContainer from a shared mount, as on real nodes): a class on it that requires sizes
+// enforced gets the disk's room published, its pod is scheduled and writes to the disk, not
+// to the empty directory under it, with the claim's limit.
+func TestDiskMountedUnderRunningPluginIsUsed(t *testing.T) {
+	ns := suite.NewNamespace(t)
+	late := basePath + "/install-late-disk"
+	if err := os.MkdirAll(late, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	disk, err := quotatest.MountBtrfs(filepath.Join(suite.Work.Dir, "btrfs-late.img"), late, 1<<30, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		// dirpv's node plugin holds its bases open, as it would a real disk's.
+		if err := disk.Detach(); err != nil {
+			t.Errorf("remove the late disk: %v", err)
+		}
+		os.Remove(late)
+	})
+	suite.CreateClass(t, "install-late-disk", map[string]string{"backend": "local", "basePath": late, "capacityEnforcement": "required"})
+	suite.CreateClaim(t, ns, "c", "install-late-disk", framework.Request("16Mi"))
+	// Before the disk goes: the volume is removed from it, not from the directory under it.
+	t.Cleanup(func() {
+		ctx := context.Background()
+		if err := suite.Client.CoreV1().Pods(ns).Delete(ctx, "writer", metav1.DeleteOptions{}); err != nil {
+			t.Errorf("delete pod: %v", err)
+		}
+		if err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "c", metav1.DeleteOptions{}); err != nil {
+			t.Errorf("delete claim: %v", err)
+			return
+		}
+		err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+			pvs, err := suite.Client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false, err
+			}
+			for _, pv := range pvs.Items {
+				if ref := pv.Spec.ClaimRef; ref != nil && ref.Namespace == ns {
+					return false, fmt.Errorf("PV %s of the claim is %s", pv.Name, pv.Status.Phase)
+				}
+			}
+			return true, nil
+		})
+		if err != nil {
+			t.Error(err)
+		}
+	})
+	createPod(t, suite.BusyboxPod(ns, "writer", "c", `echo on-the-disk > /data/f && sync && echo wrote`, false))
+	if logs := podDone(t, ns, "writer"); !strings.Contains(logs, "wrote") {
+		t.Fatalf("pod printed %q", logs)
+	}
+	pv, err := framework.WaitForBoundPV(context.Background(), suite.Client, ns, "c", timeout)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q := pv.Spec.CSI.VolumeAttributes["quota"]; !strings.HasPrefix(q, "btrfs/") {
+		t.Errorf("PV quota attribute %q, want the btrfs qgroup of the mounted disk", q)
+	}
+	dir := volumeDir(t, ns, "c")
+	if b, err := os.ReadFile(filepath.Join(dir, "f")); err != nil || string(b) != "on-the-disk\n" {
+		t.Errorf("the pod's file on the host: %q, %v", b, err)
+	}
+	var sfs unix.Statfs_t
+	if err := unix.Statfs(dir, &sfs); err != nil || uint32(sfs.Type) != unix.BTRFS_SUPER_MAGIC {
+		t.Errorf("volume directory %s is on file system type %#x (%v), want the mounted btrfs", dir, sfs.Type, err)
 	}
 }

@@ -150,6 +150,17 @@ func (fs *BtrfsFS) Remove() error {
 	return errors.Join(uerr, err)
 }
 
+// Detach unmounts the file system lazily and detaches its loop device (which the kernel frees
+// once the last user lets go): for a disk that a running process holds open, as dirpv's node
+// plugin holds its bases.
+func (fs *BtrfsFS) Detach() error {
+	if err := unix.Unmount(fs.Mnt, unix.MNT_DETACH); err != nil {
+		return fmt.Errorf("unmount %s: %w", fs.Mnt, err)
+	}
+	_, err := command("losetup", "-d", fs.dev)
+	return err
+}
+
 func command(name string, args ...string) (string, error) {
 	out, err := exec.Command(name, args...).CombinedOutput()
 	if err != nil {
