@@ -117,8 +117,9 @@ func (p *Provisioner) checkNodePlugin(ctx context.Context, claim *v1.PersistentV
 }
 
 // ReasonUnservableClass is the event reason on a WaitForFirstConsumer claim that dirpv cannot
-// serve wherever it goes: its class or the claim itself is refused.
-const ReasonUnservableClass = "ProvisioningFailed"
+// serve wherever it goes: its class or the claim itself is refused. A reason of dirpv's own, so
+// that users tell it from the lib's ProvisioningFailed, which comes only once a claim is placed.
+const ReasonUnservableClass = "UnservableClaim"
 
 // checkUnplaced records an event on a pending WaitForFirstConsumer claim that dirpv could not
 // provision wherever it went, because its class or the claim is wrong (a bad parameter,

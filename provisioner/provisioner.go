@@ -184,16 +184,22 @@ func (p *Provisioner) PendingDeletes() int {
 	return p.exports.pendingDeletes()
 }
 
-// ShouldProvision says whether this instance serves the claim. Claims of local classes go to
-// the node the scheduler selected; everything else, broken local classes included, goes to the
-// controller, so that exactly one instance reports a bad class on the claim. The controller
-// also reports local claims placed on a node where no dirpv node plugin runs.
+// ShouldProvision says whether this instance serves the claim. Claims of other provisioners'
+// classes are never served nor reported on: the lib asks before it checks the provisioner.
+// Claims of local classes go to the node the scheduler selected; everything else, broken local
+// classes included, goes to the controller, so that exactly one instance reports a bad class
+// on the claim. The controller also reports local claims placed on a node where no dirpv node
+// plugin runs.
 func (p *Provisioner) ShouldProvision(ctx context.Context, claim *v1.PersistentVolumeClaim) bool {
 	className := ptrValue(claim.Spec.StorageClassName)
 	class, err := p.cfg.Classes.Get(className)
 	if err != nil {
-		// The lib reports a missing class on the claim; let the controller be the one to do so.
+		// The lib reports a missing class on a claim handed to dirpv; let the controller be the
+		// one to do so.
 		return p.cfg.Role == RoleController
+	}
+	if class.Provisioner != p.cfg.DriverName {
+		return false
 	}
 	local := class.Parameters[ParamBackend] == string(volume.BackendLocal)
 	lateBinding := class.VolumeBindingMode != nil && *class.VolumeBindingMode == storagev1.VolumeBindingWaitForFirstConsumer

@@ -796,6 +796,38 @@ func TestNodeLocalFailureReschedules(t *testing.T) {
 	}
 }
 
+// Claims of another provisioner's class are neither served nor reported on by any instance,
+// whatever the class's parameters, placed or not: the lib asks ShouldProvision before it looks
+// at the provisioner.
+func TestOtherProvisionersClaimsAreNotOurs(t *testing.T) {
+	f := newFixture(t)
+	events := record.NewFakeRecorder(10)
+	f.ctrl.cfg.Events = events
+	f.node.cfg.Events = events
+	wffc := storagev1.VolumeBindingWaitForFirstConsumer
+	immediate := storagev1.VolumeBindingImmediate
+	for _, class := range []*storagev1.StorageClass{
+		{ObjectMeta: metav1.ObjectMeta{Name: "refused"}, Provisioner: "rancher.io/local-path", Parameters: map[string]string{"nodePath": "/opt"}, VolumeBindingMode: &wffc},
+		{ObjectMeta: metav1.ObjectMeta{Name: "lookalike"}, Provisioner: "rancher.io/local-path", Parameters: map[string]string{"backend": "local", "basePath": f.base}, VolumeBindingMode: &wffc},
+		{ObjectMeta: metav1.ObjectMeta{Name: "immediate"}, Provisioner: "example.com/nfs", Parameters: map[string]string{"backend": "nfs"}, VolumeBindingMode: &immediate},
+	} {
+		f.classes.Add(class)
+		for _, node := range []string{"", testNode, "node-without-plugin"} {
+			pvc := claim(class.Name + "-" + node)
+			pvc.Annotations[annSelectedNode] = node
+			pvc.Spec.StorageClassName = &class.Name
+			if f.ctrl.ShouldProvision(context.Background(), pvc) || f.node.ShouldProvision(context.Background(), pvc) {
+				t.Errorf("class %s, node %q: an instance takes another provisioner's claim", class.Name, node)
+			}
+		}
+	}
+	select {
+	case ev := <-events.Events:
+		t.Errorf("event on another provisioner's claim: %q", ev)
+	default:
+	}
+}
+
 // The controller tells the user when a local claim waits on a node where no dirpv node plugin
 // is registered, once per claim per period, and says nothing about nodes that have one.
 func TestControllerReportsNodeWithoutPlugin(t *testing.T) {

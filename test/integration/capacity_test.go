@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/framework"
 )
 
@@ -334,7 +335,7 @@ func TestUnservableLocalClassIsReportedBeforeScheduling(t *testing.T) {
 	class, base := localClass(t, map[string]string{"bsaePath": "/tmp"})
 	suite.CreateClaim(t, ns, "c", class.Name)
 	createPod(t, ns, "app", "c", nodeA)
-	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed",
+	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", provisioner.ReasonUnservableClass,
 		"dirpv cannot provision this claim of StorageClass", timeout)
 	if err != nil {
 		t.Fatal(err)

@@ -24,6 +24,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/dirpv/dirpv/internal/failpoint"
+	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/framework"
 )
 
@@ -261,7 +262,7 @@ func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 	noPVFor(t, ns, "copy")
 	// The controller, which sees the claim unplaced between two tries, finds nothing wrong
 	// with it, and node-b runs the plugin.
-	if hasEvent(ctx, t, ns, "copy", "ProvisioningFailed", "dirpv cannot provision this claim") ||
+	if hasEvent(ctx, t, ns, "copy", provisioner.ReasonUnservableClass, "dirpv cannot provision this claim") ||
 		hasEvent(ctx, t, ns, "copy", "NodePluginMissing", "") {
 		t.Errorf("the controller misreported the clone: %s", framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy"))
 	}
