@@ -243,8 +243,10 @@ func affinityHostname(pv *v1.PersistentVolume) string {
 	return pv.Annotations[AnnNode]
 }
 
-// apiTimeout bounds each API call dirpv makes on its own.
-const apiTimeout = 10 * time.Second
+// apiTimeout bounds each API call dirpv makes on its own (not through an informer or the
+// lib), so that an API server that takes a request and never answers holds no worker for good:
+// the lib's workers' contexts have no deadline. A variable so that a test need not wait as long.
+var apiTimeout = 10 * time.Second
 
 // protectClaim puts FinalizerCloningProtection on the claim, so that it is not deleted
 // before its copy is done; a claim already being deleted is refused (the API server forbids

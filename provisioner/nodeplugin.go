@@ -97,7 +97,7 @@ func (p *Provisioner) checkNodePlugin(ctx context.Context, claim *v1.PersistentV
 		return
 	}
 	logger := klog.FromContext(ctx).WithValues("claim", klog.KObj(claim), "node", node)
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, apiTimeout)
 	defer cancel()
 	csiNode, err := p.cfg.Client.StorageV1().CSINodes().Get(ctx, node, metav1.GetOptions{})
 	switch {
