@@ -193,6 +193,12 @@ func (p *Provisioner) PendingDeletes() int {
 // on the claim. The controller also reports local claims placed on a node where no dirpv node
 // plugin runs.
 func (p *Provisioner) ShouldProvision(ctx context.Context, claim *v1.PersistentVolumeClaim) bool {
+	if claim.DeletionTimestamp != nil {
+		// Its volume would only be released at once. The lib would call Provision for it
+		// until it is gone (pvc-protection holds it while a pod names it), and for a clone
+		// start its copy again each time ClaimDeleted cancelled it.
+		return false
+	}
 	className := ptrValue(claim.Spec.StorageClassName)
 	class, err := p.cfg.Classes.Get(className)
 	if err != nil {

@@ -28,6 +28,7 @@ import (
 	"k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
@@ -302,6 +303,25 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 		controller.AddFinalizer(true),
 	)...)
 	pc.ControllerWaitGroup(&workers)
+	// The lib forgets a deleted claim; a copy under way for it is dirpv's to stop, as soon as
+	// the claim is being deleted.
+	if _, err := factory.Core().V1().PersistentVolumeClaims().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		UpdateFunc: func(_, obj any) {
+			if claim, ok := obj.(*corev1.PersistentVolumeClaim); ok && claim.DeletionTimestamp != nil {
+				p.ClaimDeleted(ctx, claim)
+			}
+		},
+		DeleteFunc: func(obj any) {
+			if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = tomb.Obj
+			}
+			if claim, ok := obj.(*corev1.PersistentVolumeClaim); ok {
+				p.ClaimDeleted(ctx, claim)
+			}
+		},
+	}); err != nil {
+		klog.FromContext(ctx).Error(err, "Copies of deleted claims will run to their end")
+	}
 	resizer := p.Resizer(ctx)
 	resize := resizing(client, factory, resizer, cfg)
 	return func(ctx context.Context) {
