@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -243,8 +244,10 @@ func affinityHostname(pv *v1.PersistentVolume) string {
 	return pv.Annotations[AnnNode]
 }
 
-// apiTimeout bounds each API call dirpv makes on its own.
-const apiTimeout = 10 * time.Second
+// apiTimeout bounds each API call dirpv makes on its own (not through an informer or the
+// lib), so that an API server that takes a request and never answers holds no worker for good:
+// the lib's workers' contexts have no deadline. A variable so that a test need not wait as long.
+var apiTimeout = 10 * time.Second
 
 // protectClaim puts FinalizerCloningProtection on the claim, so that it is not deleted
 // before its copy is done; a claim already being deleted is refused (the API server forbids
@@ -289,6 +292,9 @@ type copyJobs struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 	closed bool
+	// active counts the copies whose fn has not returned, abandoned ones included: what
+	// still holds the storage's time and, on NFS, a copy slot (dirpv_copies_running).
+	active atomic.Int64
 }
 
 // copyJob is one claim's copy.
@@ -336,10 +342,12 @@ func (j *copyJobs) run(ctx context.Context, uid types.UID, what string, timeout 
 		job = &copyJob{what: what, started: time.Now(), done: make(chan struct{}), cancel: cancel, discard: discard}
 		j.byUID[uid] = job
 		j.wg.Add(1)
+		j.active.Add(1)
 		go func() {
 			defer j.wg.Done()
 			defer cancel()
 			res, err := fn(jctx)
+			j.active.Add(-1)
 			if errors.Is(err, context.DeadlineExceeded) && jctx.Err() != nil {
 				err = fmt.Errorf("the copy did not finish within %s (dirpv's --clone-timeout); it starts again: %w", timeout, err)
 			}
@@ -406,6 +414,34 @@ func (j *copyJobs) abandon(uid types.UID) {
 	if done {
 		job.discard(job.result)
 	}
+}
+
+// ClaimDeleted cancels the copy of a claim that is deleted or being deleted, and so removes
+// what it copied: the lib never calls Provision for such a claim again, so without this the
+// copy ran on to its end (up to --clone-timeout) for nobody, holding the storage and, on NFS,
+// a copy slot. The claim is read back first, off the caller's goroutine (an informer's): a
+// node instance's informer also reports as deleted a claim that was only relabelled for
+// another node, and that one is not the user's to lose.
+func (p *Provisioner) ClaimDeleted(ctx context.Context, claim *v1.PersistentVolumeClaim) {
+	if !p.copies.running(claim.UID) {
+		return
+	}
+	logger := klog.FromContext(ctx).WithValues("claim", klog.KObj(claim))
+	go func() {
+		get, cancel := context.WithTimeout(context.WithoutCancel(ctx), apiTimeout)
+		defer cancel()
+		c, err := p.cfg.Client.CoreV1().PersistentVolumeClaims(claim.Namespace).Get(get, claim.Name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err), err == nil && (c.UID != claim.UID || c.DeletionTimestamp != nil):
+		case err != nil:
+			logger.Error(err, "Cannot tell whether a claim whose copy runs was deleted; the copy goes on")
+			return
+		default:
+			return
+		}
+		logger.Info("Cancelling the copy of a deleted claim and removing what it copied")
+		p.copies.abandon(claim.UID)
+	}()
 }
 
 // stop cancels the copies under way and waits for them up to wait: a copy stops between two

@@ -41,7 +41,7 @@ func Instrument(p *Provisioner, reg prometheus.Registerer) controller.Provisione
 			Buckets: operationBuckets,
 		}, []string{"backend", "result"}),
 	}
-	reg.MustRegister(in.provision, in.delete, &exportsCollector{p: p})
+	reg.MustRegister(in.provision, in.delete, &exportsCollector{p: p}, &copiesCollector{p: p})
 	return in
 }
 
@@ -111,6 +111,9 @@ var (
 	descDeletesPending = prometheus.NewDesc("dirpv_nfs_deletes_pending",
 		"Deleted NFS volumes whose trees are still being removed in the background (in .dirpv-trash).",
 		nil, nil)
+	descCopiesRunning = prometheus.NewDesc("dirpv_copies_running",
+		"Copies that start new volumes from data sources (clones, restores) running now, cancelled ones included until they have stopped and removed what they copied.",
+		nil, nil)
 )
 
 // exportsCollector reads the exports' state at scrape time, so there is no second copy of it
@@ -144,4 +147,13 @@ func (c *exportsCollector) Collect(ch chan<- prometheus.Metric) {
 	if n, err := c.p.exports.mounted(); err == nil {
 		ch <- prometheus.MustNewConstMetric(descMounted, prometheus.GaugeValue, float64(n))
 	}
+}
+
+// copiesCollector reads the number of copies under way at scrape time, in either role.
+type copiesCollector struct{ p *Provisioner }
+
+func (c *copiesCollector) Describe(ch chan<- *prometheus.Desc) { ch <- descCopiesRunning }
+
+func (c *copiesCollector) Collect(ch chan<- prometheus.Metric) {
+	ch <- prometheus.MustNewConstMetric(descCopiesRunning, prometheus.GaugeValue, float64(c.p.copies.active.Load()))
 }

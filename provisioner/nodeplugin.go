@@ -33,6 +33,13 @@ const nodePluginSeenFor = time.Minute
 type claimChecks struct {
 	mu   sync.Mutex
 	last map[types.UID]time.Time
+	// pruned is when last was last swept of claims checked a period ago or more. The lib asks
+	// about every pending claim on each resync: a sweep per call would cost the whole map on
+	// each, quadratic in the claims pending; one sweep per period is O(1) per call amortised,
+	// and keeps no more than two periods' claims.
+	pruned time.Time
+	// swept counts the entries the sweeps looked at, for tests.
+	swept int
 }
 
 // due reports whether the claim should be checked now, and if so records that it was.
@@ -44,12 +51,17 @@ func (c *claimChecks) due(uid types.UID, now time.Time) bool {
 	}
 	if c.last == nil {
 		c.last = map[types.UID]time.Time{}
+		c.pruned = now
 	}
 	// Claims that got bound or deleted are never asked about again: forget them by age.
-	for u, t := range c.last {
-		if now.Sub(t) >= nodePluginCheckPeriod {
-			delete(c.last, u)
+	if now.Sub(c.pruned) >= nodePluginCheckPeriod {
+		for u, t := range c.last {
+			c.swept++
+			if now.Sub(t) >= nodePluginCheckPeriod {
+				delete(c.last, u)
+			}
 		}
+		c.pruned = now
 	}
 	c.last[uid] = now
 	return true
@@ -97,7 +109,7 @@ func (p *Provisioner) checkNodePlugin(ctx context.Context, claim *v1.PersistentV
 		return
 	}
 	logger := klog.FromContext(ctx).WithValues("claim", klog.KObj(claim), "node", node)
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, apiTimeout)
 	defer cancel()
 	csiNode, err := p.cfg.Client.StorageV1().CSINodes().Get(ctx, node, metav1.GetOptions{})
 	switch {

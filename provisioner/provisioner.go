@@ -105,8 +105,10 @@ type Provisioner struct {
 	// volumeLocks serialise the creation, resize and deletion of each volume (lockVolume).
 	volumeLocks keyed.Locks[string]
 
-	hostnameOnce sync.Mutex
-	hostname     string
+	// hostname caches nodeHostname's answer once it has one. Only the read and the store are
+	// under the lock, never the API call: a GET that hangs must not hold up the other workers.
+	hostnameMu sync.Mutex
+	hostname   string
 }
 
 var (
@@ -196,6 +198,12 @@ func (p *Provisioner) PendingDeletes() int {
 // on the claim. The controller also reports local claims placed on a node where no dirpv node
 // plugin runs.
 func (p *Provisioner) ShouldProvision(ctx context.Context, claim *v1.PersistentVolumeClaim) bool {
+	if claim.DeletionTimestamp != nil {
+		// Its volume would only be released at once. The lib would call Provision for it
+		// until it is gone (pvc-protection holds it while a pod names it), and for a clone
+		// start its copy again each time ClaimDeleted cancelled it.
+		return false
+	}
 	className := ptrValue(claim.Spec.StorageClassName)
 	class, err := p.cfg.Classes.Get(className)
 	if err != nil {
@@ -255,7 +263,7 @@ func (p *Provisioner) nodeLost(ctx context.Context, pv *v1.PersistentVolume) boo
 	if node == "" || pv.Status.Phase != v1.VolumeReleased || pv.Spec.PersistentVolumeReclaimPolicy != v1.PersistentVolumeReclaimDelete {
 		return false
 	}
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, apiTimeout)
 	defer cancel()
 	_, err := p.cfg.Client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
 	return apierrors.IsNotFound(err)
@@ -576,21 +584,31 @@ func storeName(a volume.Attributes) string {
 
 // nodeHostname returns the node's kubernetes.io/hostname label, which PV node affinity must
 // match; it may differ from the node name on some clouds.
+//
+// Callers that find no cached answer each make their own GET, bounded by apiTimeout: a
+// few redundant GETs at startup cost less than every worker waiting behind one that hangs
+// (an API server that stopped answering), and a worker's own context may have no deadline.
 func (p *Provisioner) nodeHostname(ctx context.Context) (string, error) {
-	p.hostnameOnce.Lock()
-	defer p.hostnameOnce.Unlock()
-	if p.hostname != "" {
-		return p.hostname, nil
+	p.hostnameMu.Lock()
+	hostname := p.hostname
+	p.hostnameMu.Unlock()
+	if hostname != "" {
+		return hostname, nil
 	}
+	ctx, cancel := context.WithTimeout(ctx, apiTimeout)
+	defer cancel()
 	node, err := p.cfg.Client.CoreV1().Nodes().Get(ctx, p.cfg.NodeName, metav1.GetOptions{})
 	if err != nil {
 		return "", fmt.Errorf("read node %s for its %s label: %w", p.cfg.NodeName, v1.LabelHostname, err)
 	}
-	p.hostname = node.Labels[v1.LabelHostname]
-	if p.hostname == "" {
-		p.hostname = node.Name
+	hostname = node.Labels[v1.LabelHostname]
+	if hostname == "" {
+		hostname = node.Name
 	}
-	return p.hostname, nil
+	p.hostnameMu.Lock()
+	p.hostname = hostname
+	p.hostnameMu.Unlock()
+	return hostname, nil
 }
 
 func (p *Provisioner) buildPV(opts controller.ProvisionOptions, params *classParams, attrs volume.Attributes, hostname string) *v1.PersistentVolume {

@@ -887,3 +887,21 @@ func TestControllerReportsNodeWithoutPlugin(t *testing.T) {
 		t.Errorf("%d CSINode lookups for 5 claims on a node that runs the plugin, want 1", lookups)
 	}
 }
+
+// A claim being deleted is provisioned by no instance: its volume would be released at once,
+// and a clone's copy, cancelled when the deletion began, would start again.
+func TestClaimBeingDeletedIsNotProvisioned(t *testing.T) {
+	f := newFixture(t)
+	class := f.localClass(nil)
+	pvc := claim("going")
+	pvc.Spec.StorageClassName = &class.Name
+	pvc.Annotations[annSelectedNode] = testNode
+	if !f.node.ShouldProvision(context.Background(), pvc) {
+		t.Fatal("the node does not take its own claim: the test proves nothing")
+	}
+	now := metav1.Now()
+	pvc.DeletionTimestamp = &now
+	if f.node.ShouldProvision(context.Background(), pvc) {
+		t.Error("the node provisions a claim being deleted")
+	}
+}

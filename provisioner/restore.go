@@ -69,7 +69,10 @@ func resolveSnapshotSource(ctx context.Context, p *Provisioner, claim *v1.Persis
 	}
 	hostname := h.Node
 	if h.Backend == volume.BackendLocal {
-		if node, err := p.cfg.Client.CoreV1().Nodes().Get(ctx, h.Node, metav1.GetOptions{}); err == nil && node.Labels[v1.LabelHostname] != "" {
+		get, cancel := context.WithTimeout(ctx, apiTimeout)
+		node, err := p.cfg.Client.CoreV1().Nodes().Get(get, h.Node, metav1.GetOptions{})
+		cancel()
+		if err == nil && node.Labels[v1.LabelHostname] != "" {
 			hostname = node.Labels[v1.LabelHostname]
 		}
 	}

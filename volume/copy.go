@@ -376,6 +376,7 @@ func (c *copier) copyTree() error {
 		}
 		c.entries++
 		failpoint.HitAfter(failpoint.DuringCopy, c.entries)
+		failpoint.PauseAt(c.ctx, failpoint.PauseDuringCopy, c.entries)
 		if err := c.copyEntry(name); err != nil {
 			if errors.Is(err, unix.EDQUOT) || errors.Is(err, unix.ENOSPC) {
 				return fmt.Errorf("copy %s: the new volume is full: %w", c.where(name), err)

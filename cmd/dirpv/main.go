@@ -87,6 +87,10 @@ func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfi
 	fs.DurationVar(&prov.Resync, "resync-period", 15*time.Minute, "Informer resync period.")
 	fs.DurationVar(&prov.CloneTimeout, "clone-timeout", daemon.DefaultCloneTimeout,
 		"Deadline of each copy that starts a volume from a data source (a clone, a restore) or makes a VolumeSnapshot; the copy runs in the background meanwhile, and starts again after it.")
+	fs.DurationVar(&prov.RetryIntervalStart, "retry-interval-start", daemon.DefaultRetryIntervalStart,
+		"Delay before the first retry of a failed provision or delete; it doubles with each failure, up to --retry-interval-max. Retries never stop.")
+	fs.DurationVar(&prov.RetryIntervalMax, "retry-interval-max", daemon.DefaultRetryIntervalMax,
+		"Longest delay between retries of a failed provision or delete.")
 	httpAddr := fs.String("http-address", ":9809", "Address for /healthz and /metrics. Empty disables them.")
 	profiling := fs.Bool("profiling", false, "Also serve Go's /debug/pprof/ on --http-address (heap and CPU profiles).")
 	return kube, prov, httpAddr, profiling

@@ -20,6 +20,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/time/rate"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/informers"
@@ -27,6 +28,7 @@ import (
 	"k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
@@ -101,6 +103,53 @@ type ProvisionerConfig struct {
 	// CloneTimeout bounds each copy that starts a volume from a data source or makes a
 	// VolumeSnapshot.
 	CloneTimeout time.Duration
+	// RetryIntervalStart and RetryIntervalMax bound the back-off between retries of a failed
+	// Provision or Delete: it starts at the one and doubles up to the other; zero means
+	// DefaultRetryIntervalStart and DefaultRetryIntervalMax. Retries never stop (retryLimiter).
+	RetryIntervalStart, RetryIntervalMax time.Duration
+}
+
+// The back-off defaults. The start is the lib's own: a refused claim's first retry comes no
+// sooner than before. The cap is the lib's slow-retry interval for refusals (InvalidArgument,
+// see provisioner.invalid) and external-provisioner's --retry-interval-max: a volume whose
+// storage comes back is served within 5 minutes, and a thousand volumes failing on a dead
+// server cost a few retries a second.
+const (
+	DefaultRetryIntervalStart = 15 * time.Second
+	DefaultRetryIntervalMax   = 5 * time.Minute
+)
+
+// retryOptions returns the lib options that make a failed Provision or Delete retried for as
+// long as it fails, each claim and volume backing off from RetryIntervalStart to
+// RetryIntervalMax, all of them together at most 10 retries a second (the lib's own overall
+// limit). The lib's default gives up after 15 failures, about 2.75 h with its back-off: a
+// long NFS outage during Delete, or a long clone (whose Provision returns "in background"
+// errors while it copies), then left the volume untouched until the claim or PV changed or
+// the informers resynced. A refusal no retry can fix still waits the lib's slow-retry
+// interval between attempts (its infeasible check runs before Provision is called): the
+// queue only brings it back to that check.
+func retryOptions(cfg ProvisionerConfig) []func(*controller.ProvisionController) error {
+	return []func(*controller.ProvisionController) error{
+		// 0: no threshold, retry forever.
+		controller.FailedProvisionThreshold(0),
+		controller.FailedDeleteThreshold(0),
+		controller.RateLimiter(retryLimiter(cfg)),
+	}
+}
+
+// retryLimiter is the rate limiter of the lib's claim and volume queues (retryOptions).
+func retryLimiter(cfg ProvisionerConfig) workqueue.TypedRateLimiter[string] {
+	start, maxDelay := cfg.RetryIntervalStart, cfg.RetryIntervalMax
+	if start <= 0 {
+		start = DefaultRetryIntervalStart
+	}
+	if maxDelay <= 0 {
+		maxDelay = DefaultRetryIntervalMax
+	}
+	return workqueue.NewTypedMaxOfRateLimiter(
+		workqueue.NewTypedItemExponentialFailureRateLimiter[string](start, max(maxDelay, start)),
+		&workqueue.TypedBucketRateLimiter[string]{Limiter: rate.NewLimiter(rate.Limit(10), 100)},
+	)
 }
 
 // DefaultCloneTimeout is the default of ProvisionerConfig.CloneTimeout.
@@ -233,7 +282,7 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 	// pc.Run returns as soon as its context ends, while its workers may still be in Provision
 	// or Delete; the lib adds each worker to this group so that we can wait for them.
 	var workers sync.WaitGroup
-	pc := controller.NewProvisionController(ctx, client, DriverName, pub.wrap(provisioner.Instrument(p, reg)),
+	pc := controller.NewProvisionController(ctx, client, DriverName, pub.wrap(provisioner.Instrument(p, reg)), append(retryOptions(cfg),
 		// Leader election, where there is one, is ours (runElected): the lib's exits the process
 		// when it stops leading, before anything could drain or the lease be released.
 		controller.LeaderElection(false),
@@ -252,8 +301,27 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 		// hand) vanishes without onDelete ever running, and its directory is orphaned. Every
 		// instance sets it, since an instance without it removes it from every PV it sees.
 		controller.AddFinalizer(true),
-	)
+	)...)
 	pc.ControllerWaitGroup(&workers)
+	// The lib forgets a deleted claim; a copy under way for it is dirpv's to stop, as soon as
+	// the claim is being deleted.
+	if _, err := factory.Core().V1().PersistentVolumeClaims().Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		UpdateFunc: func(_, obj any) {
+			if claim, ok := obj.(*corev1.PersistentVolumeClaim); ok && claim.DeletionTimestamp != nil {
+				p.ClaimDeleted(ctx, claim)
+			}
+		},
+		DeleteFunc: func(obj any) {
+			if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = tomb.Obj
+			}
+			if claim, ok := obj.(*corev1.PersistentVolumeClaim); ok {
+				p.ClaimDeleted(ctx, claim)
+			}
+		},
+	}); err != nil {
+		klog.FromContext(ctx).Error(err, "Copies of deleted claims will run to their end")
+	}
 	resizer := p.Resizer(ctx)
 	resize := resizing(client, factory, resizer, cfg)
 	return func(ctx context.Context) {

@@ -6,15 +6,19 @@
 //
 // A point is armed by starting the process with DIRPV_TEST_FAILPOINT set to its name, or, for a
 // point reached once per item of a long job (DuringCopy), to its name, a colon and a count N:
-// the process dies the Nth time it gets there (HitAfter). Nothing else changes the behaviour:
-// unset (as in every deployment), Hit and HitAfter do nothing.
+// the process dies the Nth time it gets there (HitAfter). A pause point (PauseDuringCopy)
+// does not kill: the job stops there until it is cancelled (PauseAt), so that a test knows the
+// job was under way when it did what is to cancel it. Nothing else changes the behaviour:
+// unset (as in every deployment), Hit, HitAfter and PauseAt do nothing.
 package failpoint
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
@@ -36,6 +40,10 @@ const (
 	// the process dies after copying N entries, leaving a half-made copy under the volume's
 	// temporary name; armed without a count it dies at the first entry.
 	DuringCopy = "during-copy"
+	// PauseDuringCopy is where DuringCopy is; armed as "pause-during-copy:N", a copy stops
+	// after copying N entries until its context is done, leaving a half-made copy under the
+	// volume's temporary name for as long as it is not cancelled.
+	PauseDuringCopy = "pause-during-copy"
 )
 
 // armed and armedCount are read once: a process is started with the point it is to die at.
@@ -54,6 +62,25 @@ func parse(v string) (string, int64) {
 		os.Exit(2)
 	}
 	return name, n
+}
+
+// paused is closed when PauseAt first begins to wait, for this package's test.
+var (
+	paused     = make(chan struct{})
+	pausedOnce sync.Once
+)
+
+// PauseAt waits until ctx is done if name is the armed point and n, the times it was reached
+// so far in this job, is the armed count; it says on stderr that it paused, and that it went
+// on, for the test to read in the process's log.
+func PauseAt(ctx context.Context, name string, n int64) {
+	if armed == "" || armed != name || n != armedCount {
+		return
+	}
+	fmt.Fprintf(os.Stderr, "failpoint %s reached: pausing until the job is cancelled (%s=%s)\n", name, Env, armed)
+	pausedOnce.Do(func() { close(paused) })
+	<-ctx.Done()
+	fmt.Fprintf(os.Stderr, "failpoint %s released: %v\n", name, ctx.Err())
 }
 
 // Hit kills the process with SIGKILL if name is the armed point, after saying so on stderr

@@ -1,6 +1,7 @@
 package failpoint
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -60,5 +61,45 @@ func TestHitAfterCounts(t *testing.T) {
 	}
 	if s := string(out); !strings.Contains(s, "entry 3\n") || strings.Contains(s, "entry 4") {
 		t.Errorf("the process did not die at the third entry:\n%s", out)
+	}
+}
+
+// TestHelperPause is the process TestPauseWaitsForCancel starts: it reaches PauseDuringCopy
+// twice, the second time (the armed count) with its work cancelled by another goroutine once
+// the pause began.
+func TestHelperPause(t *testing.T) {
+	if os.Getenv(Env) == "" {
+		t.Skip("run by TestPauseWaitsForCancel")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	PauseAt(ctx, PauseDuringCopy, 1) // not the armed count: returns
+	fmt.Fprintln(os.Stderr, "entry 1 passed")
+	go func() {
+		<-paused
+		cancel()
+	}()
+	PauseAt(ctx, PauseDuringCopy, 2)
+	fmt.Fprintln(os.Stderr, "entry 2 passed")
+}
+
+// TestPauseWaitsForCancel: a pause point armed with a count holds the job at that count until
+// the job's context is done, says so, and kills nothing; unarmed it does nothing.
+func TestPauseWaitsForCancel(t *testing.T) {
+	PauseAt(context.Background(), PauseDuringCopy, 1) // unarmed here: returns
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperPause$", "-test.v")
+	cmd.Env = append(os.Environ(), Env+"="+PauseDuringCopy+":2")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("paused process: %v\n%s", err, out)
+	}
+	want := []string{"entry 1 passed", "failpoint " + PauseDuringCopy + " reached", "failpoint " + PauseDuringCopy + " released: context canceled", "entry 2 passed"}
+	last := -1
+	for _, w := range want {
+		i := strings.Index(string(out), w)
+		if i <= last {
+			t.Fatalf("output lacks %q in order %q:\n%s", w, want, out)
+		}
+		last = i
 	}
 }

@@ -410,3 +410,78 @@ func TestCloneKilledMidCopyRestarts(t *testing.T) {
 		t.Errorf("temporary directories left after the restart: %v", left)
 	}
 }
+
+// A clone whose claim is deleted while its copy runs: the copy is cancelled at once, not left
+// to run to its end (or to --clone-timeout) for nobody, and what it copied is removed. The
+// copy is held halfway by failpoint.PauseDuringCopy, which lets it go on only once it is
+// cancelled, so the test knows the copy was under way when the claim went.
+func TestCloneCancelledWhenItsClaimIsDeleted(t *testing.T) {
+	const (
+		node  = "node-clone-cancel"
+		files = 200
+		point = failpoint.PauseDuringCopy
+	)
+	proc := startNodeInstance(t, node, suite.Work.BaseRoot, failpoint.Env+"="+point+":"+fmt.Sprint(files/2))
+	ns := suite.NewNamespace(t)
+	class, base := localClass(t, nil)
+	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(node))
+	_, srcPV := waitBound(t, ns, "src")
+	fillOnServer(t, volumeDir(srcPV), files)
+
+	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(node), cloneOf("src"))
+	if err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
+		return strings.Contains(proc.Tail(4000), "failpoint "+point+" reached"), errors.New("the copy did not reach the failpoint")
+	}); err != nil {
+		t.Fatalf("%v\n--- log tail:\n%s", err, proc.Tail(3000))
+	}
+	temps := tempDirs(t, base)
+	if len(temps) != 1 {
+		t.Fatalf("base during the copy holds %v, want the source and one temporary directory", entries(t, base))
+	}
+	if n := countFiles(t, filepath.Join(base, temps[0])); n == 0 || n >= files {
+		t.Errorf("the paused copy holds %d of %d files, want a part", n, files)
+	}
+	if n := copiesRunning(t, proc); n != 1 {
+		t.Errorf("dirpv_copies_running %v during the copy, want 1", n)
+	}
+
+	deleteClaim(t, ns, "copy")
+	err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
+		if n := copiesRunning(t, proc); n != 0 {
+			return false, fmt.Errorf("dirpv_copies_running is %v", n)
+		}
+		if left := tempDirs(t, base); len(left) != 0 {
+			return false, fmt.Errorf("the copy's temporary directory is still there: %v", left)
+		}
+		return true, nil
+	})
+	if err != nil {
+		t.Fatalf("the deleted claim's copy was not cancelled: %v\n--- log tail:\n%s", err, proc.Tail(3000))
+	}
+	if log := proc.Tail(50000); !strings.Contains(log, "failpoint "+point+" released: context canceled") {
+		t.Errorf("the copy did not end by being cancelled:\n%s", log)
+	}
+	// The base is the test's, but -count runs share it: only this run's names are judged.
+	for _, e := range entries(t, base) {
+		if strings.HasPrefix(e, ns+"-copy-") {
+			t.Errorf("base after the cancelled copy holds %s, a volume for the deleted claim", e)
+		}
+	}
+	if pvs := pvsOf(t, ns); len(pvs) != 1 {
+		t.Errorf("PVs after the cancelled copy: %v, want only the source's", pvs)
+	}
+}
+
+// copiesRunning reads dirpv_copies_running from proc.
+func copiesRunning(t *testing.T, proc *framework.Process) float64 {
+	t.Helper()
+	m, err := framework.Scrape(context.Background(), proc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, ok := m["dirpv_copies_running"]
+	if !ok {
+		t.Fatal("no dirpv_copies_running on /metrics")
+	}
+	return n
+}

@@ -19,14 +19,32 @@ import (
 // its bases are on must be made before, so that it is unmounted after the instance stopped.
 func startNodeInstance(t *testing.T, node, bases string, env ...string) *framework.Process {
 	t.Helper()
+	createNode(t, node)
+	return startNodeProcess(t, node, bases, nil, env...)
+}
+
+// createNode creates a Ready node, as a kubelet would, with the CSINode of a node that runs
+// dirpv's plugin; deleting it is the test's cleanup.
+func createNode(t *testing.T, node string) {
+	t.Helper()
 	ctx := context.Background()
 	if err := suite.Cluster.CreateReadyNode(ctx, node, map[string]string{"kubernetes.io/hostname": "host-" + node}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { suite.Client.CoreV1().Nodes().Delete(ctx, node, metav1.DeleteOptions{}) })
-	proc, err := suite.StartDirpv(ctx, node, "node", "--v=2", "--operation-timeout=10s",
+	if err := suite.Cluster.RegisterCSIDriver(ctx, node, "dirpv.io"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// startNodeProcess is startNodeInstance without the node, with the extra flags: it may be
+// created later (createNode), or not at all.
+func startNodeProcess(t *testing.T, node, bases string, flags []string, env ...string) *framework.Process {
+	t.Helper()
+	ctx := context.Background()
+	proc, err := suite.StartDirpv(ctx, node, "node", append([]string{"--v=2", "--operation-timeout=10s",
 		"--node-name", node, "--allowed-base-paths", bases,
-		"--csi-endpoint", "unix://"+filepath.Join(t.TempDir(), "csi.sock"), "--plugin-registration-dir", "-")
+		"--csi-endpoint", "unix://" + filepath.Join(t.TempDir(), "csi.sock"), "--plugin-registration-dir", "-"}, flags...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -39,9 +57,6 @@ func startNodeInstance(t *testing.T, node, bases string, env ...string) *framewo
 		}
 	}
 	if err := proc.WaitHealthy(ctx, timeout); err != nil {
-		t.Fatal(err)
-	}
-	if err := suite.Cluster.RegisterCSIDriver(ctx, node, "dirpv.io"); err != nil {
 		t.Fatal(err)
 	}
 	return proc
