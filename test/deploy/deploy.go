@@ -75,11 +75,16 @@ func Kustomize(ctx context.Context, kustomizeBin, dir string) ([]byte, error) {
 // --api-versions names it: Kubernetes 1.36 and newer serve it.
 const MutatingAdmissionPolicyAPI = "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy"
 
+// ValidatingAdmissionPolicyAPI is the API version of the node-write policy's kind, as helm's
+// --api-versions names it: Kubernetes 1.30 and newer serve it, helm's built-in list does not.
+const ValidatingAdmissionPolicyAPI = "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy"
+
 // HelmTemplate runs `helm template dirpv deploy/helm/dirpv --namespace namespace` with the
 // given values files and --set arguments ("key=value"), for a cluster that serves
-// MutatingAdmissionPolicyAPI, as the clusters of this repository's tests do.
+// MutatingAdmissionPolicyAPI and ValidatingAdmissionPolicyAPI, as the clusters of this
+// repository's tests do.
 func HelmTemplate(ctx context.Context, helmBin, namespace string, valuesFiles []string, set ...string) ([]byte, error) {
-	return HelmTemplateFor(ctx, helmBin, namespace, []string{MutatingAdmissionPolicyAPI}, valuesFiles, set...)
+	return HelmTemplateFor(ctx, helmBin, namespace, []string{MutatingAdmissionPolicyAPI, ValidatingAdmissionPolicyAPI}, valuesFiles, set...)
 }
 
 // HelmTemplateFor is HelmTemplate for a cluster that serves, beyond helm's built-in API

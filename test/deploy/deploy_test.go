@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"cmp"
 	"fmt"
 	"maps"
 	"path"
@@ -35,31 +36,77 @@ func TestHelmMatchesKindOverlay(t *testing.T) {
 	sameObjects(t, kustomizeObjs(t, kustomize, "deploy/overlays/kind"), helmObjs(t, helm, []string{"testdata/kind-values.yaml"}))
 }
 
-// TestNodeLabelPolicyOnlyWhereServed: the chart renders the node-label policy for a cluster
-// that serves its kind, and leaves it out for an older one (helm would otherwise refuse the
-// whole install) and when nodeLabelPolicy.enabled is false; everything else stays the same.
-func TestNodeLabelPolicyOnlyWhereServed(t *testing.T) {
+// TestAdmissionPoliciesOnlyWhereServed: the chart renders each admission policy (the
+// node-label policy, the node-write policy) for a cluster that serves its kind, and leaves it
+// out for an older one (helm would otherwise refuse the whole install) and when its value's
+// enabled is false; everything else stays the same.
+func TestAdmissionPoliciesOnlyWhereServed(t *testing.T) {
 	_, helm := tools(t)
-	policy := []string{"MutatingAdmissionPolicy /dirpv-node-label", "MutatingAdmissionPolicyBinding /dirpv-node-label"}
-	served := helmObjs(t, helm, nil)
-	for _, k := range policy {
-		if served[k] == nil {
-			t.Errorf("helm template for a cluster that serves %s lacks %s", MutatingAdmissionPolicyAPI, k)
+	all := []string{MutatingAdmissionPolicyAPI, ValidatingAdmissionPolicyAPI}
+	for _, p := range []struct{ api, value, kind, name string }{
+		{MutatingAdmissionPolicyAPI, "nodeLabelPolicy", "MutatingAdmissionPolicy", "dirpv-node-label"},
+		{ValidatingAdmissionPolicyAPI, "nodeWritePolicy", "ValidatingAdmissionPolicy", "dirpv-node-writes"},
+	} {
+		policy := []string{p.kind + " /" + p.name, p.kind + "Binding /" + p.name}
+		served := helmObjs(t, helm, nil)
+		for _, k := range policy {
+			if served[k] == nil {
+				t.Errorf("helm template for a cluster that serves %s lacks %s", p.api, k)
+			}
+		}
+		out, err := HelmTemplateFor(t.Context(), helm, "dirpv", slices.DeleteFunc(slices.Clone(all), func(a string) bool { return a == p.api }), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for name, objs := range map[string]objects{"a cluster without " + p.api: decode(t, out), p.value + ".enabled=false": helmObjs(t, helm, nil, p.value+".enabled=false")} {
+			for _, k := range policy {
+				if objs[k] != nil {
+					t.Errorf("helm template for %s renders %s", name, k)
+				}
+				delete(served, k)
+			}
+			if !reflect.DeepEqual(objs.keys(), served.keys()) {
+				t.Errorf("helm template for %s: objects %v, want %v", name, objs.keys(), served.keys())
+			}
 		}
 	}
-	out, err := HelmTemplateFor(t.Context(), helm, "dirpv", nil, nil)
+}
+
+// TestNodeWritePolicyScopesTheNodeServiceAccount: both overlays and the chart (in another
+// namespace too) install the node-write policy, failing closed, and it matches exactly the
+// service account the node DaemonSet runs as: a policy naming another one would scope
+// nothing, silently.
+func TestNodeWritePolicyScopesTheNodeServiceAccount(t *testing.T) {
+	kustomize, helm := tools(t)
+	renders := map[string]objects{
+		"deploy/overlays/kind": kustomizeObjs(t, kustomize, "deploy/overlays/kind"),
+		"deploy/overlays/nfs":  kustomizeObjs(t, kustomize, "deploy/overlays/nfs"),
+	}
+	out, err := HelmTemplate(t.Context(), helm, "storage", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for name, objs := range map[string]objects{"an older cluster": decode(t, out), "nodeLabelPolicy.enabled=false": helmObjs(t, helm, nil, "nodeLabelPolicy.enabled=false")} {
-		for _, k := range policy {
-			if objs[k] != nil {
-				t.Errorf("helm template for %s renders %s", name, k)
-			}
-			delete(served, k)
+	renders["helm -n storage"] = decode(t, out)
+	namespaces := map[string]string{"helm -n storage": "storage"}
+	for name, objs := range renders {
+		ns := cmp.Or(namespaces[name], "dirpv")
+		ds := get[*appsv1.DaemonSet](t, objs, "DaemonSet "+ns+"/dirpv-node")
+		want := "request.userInfo.username == 'system:serviceaccount:" + ds.Namespace + ":" + ds.Spec.Template.Spec.ServiceAccountName + "'"
+		policy := objs["ValidatingAdmissionPolicy /dirpv-node-writes"]
+		binding := objs["ValidatingAdmissionPolicyBinding /dirpv-node-writes"]
+		if policy == nil || binding == nil {
+			t.Errorf("%s: no node-write policy and binding", name)
+			continue
 		}
-		if !reflect.DeepEqual(objs.keys(), served.keys()) {
-			t.Errorf("helm template for %s: objects %v, want %v", name, objs.keys(), served.keys())
+		if fp, _, _ := unstructured.NestedString(policy.Object, "spec", "failurePolicy"); fp != "Fail" {
+			t.Errorf("%s: failurePolicy %q, want Fail", name, fp)
+		}
+		conds, _, _ := unstructured.NestedSlice(policy.Object, "spec", "matchConditions")
+		if len(conds) != 1 || conds[0].(map[string]any)["expression"] != want {
+			t.Errorf("%s: matchConditions %v, want the one expression %s", name, conds, want)
+		}
+		if actions, _, _ := unstructured.NestedStringSlice(binding.Object, "spec", "validationActions"); !slices.Equal(actions, []string{"Deny"}) {
+			t.Errorf("%s: binding's validationActions %v, want [Deny]", name, actions)
 		}
 	}
 }

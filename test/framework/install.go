@@ -7,12 +7,14 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/types"
@@ -24,9 +26,11 @@ import (
 	"k8s.io/client-go/restmapper"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/deploy"
 	"github.com/dirpv/dirpv/test/image"
+	"github.com/dirpv/dirpv/volume"
 )
 
 // Installation is dirpv installed into a test/cluster node cluster from deploy/, as a user
@@ -133,6 +137,60 @@ func WaitNodeLabelPolicy(ctx context.Context, c kubernetes.Interface, namespace,
 		return fmt.Errorf("%s does not label a claim of class %s placed on %s (labels %v): %w", NodeLabelPolicy, class, node, labels, err)
 	}
 	return nil
+}
+
+// NodeWritePolicy is deploy/'s ValidatingAdmissionPolicy that lets a dirpv node pod's
+// credentials write only the PersistentVolumes and claims of the pod's node.
+const NodeWritePolicy = "deploy/components/node-write-policy/node-write-policy.yaml"
+
+// WaitNodeWritePolicy waits until the API server applies NodeWritePolicy to c, a client with
+// the credentials of a dirpv node pod: a policy takes effect once the API server's informers
+// have it. It asks with dry-run creates of a PersistentVolume of a node that is not node
+// (which the policy refuses), which leave nothing behind.
+func WaitNodeWritePolicy(ctx context.Context, c kubernetes.Interface, node string, timeout time.Duration) error {
+	probe := LocalPV("policy-probe", "not-"+node)
+	dryRun := metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}
+	err := Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		_, err := c.CoreV1().PersistentVolumes().Create(ctx, probe, dryRun)
+		if err == nil {
+			return false, fmt.Errorf("node %s's credentials may create a PersistentVolume of node %s", node, probe.Annotations[provisioner.AnnNode])
+		}
+		if apierrors.IsForbidden(err) && strings.Contains(err.Error(), "dirpv-node-writes") {
+			return true, nil
+		}
+		return false, err
+	})
+	if err != nil {
+		return fmt.Errorf("%s is not in effect: %w", NodeWritePolicy, err)
+	}
+	return nil
+}
+
+// LocalPV returns a PersistentVolume of a local dirpv volume on node as dirpv node makes them
+// (provisioner.buildPV) on a node whose kubernetes.io/hostname label is its name, in no class.
+func LocalPV(name, node string) *corev1.PersistentVolume {
+	return &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:        name,
+			Annotations: map[string]string{provisioner.AnnNode: node, provisioner.AnnOnDelete: "retain"},
+			Labels:      map[string]string{provisioner.LabelNode: provisioner.NodeLabel(node)},
+		},
+		Spec: corev1.PersistentVolumeSpec{
+			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
+			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{
+				Driver:           "dirpv.io",
+				VolumeHandle:     volume.Handle(volume.BackendLocal, name),
+				VolumeAttributes: volume.Attributes{Backend: volume.BackendLocal, BasePath: "/var/lib/dirpv", Path: name}.Map(),
+			}},
+			NodeAffinity: &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{
+				NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchExpressions: []corev1.NodeSelectorRequirement{{
+					Key: corev1.LabelHostname, Operator: corev1.NodeSelectorOpIn, Values: []string{node},
+				}}}},
+			}},
+		},
+	}
 }
 
 func (inst *Installation) resource(o *unstructured.Unstructured) (dynamic.ResourceInterface, error) {

@@ -39,7 +39,8 @@ type auditEvent struct {
 	Stage string `json:"stage"`
 	Verb  string `json:"verb"`
 	User  struct {
-		Username string `json:"username"`
+		Username string              `json:"username"`
+		Extra    map[string][]string `json:"extra"`
 	} `json:"user"`
 	ObjectRef *struct {
 		Resource    string `json:"resource"`
@@ -48,8 +49,16 @@ type auditEvent struct {
 		Name        string `json:"name"`
 		APIGroup    string `json:"apiGroup"`
 	} `json:"objectRef"`
-	Annotations map[string]string `json:"annotations"`
+	Annotations    map[string]string `json:"annotations"`
+	ResponseStatus *struct {
+		Code    int    `json:"code"`
+		Message string `json:"message"`
+	} `json:"responseStatus"`
 }
+
+// nodeNameExtra is where the API server records the node of a token bound to a pod, which
+// deploy/'s node-write policy scopes dirpv node's writes to.
+const nodeNameExtra = "authentication.kubernetes.io/node-name"
 
 // call is one kind of request: who asked for which verb on which resource.
 type call struct{ user, group, resource, verb string }
@@ -60,7 +69,9 @@ func (c call) String() string {
 
 // Every API call dirpv's pods made during this suite (install, provisioning, a node plugin
 // restart, a crash, uninstall) is compared with deploy/'s RBAC: none may have been refused,
-// and grants never used are listed. Runs after the other tests (file order), so it sees the
+// by RBAC or by one of deploy/'s admission policies, and grants never used are listed. Every
+// call of dirpv node came with the token kubelet projected, which names the node its pod runs
+// on, as the node-write policy needs. Runs after the other tests (file order), so it sees the
 // whole lifecycle. The exact rules themselves are pinned in test/deploy.
 func TestRBACCoversEveryCallMade(t *testing.T) {
 	f, err := os.Open(auditLog)
@@ -69,7 +80,18 @@ func TestRBACCoversEveryCallMade(t *testing.T) {
 	}
 	defer f.Close()
 	used := map[call]int{}
-	var refused []string
+	var refused, unbound []string
+	// How the API server names deploy/'s admission policies when one refuses a request (403
+	// for a denial, 422 when the policy fails to evaluate); a test's own policies may refuse.
+	var policies []string
+	for _, o := range inst.Objects {
+		if k := o.GetKind(); k == "ValidatingAdmissionPolicy" || k == "MutatingAdmissionPolicy" {
+			policies = append(policies, k+" '"+o.GetName()+"'")
+		}
+	}
+	if len(policies) == 0 {
+		t.Fatal("deploy/ installed no admission policy")
+	}
 	s := bufio.NewScanner(f)
 	s.Buffer(make([]byte, 1<<20), 1<<20)
 	for s.Scan() {
@@ -89,6 +111,12 @@ func TestRBACCoversEveryCallMade(t *testing.T) {
 		if e.Annotations["authorization.k8s.io/decision"] == "forbid" {
 			refused = append(refused, fmt.Sprintf("%s %s/%s", c, e.ObjectRef.Namespace, e.ObjectRef.Name))
 		}
+		if r := e.ResponseStatus; r != nil && slices.ContainsFunc(policies, func(p string) bool { return strings.Contains(r.Message, p) }) {
+			refused = append(refused, fmt.Sprintf("%s %s/%s: %s", c, e.ObjectRef.Namespace, e.ObjectRef.Name, r.Message))
+		}
+		if node := e.User.Extra[nodeNameExtra]; strings.HasSuffix(e.User.Username, ":dirpv-node") && !slices.Equal(node, []string{suite.Cluster.NodeName}) {
+			unbound = append(unbound, fmt.Sprintf("%s %s/%s: %s %v", c, e.ObjectRef.Namespace, e.ObjectRef.Name, nodeNameExtra, node))
+		}
 	}
 	if err := s.Err(); err != nil {
 		t.Fatal(err)
@@ -97,7 +125,14 @@ func TestRBACCoversEveryCallMade(t *testing.T) {
 		t.Fatal("the audit log holds no request of dirpv's ServiceAccounts")
 	}
 	for _, r := range refused {
-		t.Errorf("RBAC refused a call dirpv made: %s", r)
+		t.Errorf("refused a call dirpv made: %s", r)
+	}
+	for i, u := range unbound {
+		if i == 5 {
+			t.Errorf("... and %d more calls of dirpv node without its node", len(unbound)-i)
+			break
+		}
+		t.Errorf("dirpv node called without its node in the token: %s", u)
 	}
 
 	granted := grantedCalls(t)
