@@ -26,11 +26,9 @@ import (
 	"k8s.io/client-go/restmapper"
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/deploy"
 	"github.com/dirpv/dirpv/test/image"
-	"github.com/dirpv/dirpv/volume"
 )
 
 // Installation is dirpv installed into a test/cluster node cluster from deploy/, as a user
@@ -153,7 +151,7 @@ func WaitNodeWritePolicy(ctx context.Context, c kubernetes.Interface, node strin
 	err := Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 		_, err := c.CoreV1().PersistentVolumes().Create(ctx, probe, dryRun)
 		if err == nil {
-			return false, fmt.Errorf("node %s's credentials may create a PersistentVolume of node %s", node, probe.Annotations[provisioner.AnnNode])
+			return false, fmt.Errorf("node %s's credentials may create a PersistentVolume of node %s", node, "not-"+node)
 		}
 		if apierrors.IsForbidden(err) && strings.Contains(err.Error(), "dirpv-node-writes") {
 			return true, nil
@@ -168,12 +166,14 @@ func WaitNodeWritePolicy(ctx context.Context, c kubernetes.Interface, node strin
 
 // LocalPV returns a PersistentVolume of a local dirpv volume on node as dirpv node makes them
 // (provisioner.buildPV) on a node whose kubernetes.io/hostname label is its name, in no class.
+// Its names are spelled out, not taken from provisioner/ and volume/: the framework is imported
+// by their tests. node must be a valid label value (dirpv hashes longer names for the label).
 func LocalPV(name, node string) *corev1.PersistentVolume {
 	return &corev1.PersistentVolume{
 		ObjectMeta: metav1.ObjectMeta{
 			Name:        name,
-			Annotations: map[string]string{provisioner.AnnNode: node, provisioner.AnnOnDelete: "retain"},
-			Labels:      map[string]string{provisioner.LabelNode: provisioner.NodeLabel(node)},
+			Annotations: map[string]string{"dirpv.io/node": node, "dirpv.io/on-delete": "retain"},
+			Labels:      map[string]string{"dirpv.io/node": node},
 		},
 		Spec: corev1.PersistentVolumeSpec{
 			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
@@ -181,8 +181,8 @@ func LocalPV(name, node string) *corev1.PersistentVolume {
 			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
 			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{
 				Driver:           "dirpv.io",
-				VolumeHandle:     volume.Handle(volume.BackendLocal, name),
-				VolumeAttributes: volume.Attributes{Backend: volume.BackendLocal, BasePath: "/var/lib/dirpv", Path: name}.Map(),
+				VolumeHandle:     "local:" + name,
+				VolumeAttributes: map[string]string{"backend": "local", "basePath": "/var/lib/dirpv", "path": name},
 			}},
 			NodeAffinity: &corev1.VolumeNodeAffinity{Required: &corev1.NodeSelector{
 				NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchExpressions: []corev1.NodeSelectorRequirement{{
