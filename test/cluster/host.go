@@ -68,32 +68,20 @@ func (h *hostChanges) shareRoot() error {
 // sharedMount reports whether dir is on a mount that propagates to its peers: the mount with
 // the deepest mount point at or above dir has a shared:N tag in /proc/self/mountinfo.
 func sharedMount(dir string) bool {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return false
-	}
-	defer f.Close()
 	best, shared := "", false
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 64*1024), 1024*1024)
-	for sc.Scan() {
-		// id parent major:minor root mountpoint options optional-fields... - type source super
-		fields := strings.Fields(sc.Text())
-		if len(fields) < 7 {
-			continue
-		}
-		mp := unescapeMountinfo(fields[4])
+	eachMount(func(mp string, fields []string) {
 		if mp != "/" && mp != dir && !strings.HasPrefix(dir, mp+"/") || len(mp) < len(best) {
-			continue
+			return
 		}
 		best, shared = mp, false
+		// id parent major:minor root mountpoint options optional-fields... - type source super
 		for _, opt := range fields[6:] {
 			if opt == "-" {
 				break
 			}
 			shared = shared || strings.HasPrefix(opt, "shared:")
 		}
-	}
+	})
 	return shared
 }
 
@@ -305,27 +293,32 @@ func rmdirTree(root string) int {
 
 // mountsUnder returns mount points equal to or below dir, deepest first.
 func mountsUnder(dir string) []string {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return nil
-	}
-	defer f.Close()
 	dir = filepath.Clean(dir)
 	var mps []string
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 64*1024), 1024*1024)
-	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) < 5 {
-			continue
-		}
-		mp := unescapeMountinfo(fields[4])
+	eachMount(func(mp string, _ []string) {
 		if mp == dir || strings.HasPrefix(mp, dir+"/") {
 			mps = append(mps, mp)
 		}
-	}
+	})
 	sort.SliceStable(mps, func(i, j int) bool { return strings.Count(mps[i], "/") > strings.Count(mps[j], "/") })
 	return mps
+}
+
+// eachMount calls fn with the mount point and the fields of each line of /proc/self/mountinfo,
+// in its order (a mount stacked on another comes after it).
+func eachMount(fn func(mountPoint string, fields []string)) {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64*1024), 1024*1024)
+	for sc.Scan() {
+		if fields := strings.Fields(sc.Text()); len(fields) >= 7 {
+			fn(unescapeMountinfo(fields[4]), fields)
+		}
+	}
 }
 
 // unmountUnder unmounts everything mounted at or below dir, deepest first. Lazy unmount is the

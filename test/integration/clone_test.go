@@ -369,6 +369,21 @@ func TestCloneNFSClaim(t *testing.T) {
 	}
 }
 
+// cloneStoppedAt starts a node instance armed to stop at point (a failpoint of the copy) half
+// way through files, and on it a claim "src" holding files and a claim "copy" cloning it. It
+// returns the instance, the namespace and the class's base.
+func cloneStoppedAt(t *testing.T, node, point string, files int) (*framework.Process, string, string) {
+	t.Helper()
+	proc := startNodeInstance(t, node, suite.Work.BaseRoot, failpoint.Env+"="+point+":"+fmt.Sprint(files/2))
+	ns := suite.NewNamespace(t)
+	class, base := localClass(t, nil)
+	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(node))
+	_, srcPV := waitBound(t, ns, "src")
+	fillOnServer(t, volumeDir(srcPV), files)
+	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(node), cloneOf("src"))
+	return proc, ns, base
+}
+
 // A node instance killed in the middle of a clone's copy (failpoint.DuringCopy), then
 // restarted: the half-made copy under its temporary name is no PV, and after the restart the
 // clone binds with a complete copy and nothing temporary is left.
@@ -378,14 +393,7 @@ func TestCloneKilledMidCopyRestarts(t *testing.T) {
 		files = 20_000
 		point = failpoint.DuringCopy
 	)
-	proc := startNodeInstance(t, node, suite.Work.BaseRoot, failpoint.Env+"="+point+":"+fmt.Sprint(files/2))
-	ns := suite.NewNamespace(t)
-	class, base := localClass(t, nil)
-	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(node))
-	_, srcPV := waitBound(t, ns, "src")
-	fillOnServer(t, volumeDir(srcPV), files)
-
-	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(node), cloneOf("src"))
+	proc, ns, base := cloneStoppedAt(t, node, point, files)
 	waitKilledAt(t, proc, point)
 	temps := tempDirs(t, base)
 	if len(temps) != 1 {
@@ -421,14 +429,7 @@ func TestCloneCancelledWhenItsClaimIsDeleted(t *testing.T) {
 		files = 200
 		point = failpoint.PauseDuringCopy
 	)
-	proc := startNodeInstance(t, node, suite.Work.BaseRoot, failpoint.Env+"="+point+":"+fmt.Sprint(files/2))
-	ns := suite.NewNamespace(t)
-	class, base := localClass(t, nil)
-	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(node))
-	_, srcPV := waitBound(t, ns, "src")
-	fillOnServer(t, volumeDir(srcPV), files)
-
-	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(node), cloneOf("src"))
+	proc, ns, base := cloneStoppedAt(t, node, point, files)
 	if err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
 		return strings.Contains(proc.Tail(4000), "failpoint "+point+" reached"), errors.New("the copy did not reach the failpoint")
 	}); err != nil {
