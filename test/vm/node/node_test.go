@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
 	"testing"
 	"time"
@@ -18,6 +19,10 @@ import (
 	"github.com/dirpv/dirpv/test/vm"
 	"github.com/dirpv/dirpv/test/vm/node"
 )
+
+// installTimeout bounds dirpv's install from deploy/ until its node plugin has registered:
+// two Go programs starting in the VM's emulation.
+const installTimeout = 10 * time.Minute
 
 var (
 	suite     *framework.Suite
@@ -49,7 +54,12 @@ func setup(ctx context.Context, s *framework.Suite) error {
 	if img, err = vm.Prepare(ctx, os.Stderr); err != nil {
 		return err
 	}
-	if guestNode, err = node.Start(ctx, node.Options{Cluster: s.Cluster, Image: img, Output: os.Stderr}); err != nil {
+	// The node imports dirpv's image as it starts, as a node with a registry would have pulled it.
+	dirpvTar, dirpvImage, err := framework.BuildDirpvImage(ctx)
+	if err != nil {
+		return err
+	}
+	if guestNode, err = node.Start(ctx, node.Options{Cluster: s.Cluster, Image: img, Images: []string{dirpvTar}, Output: os.Stderr}); err != nil {
 		return err
 	}
 	s.Cleanups.Add(func() {
@@ -59,6 +69,9 @@ func setup(ctx context.Context, s *framework.Suite) error {
 	})
 	fmt.Fprintf(os.Stderr, "VM node %s: guest booted in %s, node Ready %s after the guest's start\n",
 		guestNode.Name, guestNode.Boot.Round(time.Second), guestNode.Ready.Round(time.Second))
+	if _, err := framework.InstallImage(ctx, s.Cluster, dirpvImage, guestNode.Name, installTimeout, klog.Infof); err != nil {
+		return fmt.Errorf("install dirpv: %w", err)
+	}
 	return nil
 }
 
@@ -89,13 +102,7 @@ func TestPodOnGuestNode(t *testing.T) {
 	}
 
 	ns := suite.NewNamespace(t)
-	// Pods are refused until the namespace's default ServiceAccount exists.
-	if err := framework.Poll(ctx, time.Minute, func(ctx context.Context) (bool, error) {
-		_, err := cs.CoreV1().ServiceAccounts(ns).Get(ctx, "default", metav1.GetOptions{})
-		return err == nil, err
-	}); err != nil {
-		t.Fatal(err)
-	}
+	waitServiceAccount(ctx, t, ns)
 	// The container's uname says which kernel it ran on; the scratch file that it writes
 	// and reads back, that its root file system works.
 	pods := []struct {
@@ -141,6 +148,87 @@ func TestPodOnGuestNode(t *testing.T) {
 		} else if string(log) != p.log {
 			t.Errorf("log of pod %s = %q, want %q", p.name, log, p.log)
 		}
+	}
+}
+
+// TestLocalClaimOnGuestDisk: dirpv installed from deploy/ serves a claim of its default
+// local class on the guest node; a pod writes to it, and the file is in the class's base
+// directory on the guest's own disk, where a pod that mounts that directory directly reads it.
+func TestLocalClaimOnGuestDisk(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	cs := suite.Client
+	ns := suite.NewNamespace(t)
+	waitServiceAccount(ctx, t, ns)
+	// No class: the default one, deploy/'s dirpv-local. Small: the base is on the guest's
+	// root, whose upper layer is a tmpfs of half the guest's memory (CSIStorageCapacity ~1Gi).
+	suite.CreateClaim(t, ns, "data", "", framework.Request("16Mi"))
+	writer := suite.BusyboxPod(ns, "writer", "data", "echo written-in-the-vm > /data/f", false)
+	writer.Spec.Containers[0].Image = cluster.BusyboxImage
+	start := time.Now()
+	if _, err := cs.CoreV1().Pods(ns).Create(ctx, writer, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := framework.WaitForPodPhase(ctx, cs, ns, "writer", corev1.PodSucceeded, 5*time.Minute); err != nil {
+		t.Fatalf("%v\nevents:%s%s", err, framework.EventsOf(ctx, cs, ns, "Pod", "writer"), framework.EventsOf(ctx, cs, ns, "PersistentVolumeClaim", "data"))
+	}
+	t.Logf("pod on a dirpv-local claim: create -> Succeeded in %s", time.Since(start).Round(time.Millisecond))
+	pv, err := framework.WaitForBoundPV(ctx, cs, ns, "data", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pv.Spec.StorageClassName != "dirpv-local" || pv.Spec.CSI == nil || pv.Spec.CSI.Driver != "dirpv.io" {
+		t.Fatalf("PV %s: class %q, CSI %+v: want a dirpv.io volume of dirpv-local", pv.Name, pv.Spec.StorageClassName, pv.Spec.CSI)
+	}
+	attrs := pv.Spec.CSI.VolumeAttributes
+	if attrs["basePath"] == "" || attrs["path"] == "" {
+		t.Fatalf("PV %s volume attributes %v: no basePath or path", pv.Name, attrs)
+	}
+	dirType := corev1.HostPathDirectory
+	reader := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "reader", Namespace: ns},
+		Spec: corev1.PodSpec{
+			RestartPolicy:                 corev1.RestartPolicyNever,
+			TerminationGracePeriodSeconds: ptr.To[int64](1),
+			NodeName:                      guestNode.Name,
+			Containers: []corev1.Container{{
+				Name: "c", Image: cluster.BusyboxImage, ImagePullPolicy: corev1.PullNever,
+				Command:      []string{"cat", "/base/" + attrs["path"] + "/f"},
+				VolumeMounts: []corev1.VolumeMount{{Name: "base", MountPath: "/base", ReadOnly: true}},
+			}},
+			Volumes: []corev1.Volume{{Name: "base", VolumeSource: corev1.VolumeSource{
+				HostPath: &corev1.HostPathVolumeSource{Path: attrs["basePath"], Type: &dirType}}}},
+		},
+	}
+	if _, err := cs.CoreV1().Pods(ns).Create(ctx, reader, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := framework.WaitForPodPhase(ctx, cs, ns, "reader", corev1.PodSucceeded, 5*time.Minute); err != nil {
+		t.Fatalf("reading %s/%s/f on the guest: %v\nevents:%s", attrs["basePath"], attrs["path"], err, framework.EventsOf(ctx, cs, ns, "Pod", "reader"))
+	}
+	log, err := cs.CoreV1().Pods(ns).GetLogs("reader", &corev1.PodLogOptions{}).DoRaw(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(log) != "written-in-the-vm\n" {
+		t.Errorf("%s/%s/f on the guest's disk holds %q, want what the pod wrote", attrs["basePath"], attrs["path"], log)
+	}
+	// The guest's root is the host's under an overlay of the guest's own: nothing reaches
+	// the host.
+	if _, err := os.Stat(filepath.Join(attrs["basePath"], attrs["path"])); !os.IsNotExist(err) {
+		t.Errorf("the volume's directory is on the host too: %v", err)
+	}
+}
+
+// waitServiceAccount waits for the namespace's default ServiceAccount: pods are refused until
+// it exists.
+func waitServiceAccount(ctx context.Context, t *testing.T, ns string) {
+	t.Helper()
+	if err := framework.Poll(ctx, time.Minute, func(ctx context.Context) (bool, error) {
+		_, err := suite.Client.CoreV1().ServiceAccounts(ns).Get(ctx, "default", metav1.GetOptions{})
+		return err == nil, err
+	}); err != nil {
+		t.Fatal(err)
 	}
 }
 
