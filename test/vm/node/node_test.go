@@ -72,7 +72,21 @@ func setup(ctx context.Context, s *framework.Suite) error {
 	if _, err := framework.InstallImage(ctx, s.Cluster, dirpvImage, guestNode.Name, installTimeout, klog.Infof); err != nil {
 		return fmt.Errorf("install dirpv: %w", err)
 	}
-	return nil
+	// The scheduler places a claim of a WaitForFirstConsumer class on the node only once
+	// the node plugin has published the class's CSIStorageCapacity there; a pod that comes
+	// first is retried on an event, or after minutes.
+	return framework.Poll(ctx, installTimeout, func(ctx context.Context) (bool, error) {
+		caps, err := s.Client.StorageV1().CSIStorageCapacities("").List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, c := range caps.Items {
+			if c.StorageClassName == "dirpv-local" && c.NodeTopology != nil && c.NodeTopology.MatchLabels["kubernetes.io/hostname"] == guestNode.Name {
+				return true, nil
+			}
+		}
+		return false, fmt.Errorf("no CSIStorageCapacity of dirpv-local for node %s among %d", guestNode.Name, len(caps.Items))
+	})
 }
 
 // TestPodOnGuestNode: the node a user sees with `kubectl get node` is the guest, Ready, on the
@@ -172,7 +186,8 @@ func TestLocalClaimOnGuestDisk(t *testing.T) {
 	if _, err := framework.WaitForPodPhase(ctx, cs, ns, "writer", corev1.PodSucceeded, 5*time.Minute); err != nil {
 		t.Fatalf("%v\nevents:%s%s", err, framework.EventsOf(ctx, cs, ns, "Pod", "writer"), framework.EventsOf(ctx, cs, ns, "PersistentVolumeClaim", "data"))
 	}
-	t.Logf("pod on a dirpv-local claim: create -> Succeeded in %s", time.Since(start).Round(time.Millisecond))
+	t.Logf("pod on a dirpv-local claim: create -> Succeeded in %s; events:%s", time.Since(start).Round(time.Millisecond),
+		framework.EventsOf(ctx, cs, ns, "Pod", "writer"))
 	pv, err := framework.WaitForBoundPV(ctx, cs, ns, "data", time.Minute)
 	if err != nil {
 		t.Fatal(err)
