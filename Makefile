@@ -41,13 +41,16 @@ test-e2e: cluster-bins deploy-tools
 
 ## test-vm: the real-kernel tier alone (NFS through the kernel client and server) in a qemu VM
 ## booted with the host's root; the kernel and initramfs are cached (cold: package download,
-## initramfs and first boot). `make test` runs it too. A machine where the VM cannot start
-## fails the tier with the reason (TestRun*: "the VM cannot start on this machine: ...").
+## initramfs and first boot). Then a Kubernetes node in the VM (test/vm/node: kubelet, containerd
+## and runc on the guest's kernel, the control plane on the host in the test's own network
+## namespace, reached over a tap device). `make test` runs it too. A machine where the VM cannot
+## start fails the tier with the reason (TestRun*: "the VM cannot start on this machine: ...").
 ## VM_RUN=regexp picks guest tests.
-test-vm:
+test-vm: cluster-bins
 	@start=$$(date +%s); rc=0; \
-	  DIRPV_VM_RUN='$(VM_RUN)' $(GO) test -count=1 -timeout 45m -v ./test/vm/ || rc=1; \
-	  echo "vm tier: $$(($$(date +%s)-start))s"; \
+	  DIRPV_VM_RUN='$(VM_RUN)' $(GO) test -count=1 -timeout 45m -v ./test/vm/ || rc=1; t1=$$(date +%s); \
+	  $(GO) test -count=1 -timeout 30m -v ./test/vm/node/ || rc=1; \
+	  echo "vm tier: $$(($$(date +%s)-start))s (kernel tests $$((t1-start))s, node in the VM $$(($$(date +%s)-t1))s)"; \
 	  if [ $$rc -ne 0 ]; then echo "vm tier failed: see the FAIL lines above (a VM that cannot start says why)"; fi; exit $$rc
 
 ## conformance: Kubernetes' own External Storage e2e suite (e2e.test of k8s.io/kubernetes, same

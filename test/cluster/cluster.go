@@ -49,6 +49,10 @@ type Options struct {
 	ControllerManagerArgs []string
 	// APIServerArgs are appended to kube-apiserver's flags.
 	APIServerArgs []string
+	// Address is the IP address kube-apiserver binds and advertises, and that its certificate
+	// and URL name; default 127.0.0.1. A node on another kernel (StartNode in a VM) needs one
+	// it can reach: an address of a network namespace the test made.
+	Address string
 	// Logf receives progress messages; default klog.Infof.
 	Logf func(format string, args ...any)
 }
@@ -87,6 +91,8 @@ type Cluster struct {
 	kcmArgs []string
 	kcmPort int
 	beatsWG sync.WaitGroup
+	// slowdown stretches the node's waits (NodeOptions.Slowdown).
+	slowdown int
 }
 
 const (
@@ -155,11 +161,21 @@ func (c *Cluster) startControlPlane(ctx context.Context, opts Options) error {
 		return err
 	}
 	etcdPort, peerPort, apiPort, kcmPort, schedPort := ports[0], ports[1], ports[2], ports[3], ports[4]
-	c.APIServerHost, c.APIServerPort = "127.0.0.1", apiPort
-	c.APIServerURL = fmt.Sprintf("https://127.0.0.1:%d", apiPort)
+	addr := opts.Address
+	if addr == "" {
+		addr = "127.0.0.1"
+	}
+	ip := net.ParseIP(addr)
+	if ip == nil {
+		return fmt.Errorf("address %q is not an IP address", addr)
+	}
+	c.APIServerHost, c.APIServerPort = addr, apiPort
+	c.APIServerURL = "https://" + net.JoinHostPort(addr, strconv.Itoa(apiPort))
 
-	loop := []net.IP{net.ParseIP("127.0.0.1")}
-	apiIPs := append(loop, net.ParseIP("10.0.0.1")) // first IP of serviceCIDR: the kubernetes Service
+	apiIPs := []net.IP{net.ParseIP("127.0.0.1"), net.ParseIP("10.0.0.1")} // 10.0.0.1: first IP of serviceCIDR, the kubernetes Service
+	if !ip.IsLoopback() {
+		apiIPs = append(apiIPs, ip)
+	}
 	steps := []error{
 		p.serviceAccountKey(),
 		p.leaf("apiserver", "kube-apiserver", nil,
@@ -206,8 +222,9 @@ func (c *Cluster) startControlPlane(ctx context.Context, opts Options) error {
 
 	apiArgs := []string{
 		"--etcd-servers=" + etcdURL,
-		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--secure-port=" + strconv.Itoa(apiPort),
-		// The default reconciler refuses to advertise a loopback address.
+		"--bind-address=" + addr, "--advertise-address=" + addr, "--secure-port=" + strconv.Itoa(apiPort),
+		// The default reconciler refuses to advertise a loopback address; with another one the
+		// kubernetes Service would still lead nowhere without kube-proxy.
 		"--endpoint-reconciler-type=none",
 		"--tls-cert-file=" + p.path("apiserver.crt"), "--tls-private-key-file=" + p.path("apiserver.key"),
 		"--client-ca-file=" + p.path("ca.crt"),

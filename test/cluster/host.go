@@ -23,7 +23,8 @@ type hostChanges struct {
 	// CreatedDirs did not exist before Start; removed on Stop (after unmounting below them).
 	// kubelet, libcni and containerd create these regardless of --root-dir / config.
 	CreatedDirs []string `json:"createdDirs"`
-	// CgroupDirs are kubepods hierarchies (one per cgroup v1 controller) kubelet will create.
+	// CgroupDirs are kubepods hierarchies kubelet will create: one per cgroup v1 controller,
+	// or the one of the unified (v2) hierarchy.
 	CgroupDirs []string `json:"cgroupDirs"`
 	// IPForward is net.ipv4.ip_forward before Start; the bridge plugin sets it to 1.
 	IPForward string `json:"ipForward"`
@@ -101,6 +102,12 @@ func snapshotHost(socket string) (*hostChanges, error) {
 	ctrls, err := os.ReadDir("/sys/fs/cgroup")
 	if err != nil {
 		return nil, fmt.Errorf("read /sys/fs/cgroup: %w", err)
+	}
+	if _, err := os.Stat("/sys/fs/cgroup/cgroup.controllers"); err == nil {
+		ctrls = nil // cgroup v2: one hierarchy, whose subdirectories are cgroups, not controllers
+		if _, err := os.Stat("/sys/fs/cgroup/kubepods"); os.IsNotExist(err) {
+			h.CgroupDirs = append(h.CgroupDirs, "/sys/fs/cgroup/kubepods")
+		}
 	}
 	for _, e := range ctrls {
 		d := filepath.Join("/sys/fs/cgroup", e.Name(), "kubepods")

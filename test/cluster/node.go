@@ -13,6 +13,9 @@ import (
 
 	"golang.org/x/sys/unix"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
 
 	"github.com/dirpv/dirpv/test/image"
 )
@@ -28,8 +31,10 @@ const (
 	// keep the host clean anyway. The price: one node cluster per host at a time.
 	KubeletRootDir = "/var/lib/kubelet"
 
-	pauseImage   = "dirpv.local/pause:1"
-	busyboxImage = "dirpv.local/busybox:1"
+	pauseImage = "dirpv.local/pause:1"
+	// BusyboxImage is the busybox image every node has (BuildNodeImages), for pods with
+	// imagePullPolicy Never; Cluster.BusyboxImage of a cluster with a node.
+	BusyboxImage = "dirpv.local/busybox:1"
 	// bridgeName is the CNI bridge; a dirpv-specific name so teardown never deletes a bridge
 	// that belongs to something else (cni0, docker0).
 	bridgeName = "dirpv0"
@@ -48,9 +53,11 @@ var aptPackages = []struct{ file, pkg string }{
 	{"/bin/busybox", "busybox-static"},
 }
 
-// ensurePackages installs the Debian packages the node needs when their files are missing, so
-// a fresh CI machine works without a setup step.
-func (c *Cluster) ensurePackages(ctx context.Context) error {
+// EnsureNodePackages installs the Debian packages a node needs (containerd, runc, the CNI
+// plugins, busybox-static for the busybox image) when their files are missing, so a fresh CI
+// machine works without a setup step. A node in a VM that runs the host's binaries needs them
+// installed on the host before it boots.
+func EnsureNodePackages(ctx context.Context, logf func(string, ...any)) error {
 	var missing []string
 	seen := map[string]bool{}
 	for _, p := range aptPackages {
@@ -68,7 +75,10 @@ func (c *Cluster) ensurePackages(ctx context.Context) error {
 	if len(missing) == 0 {
 		return nil
 	}
-	c.logf("installing Debian packages %v", missing)
+	if logf == nil {
+		logf = klog.Infof
+	}
+	logf("installing Debian packages %v", missing)
 	env := append(os.Environ(), "DEBIAN_FRONTEND=noninteractive")
 	for _, args := range [][]string{{"update"}, append([]string{"install", "-y", "--no-install-recommends"}, missing...)} {
 		cmd := exec.CommandContext(ctx, "apt-get", args...)
@@ -80,23 +90,120 @@ func (c *Cluster) ensurePackages(ctx context.Context) error {
 	return nil
 }
 
-func (c *Cluster) startNode(ctx context.Context, opts Options) error {
+// BuildNodeImages writes the images every node imports into dir: the pause image its
+// containerd uses as sandbox image and busybox (Cluster.BusyboxImage), as OCI tars.
+func BuildNodeImages(ctx context.Context, dir string) ([]string, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, fmt.Errorf("create image dir: %w", err)
+	}
+	pauseTar, busyboxTar := filepath.Join(dir, "pause.tar"), filepath.Join(dir, "busybox.tar")
+	if err := buildPauseImage(ctx, filepath.Join(dir, "bin"), pauseTar); err != nil {
+		return nil, err
+	}
+	if err := buildBusyboxImage(ctx, dir, busyboxTar); err != nil {
+		return nil, err
+	}
+	return []string{pauseTar, busyboxTar}, nil
+}
+
+// NodeOptions configures StartNode.
+type NodeOptions struct {
+	// WorkDir holds containerd's root and state, kubelet's config and the logs
+	// (WorkDir/logs/<component>.log); it must exist. Stop leaves it in place.
+	WorkDir string
+	// BinDir holds kubelet.
+	BinDir string
+	// NodeName is the kubelet's node name, the one Kubeconfig's credentials are for.
+	NodeName string
+	// Kubeconfig holds the node's credentials and the API server's address (written by the
+	// control plane's NodeKubeconfig).
+	Kubeconfig string
+	// CAFile is the cluster CA (the control plane's CAFile): kubelet accepts the API server's
+	// calls (logs, exec) by the client certificates it signed.
+	CAFile string
+	// NodeIP is the address kubelet registers as the node's InternalIP, where the API
+	// server reaches it.
+	NodeIP string
+	// Images are image tars imported into containerd before kubelet starts; they must hold
+	// BuildNodeImages' images.
+	Images []string
+	// Slowdown multiplies the waits for containerd, the imports, kubelet and Ready: a node
+	// under emulation (a VM without KVM) starts several times slower. 0 means 1.
+	Slowdown int
+	// Logf receives progress messages; default klog.Infof.
+	Logf func(format string, args ...any)
+}
+
+// StartNode starts containerd and a kubelet on this host that join a control plane running
+// elsewhere (Start without WithNode, on another kernel), as a node of its own. Stop stops
+// them and reverts the host as for a cluster started WithNode. On error everything started
+// so far is stopped again.
+func StartNode(ctx context.Context, opts NodeOptions) (_ *Cluster, err error) {
+	c := &Cluster{logf: opts.Logf, WorkDir: opts.WorkDir, BinDir: opts.BinDir, CAFile: opts.CAFile,
+		NodeName: opts.NodeName, slowdown: opts.Slowdown}
+	if c.logf == nil {
+		c.logf = klog.Infof
+	}
+	if opts.WorkDir == "" || opts.NodeName == "" || opts.Kubeconfig == "" || opts.CAFile == "" || opts.NodeIP == "" {
+		return nil, fmt.Errorf("start node: work dir, node name, kubeconfig, CA file and node IP are all needed: %+v", opts)
+	}
+	defer func() {
+		if err != nil {
+			if stopErr := c.Stop(); stopErr != nil {
+				c.logf("cleanup after failed node start: %v", stopErr)
+			}
+		}
+	}()
+	if err := os.MkdirAll(filepath.Join(c.WorkDir, "logs"), 0o755); err != nil {
+		return nil, fmt.Errorf("create log dir: %w", err)
+	}
+	if err := c.prepareNode(ctx); err != nil {
+		return nil, err
+	}
+	return c, c.runNode(ctx, opts.Kubeconfig, opts.Images, opts.NodeIP)
+}
+
+// prepareNode checks for root, takes the node lock and installs the node's packages.
+func (c *Cluster) prepareNode(ctx context.Context) error {
 	if os.Geteuid() != 0 {
 		return fmt.Errorf("a node needs root (containerd, kubelet, mounts, cgroups)")
 	}
 	if err := c.lockNode(ctx); err != nil {
 		return err
 	}
-	if err := c.ensurePackages(ctx); err != nil {
+	return EnsureNodePackages(ctx, c.logf)
+}
+
+func (c *Cluster) startNode(ctx context.Context, opts Options) error {
+	if err := c.prepareNode(ctx); err != nil {
 		return err
 	}
 	c.NodeName = opts.NodeName
 	if c.NodeName == "" {
 		c.NodeName = defaultNodeName
 	}
+	images, err := BuildNodeImages(ctx, filepath.Join(c.WorkDir, "images"))
+	if err != nil {
+		return err
+	}
+	kubeconfig := filepath.Join(c.WorkDir, "kubelet.kubeconfig")
+	if err := c.NodeKubeconfig(c.NodeName, kubeconfig); err != nil {
+		return err
+	}
+	return c.runNode(ctx, kubeconfig, images, "")
+}
+
+// waitFor is a node wait of d, stretched by NodeOptions.Slowdown.
+func (c *Cluster) waitFor(d time.Duration) time.Duration {
+	return d * time.Duration(max(1, c.slowdown))
+}
+
+// runNode starts containerd, imports images and starts kubelet with the credentials in
+// kubeconfig, registering nodeIP ("": kubelet's choice) as its address.
+func (c *Cluster) runNode(ctx context.Context, kubeconfig string, images []string, nodeIP string) error {
 	c.KubeletRootDir = KubeletRootDir
 	c.PluginRegistryDir = filepath.Join(KubeletRootDir, "plugins_registry")
-	c.PauseImage, c.BusyboxImage = pauseImage, busyboxImage
+	c.PauseImage, c.BusyboxImage = pauseImage, BusyboxImage
 
 	ctrDir := filepath.Join(c.WorkDir, "containerd")
 	c.ContainerdSocket = filepath.Join(ctrDir, "containerd.sock")
@@ -110,18 +217,6 @@ func (c *Cluster) startNode(ctx context.Context, opts Options) error {
 		return err
 	}
 
-	imgDir := filepath.Join(c.WorkDir, "images")
-	if err := os.MkdirAll(imgDir, 0o755); err != nil {
-		return fmt.Errorf("create image dir: %w", err)
-	}
-	pauseTar, busyboxTar := filepath.Join(imgDir, "pause.tar"), filepath.Join(imgDir, "busybox.tar")
-	if err := buildPauseImage(ctx, filepath.Join(c.WorkDir, "bin"), pauseTar); err != nil {
-		return err
-	}
-	if err := buildBusyboxImage(ctx, imgDir, busyboxTar); err != nil {
-		return err
-	}
-
 	if err := c.writeContainerdConfig(ctrDir); err != nil {
 		return err
 	}
@@ -130,7 +225,7 @@ func (c *Cluster) startNode(ctx context.Context, opts Options) error {
 	if err != nil {
 		return err
 	}
-	err = poll(ctx, 30*time.Second, 100*time.Millisecond, "containerd serving", ctrd, func(ctx context.Context) (bool, error) {
+	err = poll(ctx, c.waitFor(30*time.Second), 100*time.Millisecond, "containerd serving", ctrd, func(ctx context.Context) (bool, error) {
 		out, err := exec.CommandContext(ctx, "ctr", "--address", c.ContainerdSocket, "version").CombinedOutput()
 		if err != nil {
 			return false, fmt.Errorf("ctr version: %v: %s", err, strings.TrimSpace(string(out)))
@@ -140,12 +235,12 @@ func (c *Cluster) startNode(ctx context.Context, opts Options) error {
 	if err != nil {
 		return err
 	}
-	for _, tar := range []string{pauseTar, busyboxTar} {
+	for _, tar := range images {
 		if err := c.ImportImage(ctx, tar); err != nil {
 			return err
 		}
 	}
-	return c.startKubelet(ctx)
+	return c.startKubelet(ctx, kubeconfig, nodeIP)
 }
 
 // ImportImage imports an OCI or Docker image tar into the node's containerd, in the k8s.io
@@ -154,7 +249,7 @@ func (c *Cluster) ImportImage(ctx context.Context, tarPath string) error {
 	if c.ContainerdSocket == "" {
 		return fmt.Errorf("import %s: cluster has no node", tarPath)
 	}
-	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	ctx, cancel := context.WithTimeout(ctx, c.waitFor(2*time.Minute))
 	defer cancel()
 	out, err := exec.CommandContext(ctx, "ctr", "--address", c.ContainerdSocket, "-n", "k8s.io",
 		"images", "import", tarPath).CombinedOutput()
@@ -306,20 +401,22 @@ func (c *Cluster) lockNode(ctx context.Context) error {
 	return nil
 }
 
-func (c *Cluster) startKubelet(ctx context.Context) error {
+// NodeKubeconfig writes to path a kubeconfig with the credentials of node name: a client
+// certificate for system:node:<name> in system:nodes, the identity by which the Node
+// authorizer and NodeRestriction know a kubelet.
+func (c *Cluster) NodeKubeconfig(name, path string) error {
 	p := c.pki()
 	if err := p.load(); err != nil {
 		return err
 	}
-	name := "kubelet-" + c.NodeName
-	// NodeRestriction and the Node authorizer identify a kubelet by exactly this CN and group.
-	if err := p.leaf(name, "system:node:"+c.NodeName, []string{"system:nodes"}, nil, nil, false, true); err != nil {
+	cert := "kubelet-" + name
+	if err := p.leaf(cert, "system:node:"+name, []string{"system:nodes"}, nil, nil, false, true); err != nil {
 		return err
 	}
-	kubeconfig := filepath.Join(c.WorkDir, "kubelet.kubeconfig")
-	if err := p.kubeconfig(kubeconfig, c.APIServerURL, name); err != nil {
-		return err
-	}
+	return p.kubeconfig(path, c.APIServerURL, cert)
+}
+
+func (c *Cluster) startKubelet(ctx context.Context, kubeconfig, nodeIP string) error {
 	ports, err := freePorts(2)
 	if err != nil {
 		return err
@@ -327,7 +424,7 @@ func (c *Cluster) startKubelet(ctx context.Context) error {
 	port, healthzPort := ports[0], ports[1]
 	cfg := fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
-# The hosts here run cgroup v1 with cgroupfs and have no systemd as init.
+# The hosts here run cgroup v1 (a VM's guest: v2) with cgroupfs and have no systemd as init.
 failCgroupV1: false
 cgroupDriver: cgroupfs
 failSwapOn: false
@@ -365,31 +462,41 @@ nodeStatusUpdateFrequency: 4s
 # 1-2 periods, 1m by default.
 volumeStatsAggPeriod: 10s
 syncFrequency: 10s
-`, port, healthzPort, p.path("ca.crt"), c.ContainerdSocket, c.ContainerdSocket)
+`, port, healthzPort, c.CAFile, c.ContainerdSocket, c.ContainerdSocket)
 	cfgPath := filepath.Join(c.WorkDir, "kubelet-config.yaml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		return fmt.Errorf("write kubelet config: %w", err)
 	}
-	kubelet, err := c.start(filepath.Join(c.WorkDir, "logs"), "kubelet", c.binPath("kubelet"), []string{
+	args := []string{
 		"--config=" + cfgPath,
 		"--kubeconfig=" + kubeconfig,
 		"--root-dir=" + c.KubeletRootDir,
 		"--cert-dir=" + filepath.Join(c.WorkDir, "kubelet-pki"),
 		"--hostname-override=" + c.NodeName,
 		"--v=1",
-	}, c.nodeLock)
+	}
+	if nodeIP != "" {
+		args = append(args, "--node-ip="+nodeIP)
+	}
+	kubelet, err := c.start(filepath.Join(c.WorkDir, "logs"), "kubelet", c.binPath("kubelet"), args, c.nodeLock)
 	if err != nil {
 		return err
 	}
-	if err := poll(ctx, 60*time.Second, 200*time.Millisecond, "kubelet /healthz", kubelet,
+	if err := poll(ctx, c.waitFor(60*time.Second), 200*time.Millisecond, "kubelet /healthz", kubelet,
 		httpOK(plainHTTP, fmt.Sprintf("http://127.0.0.1:%d/healthz", healthzPort))); err != nil {
 		return err
 	}
-	cs, err := c.Client()
+	// The node's own credentials: they may read its Node, and they are all a node elsewhere
+	// (StartNode) has.
+	restCfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 	if err != nil {
-		return err
+		return fmt.Errorf("load kubeconfig %s: %w", kubeconfig, err)
 	}
-	return poll(ctx, 90*time.Second, 250*time.Millisecond, "node "+c.NodeName+" Ready", kubelet, func(ctx context.Context) (bool, error) {
+	cs, err := kubernetes.NewForConfig(restCfg)
+	if err != nil {
+		return fmt.Errorf("clientset: %w", err)
+	}
+	return poll(ctx, c.waitFor(90*time.Second), 250*time.Millisecond, "node "+c.NodeName+" Ready", kubelet, func(ctx context.Context) (bool, error) {
 		n, err := cs.CoreV1().Nodes().Get(ctx, c.NodeName, metav1.GetOptions{})
 		if err != nil {
 			return false, err
@@ -440,7 +547,7 @@ func buildBusyboxImage(ctx context.Context, tmpDir, tarPath string) error {
 	if err != nil {
 		return err
 	}
-	return image.WriteOCITar(tarPath, busyboxImage, files, image.Config{Cmd: []string{"sh"}})
+	return image.WriteOCITar(tarPath, BusyboxImage, files, image.Config{Cmd: []string{"sh"}})
 }
 
 func tail(s string, n int) string {

@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -123,6 +124,9 @@ func HelmTemplateFor(ctx context.Context, helmBin, namespace string, apiVersions
 type E2ELocalOptions struct {
 	// APIServerPort is the port of the apiserver on 127.0.0.1 (required).
 	APIServerPort int
+	// APIServerHost, if set, replaces the overlay's 127.0.0.1: the apiserver's address as the
+	// node sees it, for a node on another kernel (a VM) than the control plane.
+	APIServerHost string
 	// Image replaces deploy/base's ghcr.io/dirpv/dirpv:<release>, e.g. with the name
 	// WriteDirpvTar returned; it must have a tag or a digest. Empty keeps the release's.
 	Image string
@@ -135,7 +139,8 @@ type E2ELocalOptions struct {
 //	resources: [<relative path to repo>/deploy/overlays/e2e-local]
 //	images: [{name: ghcr.io/dirpv/dirpv, newName: <repo part of Image>, newTag: <tag of Image>}]
 //	        (or digest: instead of newTag for repo@sha256:...)
-//	patches: one strategic-merge patch per workload setting env KUBERNETES_SERVICE_PORT
+//	patches: one strategic-merge patch per workload setting env KUBERNETES_SERVICE_PORT (and
+//	         KUBERNETES_SERVICE_HOST with APIServerHost)
 func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptions) ([]byte, error) {
 	if opts.APIServerPort <= 0 || opts.APIServerPort > 65535 {
 		return nil, fmt.Errorf("deploy: e2e-local: APIServerPort %d out of range", opts.APIServerPort)
@@ -149,7 +154,13 @@ func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptio
 		return nil, fmt.Errorf("deploy: %w", err)
 	}
 	defer os.RemoveAll(dir)
-	port := strconv.Quote(strconv.Itoa(opts.APIServerPort))
+	env := "            - name: KUBERNETES_SERVICE_PORT\n              value: " + strconv.Quote(strconv.Itoa(opts.APIServerPort)) + "\n"
+	if opts.APIServerHost != "" {
+		if net.ParseIP(opts.APIServerHost) == nil {
+			return nil, fmt.Errorf("deploy: e2e-local: APIServerHost %q is not an IP address", opts.APIServerHost)
+		}
+		env += "            - name: KUBERNETES_SERVICE_HOST\n              value: " + strconv.Quote(opts.APIServerHost) + "\n"
+	}
 	var k strings.Builder
 	// kustomize refuses an absolute path to another kustomization; a relative one may climb.
 	overlay, err := filepath.Rel(dir, filepath.Join(root, "deploy", "overlays", "e2e-local"))
@@ -167,8 +178,7 @@ func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptio
 	k.WriteString("patches:\n")
 	for _, w := range []struct{ kind, name string }{{"Deployment", "dirpv-controller"}, {"DaemonSet", "dirpv-node"}, {"Deployment", "dirpv-snapshot-controller"}} {
 		patch := fmt.Sprintf("apiVersion: apps/v1\nkind: %s\nmetadata:\n  name: %s\n  namespace: dirpv\n"+
-			"spec:\n  template:\n    spec:\n      containers:\n        - name: dirpv\n          env:\n"+
-			"            - name: KUBERNETES_SERVICE_PORT\n              value: %s\n", w.kind, w.name, port)
+			"spec:\n  template:\n    spec:\n      containers:\n        - name: dirpv\n          env:\n%s", w.kind, w.name, env)
 		file := w.name + "-port.yaml"
 		if err := os.WriteFile(filepath.Join(dir, file), []byte(patch), 0o644); err != nil {
 			return nil, fmt.Errorf("deploy: %w", err)

@@ -736,6 +736,31 @@ func TestRenderE2ELocal(t *testing.T) {
 	if _, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{}); err == nil {
 		t.Error("no error without a port")
 	}
+	// A node on another kernel (test/vm/node) reaches the apiserver at the host's address.
+	out, err = RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, APIServerHost: "192.168.254.1", Image: "ghcr.io/dirpv/dirpv:e2e-1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs = decode(t, out)
+	for name, spec := range map[string]corev1.PodSpec{"controller": deployment(t, objs).Spec.Template.Spec, "node": daemonSet(t, objs).Spec.Template.Spec,
+		"snapshot-controller": get[*appsv1.Deployment](t, objs, "Deployment dirpv/dirpv-snapshot-controller").Spec.Template.Spec} {
+		c := container(t, spec)
+		host, _ := envValue(c, "KUBERNETES_SERVICE_HOST")
+		port, _ := envValue(c, "KUBERNETES_SERVICE_PORT")
+		if host.Value != "192.168.254.1" || port.Value != "36443" {
+			t.Errorf("%s with APIServerHost: apiserver %s:%s", name, host.Value, port.Value)
+		}
+		seen := map[string]bool{}
+		for _, e := range c.Env {
+			if seen[e.Name] {
+				t.Errorf("%s with APIServerHost: env %s twice", name, e.Name)
+			}
+			seen[e.Name] = true
+		}
+	}
+	if _, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, APIServerHost: "apiserver.local"}); err == nil {
+		t.Error("no error with a host name for APIServerHost")
+	}
 	// A digest pins the image too; no tag or latest does not.
 	const digest = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
 	out, err = RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: "registry.local:5000/dirpv@" + digest})

@@ -44,19 +44,38 @@ type Installation struct {
 // the node plugin to register with kubelet.
 func Install(ctx context.Context, c *cluster.Cluster, logf func(string, ...any)) (*Installation, error) {
 	start := time.Now()
-	tarPath, imageName, err := image.WriteDirpvTar(ctx, image.DirpvOptions{Tag: "local", ModuleDir: RepoRoot()})
+	tarPath, imageName, err := BuildDirpvImage(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("build dirpv image: %w", err)
+		return nil, err
 	}
 	if err := c.ImportImage(ctx, tarPath); err != nil {
 		return nil, err
 	}
 	logf("image %s built and imported in %s", imageName, time.Since(start).Round(time.Millisecond))
+	return InstallImage(ctx, c, imageName, c.NodeName, 2*time.Minute, logf)
+}
+
+// BuildDirpvImage builds dirpv's image from this checkout as users get it (test/image) and
+// returns its tar and its name.
+func BuildDirpvImage(ctx context.Context) (tarPath, imageName string, err error) {
+	tarPath, imageName, err = image.WriteDirpvTar(ctx, image.DirpvOptions{Tag: "local", ModuleDir: RepoRoot()})
+	if err != nil {
+		return "", "", fmt.Errorf("build dirpv image: %w", err)
+	}
+	return tarPath, imageName, nil
+}
+
+// InstallImage renders deploy/overlays/e2e-local for the cluster's apiserver (its address and
+// port) with imageName, which the node has already (BuildDirpvImage, imported), applies it
+// and waits up to timeout for the node plugin to register with node's kubelet.
+func InstallImage(ctx context.Context, c *cluster.Cluster, imageName, node string, timeout time.Duration, logf func(string, ...any)) (*Installation, error) {
+	start := time.Now()
 	kustomize, err := deploy.Tool(ctx, "kustomize", true)
 	if err != nil {
 		return nil, err
 	}
-	manifests, err := deploy.RenderE2ELocal(ctx, kustomize, deploy.E2ELocalOptions{APIServerPort: c.APIServerPort, Image: imageName})
+	manifests, err := deploy.RenderE2ELocal(ctx, kustomize, deploy.E2ELocalOptions{
+		APIServerPort: c.APIServerPort, APIServerHost: c.APIServerHost, Image: imageName})
 	if err != nil {
 		return nil, err
 	}
@@ -72,7 +91,7 @@ func Install(ctx context.Context, c *cluster.Cluster, logf func(string, ...any))
 	if err != nil {
 		return nil, err
 	}
-	if err := WaitForDriverRegistered(ctx, client, c.NodeName, 2*time.Minute); err != nil {
+	if err := WaitForDriverRegistered(ctx, client, node, timeout); err != nil {
 		return nil, err
 	}
 	logf("dirpv installed from deploy/overlays/e2e-local in %s", time.Since(start).Round(time.Millisecond))

@@ -10,6 +10,9 @@ const (
 	// GuestResultsDir is where a guest command leaves files for the host (Result.Files); the
 	// guest gets it as $DIRPV_VM_RESULTS.
 	GuestResultsDir = GuestShareDir + "/results"
+	// stopFile, in the share, is Machine.Stop's request to the guest command to end; the guest
+	// gets its path as $DIRPV_VM_STOP.
+	stopFile = "stop"
 )
 
 // initScript is the initramfs's /init (busybox sh). It loads the modules, puts a tmpfs overlay
@@ -41,7 +44,8 @@ exec switch_root /newroot /bin/sh ` + GuestShareDir + `/stage2.sh
 
 // stage2 is the guest's PID 1 after switch_root, run by the host's /bin/sh. %[1]s is the
 // module tree on the host root, %[2]s the kernel version, %[3]s the working directory, %[4]s
-// extra environment assignments and %[5]s the quoted command. The exit status goes to rc
+// extra environment assignments, %[5]s the quoted command and %[6]s the network setup (":"
+// without a network), whose failure is the command's. The exit status goes to rc
 // (written under another name and renamed, so the host never reads half of it); then the VM
 // powers off through sysrq, as the host's poweroff needs an init system.
 const stage2 = `#!/bin/sh
@@ -62,10 +66,10 @@ ln -sfn %[1]s /lib/modules/%[2]s
 hostname dirpv-vm
 mkdir -p ` + GuestResultsDir + `
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root
-export DIRPV_IN_VM=1 DIRPV_VM_RESULTS=` + GuestResultsDir + `
+export DIRPV_IN_VM=1 DIRPV_VM_RESULTS=` + GuestResultsDir + ` DIRPV_VM_STOP=` + GuestShareDir + "/" + stopFile + `
 %[4]s
 : > ` + GuestShareDir + `/booted
-{ cd "$wd" && %[5]s; } > ` + GuestShareDir + `/output 2>&1 < /dev/null
+{ %[6]s && cd "$wd" && %[5]s; } > ` + GuestShareDir + `/output 2>&1 < /dev/null
 echo $? > ` + GuestShareDir + `/rc.tmp
 mv ` + GuestShareDir + `/rc.tmp ` + GuestShareDir + `/rc
 sync

@@ -32,3 +32,18 @@ func ownedTempDir(parent, prefix string) (string, error) {
 	}
 	return d, nil
 }
+
+// SharedDir creates a directory on the host that the guest sees at the same path, for files
+// the host prepares for a guest command (the guest's /tmp is its own tmpfs, so it is under
+// CacheDir). The caller removes it; those of processes that are gone are removed by the next
+// call.
+func SharedDir(prefix string) (string, error) {
+	cache, err := CacheDir()
+	if err != nil {
+		return "", err
+	}
+	if err := os.MkdirAll(cache, 0o755); err != nil {
+		return "", fmt.Errorf("vm: %w", err)
+	}
+	return ownedTempDir(cache, prefix)
+}

@@ -22,14 +22,7 @@ type TestBinary struct {
 // BuildTest builds the test binary of pkg (an import path or ./relative package) with
 // go test -c. cleanup removes it.
 func BuildTest(ctx context.Context, pkg string) (_ *TestBinary, cleanup func(), err error) {
-	cache, err := CacheDir()
-	if err != nil {
-		return nil, nil, err
-	}
-	if err := os.MkdirAll(cache, 0o755); err != nil {
-		return nil, nil, fmt.Errorf("vm: %w", err)
-	}
-	dir, err := ownedTempDir(cache, "testbin-")
+	dir, err := SharedDir("testbin-")
 	if err != nil {
 		return nil, nil, err
 	}

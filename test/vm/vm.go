@@ -9,8 +9,11 @@
 //
 // Package guest holds the helpers that code running inside the guest uses.
 //
-// Everything the VM changes stays in the guest: it has no network, its loop devices and mounts
-// are its own, and qemu, the only host process, is stopped by its PID before Run returns.
+// Everything the VM changes stays in the guest: it has no network (unless Command.Network
+// attaches it to a tap device in a network namespace the caller made), its loop devices and
+// mounts are its own, and qemu, the only host process, is stopped by its PID before Run
+// returns. Start runs a guest alongside the caller (a Kubernetes node, package node) until its
+// command ends or Machine.Stop asks it to.
 package vm
 
 import (
@@ -50,6 +53,23 @@ type Command struct {
 	Timeout time.Duration
 	// Output, if set, receives the command's output while it runs (Result.Output has it all).
 	Output io.Writer
+	// Network, if set, gives the guest an eth0 on a tap device of the host; without it the
+	// guest has no network but its loopback.
+	Network *Network
+}
+
+// Network connects the guest's eth0 (virtio-net) to a tap device that the caller created in
+// its own network namespace, one that the test made and that dies with it: nothing else is
+// reachable from the guest (qemu's user-mode network, which would reach the host's
+// networks, is never used).
+type Network struct {
+	// Tap is the tap device in the calling process's network namespace.
+	Tap string
+	// Address is the guest's eth0 address with its prefix length, e.g. "192.168.254.2/24".
+	Address string
+	// Gateway, if set, is the guest's default route: kubelet picks its node address from the
+	// interface of the default route.
+	Gateway string
 }
 
 // Result is what a guest command left.
@@ -71,6 +91,32 @@ type Result struct {
 // with a non-zero ExitCode. On a deadline the error comes with the Result so far, whose
 // Output and Console say where the guest was.
 func Run(ctx context.Context, img *Image, cmd Command) (*Result, error) {
+	m, err := Start(ctx, img, cmd)
+	if err != nil {
+		return nil, err
+	}
+	return m.Wait()
+}
+
+// Machine is a guest started by Start, running its command.
+type Machine struct {
+	cmd    Command
+	share  string
+	q      *qemu
+	start  time.Time
+	booted chan struct{}
+	boot   time.Duration
+	done   chan struct{}
+	res    *Result
+	err    error
+}
+
+// Start boots img and starts cmd in the guest, for a guest that runs alongside the caller (a
+// Kubernetes node): Booted and Done tell how far it is, Stop asks the command to end, and
+// Wait returns what Run would. The guest is stopped when its command ends, a deadline of cmd
+// passes or ctx ends, whichever comes first; the caller must call Wait, which returns after
+// that.
+func Start(ctx context.Context, img *Image, cmd Command) (*Machine, error) {
 	if len(cmd.Args) == 0 {
 		return nil, errors.New("vm: no command")
 	}
@@ -87,22 +133,73 @@ func Run(ctx context.Context, img *Image, cmd Command) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(share)
 	if err := writeStage2(share, img, cmd); err != nil {
+		os.RemoveAll(share)
 		return nil, err
 	}
-	q, err := startQEMU(img, share)
+	q, err := startQEMU(img, share, cmd.Network)
 	if err != nil {
+		os.RemoveAll(share)
 		return nil, err
 	}
-	defer q.stop()
+	m := &Machine{cmd: cmd, share: share, q: q, start: time.Now(), booted: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(m.done)
+		defer os.RemoveAll(share)
+		defer q.stop()
+		m.res, m.err = m.wait(ctx)
+	}()
+	return m, nil
+}
 
+// Booted is closed once the guest has booted and its command starts.
+func (m *Machine) Booted() <-chan struct{} { return m.booted }
+
+// BootTime is the time from Start to the start of the command; 0 before Booted.
+func (m *Machine) BootTime() time.Duration {
+	select {
+	case <-m.booted:
+		return m.boot
+	default:
+		return 0
+	}
+}
+
+// Done is closed once the guest is gone; Wait then returns at once.
+func (m *Machine) Done() <-chan struct{} { return m.done }
+
+// Stop asks the guest command to end: it creates the file that guest.StopRequested looks for
+// ($DIRPV_VM_STOP in the guest). The command decides how to end; its deadline still holds.
+func (m *Machine) Stop() error {
+	select {
+	case <-m.done:
+		return nil
+	default:
+	}
+	f, err := os.Create(filepath.Join(m.share, stopFile))
+	if errors.Is(err, os.ErrNotExist) { // the guest is gone and its share removed
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("vm: %w", err)
+	}
+	return f.Close()
+}
+
+// Wait waits until the guest command has finished and the guest is gone, and returns the
+// command's Result as Run does.
+func (m *Machine) Wait() (*Result, error) {
+	<-m.done
+	return m.res, m.err
+}
+
+func (m *Machine) wait(ctx context.Context) (*Result, error) {
+	cmd, share, q := m.cmd, m.share, m.q
 	res := &Result{}
-	start := time.Now()
 	defer func() { res.Console, _ = os.ReadFile(q.console) }()
 	tail := &tailer{path: filepath.Join(share, "output"), w: cmd.Output}
 	booted := false
-	deadline := time.NewTimer(cmd.BootTimeout)
+	deadline := time.NewTimer(cmd.BootTimeout - time.Since(m.start))
 	defer deadline.Stop()
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
@@ -123,12 +220,14 @@ func Run(ctx context.Context, img *Image, cmd Command) (*Result, error) {
 		}
 		if !booted && exists(filepath.Join(share, "booted")) {
 			booted = true
-			res.Boot = time.Since(start)
+			res.Boot = time.Since(m.start)
+			m.boot = res.Boot
+			close(m.booted)
 			deadline.Reset(cmd.Timeout)
 		}
 		tail.flush()
 		if rc, err := os.ReadFile(filepath.Join(share, "rc")); err == nil {
-			res.Run = time.Since(start) - res.Boot
+			res.Run = time.Since(m.start) - res.Boot
 			code, err := strconv.Atoi(strings.TrimSpace(string(rc)))
 			if err != nil {
 				return res, fmt.Errorf("vm: exit status file says %q", rc)
@@ -145,6 +244,7 @@ func Run(ctx context.Context, img *Image, cmd Command) (*Result, error) {
 	}
 	q.waitPoweroff(30 * time.Second)
 	res.Output = tail.all()
+	var err error
 	res.Files, err = readTree(filepath.Join(share, "results"))
 	if err != nil {
 		return res, err
@@ -165,7 +265,18 @@ func writeStage2(share string, img *Image, cmd Command) error {
 	for i, a := range cmd.Args {
 		args[i] = shellQuote(a)
 	}
-	script := fmt.Sprintf(stage2, shellQuote(img.Modules), img.Version, shellQuote(cmd.Dir), env.String(), strings.Join(args, " "))
+	network := ":"
+	if n := cmd.Network; n != nil {
+		if n.Tap == "" || n.Address == "" {
+			return fmt.Errorf("vm: a network needs a tap device and the guest's address: %+v", *n)
+		}
+		// virtio_net is loaded here rather than by the initramfs: only networked guests need it.
+		network = "modprobe virtio_net && ip link set eth0 up && ip addr add " + shellQuote(n.Address) + " dev eth0"
+		if n.Gateway != "" {
+			network += " && ip route add default via " + shellQuote(n.Gateway)
+		}
+	}
+	script := fmt.Sprintf(stage2, shellQuote(img.Modules), img.Version, shellQuote(cmd.Dir), env.String(), strings.Join(args, " "), network)
 	if err := os.WriteFile(filepath.Join(share, "stage2.sh"), []byte(script), 0o755); err != nil {
 		return fmt.Errorf("vm: %w", err)
 	}
@@ -187,18 +298,24 @@ type qemu struct {
 // startQEMU starts qemu as a child of this process, with its own process group (a Ctrl-C of
 // the test is handled by our cleanup, not delivered to qemu half-way) and SIGKILL should this
 // process die first, so that a crashed test leaves no VM behind.
-func startQEMU(img *Image, share string) (*qemu, error) {
+func startQEMU(img *Image, share string, network *Network) (*qemu, error) {
 	q := &qemu{console: filepath.Join(share, "console.log"), exited: make(chan struct{})}
 	args := []string{
 		"-nodefaults", "-no-user-config", "-no-reboot",
 		// KVM does not work on these machines (the notes): TCG only.
 		"-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2", "-m", "2048",
-		"-nic", "none", "-display", "none", "-monitor", "none",
+		"-display", "none", "-monitor", "none",
 		"-serial", "file:" + q.console,
 		"-kernel", img.Kernel, "-initrd", img.Initramfs,
 		"-append", "console=ttyS0 quiet panic=-1 rdinit=/init",
 		"-virtfs", "local,path=/,mount_tag=" + tagHostRoot + ",security_model=none,readonly=on,multidevs=remap",
 		"-virtfs", "local,path=" + share + ",mount_tag=" + tagShare + ",security_model=none,multidevs=remap",
+	}
+	if network == nil {
+		args = append(args, "-nic", "none")
+	} else {
+		args = append(args, "-netdev", "tap,id=n0,ifname="+network.Tap+",script=no,downscript=no",
+			"-device", "virtio-net-pci,netdev=n0")
 	}
 	cmd := exec.Command("qemu-system-x86_64", args...)
 	cmd.Dir = share

@@ -159,9 +159,11 @@ func checkNothingLeft(t *testing.T, before []string) {
 	}
 }
 
+// shareDirs lists this process's share directories (ownedTempDir names them by PID): another
+// test binary's guest may run meanwhile, e.g. a node of package node.
 func shareDirs(t *testing.T) []string {
 	t.Helper()
-	dirs, err := filepath.Glob(filepath.Join(os.TempDir(), "dirpv-vm-*"))
+	dirs, err := filepath.Glob(filepath.Join(os.TempDir(), "dirpv-vm-"+strconv.Itoa(os.Getpid())+"-*"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -34,6 +34,17 @@ func Main(m *testing.M) {
 // ResultsDir is where a guest process leaves files for the host (vm.Result.Files).
 func ResultsDir() string { return os.Getenv("DIRPV_VM_RESULTS") }
 
+// StopRequested reports whether the host has asked the guest command to end (vm.Machine.Stop),
+// for a command that runs until then, such as a Kubernetes node.
+func StopRequested() bool {
+	f := os.Getenv("DIRPV_VM_STOP")
+	if f == "" {
+		return false
+	}
+	_, err := os.Stat(f)
+	return err == nil
+}
+
 // run runs a command with a deadline and returns its combined output in the error.
 func run(ctx context.Context, timeout time.Duration, name string, args ...string) error {
 	ctx, cancel := context.WithTimeout(ctx, timeout)

@@ -1,0 +1,265 @@
+package node_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
+
+	"github.com/dirpv/dirpv/test/cluster"
+	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/test/vm"
+	"github.com/dirpv/dirpv/test/vm/node"
+)
+
+// installTimeout bounds dirpv's install from deploy/ until its node plugin has registered:
+// two Go programs starting in the VM's emulation.
+const installTimeout = 10 * time.Minute
+
+var (
+	suite     *framework.Suite
+	img       *vm.Image
+	guestNode *node.Node
+	// stopErr is the guest node's stop, which runs in the suite's cleanup after the tests:
+	// an agent that did not end cleanly fails the run.
+	stopErr error
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(node.Main(m, func() int {
+		code := framework.RunSuite(m, framework.SuiteOptions{
+			Name:    "vmnode",
+			Cluster: cluster.Options{Address: node.HostAddr, Logf: klog.Infof},
+		}, setup)
+		if stopErr != nil {
+			fmt.Fprintf(os.Stderr, "FAIL: %v\n", stopErr)
+			code = 1
+		}
+		return code
+	}))
+}
+
+// setup boots the guest and waits for its node, the control plane being the suite's.
+func setup(ctx context.Context, s *framework.Suite) error {
+	suite = s
+	var err error
+	if img, err = vm.Prepare(ctx, os.Stderr); err != nil {
+		return err
+	}
+	// The node imports dirpv's image as it starts, as a node with a registry would have pulled it.
+	dirpvTar, dirpvImage, err := framework.BuildDirpvImage(ctx)
+	if err != nil {
+		return err
+	}
+	if guestNode, err = node.Start(ctx, node.Options{Cluster: s.Cluster, Image: img, Images: []string{dirpvTar}, Output: os.Stderr}); err != nil {
+		return err
+	}
+	s.Cleanups.Add(func() {
+		start := time.Now()
+		_, stopErr = guestNode.Stop()
+		fmt.Fprintf(os.Stderr, "VM node stopped in %s\n", time.Since(start).Round(time.Second))
+	})
+	fmt.Fprintf(os.Stderr, "VM node %s: guest booted in %s, node Ready %s after the guest's start\n",
+		guestNode.Name, guestNode.Boot.Round(time.Second), guestNode.Ready.Round(time.Second))
+	if _, err := framework.InstallImage(ctx, s.Cluster, dirpvImage, guestNode.Name, installTimeout, klog.Infof); err != nil {
+		return fmt.Errorf("install dirpv: %w", err)
+	}
+	// The scheduler places a claim of a WaitForFirstConsumer class on the node only once
+	// the node plugin has published the class's CSIStorageCapacity there; a pod that comes
+	// first is retried on an event, or after minutes.
+	return framework.Poll(ctx, installTimeout, func(ctx context.Context) (bool, error) {
+		caps, err := s.Client.StorageV1().CSIStorageCapacities("").List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, c := range caps.Items {
+			if c.StorageClassName == "dirpv-local" && c.NodeTopology != nil && c.NodeTopology.MatchLabels["kubernetes.io/hostname"] == guestNode.Name {
+				return true, nil
+			}
+		}
+		return false, fmt.Errorf("no CSIStorageCapacity of dirpv-local for node %s among %d", guestNode.Name, len(caps.Items))
+	})
+}
+
+// TestPodOnGuestNode: the node a user sees with `kubectl get node` is the guest, Ready, on the
+// guest's kernel and address; a busybox pod runs to completion on it and another fails, and
+// the log and exit status of each come back through the API (which reaches the guest's
+// kubelet for the logs).
+func TestPodOnGuestNode(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	cs := suite.Client
+	nodes, err := cs.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(nodes.Items) != 1 || nodes.Items[0].Name != guestNode.Name {
+		t.Fatalf("nodes: %v, want only %s", nodeNames(nodes.Items), guestNode.Name)
+	}
+	n := nodes.Items[0]
+	if !ready(&n) {
+		t.Errorf("node %s is not Ready: %v", n.Name, n.Status.Conditions)
+	}
+	if n.Status.NodeInfo.KernelVersion != img.Version {
+		t.Errorf("node %s runs kernel %q, want the guest's %q", n.Name, n.Status.NodeInfo.KernelVersion, img.Version)
+	}
+	if !slices.Contains(n.Status.Addresses, corev1.NodeAddress{Type: corev1.NodeInternalIP, Address: node.GuestAddr}) {
+		t.Errorf("node %s addresses %v, want InternalIP %s", n.Name, n.Status.Addresses, node.GuestAddr)
+	}
+
+	ns := suite.NewNamespace(t)
+	waitServiceAccount(ctx, t, ns)
+	// The container's uname says which kernel it ran on; the scratch file that it writes
+	// and reads back, that its root file system works.
+	pods := []struct {
+		name, script, log string
+		phase             corev1.PodPhase
+		exit              int32
+	}{
+		{"succeeds", "uname -r && echo written > /tmp/f && cat /tmp/f", img.Version + "\nwritten\n", corev1.PodSucceeded, 0},
+		{"fails", "echo failing; exit 7", "failing\n", corev1.PodFailed, 7},
+	}
+	start := time.Now()
+	for _, p := range pods {
+		pod := &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: p.name, Namespace: ns},
+			Spec: corev1.PodSpec{
+				RestartPolicy:                 corev1.RestartPolicyNever,
+				TerminationGracePeriodSeconds: ptr.To[int64](1),
+				Containers: []corev1.Container{{
+					Name: "c", Image: cluster.BusyboxImage, ImagePullPolicy: corev1.PullNever,
+					Command: []string{"sh", "-c", p.script},
+				}},
+			},
+		}
+		if _, err := cs.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, p := range pods {
+		pod, err := framework.WaitForPodPhase(ctx, cs, ns, p.name, p.phase, 5*time.Minute)
+		if err != nil {
+			t.Fatalf("%v\nevents:%s", err, framework.EventsOf(ctx, cs, ns, "Pod", p.name))
+		}
+		t.Logf("pod %s: create -> %s in %s", p.name, p.phase, time.Since(start).Round(time.Millisecond))
+		if pod.Spec.NodeName != guestNode.Name {
+			t.Errorf("pod %s ran on node %q, want %s", p.name, pod.Spec.NodeName, guestNode.Name)
+		}
+		if st := pod.Status.ContainerStatuses; len(st) != 1 || st[0].State.Terminated == nil || st[0].State.Terminated.ExitCode != p.exit {
+			t.Errorf("pod %s container status %+v, want terminated with exit status %d", p.name, st, p.exit)
+		}
+		log, err := cs.CoreV1().Pods(ns).GetLogs(p.name, &corev1.PodLogOptions{}).DoRaw(ctx)
+		if err != nil {
+			t.Errorf("log of pod %s through the API: %v", p.name, err)
+		} else if string(log) != p.log {
+			t.Errorf("log of pod %s = %q, want %q", p.name, log, p.log)
+		}
+	}
+}
+
+// TestLocalClaimOnGuestDisk: dirpv installed from deploy/ serves a claim of its default
+// local class on the guest node; a pod writes to it, and the file is in the class's base
+// directory on the guest's own disk, where a pod that mounts that directory directly reads it.
+func TestLocalClaimOnGuestDisk(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	cs := suite.Client
+	ns := suite.NewNamespace(t)
+	waitServiceAccount(ctx, t, ns)
+	// No class: the default one, deploy/'s dirpv-local. Small: the base is on the guest's
+	// root, whose upper layer is a tmpfs of half the guest's memory (CSIStorageCapacity ~1Gi).
+	suite.CreateClaim(t, ns, "data", "", framework.Request("16Mi"))
+	writer := suite.BusyboxPod(ns, "writer", "data", "echo written-in-the-vm > /data/f", false)
+	writer.Spec.Containers[0].Image = cluster.BusyboxImage
+	start := time.Now()
+	if _, err := cs.CoreV1().Pods(ns).Create(ctx, writer, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := framework.WaitForPodPhase(ctx, cs, ns, "writer", corev1.PodSucceeded, 5*time.Minute); err != nil {
+		t.Fatalf("%v\nevents:%s%s", err, framework.EventsOf(ctx, cs, ns, "Pod", "writer"), framework.EventsOf(ctx, cs, ns, "PersistentVolumeClaim", "data"))
+	}
+	t.Logf("pod on a dirpv-local claim: create -> Succeeded in %s; events:%s", time.Since(start).Round(time.Millisecond),
+		framework.EventsOf(ctx, cs, ns, "Pod", "writer"))
+	pv, err := framework.WaitForBoundPV(ctx, cs, ns, "data", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pv.Spec.StorageClassName != "dirpv-local" || pv.Spec.CSI == nil || pv.Spec.CSI.Driver != "dirpv.io" {
+		t.Fatalf("PV %s: class %q, CSI %+v: want a dirpv.io volume of dirpv-local", pv.Name, pv.Spec.StorageClassName, pv.Spec.CSI)
+	}
+	attrs := pv.Spec.CSI.VolumeAttributes
+	if attrs["basePath"] == "" || attrs["path"] == "" {
+		t.Fatalf("PV %s volume attributes %v: no basePath or path", pv.Name, attrs)
+	}
+	dirType := corev1.HostPathDirectory
+	reader := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "reader", Namespace: ns},
+		Spec: corev1.PodSpec{
+			RestartPolicy:                 corev1.RestartPolicyNever,
+			TerminationGracePeriodSeconds: ptr.To[int64](1),
+			NodeName:                      guestNode.Name,
+			Containers: []corev1.Container{{
+				Name: "c", Image: cluster.BusyboxImage, ImagePullPolicy: corev1.PullNever,
+				Command:      []string{"cat", "/base/" + attrs["path"] + "/f"},
+				VolumeMounts: []corev1.VolumeMount{{Name: "base", MountPath: "/base", ReadOnly: true}},
+			}},
+			Volumes: []corev1.Volume{{Name: "base", VolumeSource: corev1.VolumeSource{
+				HostPath: &corev1.HostPathVolumeSource{Path: attrs["basePath"], Type: &dirType}}}},
+		},
+	}
+	if _, err := cs.CoreV1().Pods(ns).Create(ctx, reader, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := framework.WaitForPodPhase(ctx, cs, ns, "reader", corev1.PodSucceeded, 5*time.Minute); err != nil {
+		t.Fatalf("reading %s/%s/f on the guest: %v\nevents:%s", attrs["basePath"], attrs["path"], err, framework.EventsOf(ctx, cs, ns, "Pod", "reader"))
+	}
+	log, err := cs.CoreV1().Pods(ns).GetLogs("reader", &corev1.PodLogOptions{}).DoRaw(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(log) != "written-in-the-vm\n" {
+		t.Errorf("%s/%s/f on the guest's disk holds %q, want what the pod wrote", attrs["basePath"], attrs["path"], log)
+	}
+	// The guest's root is the host's under an overlay of the guest's own: nothing reaches
+	// the host.
+	if _, err := os.Stat(filepath.Join(attrs["basePath"], attrs["path"])); !os.IsNotExist(err) {
+		t.Errorf("the volume's directory is on the host too: %v", err)
+	}
+}
+
+// waitServiceAccount waits for the namespace's default ServiceAccount: pods are refused until
+// it exists.
+func waitServiceAccount(ctx context.Context, t *testing.T, ns string) {
+	t.Helper()
+	if err := framework.Poll(ctx, time.Minute, func(ctx context.Context) (bool, error) {
+		_, err := suite.Client.CoreV1().ServiceAccounts(ns).Get(ctx, "default", metav1.GetOptions{})
+		return err == nil, err
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func ready(n *corev1.Node) bool {
+	for _, c := range n.Status.Conditions {
+		if c.Type == corev1.NodeReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+func nodeNames(nodes []corev1.Node) []string {
+	var names []string
+	for _, n := range nodes {
+		names = append(names, n.Name)
+	}
+	return names
+}
