@@ -77,7 +77,7 @@ deploy-tools:
 ## without them and says which to install.
 IMAGE_DEBS := mount nfs-common
 .PHONY: image-debs
-test-unit test-e2e up: image-debs
+test-unit test-e2e test-vm up: image-debs
 image-debs:
 	@if [ ! -x /bin/mount ] || [ ! -x /bin/umount ] || [ ! -x /sbin/mount.nfs ] || [ ! -e /etc/netconfig ]; then \
 	  apt-get -qq -oDPkg::Lock::Timeout=600 update && \
