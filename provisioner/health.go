@@ -72,7 +72,7 @@ func (c *callSlot) release() {
 
 // ExportStatus is what the controller knows about one NFS export it mounts.
 type ExportStatus struct {
-	// Export is server:share. Mount options are left out: they may carry credentials.
+	// Export is server:share; mounts of it with different options are one export here.
 	Export string
 	// Stuck counts calls whose callers gave up waiting for the server but that still run.
 	Stuck int

@@ -117,8 +117,9 @@ var (
 )
 
 // exportsCollector reads the exports' state at scrape time, so there is no second copy of it
-// to keep in step. Its label is server:share, never the mount options, which may carry
-// credentials; the set of exports is that of the NFS classes in use, so it stays small.
+// to keep in step. Its label is server:share, without the mount options: mounts of one export
+// with different options are summed, so the label set is that of the exports the NFS classes
+// name, and it stays small. (Mount options are not secret: SECURITY.md.)
 type exportsCollector struct{ p *Provisioner }
 
 func (c *exportsCollector) Describe(ch chan<- *prometheus.Desc) {
