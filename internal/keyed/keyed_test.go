@@ -3,6 +3,7 @@ package keyed
 import (
 	"context"
 	"errors"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -55,7 +56,7 @@ func TestLockGivesUpWithItsContext(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatal("the waiter never queued")
 		}
-		time.Sleep(time.Millisecond)
+		runtime.Gosched()
 	}
 	cancel()
 	if err := <-errc; !errors.Is(err, context.Canceled) {
