@@ -62,6 +62,15 @@ func agentMain(cfgPath string) int {
 		logf("readying the guest: %v", err)
 		return 1
 	}
+	if cfg.NFS {
+		srv, err := startNFS(ctx)
+		if err != nil {
+			logf("starting the NFS server: %v", err)
+			return 1
+		}
+		defer srv.Close()
+		logf("NFS server exports %s", NFSExportDir)
+	}
 	start := time.Now()
 	c, err := cluster.StartNode(ctx, cluster.NodeOptions{
 		WorkDir: agentWorkDir, BinDir: cfg.BinDir, NodeName: cfg.NodeName, Kubeconfig: cfg.Kubeconfig,
@@ -81,6 +90,32 @@ func agentMain(cfgPath string) int {
 	return 0
 }
 
+// startNFS starts the guest's kernel NFS server exporting NFSExportDir, a tmpfs of its own
+// (nfsd exports a tmpfs only with an fsid, which Export gives), root not squashed (the
+// controller creates volume directories as root), as the NFSv4 root: NFSv4 clients mount it as
+// NFSAddr:/, NFSv3 clients by its path.
+func startNFS(ctx context.Context) (*guest.NFSServer, error) {
+	if err := os.MkdirAll(NFSExportDir, 0o755); err != nil {
+		return nil, err
+	}
+	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", NFSExportDir).CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("mount a tmpfs on %s: %w: %s", NFSExportDir, err, strings.TrimSpace(string(out)))
+	}
+	srv, err := guest.StartNFS(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := srv.Export(ctx, NFSExportDir, guest.NoRootSquash, guest.V4Root); err != nil {
+		srv.Close()
+		return nil, err
+	}
+	return srv, nil
+}
+
+// guestOwnDirs are kubelet's root (cluster.KubeletRootDir) and the base of deploy/'s local
+// class.
+var guestOwnDirs = []string{cluster.KubeletRootDir, "/var/lib/dirpv"}
+
 // setupGuest gives the guest what a node needs beyond the VM's boot: the unified cgroup
 // hierarchy with every controller delegated (the host runs v1; the guest's kernel does v2),
 // shared mount propagation (kubelet and Bidirectional volume mounts), the modules of the CNI
@@ -93,7 +128,18 @@ func setupGuest(workDir string) error {
 			return err
 		}
 	}
+	// kubelet's root and dirpv's local base get tmpfs mounts of the guest's own: below them
+	// is the host's root, where other tests make and remove the same directories, and a
+	// directory that vanishes from the overlay's lower layer fails the guest's mkdir below it
+	// with ENOENT (seen: kubelet's "mkdir /var/lib/kubelet/plugins/kubernetes.io/csi").
+	for _, d := range guestOwnDirs {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
 	steps := [][]string{
+		{"mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", guestOwnDirs[0]},
+		{"mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", guestOwnDirs[1]},
 		{"mount", "-t", "cgroup2", "cgroup2", "/sys/fs/cgroup"},
 		{"mount", "--make-rshared", "/"},
 		{"modprobe", "-a", "bridge", "veth"},

@@ -32,6 +32,14 @@ import (
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/test/vm"
+	"github.com/dirpv/dirpv/test/vm/guest"
+)
+
+// NFSExportDir is the guest's directory that its NFS server exports (Options.NFS), on a tmpfs
+// of its own; NFSAddr is the server's address, the guest's loopback.
+const (
+	NFSExportDir = "/srv/dirpv-nfs"
+	NFSAddr      = guest.NFSAddr
 )
 
 // DefaultName is the guest node's name unless Options says otherwise.
@@ -50,6 +58,10 @@ type Options struct {
 	Images []string
 	// Timeout bounds the guest's whole life, tests included; default 30 minutes.
 	Timeout time.Duration
+	// NFS starts the guest's kernel NFS server before the node, exporting NFSExportDir to
+	// NFSAddr, the guest's loopback: pods on the host network (dirpv's controller and node
+	// plugin) reach it there.
+	NFS bool
 	// Output receives the guest's output (the node agent's progress) as it comes.
 	Output io.Writer
 }
@@ -75,6 +87,7 @@ type agentConfig struct {
 	CAFile     string   `json:"caFile"`
 	NodeIP     string   `json:"nodeIP"`
 	Images     []string `json:"images"`
+	NFS        bool     `json:"nfs"`
 }
 
 // readyTimeout bounds boot plus node start: minutes under emulation on a busy host.
@@ -110,7 +123,7 @@ func Start(ctx context.Context, opts Options) (_ *Node, err error) {
 			os.RemoveAll(n.dir)
 		}
 	}()
-	cfg := agentConfig{NodeName: n.Name, BinDir: opts.Cluster.BinDir, NodeIP: GuestAddr,
+	cfg := agentConfig{NodeName: n.Name, BinDir: opts.Cluster.BinDir, NodeIP: GuestAddr, NFS: opts.NFS,
 		Kubeconfig: filepath.Join(n.dir, "kubelet.kubeconfig"), CAFile: filepath.Join(n.dir, "ca.crt")}
 	if err := opts.Cluster.NodeKubeconfig(n.Name, cfg.Kubeconfig); err != nil {
 		return nil, err

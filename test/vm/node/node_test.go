@@ -4,8 +4,10 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"path"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -59,7 +61,7 @@ func setup(ctx context.Context, s *framework.Suite) error {
 	if err != nil {
 		return err
 	}
-	if guestNode, err = node.Start(ctx, node.Options{Cluster: s.Cluster, Image: img, Images: []string{dirpvTar}, Output: os.Stderr}); err != nil {
+	if guestNode, err = node.Start(ctx, node.Options{Cluster: s.Cluster, Image: img, Images: []string{dirpvTar}, NFS: true, Output: os.Stderr}); err != nil {
 		return err
 	}
 	s.Cleanups.Add(func() {
@@ -232,6 +234,116 @@ func TestLocalClaimOnGuestDisk(t *testing.T) {
 	// the host.
 	if _, err := os.Stat(filepath.Join(attrs["basePath"], attrs["path"])); !os.IsNotExist(err) {
 		t.Errorf("the volume's directory is on the host too: %v", err)
+	}
+}
+
+// TestNFSClaimRWXOnGuestNode: dirpv installed from deploy/ serves a ReadWriteMany claim of an
+// NFS class from the guest's kernel NFS server: its controller (host network, in the guest)
+// makes the volume's directory through its own mount of the export with the image's
+// mount.nfs, and the node plugin mounts the volume's directory for two pods that run at the
+// same time, each of which sees the other's file. The files are in the volume's directory on
+// the server's exported directory, and each pod's mount is an nfs4 mount of
+// server:share/<volume dir> with the class's options.
+func TestNFSClaimRWXOnGuestNode(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	cs := suite.Client
+	ns := suite.NewNamespace(t)
+	waitServiceAccount(ctx, t, ns)
+	// The export is the NFSv4 root: NFSv4 mounts it as server:/.
+	share, options := "/", []string{"nfsvers=4.2", "hard"}
+	class := suite.CreateClass(t, "nfs-v42-"+ns, map[string]string{"backend": "nfs", "server": node.NFSAddr, "share": share},
+		framework.Immediate, framework.MountOptions(options...))
+	suite.CreateClaim(t, ns, "shared", class.Name, framework.AccessModes(corev1.ReadWriteMany), framework.Request("16Mi"))
+	// Each pod writes its file, then waits (bounded) for the other's: both finish only if
+	// they ran at the same time on the same volume. The pod's own mount table shows its
+	// volume's mount as the node plugin made it (a bind mount keeps source, type and options).
+	names := []string{"a", "b"}
+	start := time.Now()
+	for i, name := range names {
+		other := names[1-i]
+		script := fmt.Sprintf(`echo %[1]s > /data/%[1]s
+i=0; while [ ! -e /data/%[2]s ]; do i=$((i+1)); [ $i -le 600 ] || { echo "no file %[2]s"; exit 3; }; sleep 0.5; done
+echo "saw: $(ls /data | tr '\n' ' ')"; echo "%[2]s holds: $(cat /data/%[2]s)"
+grep ' /data ' /proc/self/mounts`, name, other)
+		pod := suite.BusyboxPod(ns, name, "shared", script, false)
+		pod.Spec.Containers[0].Image = cluster.BusyboxImage
+		if _, err := cs.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pv, err := framework.WaitForBoundPV(ctx, cs, ns, "shared", 5*time.Minute)
+	if err != nil {
+		t.Fatalf("%v\nevents:%s", err, framework.EventsOf(ctx, cs, ns, "PersistentVolumeClaim", "shared"))
+	}
+	attrs := pv.Spec.CSI.VolumeAttributes
+	if attrs["path"] == "" {
+		t.Fatalf("PV %s volume attributes %v: no path", pv.Name, attrs)
+	}
+	source := node.NFSAddr + ":" + path.Join(share, attrs["path"])
+	for i, name := range names {
+		other := names[1-i]
+		pod, err := framework.WaitForPodPhase(ctx, cs, ns, name, corev1.PodSucceeded, 5*time.Minute)
+		if err != nil {
+			t.Fatalf("%v\nevents:%s%s", err, framework.EventsOf(ctx, cs, ns, "Pod", name), framework.EventsOf(ctx, cs, ns, "PersistentVolumeClaim", "shared"))
+		}
+		t.Logf("pod %s: create -> Succeeded in %s", name, time.Since(start).Round(time.Millisecond))
+		if pod.Spec.NodeName != guestNode.Name {
+			t.Errorf("pod %s ran on node %q, want %s", name, pod.Spec.NodeName, guestNode.Name)
+		}
+		b, err := cs.CoreV1().Pods(ns).GetLogs(name, &corev1.PodLogOptions{}).DoRaw(ctx)
+		if err != nil {
+			t.Fatalf("log of pod %s: %v", name, err)
+		}
+		log := string(b)
+		t.Logf("pod %s log:\n%s", name, log)
+		lines := strings.Split(strings.TrimSpace(log), "\n")
+		if len(lines) != 3 || lines[0] != "saw: a b " || lines[1] != other+" holds: "+other {
+			t.Errorf("pod %s log %q: want it to have seen files a and b, %s holding %q", name, log, other, other)
+			continue
+		}
+		// <source> /data <type> <options> 0 0
+		m := strings.Fields(lines[2])
+		if len(m) < 4 || m[0] != source || m[1] != "/data" || m[2] != "nfs4" {
+			t.Errorf("pod %s mount %q, want %s on /data of type nfs4", name, lines[2], source)
+			continue
+		}
+		opts := strings.Split(m[3], ",")
+		for _, want := range []string{"rw", "vers=4.2", "hard"} {
+			if !slices.Contains(opts, want) {
+				t.Errorf("pod %s mount options %s: no %s (class mountOptions %v)", name, m[3], want, options)
+			}
+		}
+	}
+	// The server's side: the volume's directory in the exported directory holds both files.
+	dirType := corev1.HostPathDirectory
+	reader := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "server", Namespace: ns},
+		Spec: corev1.PodSpec{
+			RestartPolicy:                 corev1.RestartPolicyNever,
+			TerminationGracePeriodSeconds: ptr.To[int64](1),
+			NodeName:                      guestNode.Name,
+			Containers: []corev1.Container{{
+				Name: "c", Image: cluster.BusyboxImage, ImagePullPolicy: corev1.PullNever,
+				Command:      []string{"sh", "-c", "cd /export/" + attrs["path"] + " && ls | tr '\\n' ' ' && cat a b"},
+				VolumeMounts: []corev1.VolumeMount{{Name: "export", MountPath: "/export", ReadOnly: true}},
+			}},
+			Volumes: []corev1.Volume{{Name: "export", VolumeSource: corev1.VolumeSource{
+				HostPath: &corev1.HostPathVolumeSource{Path: node.NFSExportDir, Type: &dirType}}}},
+		},
+	}
+	if _, err := cs.CoreV1().Pods(ns).Create(ctx, reader, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := framework.WaitForPodPhase(ctx, cs, ns, "server", corev1.PodSucceeded, 5*time.Minute); err != nil {
+		t.Fatalf("reading %s/%s on the guest: %v\nevents:%s", node.NFSExportDir, attrs["path"], err, framework.EventsOf(ctx, cs, ns, "Pod", "server"))
+	}
+	b, err := cs.CoreV1().Pods(ns).GetLogs("server", &corev1.PodLogOptions{}).DoRaw(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(b) != "a b a\nb\n" {
+		t.Errorf("%s/%s on the server: %q, want files a and b holding their names", node.NFSExportDir, attrs["path"], b)
 	}
 }
 
