@@ -201,32 +201,7 @@ func TestLocalClaimOnGuestDisk(t *testing.T) {
 	if attrs["basePath"] == "" || attrs["path"] == "" {
 		t.Fatalf("PV %s volume attributes %v: no basePath or path", pv.Name, attrs)
 	}
-	dirType := corev1.HostPathDirectory
-	reader := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: "reader", Namespace: ns},
-		Spec: corev1.PodSpec{
-			RestartPolicy:                 corev1.RestartPolicyNever,
-			TerminationGracePeriodSeconds: ptr.To[int64](1),
-			NodeName:                      guestNode.Name,
-			Containers: []corev1.Container{{
-				Name: "c", Image: cluster.BusyboxImage, ImagePullPolicy: corev1.PullNever,
-				Command:      []string{"cat", "/base/" + attrs["path"] + "/f"},
-				VolumeMounts: []corev1.VolumeMount{{Name: "base", MountPath: "/base", ReadOnly: true}},
-			}},
-			Volumes: []corev1.Volume{{Name: "base", VolumeSource: corev1.VolumeSource{
-				HostPath: &corev1.HostPathVolumeSource{Path: attrs["basePath"], Type: &dirType}}}},
-		},
-	}
-	if _, err := cs.CoreV1().Pods(ns).Create(ctx, reader, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := framework.WaitForPodPhase(ctx, cs, ns, "reader", corev1.PodSucceeded, 5*time.Minute); err != nil {
-		t.Fatalf("reading %s/%s/f on the guest: %v\nevents:%s", attrs["basePath"], attrs["path"], err, framework.EventsOf(ctx, cs, ns, "Pod", "reader"))
-	}
-	log, err := cs.CoreV1().Pods(ns).GetLogs("reader", &corev1.PodLogOptions{}).DoRaw(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	log := readOnGuest(ctx, t, ns, "reader", attrs["basePath"], "cat /host/"+attrs["path"]+"/f")
 	if string(log) != "written-in-the-vm\n" {
 		t.Errorf("%s/%s/f on the guest's disk holds %q, want what the pod wrote", attrs["basePath"], attrs["path"], log)
 	}
@@ -316,35 +291,44 @@ grep ' /data ' /proc/self/mounts`, name, other)
 		}
 	}
 	// The server's side: the volume's directory in the exported directory holds both files.
+	b := readOnGuest(ctx, t, ns, "server", node.NFSExportDir, "cd /host/"+attrs["path"]+" && ls | tr '\\n' ' ' && cat a b")
+	if string(b) != "a b a\nb\n" {
+		t.Errorf("%s/%s on the server: %q, want files a and b holding their names", node.NFSExportDir, attrs["path"], b)
+	}
+}
+
+// readOnGuest runs script in a pod named name on the guest node, with the guest's directory
+// hostDir mounted read-only at /host, and returns what it printed once it succeeded.
+func readOnGuest(ctx context.Context, t *testing.T, ns, name, hostDir, script string) []byte {
+	t.Helper()
+	cs := suite.Client
 	dirType := corev1.HostPathDirectory
-	reader := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: "server", Namespace: ns},
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
 		Spec: corev1.PodSpec{
 			RestartPolicy:                 corev1.RestartPolicyNever,
 			TerminationGracePeriodSeconds: ptr.To[int64](1),
 			NodeName:                      guestNode.Name,
 			Containers: []corev1.Container{{
 				Name: "c", Image: cluster.BusyboxImage, ImagePullPolicy: corev1.PullNever,
-				Command:      []string{"sh", "-c", "cd /export/" + attrs["path"] + " && ls | tr '\\n' ' ' && cat a b"},
-				VolumeMounts: []corev1.VolumeMount{{Name: "export", MountPath: "/export", ReadOnly: true}},
+				Command:      []string{"sh", "-c", script},
+				VolumeMounts: []corev1.VolumeMount{{Name: "host", MountPath: "/host", ReadOnly: true}},
 			}},
-			Volumes: []corev1.Volume{{Name: "export", VolumeSource: corev1.VolumeSource{
-				HostPath: &corev1.HostPathVolumeSource{Path: node.NFSExportDir, Type: &dirType}}}},
+			Volumes: []corev1.Volume{{Name: "host", VolumeSource: corev1.VolumeSource{
+				HostPath: &corev1.HostPathVolumeSource{Path: hostDir, Type: &dirType}}}},
 		},
 	}
-	if _, err := cs.CoreV1().Pods(ns).Create(ctx, reader, metav1.CreateOptions{}); err != nil {
+	if _, err := cs.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := framework.WaitForPodPhase(ctx, cs, ns, "server", corev1.PodSucceeded, 5*time.Minute); err != nil {
-		t.Fatalf("reading %s/%s on the guest: %v\nevents:%s", node.NFSExportDir, attrs["path"], err, framework.EventsOf(ctx, cs, ns, "Pod", "server"))
+	if _, err := framework.WaitForPodPhase(ctx, cs, ns, name, corev1.PodSucceeded, 5*time.Minute); err != nil {
+		t.Fatalf("%q in %s on the guest: %v\nevents:%s", script, hostDir, err, framework.EventsOf(ctx, cs, ns, "Pod", name))
 	}
-	b, err := cs.CoreV1().Pods(ns).GetLogs("server", &corev1.PodLogOptions{}).DoRaw(ctx)
+	out, err := cs.CoreV1().Pods(ns).GetLogs(name, &corev1.PodLogOptions{}).DoRaw(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if string(b) != "a b a\nb\n" {
-		t.Errorf("%s/%s on the server: %q, want files a and b holding their names", node.NFSExportDir, attrs["path"], b)
-	}
+	return out
 }
 
 // waitServiceAccount waits for the namespace's default ServiceAccount: pods are refused until
