@@ -17,27 +17,42 @@ all: build
 build:
 	CGO_ENABLED=0 $(GO) build -trimpath -tags grpcnotrace -ldflags '$(LDFLAGS)' -o bin/dirpv ./cmd/dirpv
 
-## test: lint, then every tier in order: unit + csi-sanity, integration, end to end, real kernel,
-## Kubernetes' External Storage suite (conformance: ~4.5 min warm, +3.5 min to build e2e.test
-## after cluster-bins, so make test stays well inside CI's 90 minutes cold).
-test: lint cluster-bins deploy-tools
-	@rc=0; failed=; start=$$(date +%s); \
-	  $(MAKE) --no-print-directory test-unit || { rc=1; failed="$$failed unit+sanity"; }; t1=$$(date +%s); \
-	  $(MAKE) --no-print-directory test-integration || { rc=1; failed="$$failed integration"; }; t2=$$(date +%s); \
-	  $(MAKE) --no-print-directory test-e2e || { rc=1; failed="$$failed e2e"; }; t3=$$(date +%s); \
-	  $(MAKE) --no-print-directory test-vm || { rc=1; failed="$$failed vm"; }; t4=$$(date +%s); \
-	  $(MAKE) --no-print-directory conformance || { rc=1; failed="$$failed conformance"; }; t5=$$(date +%s); \
-	  echo "tier times: unit+sanity $$((t1-start))s, integration $$((t2-t1))s, e2e $$((t3-t2))s, vm $$((t4-t3))s, conformance $$((t5-t4))s"; \
-	  if [ $$rc -ne 0 ]; then echo "make test: tier(s) failed:$$failed (see above)"; fi; exit $$rc
+## test: lint and the builds, then every tier in order: unit + csi-sanity, integration, end to
+## end, real kernel, Kubernetes' External Storage suite. It bounds itself: everything ends within
+## TEST_BUDGET minutes of its start (CI gives 90), each step within its own cap as well, so a hung
+## tier fails alone and leaves the later ones their time. A tier's go test -timeout is its bound
+## less a minute, so a hang inside a test ends with go test's goroutine dump rather than a kill.
+TEST_BUDGET ?= 88
+test:
+	@start=$$(date +%s); deadline=$$((start + $(TEST_BUDGET) * 60)); rc=0; failed=; times=; \
+	  step() { \
+	    name=$$1; cap=$$2; shift 2; left=$$(( (deadline - $$(date +%s)) / 60 )); bound=$$(( cap < left ? cap : left )); \
+	    if [ $$bound -lt 2 ]; then echo "make test: $$name not run: the $(TEST_BUDGET) min budget is spent"; rc=1; failed="$$failed $$name"; return; fi; \
+	    t=$$(date +%s); \
+	    timeout -k 30s $${bound}m $(MAKE) --no-print-directory TIER_TIMEOUT=$$((bound - 1))m "$$@" || { \
+	      rc=1; failed="$$failed $$name"; \
+	      if [ $$(( $$(date +%s) - t )) -ge $$((bound * 60)) ]; then echo "make test: $$name stopped at its bound of $$bound min"; fi; }; \
+	    times="$$times $$name $$(( $$(date +%s) - t ))s,"; }; \
+	  step builds 45 lint cluster-bins deploy-tools; \
+	  step unit+sanity 25 test-unit; \
+	  step integration 15 test-integration; \
+	  step e2e 15 test-e2e; \
+	  step vm 25 test-vm; \
+	  step conformance 25 conformance; \
+	  echo "tier times:$${times%,}; total $$(( $$(date +%s) - start ))s"; \
+	  if [ $$rc -ne 0 ]; then echo "make test: failed:$$failed (see above)"; fi; exit $$rc
+
+# A tier's go test -timeout: make test sets it from the tier's bound; alone, a tier gets 30m.
+TIER_TIMEOUT ?= 30m
 
 test-unit: deploy-tools
-	$(GO) test -race -count=1 -timeout 30m $(UNIT_PKGS)
+	$(GO) test -race -count=1 -timeout $(TIER_TIMEOUT) $(UNIT_PKGS)
 
 test-integration: cluster-bins
-	$(GO) test -count=1 -timeout 30m ./test/integration/...
+	$(GO) test -count=1 -timeout $(TIER_TIMEOUT) ./test/integration/...
 
 test-e2e: cluster-bins deploy-tools
-	$(GO) test -count=1 -p 1 -timeout 40m ./test/cluster/... ./test/e2e/...
+	$(GO) test -count=1 -p 1 -timeout $(TIER_TIMEOUT) ./test/cluster/... ./test/e2e/...
 
 ## test-vm: the real-kernel tier alone (NFS through the kernel client and server) in a qemu VM
 ## booted with the host's root; the kernel and initramfs are cached (cold: package download,
@@ -48,8 +63,8 @@ test-e2e: cluster-bins deploy-tools
 ## VM_RUN=regexp picks guest tests.
 test-vm: cluster-bins
 	@start=$$(date +%s); rc=0; \
-	  DIRPV_VM_RUN='$(VM_RUN)' $(GO) test -count=1 -timeout 45m -v ./test/vm/ || rc=1; t1=$$(date +%s); \
-	  $(GO) test -count=1 -timeout 30m -v ./test/vm/node/ || rc=1; \
+	  DIRPV_VM_RUN='$(VM_RUN)' $(GO) test -count=1 -timeout $(TIER_TIMEOUT) -v ./test/vm/ || rc=1; t1=$$(date +%s); \
+	  $(GO) test -count=1 -timeout $(TIER_TIMEOUT) -v ./test/vm/node/ || rc=1; \
 	  echo "vm tier: $$(($$(date +%s)-start))s (kernel tests $$((t1-start))s, node in the VM $$(($$(date +%s)-t1))s)"; \
 	  if [ $$rc -ne 0 ]; then echo "vm tier failed: see the FAIL lines above (a VM that cannot start says why)"; fi; exit $$rc
 
@@ -61,7 +76,7 @@ test-vm: cluster-bins
 CONFORMANCE_FOCUS ?= External.Storage
 conformance: cluster-bins deploy-tools image-debs
 	@start=$$(date +%s); rc=0; \
-	  $(GO) test -count=1 -timeout 100m -v -run TestExternalStorage ./test/external-e2e/ -args -focus='$(CONFORMANCE_FOCUS)' || rc=1; \
+	  $(GO) test -count=1 -timeout $(TIER_TIMEOUT) -v -run TestExternalStorage ./test/external-e2e/ -args -focus='$(CONFORMANCE_FOCUS)' || rc=1; \
 	  echo "conformance: $$(($$(date +%s)-start))s"; exit $$rc
 
 ## cluster-bins: build etcd and Kubernetes from the Go module proxy (cold ~15 min, cached).
