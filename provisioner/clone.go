@@ -515,9 +515,9 @@ func (p *Provisioner) claimGone(namespace, name string, uid types.UID) bool {
 	return c.UID != uid
 }
 
-// discardVolume removes a volume made for a claim that is gone; nothing else would, since no
-// PV names it.
-func (p *Provisioner) discardVolume(logger klog.Logger, attrs volume.Attributes, mountOptions []string, m made) {
+// discardVolume removes the volume made for owner, a claim that is gone; nothing else would,
+// since no PV names it.
+func (p *Provisioner) discardVolume(logger klog.Logger, attrs volume.Attributes, mountOptions []string, owner volume.Claim, m made) {
 	if !m.created {
 		return
 	}
@@ -526,7 +526,16 @@ func (p *Provisioner) discardVolume(logger klog.Logger, attrs volume.Attributes,
 	defer cancel()
 	unlock, err := p.lockVolume(ctx, attrs)
 	if err == nil {
-		err = p.onStore(ctx, attrs, mountOptions, func(root *volume.Root) error { return removeVolume(root, attrs) })
+		err = p.onStore(ctx, attrs, mountOptions, func(root *volume.Root) error {
+			vol, err := checkOwnedBy(root, attrs.Path, owner)
+			if err != nil {
+				return err
+			}
+			if vol != nil {
+				defer vol.Close()
+			}
+			return removeVolume(ctx, root, attrs, vol, owner)
+		})
 		unlock()
 	}
 	if err != nil {

@@ -315,7 +315,7 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 		return p.makeVolume(ctx, attrs, opts.StorageClass.MountOptions, params, owner, size, src)
 	}
 	discard := func(m made) {
-		p.discardVolume(logger, attrs, opts.StorageClass.MountOptions, m)
+		p.discardVolume(logger, attrs, opts.StorageClass.MountOptions, owner, m)
 	}
 	var m made
 	if src == nil {
@@ -698,22 +698,35 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 	// Local volumes are removed in place: a local disk has no server to wait for, and the
 	// node plugin has no trash to resume from after a restart.
 	err = p.onStore(ctx, attrs, pv.Spec.MountOptions, func(root *volume.Root) error {
-		if err := checkOwnedBy(root, attrs.Path, pv); err != nil {
+		vol, err := checkOwnedBy(root, attrs.Path, claimOf(pv))
+		if err != nil && !errors.Is(err, volume.ErrNotDirectory) {
 			return err
+		}
+		if vol != nil {
+			defer vol.Close()
 		}
 		failpoint.Reach(failpoint.DeleteChecked)
-		if policy == OnDeleteDelete {
-			return removeVolume(root, attrs)
-		}
-		if _, err := root.Stat(attrs.Path); errors.Is(err, volume.ErrNotDirectory) {
-			// Archiving follows no symlink either; the link itself goes, its target stays.
-			return root.RemoveAll(attrs.Path)
-		} else if apierrors.IsNotFound(err) || isNotExist(err) {
-			return nil
-		} else if err != nil {
+		switch {
+		case err != nil:
+			// Neither policy follows a symlink: the link itself goes, its target stays.
+			err := root.RemoveLink(attrs.Path)
+			if errors.Is(err, volume.ErrReplaced) {
+				logger.Info("Left alone the directory made at the volume's path after its check", "path", attrs.Path)
+				return nil
+			}
 			return err
+		case policy == OnDeleteDelete:
+			return removeVolume(ctx, root, attrs, vol, claimOf(pv))
+		case vol == nil:
+			return nil
 		}
-		return root.Rename(attrs.Path, archiveName(attrs.Path, time.Now()))
+		err = vol.Rename(archiveName(attrs.Path, time.Now()))
+		if errors.Is(err, volume.ErrReplaced) || isNotExist(err) {
+			// Removed after the check, and another directory may have taken the path.
+			logger.Info("Volume directory is gone already; left alone what is at its path now", "path", attrs.Path, "reason", err)
+			return nil
+		}
+		return err
 	})
 	if err != nil {
 		return fmt.Errorf("onDelete %s of %s in %s: %w", policy, attrs.Path, storeName(attrs), err)
@@ -722,38 +735,91 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 	return nil
 }
 
-// removeVolume removes the volume's tree and frees its size limit, if it had one.
-func removeVolume(root *volume.Root, attrs volume.Attributes) error {
-	if attrs.Quota == "" {
-		return root.RemoveAll(attrs.Path)
+// removeVolume removes vol, the volume directory of owner that checkOwnedBy found at attrs'
+// path (nil: none was there), and frees its size limit, if it had one. The limit is freed also
+// when the directory is gone already, for a retry after a crash between the two. What a
+// removal that stopped midway left under its private name is removed too.
+func removeVolume(ctx context.Context, root *volume.Root, attrs volume.Attributes, vol *volume.Volume, owner volume.Claim) error {
+	var id quota.ID
+	if attrs.Quota != "" {
+		var err error
+		if id, err = quota.ParseID(attrs.Quota); err != nil {
+			return err
+		}
 	}
-	id, err := quota.ParseID(attrs.Quota)
-	if err != nil {
-		return err
+	if vol == nil {
+		left, err := root.OpenRemoval(attrs.Path, owner.PVName)
+		if err != nil && !isNotExist(err) {
+			return err
+		}
+		if left != nil {
+			defer left.Close()
+			vol = left
+			if !ownedBy(left, owner) {
+				// A removal stopped (a crash) between giving another claim's volume, which had
+				// taken the path, its private name and finding out: that volume goes back.
+				if err := left.Rename(path.Base(attrs.Path)); err != nil {
+					return fmt.Errorf("put back another claim's volume that an earlier removal of %s took: %w", attrs.Path, err)
+				}
+				vol = nil
+			}
+		}
 	}
-	return root.RemoveLimited(attrs.Path, id)
+	if vol != nil {
+		err := vol.Remove(owner.PVName, id)
+		if err == nil || !errors.Is(err, volume.ErrReplaced) && !isNotExist(err) {
+			return err
+		}
+		// The checked directory is gone: someone removed it after the check, and whatever is
+		// at its path now is not this PV's to remove.
+		klog.FromContext(ctx).Info("Volume directory is gone already; left alone what is at its path now", "path", attrs.Path, "reason", err)
+	}
+	if id.Kind == "" {
+		return nil
+	}
+	return root.ReleaseQuota(id)
 }
 
-// checkOwnedBy refuses to delete or archive a directory whose marker names another claim than
-// the PV's: a stale PV's Delete, retried after its directory was removed and made anew for
-// another claim of a pattern without ${pv.metadata.name}, must not destroy that claim's data.
-// Directories that name no claim (made before markers recorded owners) are the PV's.
-func checkOwnedBy(root *volume.Root, rel string, pv *v1.PersistentVolume) error {
-	owner, _, err := root.VolumeOwner(rel)
-	if isNotExist(err) || errors.Is(err, volume.ErrNotDirectory) {
-		return nil // handled by the policy: nothing to do, or the link itself goes
+// checkOwnedBy opens the volume directory at rel and refuses it if its marker names another
+// claim than owner: a stale PV's Delete, retried after its directory was removed and made anew
+// for another claim of a pattern without ${pv.metadata.name}, must not destroy that claim's
+// data. Directories that name no claim (made before markers recorded owners) are owner's. It
+// returns nil if nothing is at rel, and an error wrapping volume.ErrNotDirectory if what is
+// there is no directory. The caller acts on the directory returned, never on rel again:
+// another directory may have taken that name since (volume.ErrReplaced).
+func checkOwnedBy(root *volume.Root, rel string, owner volume.Claim) (*volume.Volume, error) {
+	vol, err := root.OpenVolume(rel)
+	if isNotExist(err) {
+		return nil, nil
 	}
 	if err != nil {
-		return err
+		return nil, err
 	}
-	mine := owner.PVName == pv.Name
-	if ref := pv.Spec.ClaimRef; ref != nil && ref.UID != "" {
-		mine = owner.UID == string(ref.UID)
+	if !ownedBy(vol, owner) {
+		vol.Close()
+		return nil, fmt.Errorf("directory %s now belongs to another claim's volume, not to this PV's claim; leaving it alone", rel)
 	}
-	if owner.UID != "" && !mine {
-		return fmt.Errorf("directory %s now belongs to another claim's volume, not to this PV's claim; leaving it alone", rel)
+	return vol, nil
+}
+
+// ownedBy reports whether vol's marker names c, by its UID if c has one, else by its PV's
+// name, or no claim at all.
+func ownedBy(vol *volume.Volume, c volume.Claim) bool {
+	got, _ := vol.Owner()
+	if c.UID != "" {
+		return got.UID == "" || got.UID == c.UID
 	}
-	return nil
+	return got.UID == "" || got.PVName == c.PVName
+}
+
+// claimOf is the claim pv's volume was made for, as far as the PV tells: its UID only if the
+// PV is bound.
+func claimOf(pv *v1.PersistentVolume) volume.Claim {
+	c := volume.Claim{PVName: pv.Name}
+	if ref := pv.Spec.ClaimRef; ref != nil {
+		c.UID = string(ref.UID)
+	}
+	return c
 }
 
 // archiveName is the name an archived volume directory gets beside the original.

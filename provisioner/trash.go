@@ -12,6 +12,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
 
+	"github.com/dirpv/dirpv/internal/failpoint"
 	"github.com/dirpv/dirpv/volume"
 )
 
@@ -81,19 +82,49 @@ func (e *exports) trash(ctx context.Context, server, share string, options []str
 
 // moveToTrash moves rel into trashDir as the PV's name, unless rel is another claim's volume.
 // It returns the trash entry to remove ("" if there is none) and whether this call moved it
-// there.
+// there. It moves the directory it checked or nothing: another that took rel's name after the
+// check is left alone.
 func moveToTrash(root *volume.Root, rel string, pv *v1.PersistentVolume) (string, bool, error) {
 	// A stale PV's retried Delete must not send a new claim's volume at the same path to the
 	// background walk, which would remove that claim's data.
-	if err := checkOwnedBy(root, rel, pv); err != nil {
+	vol, err := checkOwnedBy(root, rel, claimOf(pv))
+	if err != nil && !errors.Is(err, volume.ErrNotDirectory) {
 		return "", false, err
 	}
+	if vol != nil {
+		defer vol.Close()
+	}
+	failpoint.Reach(failpoint.DeleteChecked)
+	switch {
+	case err != nil:
+		// A link needs no background walk; its target is left alone.
+		if err := root.RemoveLink(rel); err != nil && !errors.Is(err, volume.ErrReplaced) {
+			return "", false, err
+		}
+	case vol != nil:
+		entry, err := moveChecked(root, vol, pv.Name)
+		if err == nil {
+			return entry, true, nil
+		}
+		if !errors.Is(err, os.ErrNotExist) && !errors.Is(err, volume.ErrReplaced) {
+			return "", false, err
+		}
+		// Removed after the check; what took its path, if anything, is not this PV's.
+	}
+	// Moved by an earlier attempt, whose walk may be lost with a restart, or never there.
+	if _, err := root.Stat(trashDir + "/" + pv.Name); errors.Is(err, os.ErrNotExist) {
+		return "", false, nil
+	}
+	return pv.Name, false, nil
+}
+
+// moveChecked moves vol into the trash as pvName and returns the entry it got.
+func moveChecked(root *volume.Root, vol *volume.Volume, pvName string) (string, error) {
 	if err := root.Mkdir(trashDir, 0o700); err != nil {
-		return "", false, err
+		return "", err
 	}
-	pvName := pv.Name
 	entry := pvName
-	err := root.Move(rel, trashDir, entry)
+	err := vol.Move(trashDir, entry)
 	if errors.Is(err, unix.EEXIST) {
 		// Another tree with this name is still being removed (a pattern without the PV name
 		// made a new volume at the same path, under a PV of the same name): keep both.
@@ -101,19 +132,9 @@ func moveToTrash(root *volume.Root, rel string, pv *v1.PersistentVolume) (string
 		if len(entry) > volume.MaxComponentLength {
 			entry = entry[len(entry)-volume.MaxComponentLength:]
 		}
-		err = root.Move(rel, trashDir, entry)
+		err = vol.Move(trashDir, entry)
 	}
-	if errors.Is(err, os.ErrNotExist) {
-		// Moved by an earlier attempt, whose walk may be lost with a restart, or never there.
-		if _, serr := root.Stat(trashDir + "/" + pvName); errors.Is(serr, os.ErrNotExist) {
-			return "", false, nil
-		}
-		return pvName, false, nil
-	}
-	if err != nil {
-		return "", false, err
-	}
-	return entry, true, nil
+	return entry, err
 }
 
 // resumeTrash queues every entry left in the trash of the export just mounted at root.

@@ -368,7 +368,7 @@ func TestMarkerFollowsRenameAndRemove(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if err := r.Rename("ns/a", "archived-a"); err != nil {
+		if err := renameVolume(r, "ns/a", "archived-a"); err != nil {
 			t.Fatal(err)
 		}
 		if got, marked, err := r.VolumeOwner("ns/archived-a"); err != nil || !marked || got != claimA {
@@ -399,7 +399,7 @@ func TestMarkerFollowsMoveToAnotherDirectory(t *testing.T) {
 		if err := r.Mkdir(".dirpv-trash", 0o700); err != nil {
 			t.Fatal(err)
 		}
-		if err := r.Move("ns/a", ".dirpv-trash", "pv-a"); err != nil {
+		if err := moveVolume(r, "ns/a", ".dirpv-trash", "pv-a"); err != nil {
 			t.Fatal(err)
 		}
 		if got, marked, err := r.VolumeOwner(".dirpv-trash/pv-a"); err != nil || !marked || got != claimA {

@@ -76,22 +76,22 @@ func TestMoveStaysBeneathRoot(t *testing.T) {
 	if err := os.Symlink(outside, filepath.Join(base, "evil")); err != nil {
 		t.Fatal(err)
 	}
-	if err := r.Move("ns/vol", "evil", "vol"); !errors.Is(err, ErrNotDirectory) {
+	if err := moveVolume(r, "ns/vol", "evil", "vol"); !errors.Is(err, ErrNotDirectory) {
 		t.Errorf("Move into a symlinked directory: %v, want ErrNotDirectory", err)
 	}
 	if err := r.Mkdir("evil", 0o700); !errors.Is(err, ErrNotDirectory) {
 		t.Errorf("Mkdir over a symlink: %v, want ErrNotDirectory", err)
 	}
-	if err := r.Move("ns/vol", "../x", "vol"); err == nil {
+	if err := moveVolume(r, "ns/vol", "../x", "vol"); err == nil {
 		t.Error("Move to a directory outside the root succeeded")
 	}
 	if err := os.Mkdir(filepath.Join(base, ".trash", "taken"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if err := r.Move("ns/vol", ".trash", "taken"); err == nil {
+	if err := moveVolume(r, "ns/vol", ".trash", "taken"); err == nil {
 		t.Error("Move over an existing entry succeeded")
 	}
-	if err := r.Move("ns/vol", ".trash", "pv-1"); err != nil {
+	if err := moveVolume(r, "ns/vol", ".trash", "pv-1"); err != nil {
 		t.Fatal(err)
 	}
 	if names, err := r.List(".trash"); err != nil || len(names) != 2 {

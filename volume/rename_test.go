@@ -105,7 +105,7 @@ func TestRenameWithoutNoReplaceKeepsEmptyTarget(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if err := r.Rename("vol", "taken"); !errors.Is(err, unix.EEXIST) {
+	if err := renameVolume(r, "vol", "taken"); !errors.Is(err, unix.EEXIST) {
 		t.Fatalf("Rename onto an empty directory: %v, want EEXIST", err)
 	}
 	if names, err := r.List("taken"); err != nil || len(names) != 0 {

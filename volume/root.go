@@ -8,7 +8,6 @@ import (
 	"io"
 	"math"
 	"os"
-	"path"
 	"strings"
 	"sync"
 
@@ -966,25 +965,12 @@ func readDirNames(fd int) ([]string, error) {
 	return dir.Readdirnames(-1)
 }
 
-// Rename moves the directory rel to newName in the same parent directory, failing if newName
-// exists. Only the last component changes, so the volume can never move out of its parent.
-func (r *Root) Rename(rel, newName string) error {
+// RemoveLink removes rel if it is no directory (a symlink planted where a volume was
+// expected), never following it: the link goes, its target stays. A missing rel is not an
+// error; a directory there now is left alone, with an error wrapping ErrReplaced.
+func (r *Root) RemoveLink(rel string) error {
 	if _, err := CleanRelPath(rel); err != nil {
 		return err
-	}
-	parent, _ := split(rel)
-	return r.Move(rel, parent, newName)
-}
-
-// Move moves rel into the directory dir ("" for the base) as newName, failing if newName
-// exists there. Both ends are resolved beneath the root without following symlinks; rel
-// itself may be anything but a mount point, and is moved, never followed.
-func (r *Root) Move(rel, dir, newName string) error {
-	if _, err := CleanRelPath(rel); err != nil {
-		return err
-	}
-	if _, err := CleanRelPath(newName); err != nil || strings.Contains(newName, "/") {
-		return fmt.Errorf("new name %q must be a single path component", newName)
 	}
 	parent, name := split(rel)
 	parentFd, err := r.openDir(parent, unix.O_PATH)
@@ -992,22 +978,14 @@ func (r *Root) Move(rel, dir, newName string) error {
 		return err
 	}
 	defer unix.Close(parentFd)
-	dirFd, err := r.openDir(dir, unix.O_PATH)
-	if err != nil {
-		return err
+	switch err := unix.Unlinkat(parentFd, name, 0); {
+	case err == nil, errors.Is(err, unix.ENOENT):
+		return nil
+	case errors.Is(err, unix.EISDIR):
+		return fmt.Errorf("%s in %s is a directory: %w", rel, r.path, ErrReplaced)
+	default:
+		return fmt.Errorf("unlink %s in %s: %w", rel, r.path, err)
 	}
-	defer unix.Close(dirFd)
-	if err := r.renameNoReplace(parentFd, name, dirFd, newName); err != nil {
-		target := newName
-		if dir != "" {
-			target = dir + "/" + newName
-		}
-		return fmt.Errorf("rename %s to %s in %s: %w", rel, target, r.path, err)
-	}
-	if path.Clean("/"+dir) != path.Clean("/"+parent) {
-		moveRecord(parentFd, dirFd, newName)
-	}
-	return nil
 }
 
 // moveRecord moves the record file of the directory just moved to newName in dirFd from its

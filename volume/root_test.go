@@ -88,7 +88,7 @@ func TestSymlinksAreNeverFollowed(t *testing.T) {
 	if err := r.RemoveAll("ns/secret"); err == nil {
 		t.Errorf("RemoveAll through a symlinked parent succeeded")
 	}
-	if err := r.Rename("ns/secret", "x"); err == nil {
+	if err := renameVolume(r, "ns/secret", "x"); err == nil {
 		t.Errorf("Rename through a symlinked parent succeeded")
 	}
 	if _, err := r.OpenDir("ns"); !errors.Is(err, ErrNotDirectory) {
@@ -198,17 +198,17 @@ func TestRenameStaysInParent(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, bad := range []string{"../x", "a/b", "..", ""} {
-		if err := r.Rename("ns/vol", bad); err == nil {
+		if err := renameVolume(r, "ns/vol", bad); err == nil {
 			t.Errorf("Rename to %q succeeded", bad)
 		}
 	}
 	if _, err := r.MkdirAll("ns/taken", Owner{Mode: 0o755}, claimA); err != nil {
 		t.Fatal(err)
 	}
-	if err := r.Rename("ns/vol", "taken"); err == nil {
+	if err := renameVolume(r, "ns/vol", "taken"); err == nil {
 		t.Error("Rename over an existing directory succeeded")
 	}
-	if err := r.Rename("ns/vol", "archived-vol"); err != nil {
+	if err := renameVolume(r, "ns/vol", "archived-vol"); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := os.Stat(filepath.Join(base, "ns/archived-vol")); err != nil {

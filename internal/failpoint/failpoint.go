@@ -102,8 +102,8 @@ func HitAfter(name string, n int64) {
 // Points where a test that runs dirpv's code in its own process holds one side of a race
 // (SetOnReach), to prove that the other side waits. The environment never arms them.
 const (
-	// DeleteChecked is in a local volume's Delete, after the directory's owner was checked and
-	// before the directory is removed or archived.
+	// DeleteChecked is in Delete, after the volume directory's owner was checked and before
+	// the directory is removed, archived or moved to an NFS export's trash.
 	DeleteChecked = "delete-checked"
 	// ResizeChecked is in Resize, after the volume's marker named its quota ID and before the
 	// limit of that ID is raised.

@@ -1,0 +1,169 @@
+package provisioner
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+
+	"github.com/dirpv/dirpv/internal/failpoint"
+	"github.com/dirpv/dirpv/volume"
+)
+
+// newClaimOfSameName is the claim a user makes again under the name of one whose PV is being
+// deleted; with a pattern without ${pv.metadata.name} its volume gets the same path.
+var newClaimOfSameName = volume.Claim{UID: "uid-c-renewed", PVName: "pvc-uid-c-renewed"}
+
+// makeVolumeAt does what another process than the test's Provisioner may do at rel in the
+// base at base while a Delete is held after its check (a second dirpv during an update, an
+// admin's script; this process's per-volume lock holds none of them back): remove whatever is
+// there and make the volume of newClaimOfSameName, with a file in it.
+func makeVolumeAt(t *testing.T, base, rel string) {
+	t.Helper()
+	if err := os.RemoveAll(filepath.Join(base, rel)); err != nil {
+		t.Fatal(err)
+	}
+	root, err := volume.OpenRoot(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	if _, err := root.MkdirAll(rel, volume.Owner{Mode: 0o755, UID: -1, GID: -1}, newClaimOfSameName); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(base, rel, "data"), []byte("new claim's"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// checkNewVolume fails the test unless rel in base is the volume makeVolumeAt made, whole.
+func checkNewVolume(t *testing.T, base, rel string) {
+	t.Helper()
+	if got, err := os.ReadFile(filepath.Join(base, rel, "data")); err != nil || string(got) != "new claim's" {
+		t.Errorf("the volume another process made at %s after the check: %q, %v", rel, got, err)
+		return
+	}
+	root, err := volume.OpenRoot(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	if owner, _, err := root.VolumeOwner(rel); err != nil || owner != newClaimOfSameName {
+		t.Errorf("volume %s belongs to %+v (%v), want the new claim %+v", rel, owner, err, newClaimOfSameName)
+	}
+}
+
+// deleteHeldAtCheck starts Delete of pv by p, holds it between the owner check and the act on
+// the directory, runs meanwhile, and returns what Delete returned once let go.
+func deleteHeldAtCheck(t *testing.T, p *Provisioner, pv *v1.PersistentVolume, meanwhile func()) error {
+	t.Helper()
+	reached, release := holdAt(t, failpoint.DeleteChecked)
+	deleted := make(chan error, 1)
+	go func() { deleted <- p.Delete(context.Background(), pv) }()
+	select {
+	case <-reached:
+	case err := <-deleted:
+		t.Fatalf("Delete returned (%v) without reaching %s", err, failpoint.DeleteChecked)
+	case <-time.After(30 * time.Second):
+		t.Fatalf("Delete never reached %s", failpoint.DeleteChecked)
+	}
+	meanwhile()
+	release()
+	select {
+	case err := <-deleted:
+		return err
+	case <-time.After(30 * time.Second):
+		t.Fatal("Delete did not return after it was let go")
+		return nil
+	}
+}
+
+// Delete removes or archives the directory it checked, or nothing: a volume that another
+// process makes at the path after the check (the PV's directory was gone at the check, or went
+// after it) is left whole, with a pattern without ${pv.metadata.name} giving the same path to
+// a claim made again under the same name.
+func TestDeleteActsOnTheCheckedDirectory(t *testing.T) {
+	for _, policy := range []string{"delete", "archive"} {
+		for _, when := range []string{"gone at the check", "replaced after the check"} {
+			t.Run(policy+"/"+when, func(t *testing.T) {
+				f := newFixture(t)
+				class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}", "onDelete": policy})
+				old := claim("c")
+				pv, _, err := f.node.Provision(context.Background(), opts(class, old))
+				if err != nil {
+					t.Fatal(err)
+				}
+				pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: old.Namespace, Name: old.Name, UID: old.UID}
+				rel := pv.Spec.CSI.VolumeAttributes[volume.AttrPath]
+				if when == "gone at the check" {
+					// The lib retries a Delete whose result it did not see.
+					if err := f.node.Delete(context.Background(), pv); err != nil {
+						t.Fatal(err)
+					}
+				}
+				err = deleteHeldAtCheck(t, f.node, pv, func() { makeVolumeAt(t, f.base, rel) })
+				if err != nil {
+					t.Errorf("Delete: %v", err)
+				}
+				checkNewVolume(t, f.base, rel)
+				// Only the first Delete of the retried one archives anything.
+				wantArchived := 0
+				if policy == "archive" && when == "gone at the check" {
+					wantArchived = 1
+				}
+				var others, archived []string
+				for _, e := range listTree(t, f.base) {
+					if strings.HasPrefix(e, "archived-") {
+						if !strings.Contains(e, "/") {
+							archived = append(archived, e)
+						}
+					} else if e != rel && e != rel+"/data" {
+						others = append(others, e)
+					}
+				}
+				if len(others) != 0 || len(archived) != wantArchived {
+					t.Errorf("base holds %v and archived %v besides the new volume, want %d archived", others, archived, wantArchived)
+				}
+			})
+		}
+	}
+}
+
+// Deleting an NFS volume moves to the trash the directory it checked, or nothing: a volume
+// that another process makes at the path after the check is not sent to the background walk
+// that would remove it.
+func TestTrashMovesTheCheckedDirectory(t *testing.T) {
+	for _, when := range []string{"gone at the check", "replaced after the check"} {
+		t.Run(when, func(t *testing.T) {
+			f := newTrashFixture(t, 30*time.Second)
+			f.class.Parameters["pathPattern"] = "${pvc.metadata.namespace}-${pvc.metadata.name}"
+			p := f.start(t)
+			pv := f.provision(t, p, "c")
+			pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: "ns", Name: "c", UID: "uid-c"}
+			rel := pv.Spec.CSI.VolumeAttributes[volume.AttrPath]
+			if when == "gone at the check" {
+				// The lib retries a Delete whose result it did not see, after the walk is done.
+				if err := p.Delete(context.Background(), pv); err != nil {
+					t.Fatal(err)
+				}
+				eventually(t, time.Minute, func() (bool, string) {
+					got := f.trashEntries(t)
+					return len(got) == 0 && p.PendingDeletes() == 0, fmt.Sprintf("trash %v, %d pending", got, p.PendingDeletes())
+				})
+			}
+			err := deleteHeldAtCheck(t, p, pv, func() { makeVolumeAt(t, f.src, rel) })
+			if err != nil {
+				t.Errorf("Delete: %v", err)
+			}
+			if got := f.trashEntries(t); len(got) != 0 {
+				t.Errorf("trash = %v, want nothing", got)
+			}
+			checkNewVolume(t, f.src, rel)
+		})
+	}
+}

@@ -1,0 +1,204 @@
+package volume
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/dirpv/dirpv/volume/quota"
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
+)
+
+// moveVolume opens rel and moves it as the provisioner moves a checked volume.
+func moveVolume(r *Root, rel, dir, newName string) error {
+	v, err := r.OpenVolume(rel)
+	if err != nil {
+		return err
+	}
+	defer v.Close()
+	return v.Move(dir, newName)
+}
+
+// renameVolume opens rel and renames it as the provisioner archives a checked volume.
+func renameVolume(r *Root, rel, newName string) error {
+	v, err := r.OpenVolume(rel)
+	if err != nil {
+		return err
+	}
+	defer v.Close()
+	return v.Rename(newName)
+}
+
+// replace does what another process may do between a volume's check and the act on it:
+// remove the directory at rel and make claim's volume there, with a file in it.
+func replace(t *testing.T, r *Root, base, rel string, claim Claim) {
+	t.Helper()
+	if err := os.RemoveAll(filepath.Join(base, rel)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.MkdirAll(rel, Owner{Mode: 0o755, UID: -1, GID: -1}, claim); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(base, rel, "data"), []byte("new"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// reservedIn lists the names in dir that dirpv keeps for itself, owner records left out.
+func reservedIn(t *testing.T, dir string) []string {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), ReservedPrefix) && !strings.HasPrefix(e.Name(), recordPrefix) {
+			out = append(out, e.Name())
+		}
+	}
+	return out
+}
+
+// A volume replaced by another claim's after it was opened and judged is not what Remove,
+// Rename or Move act on: they fail with ErrReplaced and the new volume stays where it is,
+// whole, with its own marker.
+func TestCheckedVolumeReplacedIsLeftAlone(t *testing.T) {
+	acts := map[string]func(v *Volume) error{
+		"remove": func(v *Volume) error { return v.Remove("pvc-uid-a", quota.ID{}) },
+		"rename": func(v *Volume) error { return v.Rename("archived-a") },
+		"move":   func(v *Volume) error { return v.Move(".dirpv-trash", "pvc-uid-a") },
+	}
+	for what, act := range acts {
+		t.Run(what, func(t *testing.T) {
+			forEachMarker(t, func(t *testing.T, r *Root, base string) {
+				if _, err := r.MkdirAll("ns/a", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA); err != nil {
+					t.Fatal(err)
+				}
+				if err := r.Mkdir(".dirpv-trash", 0o700); err != nil {
+					t.Fatal(err)
+				}
+				v, err := r.OpenVolume("ns/a")
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer v.Close()
+				if owner, marked := v.Owner(); !marked || owner != claimA {
+					t.Fatalf("Owner = %+v, %v; want %+v", owner, marked, claimA)
+				}
+				replace(t, r, base, "ns/a", claimB)
+
+				if err := act(v); !errors.Is(err, ErrReplaced) {
+					t.Errorf("%s of the replaced volume: %v, want ErrReplaced", what, err)
+				}
+				if got, err := os.ReadFile(filepath.Join(base, "ns/a/data")); err != nil || string(got) != "new" {
+					t.Errorf("the new volume's file: %q, %v", got, err)
+				}
+				if owner, _, err := r.VolumeOwner("ns/a"); err != nil || owner != claimB {
+					t.Errorf("ns/a belongs to %+v (%v), want the new claim %+v", owner, err, claimB)
+				}
+				if left := reservedIn(t, filepath.Join(base, "ns")); len(left) != 0 {
+					t.Errorf("ns holds %v besides the volume", left)
+				}
+				if names, err := r.List(".dirpv-trash"); err != nil || len(names) != 0 {
+					t.Errorf("trash holds %v (%v), want nothing", names, err)
+				}
+			})
+		})
+	}
+}
+
+// Remove takes the checked volume's whole tree and leaves no name behind, its private one
+// included; a second Remove finds nothing to remove.
+func TestCheckedVolumeRemove(t *testing.T) {
+	forEachMarker(t, func(t *testing.T, r *Root, base string) {
+		if _, err := r.MkdirAll("ns/a", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.MkdirAll(filepath.Join(base, "ns/a/sub"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		v, err := r.OpenVolume("ns/a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := v.Remove("pvc-uid-a", quota.ID{}); err != nil {
+			t.Fatal(err)
+		}
+		if entries, err := os.ReadDir(filepath.Join(base, "ns")); err != nil || len(entries) != 0 {
+			t.Errorf("ns holds %v (%v) after Remove", entries, err)
+		}
+		if _, err := r.OpenVolume("ns/a"); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("OpenVolume after Remove: %v, want ErrNotExist", err)
+		}
+	})
+}
+
+// A Remove stopped after the volume took its private name (a crash) leaves it where a retry
+// with the same key finds it, and the retry finishes the job.
+func TestCheckedVolumeRemovalResumed(t *testing.T) {
+	forEachMarker(t, func(t *testing.T, r *Root, base string) {
+		if _, err := r.MkdirAll("ns/a", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA); err != nil {
+			t.Fatal(err)
+		}
+		v, err := r.OpenVolume("ns/a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		// What Remove does before it removes anything.
+		if err := v.move("ns", removalName("a", "pvc-uid-a")); err != nil {
+			t.Fatal(err)
+		}
+		v.Close()
+		if _, err := r.OpenRemoval("ns/a", "pvc-uid-b"); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("OpenRemoval with another key: %v, want ErrNotExist", err)
+		}
+		left, err := r.OpenRemoval("ns/a", "pvc-uid-a")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if owner, _ := left.Owner(); owner != claimA {
+			t.Errorf("left-over volume's owner %+v, want %+v", owner, claimA)
+		}
+		if err := left.Remove("pvc-uid-a", quota.ID{}); err != nil {
+			t.Fatal(err)
+		}
+		if entries, err := os.ReadDir(filepath.Join(base, "ns")); err != nil || len(entries) != 0 {
+			t.Errorf("ns holds %v (%v) after the resumed Remove", entries, err)
+		}
+	})
+}
+
+// Remove of a limited volume gives its limit back, as RemoveLimited does.
+func TestCheckedVolumeRemoveReleasesLimit(t *testing.T) {
+	mnt := quotatest.Btrfs(t, true)
+	r, err := OpenRoot(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	_, id, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA, 5<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	group := "0/" + strconv.FormatUint(id.Num, 10)
+	if limit := quotatest.Qgroups(t, mnt)[group]; limit == "" || limit == "none" {
+		t.Fatalf("qgroup %s has limit %q, want one", group, limit)
+	}
+	v, err := r.OpenVolume("ns/vol")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := v.Remove("pvc-uid-a", id); err != nil {
+		t.Fatal(err)
+	}
+	if entries, err := os.ReadDir(filepath.Join(mnt, "ns")); err != nil || len(entries) != 0 {
+		t.Errorf("ns holds %v (%v) after Remove", entries, err)
+	}
+	if limit, ok := quotatest.Qgroups(t, mnt)[group]; ok && limit != "none" {
+		t.Errorf("qgroup %s of the removed volume still has limit %s", group, limit)
+	}
+}
