@@ -32,9 +32,11 @@ RUN --mount=type=cache,target=/go/pkg/mod --mount=type=cache,target=/root/.cache
 
 FROM debian:bookworm-slim
 # mount/umount (util-linux) do every bind mount of local volumes (dirpv calls mount(8) with
-# --no-canonicalize); nfs-common brings mount.nfs for the NFS backend (controller and node).
+# --no-canonicalize); nfs-common brings mount.nfs for the NFS backend (controller and node),
+# and netbase its /etc/protocols, without which every NFSv3 mount fails with "Protocol not
+# supported" (nfs-common does not depend on it).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends mount nfs-common \
+ && apt-get install -y --no-install-recommends mount nfs-common netbase \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /out/dirpv /usr/local/bin/dirpv
 # No USER: the image runs as root on purpose. The controller mounts NFS exports, which needs

@@ -70,9 +70,10 @@ var DefaultHostTools = []HostTool{
 // hostFile is a data file copied into the image as it is.
 type hostFile struct{ path, pkg string }
 
-// hostFiles: libtirpc reads /etc/netconfig to pick transports for mount.nfs's RPC calls (NFSv3
-// fails without it).
-var hostFiles = []hostFile{{"/etc/netconfig", "libtirpc-common"}}
+// hostFiles: libtirpc reads /etc/netconfig to pick transports for mount.nfs's RPC calls, and
+// getprotobyname(3) reads /etc/protocols to map them to protocol numbers: without either,
+// every NFSv3 mount fails ("Protocol not supported"; TestNFSv3NolockReadOnlyOnGuestNode).
+var hostFiles = []hostFile{{"/etc/netconfig", "libtirpc-common"}, {"/etc/protocols", "netbase"}}
 
 // checkHost returns one error naming every host file the image needs and the host lacks, with
 // the Debian packages that provide them, so that a host without nfs-common gets no image rather

@@ -188,8 +188,10 @@ func TestWriteDirpvTar(t *testing.T) {
 	if h := l.hdr["usr/local/bin/dirpv"]; h == nil || h.Mode&0o111 == 0 {
 		t.Fatalf("no executable usr/local/bin/dirpv: %+v", h)
 	}
-	if real := l.resolve(t, "/etc/netconfig"); real != "" && l.hdr[real].Typeflag != tar.TypeReg {
-		t.Errorf("/etc/netconfig -> %s is not a file", real)
+	for _, f := range []string{"/etc/netconfig", "/etc/protocols"} {
+		if real := l.resolve(t, f); real != "" && l.hdr[real].Typeflag != tar.TypeReg {
+			t.Errorf("%s -> %s is not a file", f, real)
+		}
 	}
 	for _, tool := range []string{"/bin/mount", "/bin/umount", "/sbin/mount.nfs", "/sbin/mount.nfs4", "/sbin/umount.nfs"} {
 		real := l.resolve(t, tool)
@@ -272,6 +274,7 @@ func TestCheckHostNamesMissingPackages(t *testing.T) {
 		"no mount":      {[]string{"/bin/mount", "/bin/umount"}, []string{"/bin/mount, /bin/umount", "apt-get install mount)"}},
 		"both":          {[]string{"/bin/umount", "/sbin/mount.nfs"}, []string{"/bin/umount, /sbin/mount.nfs", "apt-get install mount nfs-common)"}},
 		"no netconfig":  {[]string{"/etc/netconfig"}, []string{"/etc/netconfig", "apt-get install libtirpc-common)"}},
+		"no protocols":  {[]string{"/etc/protocols"}, []string{"/etc/protocols", "apt-get install netbase)"}},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {

@@ -165,6 +165,11 @@ func (m *Machine) BootTime() time.Duration {
 	}
 }
 
+// Share is the host's directory that the guest sees at GuestShareDir, writable from both
+// sides while the guest runs (removed once it is gone): a channel for files between the
+// caller and a long-running guest command.
+func (m *Machine) Share() string { return m.share }
+
 // Done is closed once the guest is gone; Wait then returns at once.
 func (m *Machine) Done() <-chan struct{} { return m.done }
 

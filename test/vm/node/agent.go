@@ -26,8 +26,8 @@ const agentWorkDir = "/var/lib/dirpv-vm-node"
 const agentSlowdown = 10
 
 // agentMain is the guest's node agent: it readies the guest for a node, starts containerd and
-// kubelet with cluster.StartNode, and stops them once the host asks (guest.StopRequested) or
-// a signal comes.
+// kubelet with cluster.StartNode, answers the host's requests (serveControl), and stops them
+// once the host asks (guest.StopRequested) or a signal comes.
 // The node's logs go to the results share (logs/), so the host keeps them.
 func agentMain(cfgPath string) int {
 	logf := func(format string, args ...any) {
@@ -62,15 +62,22 @@ func agentMain(cfgPath string) int {
 		logf("readying the guest: %v", err)
 		return 1
 	}
+	var srv *guest.NFSServer
 	if cfg.NFS {
-		srv, err := startNFS(ctx)
-		if err != nil {
+		if srv, err = startNFS(ctx); err != nil {
 			logf("starting the NFS server: %v", err)
 			return 1
 		}
 		defer srv.Close()
 		logf("NFS server exports %s", NFSExportDir)
 	}
+	controlDone := make(chan struct{})
+	go func() {
+		defer close(controlDone)
+		serveControl(ctx, srv, logf)
+	}()
+	// The NFS server is closed only once no request uses it any more.
+	defer func() { cancel(); <-controlDone }()
 	start := time.Now()
 	c, err := cluster.StartNode(ctx, cluster.NodeOptions{
 		WorkDir: agentWorkDir, BinDir: cfg.BinDir, NodeName: cfg.NodeName, Kubeconfig: cfg.Kubeconfig,
