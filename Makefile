@@ -88,14 +88,15 @@ cluster-bins:
 deploy-tools:
 	bash test/deploy/tools.sh all >/dev/null
 
-## image-debs: the Debian packages whose tools the image copies from the host (mount, mount.nfs).
+## image-debs: the Debian packages whose files the image copies from the host (mount, mount.nfs, and
+## netbase's /etc/protocols, without which mount.nfs cannot mount NFSv3).
 ## The tiers that build the image and `make up` install them; `make image-tar` alone refuses
 ## without them and says which to install.
-IMAGE_DEBS := mount nfs-common
+IMAGE_DEBS := mount nfs-common netbase
 .PHONY: image-debs
 test-unit test-e2e test-vm up: image-debs
 image-debs:
-	@if [ ! -x /bin/mount ] || [ ! -x /bin/umount ] || [ ! -x /sbin/mount.nfs ] || [ ! -e /etc/netconfig ]; then \
+	@if [ ! -x /bin/mount ] || [ ! -x /bin/umount ] || [ ! -x /sbin/mount.nfs ] || [ ! -e /etc/netconfig ] || [ ! -e /etc/protocols ]; then \
 	  apt-get -qq -oDPkg::Lock::Timeout=600 update && \
 	  DEBIAN_FRONTEND=noninteractive apt-get -qq -oDPkg::Lock::Timeout=600 install -y --no-install-recommends $(IMAGE_DEBS); \
 	fi
