@@ -16,7 +16,6 @@ import (
 
 	admissionv1 "k8s.io/api/admissionregistration/v1"
 	v1 "k8s.io/api/core/v1"
-	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -263,7 +262,7 @@ func TestNFSVolumeInsideAnotherVolume(t *testing.T) {
 	deep := suite.CreateClass(t, nfsClassName(t)+"-deep", map[string]string{
 		"backend": "nfs", "server": suite.NFS.Addr, "share": suite.NFS.Share,
 		"pathPattern": "${pvc.metadata.labels['team']}/${pvc.metadata.namespace}-${pvc.metadata.name}",
-	}, framework.Immediate, func(c *storagev1.StorageClass) { c.MountOptions = append(suite.NFS.MountOptions(), "nolock") })
+	}, framework.Immediate, framework.MountOptions("nolock"))
 	team := ns + "-finance"
 	squatter := suite.CreateClaim(t, ns, "squatter", shallow.Name, framework.AccessModes(v1.ReadWriteMany), framework.Annotation("dir", team))
 	_, pv := waitNFSBound(t, ns, "squatter")
