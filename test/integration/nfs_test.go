@@ -16,6 +16,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -163,10 +164,42 @@ func fillOnServer(t *testing.T, dir string, files int) {
 	}
 }
 
+// holdFile creates path and makes it impossible to unlink (the immutable attribute) until
+// release is called: a removal that cannot finish, as one an NFS server is slow over would not,
+// on an export that is a local directory and removes 100k files in about a second.
+func holdFile(t *testing.T, path string) (release func()) {
+	t.Helper()
+	const fsImmutableFL = 0x10 // FS_IMMUTABLE_FL, linux/fs.h
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CREAT|unix.O_CLOEXEC, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	flags, err := unix.IoctlGetUint32(fd, unix.FS_IOC_GETFLAGS)
+	if err == nil {
+		err = unix.IoctlSetPointerInt(fd, unix.FS_IOC_SETFLAGS, int(flags|fsImmutableFL))
+	}
+	if err != nil {
+		unix.Close(fd)
+		t.Fatalf("make %s immutable: %v", path, err)
+	}
+	var once sync.Once
+	release = func() {
+		once.Do(func() {
+			// Through the descriptor: the file has moved to the trash since.
+			if err := unix.IoctlSetPointerInt(fd, unix.FS_IOC_SETFLAGS, int(flags)); err != nil {
+				t.Errorf("release %s: %v", path, err)
+			}
+			unix.Close(fd)
+		})
+	}
+	t.Cleanup(release)
+	return release
+}
+
 // Deleting a claim whose volume holds 100k files does not take the export down: the PV goes
-// within the usual wait though removing the tree over NFS takes longer than the controller's
-// operation timeout, another claim on the same export binds meanwhile on the same mount, and
-// the tree is eventually gone from the server.
+// within the usual wait though the tree's removal cannot finish (a file in it is held), another
+// claim on the same export binds meanwhile on the same mount, and once the file is released
+// the retried removal takes the tree off the server.
 func TestNFSLargeDeleteKeepsExportServing(t *testing.T) {
 	const files = 100_000
 	ns := suite.NewNamespace(t)
@@ -175,6 +208,7 @@ func TestNFSLargeDeleteKeepsExportServing(t *testing.T) {
 	_, pv := waitNFSBound(t, ns, "big")
 	rel := pv.Spec.CSI.VolumeAttributes["path"]
 	fillOnServer(t, filepath.Join(suite.NFS.ExportDir, rel), files)
+	release := holdFile(t, filepath.Join(suite.NFS.ExportDir, rel, "held"))
 
 	start := time.Now()
 	deleteClaim(t, ns, "big")
@@ -188,12 +222,12 @@ func TestNFSLargeDeleteKeepsExportServing(t *testing.T) {
 	bound := time.Since(start)
 	trashed := filepath.Join(suite.NFS.ExportDir, trashOnServer, pv.Name)
 	if _, err := os.Lstat(trashed); err != nil {
-		t.Errorf("%s after the second claim bound: %v; want the tree still being removed, "+
-			"else this test cannot show that the export serves claims meanwhile", trashed, err)
+		t.Errorf("%s after the second claim bound: %v; want the tree still being removed", trashed, err)
 	}
 	if mounts := controllerMountsOf(t, suite.NFS, class.MountOptions); len(mounts) != 1 {
 		t.Errorf("controller mounts of the export while the tree is removed: %d, want the one it had", len(mounts))
 	}
+	release()
 
 	err := framework.Poll(context.Background(), 10*time.Minute, func(context.Context) (bool, error) {
 		if _, err := os.Lstat(trashed); errors.Is(err, os.ErrNotExist) {
