@@ -104,17 +104,6 @@ func claimsOnServer(t *testing.T, srv *framework.Export, ns string) []string {
 	return out
 }
 
-// waitClaimEvent waits for a ProvisioningFailed event on the claim mentioning substr; on
-// failure it shows the claim's events and the controller's log.
-func waitClaimEvent(t *testing.T, ns, claim, substr string, within time.Duration) *v1.Event {
-	t.Helper()
-	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", claim, "ProvisioningFailed", substr, within)
-	if err != nil {
-		t.Fatalf("%v\nclaim events: %s\n--- controller log tail:\n%s", err, framework.EventsOf(context.Background(), suite.Client, ns, "PersistentVolumeClaim", claim), ctrlProc.Tail(4000))
-	}
-	return ev
-}
-
 // Many claims on one class cost one mount of the export, not one each.
 func TestNFSManyClaimsShareOneMount(t *testing.T) {
 	const n = 20
