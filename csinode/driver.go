@@ -55,9 +55,8 @@ type Options struct {
 	// registration socket there so that kubelet's plugin watcher finds it. Empty disables
 	// self-registration (tests, or a deployment that still runs node-driver-registrar).
 	RegistrationDir string
-	// Mounter performs mounts: mount.New("") for the system mount(8), or mount.New(helper) for a
-	// test-only NFS mount helper. Nil means mount.New(""). Bind mounts of local volumes always
-	// use the system mount(8): mount-utils hands only network file systems to the helper.
+	// Mounter performs mounts; nil means mount.New(""), the system's mount(8). Tests hand
+	// in fakes.
 	Mounter mount.Interface
 	// OperationTimeout caps each mount, unmount and statfs (the request's own deadline applies
 	// too, whichever is earlier). Zero means DefaultOperationTimeout.

@@ -125,7 +125,6 @@ func controllerFlags(fs *flag.FlagSet) func(context.Context) error {
 	cfg := daemon.ControllerConfig{}
 	kube, prov, httpAddr, profiling := commonFlags(fs)
 	fs.StringVar(&cfg.WorkDir, "work-dir", "/var/lib/dirpv-controller", "Directory under which NFS exports are mounted.")
-	fs.StringVar(&cfg.Mounter, "nfs-mount-helper", "", "Program run instead of mount(8) for NFS mounts (tests only). Empty: the system's mount.")
 	fs.DurationVar(&cfg.IdleUnmount, "idle-unmount", 5*time.Minute, "Unmount an NFS export after it has been unused this long.")
 	fs.DurationVar(&cfg.WedgedExportLimit, "wedged-export-limit", 5*time.Minute,
 		"/healthz fails once an NFS export has had all its call slots held by calls its server does not answer, none coming free, "+
@@ -177,7 +176,6 @@ func nodeFlags(fs *flag.FlagSet) func(context.Context) error {
 	})
 	fs.StringVar(&cfg.CSIEndpoint, "csi-endpoint", "", "CSI socket, unix:///path. Default: <kubelet-root-dir>/plugins/dirpv.io/csi.sock.")
 	fs.StringVar(&cfg.RegistrationDir, "plugin-registration-dir", "", "kubelet's plugin registration directory. Default: <kubelet-root-dir>/plugins_registry. \"-\" disables self-registration.")
-	fs.StringVar(&cfg.Mounter, "nfs-mount-helper", "", "Program run instead of mount(8) for NFS mounts (tests only). Empty: the system's mount.")
 	fs.BoolVar(&cfg.LocalProvisioning, "local-provisioning", true, "Provision local-class volumes scheduled to this node.")
 	fs.BoolVar(&cfg.WatchAllVolumes, "watch-all-volumes", false, "Watch every claim and PV of the cluster, not only those dirpv controller labelled "+
 		"dirpv.io/node=<this node>: for clusters that run no dirpv controller, whose cloning-protection finalizer the node then removes too. "+

@@ -160,9 +160,7 @@ type ControllerConfig struct {
 	Kube        KubeConfig
 	Provisioner ProvisionerConfig
 	// WorkDir holds the controller's mounts of NFS exports.
-	WorkDir string
-	// Mounter is the mount helper for NFS; empty means the system's mount.
-	Mounter        string
+	WorkDir        string
 	IdleUnmount    time.Duration
 	LeaderElection LeaderElectionConfig
 	HTTPAddress    string
@@ -208,7 +206,7 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 		Snapshots:        snapClient,
 		Client:           client,
 		Classes:          factory.Storage().V1().StorageClasses().Lister(),
-		Mounter:          mount.New(cfg.Mounter),
+		Mounter:          mount.New(""),
 		WorkDir:          cfg.WorkDir,
 		OperationTimeout: cfg.Provisioner.OperationTimeout,
 		CloneTimeout:     cfg.Provisioner.CloneTimeout,

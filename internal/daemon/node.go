@@ -27,8 +27,6 @@ type NodeConfig struct {
 	CSIEndpoint string
 	// RegistrationDir is kubelet's plugins_registry directory; empty disables self-registration.
 	RegistrationDir string
-	// Mounter is the mount helper for NFS; empty means the system's mount.
-	Mounter string
 	// LocalProvisioning runs the local-class provisioner on this node.
 	LocalProvisioning bool
 	// WatchAllVolumes watches every claim and PV instead of those labelled with this node,
@@ -71,7 +69,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 		NodeID:           cfg.NodeName,
 		Endpoint:         cfg.CSIEndpoint,
 		RegistrationDir:  cfg.RegistrationDir,
-		Mounter:          mount.New(cfg.Mounter),
+		Mounter:          mount.New(""),
 		OperationTimeout: cfg.Provisioner.OperationTimeout,
 		LocalBases:       bases,
 	})

@@ -68,10 +68,10 @@ func volumeTarget(pod *v1.Pod, pvName string) string {
 	return filepath.Join(suite.Cluster.KubeletRootDir, "pods", string(pod.UID), "volumes", "kubernetes.io~csi", pvName, "mount")
 }
 
-// mountsUnder lists mount points at or below dir, of the given types if any.
-func mountsUnder(t *testing.T, dir string, fsTypes ...string) []string {
+// mountsUnder lists mount points at or below dir.
+func mountsUnder(t *testing.T, dir string) []string {
 	t.Helper()
-	m, err := framework.MountsUnder(dir, fsTypes...)
+	m, err := framework.MountsUnder(dir)
 	if err != nil {
 		t.Fatal(err)
 	}

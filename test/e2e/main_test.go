@@ -30,7 +30,6 @@ func TestMain(m *testing.M) {
 		Name:    "e2e",
 		Cluster: cluster.Options{WithNode: true, Logf: klog.Infof},
 		Dirpv:   true,
-		NFS:     true,
 	}, setup))
 }
 
@@ -43,7 +42,7 @@ func setup(ctx context.Context, s *framework.Suite) error {
 		return fmt.Errorf("CSIDriver: %w", err)
 	}
 	var err error
-	common := []string{"--v=2", "--operation-timeout=10s", "--nfs-mount-helper", s.MountHelper, "--capacity-namespace", capacityNamespace}
+	common := []string{"--v=2", "--operation-timeout=10s", "--capacity-namespace", capacityNamespace}
 	ctrlProc, err = s.StartDirpv(ctx, "controller", "controller", append(common,
 		"--work-dir", filepath.Join(s.Work.Dir, "controller"), "--leader-election=false")...)
 	if err != nil {

@@ -28,11 +28,16 @@ func FreeAddr() (string, error) {
 // StartDirpv runs `dirpv <subcommand> args...` with /healthz and /metrics on a free loopback
 // port (Process.HTTPAddr) and waits until it reports healthy.
 func StartDirpv(ctx context.Context, binary, name, logDir, subcommand string, args ...string) (*Process, error) {
+	return StartDirpvEnv(ctx, nil, binary, name, logDir, subcommand, args...)
+}
+
+// StartDirpvEnv is StartDirpv with env added to the process's environment at every start.
+func StartDirpvEnv(ctx context.Context, env []string, binary, name, logDir, subcommand string, args ...string) (*Process, error) {
 	addr, err := FreeAddr()
 	if err != nil {
 		return nil, err
 	}
-	p, err := Start(binary, name, logDir, append([]string{subcommand, "--http-address", addr}, args...)...)
+	p, err := StartEnv(env, binary, name, logDir, append([]string{subcommand, "--http-address", addr}, args...)...)
 	if err != nil {
 		return nil, err
 	}

@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -64,16 +65,23 @@ type Process struct {
 	HTTPAddr string
 	// Env is added to the test's environment at every start, Restart included: set it
 	// between a Kill and a Restart to start the same process differently (a failpoint armed).
-	Env  []string
-	cmd  *exec.Cmd
-	done chan struct{}
-	err  error
+	Env []string
+	// baseEnv comes before Env, at every start (StartEnv).
+	baseEnv []string
+	cmd     *exec.Cmd
+	done    chan struct{}
+	err     error
 }
 
 // Start runs binary with args, logging to logDir/name.log (appended, so a restarted
 // process keeps one log).
 func Start(binary, name, logDir string, args ...string) (*Process, error) {
-	p := &Process{Name: name, Args: args, Log: filepath.Join(logDir, name+".log")}
+	return StartEnv(nil, binary, name, logDir, args...)
+}
+
+// StartEnv is Start with env added to the process's environment at every start, before Env.
+func StartEnv(env []string, binary, name, logDir string, args ...string) (*Process, error) {
+	p := &Process{Name: name, Args: args, Log: filepath.Join(logDir, name+".log"), baseEnv: env}
 	return p, p.start(binary)
 }
 
@@ -84,9 +92,9 @@ func (p *Process) start(binary string) error {
 	}
 	fmt.Fprintf(f, "=== %s %s %s\n", time.Now().Format(time.RFC3339Nano), binary, strings.Join(p.Args, " "))
 	cmd := exec.Command(binary, p.Args...)
-	if len(p.Env) > 0 {
-		cmd.Env = append(os.Environ(), p.Env...)
-		fmt.Fprintf(f, "=== environment: %s\n", strings.Join(p.Env, " "))
+	if env := append(slices.Clip(p.baseEnv), p.Env...); len(env) > 0 {
+		cmd.Env = append(os.Environ(), env...)
+		fmt.Fprintf(f, "=== environment: %s\n", strings.Join(env, " "))
 	}
 	cmd.Stdout, cmd.Stderr = f, f
 	// Its own process group, so that a test's Ctrl-C does not race with our shutdown.

@@ -3,7 +3,6 @@ package framework
 import (
 	"context"
 	"fmt"
-	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -30,18 +29,15 @@ func MountInfosUnder(dir string) ([]mount.MountInfo, error) {
 	return out, nil
 }
 
-// MountsUnder lists the mount points at or below dir, deepest first; with fsTypes, only
-// mounts of those types (e.g. "fuse.nfs", the test NFS helper's).
-func MountsUnder(dir string, fsTypes ...string) ([]string, error) {
+// MountsUnder lists the mount points at or below dir, deepest first.
+func MountsUnder(dir string) ([]string, error) {
 	infos, err := MountInfosUnder(dir)
 	if err != nil {
 		return nil, err
 	}
 	var out []string
 	for _, mi := range infos {
-		if len(fsTypes) == 0 || slices.Contains(fsTypes, mi.FsType) {
-			out = append(out, mi.MountPoint)
-		}
+		out = append(out, mi.MountPoint)
 	}
 	return out, nil
 }

@@ -12,7 +12,6 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/dirpv/dirpv/test/cluster"
-	"github.com/dirpv/dirpv/test/nfs"
 )
 
 // SuiteOptions says what a suite needs besides its workspace and its cluster.
@@ -28,25 +27,24 @@ type SuiteOptions struct {
 	BeforeCluster func(s *Suite, opts *cluster.Options) error
 	// Dirpv builds cmd/dirpv into the workspace (Suite.Dirpv).
 	Dirpv bool
-	// NFS starts a real NFS server and builds the test-only mount helper (Suite.NFS,
-	// Suite.MountHelper).
+	// NFS makes an export that is a local directory (Suite.NFS, see Export), which the
+	// dirpv processes the suite starts mount.
 	NFS bool
 	// KeepLogs keeps the workspace even after a successful run.
 	KeepLogs bool
 }
 
 // Suite is what every suite's TestMain (and the bench) sets up: a workspace, a cluster and a
-// client for it, and, where asked, the dirpv binary and an NFS server. Everything it starts is
+// client for it, and, where asked, the dirpv binary and an export. Everything it starts is
 // stopped by Close, or on SIGINT/SIGTERM.
 type Suite struct {
-	Options     SuiteOptions
-	Cleanups    *Cleanups
-	Work        *Workspace
-	Cluster     *cluster.Cluster
-	Client      kubernetes.Interface
-	Dirpv       string
-	NFS         *nfs.Server
-	MountHelper string
+	Options  SuiteOptions
+	Cleanups *Cleanups
+	Work     *Workspace
+	Cluster  *cluster.Cluster
+	Client   kubernetes.Interface
+	Dirpv    string
+	NFS      *Export
 	// Daemons are the processes that must run through the whole suite: RunSuite fails the
 	// run if one of them has exited at the end.
 	Daemons []*Process
@@ -85,8 +83,8 @@ func StartSuite(ctx context.Context, opts SuiteOptions) (_ *Suite, err error) {
 		}
 	}
 	if opts.NFS {
-		if s.NFS, s.MountHelper, err = StartNFS(ctx, s.Work, s.Cleanups); err != nil {
-			return nil, fmt.Errorf("NFS: %w", err)
+		if s.NFS, err = NewExport(s.Work); err != nil {
+			return nil, fmt.Errorf("NFS export: %w", err)
 		}
 	}
 	return s, nil
@@ -96,14 +94,19 @@ func StartSuite(ctx context.Context, opts SuiteOptions) (_ *Suite, err error) {
 func (s *Suite) Close() { s.Cleanups.Run() }
 
 // StartDirpv runs `dirpv <subcommand>` against the suite's cluster (StartDirpv, with
-// --kubeconfig), logging into the workspace, and stops it at Close.
+// --kubeconfig, and the export's mount wrapper on its PATH), logging into the workspace, and
+// stops it at Close.
 func (s *Suite) StartDirpv(ctx context.Context, name, subcommand string, args ...string) (*Process, error) {
 	return s.StartDirpvBin(ctx, s.Dirpv, name, subcommand, args...)
 }
 
 // StartDirpvBin is StartDirpv with another dirpv binary than the suite's.
 func (s *Suite) StartDirpvBin(ctx context.Context, bin, name, subcommand string, args ...string) (*Process, error) {
-	p, err := StartDirpv(ctx, bin, name, s.Work.LogDir, subcommand, append([]string{"--kubeconfig", s.Cluster.Kubeconfig}, args...)...)
+	var env []string
+	if s.NFS != nil {
+		env = s.NFS.Env()
+	}
+	p, err := StartDirpvEnv(ctx, env, bin, name, s.Work.LogDir, subcommand, append([]string{"--kubeconfig", s.Cluster.Kubeconfig}, args...)...)
 	if err != nil {
 		return nil, err
 	}

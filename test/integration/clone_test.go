@@ -12,7 +12,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -49,10 +48,9 @@ func volumeDir(pv *v1.PersistentVolume) string {
 
 // writeTree fills dir with every kind of entry a copy must keep: regular files with odd
 // modes and owners, a large sparse file, hard links, a symlink to a file outside (which a copy
-// must never follow), a relative symlink leading out, directories and, if local, a FIFO and
-// an extended attribute (the FUSE NFS client of the integration tier has neither mknod nor
-// xattrs; the VM tier's kernel client does).
-func writeTree(t *testing.T, dir, outside string, local bool) {
+// must never follow), a relative symlink leading out, directories, a FIFO and an extended
+// attribute.
+func writeTree(t *testing.T, dir, outside string) {
 	t.Helper()
 	must := func(err error) {
 		t.Helper()
@@ -79,17 +77,14 @@ func writeTree(t *testing.T, dir, outside string, local bool) {
 	must(os.Symlink("../../../etc/passwd", filepath.Join(dir, "sub", "up")))
 	past := time.Date(2020, 1, 2, 3, 4, 5, 0, time.UTC)
 	must(os.Chtimes(filepath.Join(dir, "a.txt"), past, past))
-	if local {
-		must(unix.Mkfifo(filepath.Join(dir, "fifo"), 0o600))
-		must(unix.Lsetxattr(filepath.Join(dir, "a.txt"), "user.dirpv-test", []byte("kept"), 0))
-	}
+	must(unix.Mkfifo(filepath.Join(dir, "fifo"), 0o600))
+	must(unix.Lsetxattr(filepath.Join(dir, "a.txt"), "user.dirpv-test", []byte("kept"), 0))
 }
 
 // checkSameTree fails unless clone holds what source does to a user (framework.TreeHash:
 // names, types, modes, owners, sizes, contents, link targets, mtimes, xattrs, hard links)
-// and, if local, the sparse file is still sparse (NFSv3, which the integration tier's FUSE
-// client speaks, has no SEEK_HOLE).
-func checkSameTree(t *testing.T, source, clone string, local bool) {
+// and the sparse file is still sparse.
+func checkSameTree(t *testing.T, source, clone string) {
 	t.Helper()
 	want, err := framework.TreeHash(source)
 	if err != nil {
@@ -99,33 +94,20 @@ func checkSameTree(t *testing.T, source, clone string, local bool) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !local {
-		// The FUSE NFS client cannot set a symlink's times (the VM tier's kernel client can).
-		for _, m := range []map[string]string{want, got} {
-			for k, v := range m {
-				if strings.HasPrefix(v, "L") {
-					m[k] = symlinkMtime.ReplaceAllString(v, "")
-				}
-			}
-		}
-	}
 	if d := framework.DiffSnapshots(want, got); len(d) > 0 {
 		t.Errorf("clone differs from its source:\n%s", strings.Join(d, "\n"))
 	}
-	if !strings.Contains(want["a.txt"], "user.dirpv-test") && local {
+	if !strings.Contains(want["a.txt"], "user.dirpv-test") {
 		t.Errorf("TreeHash of the source shows no xattr on a.txt: %q", want["a.txt"])
 	}
 	var sp unix.Stat_t
 	if err := unix.Lstat(filepath.Join(clone, "sparse"), &sp); err != nil {
 		t.Fatal(err)
 	}
-	if used := sp.Blocks * 512; local && used > 1<<20 {
+	if used := sp.Blocks * 512; used > 1<<20 {
 		t.Errorf("sparse file of %d bytes uses %d bytes in the clone: its holes were filled", sp.Size, used)
 	}
 }
-
-// symlinkMtime is the mtime in a framework.TreeHash description.
-var symlinkMtime = regexp.MustCompile(` mtime=[0-9.]+`)
 
 // outsideDir makes a directory outside every base with a file a symlink in a volume points
 // at, and returns it with a snapshot of it.
@@ -157,11 +139,11 @@ func TestCloneLocalClaim(t *testing.T) {
 	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(nodeA), framework.Request("1Gi"))
 	_, srcPV := waitBound(t, ns, "src")
 	outside, before := outsideDir(t)
-	writeTree(t, volumeDir(srcPV), outside, true)
+	writeTree(t, volumeDir(srcPV), outside)
 
 	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(nodeA), framework.Request("2Gi"), cloneOf("src"))
 	pvc, pv := waitBound(t, ns, "copy")
-	checkSameTree(t, volumeDir(srcPV), volumeDir(pv), true)
+	checkSameTree(t, volumeDir(srcPV), volumeDir(pv))
 	if d := framework.DiffSnapshots(before, snapshotTree(t, outside, nil)); len(d) > 0 {
 		t.Errorf("the copy changed the symlink's target outside the volume:\n%s", strings.Join(d, "\n"))
 	}
@@ -347,7 +329,7 @@ func countFiles(t *testing.T, dir string) int {
 	return n
 }
 
-// A user clones an NFS claim, on the real Ganesha server: the clone binds with the source's
+// A user clones an NFS claim (on the bind-mounted export): the clone binds with the source's
 // tree, on the same export.
 func TestCloneNFSClaim(t *testing.T) {
 	ns := suite.NewNamespace(t)
@@ -356,11 +338,11 @@ func TestCloneNFSClaim(t *testing.T) {
 	_, srcPV := waitNFSBound(t, ns, "src")
 	outside, before := outsideDir(t)
 	// Written on the server's side, as any NFS client's writes end up.
-	writeTree(t, volumeDir(srcPV), outside, false)
+	writeTree(t, volumeDir(srcPV), outside)
 
 	suite.CreateClaim(t, ns, "copy", class.Name, cloneOf("src"), framework.Request("1Gi"))
 	_, pv := waitNFSBound(t, ns, "copy")
-	checkSameTree(t, volumeDir(srcPV), volumeDir(pv), false)
+	checkSameTree(t, volumeDir(srcPV), volumeDir(pv))
 	if d := framework.DiffSnapshots(before, snapshotTree(t, outside, nil)); len(d) > 0 {
 		t.Errorf("the copy changed the symlink's target outside the volume:\n%s", strings.Join(d, "\n"))
 	}

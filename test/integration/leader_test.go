@@ -31,7 +31,7 @@ func startStandby(t *testing.T) (*framework.Process, string) {
 	workDir := filepath.Join(t.TempDir(), "controller")
 	standby, err := suite.StartDirpv(context.Background(), "controller-standby", "controller",
 		"--v=2", "--operation-timeout=10s",
-		"--work-dir", workDir, "--nfs-mount-helper", suite.MountHelper,
+		"--work-dir", workDir,
 		"--leader-election=true", "--leader-election-namespace=kube-system",
 		// client-go waits 1 to 2.2 retry periods between attempts to acquire: 1 s keeps a
 		// handover well inside the few seconds TestControllerRolloutHandsOverAtOnce allows.

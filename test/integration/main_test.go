@@ -41,8 +41,8 @@ func TestMain(m *testing.M) {
 		// otherwise dominate the bulk tests (see shared notes on the binding ceiling).
 		Cluster: cluster.Options{ControllerManagerArgs: []string{"--kube-api-qps=200", "--kube-api-burst=400"}, Logf: klog.Infof},
 		Dirpv:   true,
-		// A real NFS-Ganesha; the controller reaches it through the test-only FUSE mount
-		// helper (suite.MountHelper), since this kernel has no NFS client.
+		// An export that is a local directory, bind-mounted where the controller mounts it
+		// (framework.Export): the NFS classes' tests are of dirpv's API side.
 		NFS: true,
 	}, setup))
 }
@@ -75,7 +75,6 @@ func setup(ctx context.Context, s *framework.Suite) error {
 	common := []string{"--v=2", "--operation-timeout=10s"}
 	ctrlProc, err = s.StartDirpv(ctx, "controller", "controller", append(common,
 		"--work-dir", filepath.Join(s.Work.Dir, "controller"),
-		"--nfs-mount-helper", s.MountHelper,
 		"--leader-election=true", "--leader-election-namespace=kube-system")...)
 	if err != nil {
 		return fmt.Errorf("start controller: %w", err)

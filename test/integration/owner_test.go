@@ -16,7 +16,6 @@ import (
 
 	admissionv1 "k8s.io/api/admissionregistration/v1"
 	v1 "k8s.io/api/core/v1"
-	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -231,56 +230,5 @@ func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
 				t.Errorf("the refused PV: %v, want it kept", err)
 			}
 		})
-	}
-}
-
-// ownerRecords returns the volume record files in dir (where NFS volumes' markers live, since
-// NFS has no trusted attributes) that name claim uid.
-func ownerRecords(t *testing.T, dir string, uid types.UID) []string {
-	t.Helper()
-	var out []string
-	for _, n := range entries(t, dir) {
-		if !strings.HasPrefix(n, ".dirpv-vol-") {
-			continue
-		}
-		b, err := os.ReadFile(filepath.Join(dir, n))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if strings.Contains(string(b), string(uid)) {
-			out = append(out, n)
-		}
-	}
-	return out
-}
-
-// On NFS too, no volume is made inside another, though NFS has no trusted attributes: the
-// marker is a record file beside the volume on the server, which no tenant can reach. It goes
-// when the volume is deleted.
-func TestNFSVolumeInsideAnotherVolume(t *testing.T) {
-	ns := suite.NewNamespace(t)
-	shallow := nfsClass(t, suite.NFS, []string{"nolock"}, map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"})
-	deep := suite.CreateClass(t, nfsClassName(t)+"-deep", map[string]string{
-		"backend": "nfs", "server": suite.NFS.Addr, "share": suite.NFS.Share,
-		"pathPattern": "${pvc.metadata.labels['team']}/${pvc.metadata.namespace}-${pvc.metadata.name}",
-	}, framework.Immediate, func(c *storagev1.StorageClass) { c.MountOptions = append(suite.NFS.MountOptions(), "nolock") })
-	team := ns + "-finance"
-	squatter := suite.CreateClaim(t, ns, "squatter", shallow.Name, framework.AccessModes(v1.ReadWriteMany), framework.Annotation("dir", team))
-	_, pv := waitNFSBound(t, ns, "squatter")
-	if got := ownerRecords(t, suite.NFS.ExportDir, squatter.UID); len(got) != 1 {
-		t.Errorf("records naming the squatter on the server: %q, want one", got)
-	}
-	suite.CreateClaim(t, ns, "victim", deep.Name, framework.AccessModes(v1.ReadWriteMany), withLabel("team", team))
-	ev := waitClaimEvent(t, ns, "victim", "another volume's directory", timeout)
-	t.Logf("victim refused: %s", ev.Message)
-	noPVFor(t, ns, "victim")
-	if got := entries(t, filepath.Join(suite.NFS.ExportDir, pv.Spec.CSI.VolumeAttributes["path"])); len(got) != 0 {
-		t.Errorf("squatter's volume holds %q: a volume was created inside it, or its marker is visible to it", got)
-	}
-	deleteClaim(t, ns, "victim")
-	deleteClaim(t, ns, "squatter")
-	waitPVGone(t, pv.Name)
-	if got := ownerRecords(t, suite.NFS.ExportDir, squatter.UID); len(got) != 0 {
-		t.Errorf("records naming the deleted squatter are left: %q", got)
 	}
 }

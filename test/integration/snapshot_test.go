@@ -217,11 +217,11 @@ func TestSnapshotRestoreLocal(t *testing.T) {
 	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(nodeA), framework.Request("1Gi"))
 	_, srcPV := waitBound(t, ns, "src")
 	outside, before := outsideDir(t)
-	writeTree(t, volumeDir(srcPV), outside, true)
+	writeTree(t, volumeDir(srcPV), outside)
 
 	_, content := takeSnapshot(t, ns, "snap", "src", vsClass)
 	snapDir := snapshotDir(t, content)
-	checkSameTree(t, volumeDir(srcPV), snapDir, true)
+	checkSameTree(t, volumeDir(srcPV), snapDir)
 	if err := os.WriteFile(filepath.Join(volumeDir(srcPV), "written-after"), []byte("later"), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -233,7 +233,7 @@ func TestSnapshotRestoreLocal(t *testing.T) {
 
 	suite.CreateClaim(t, ns, "restored", class.Name, framework.OnNode(nodeA), framework.Request("1Gi"), restoreOf("snap"))
 	_, pv := waitBound(t, ns, "restored")
-	checkSameTree(t, snapDir, volumeDir(pv), true)
+	checkSameTree(t, snapDir, volumeDir(pv))
 	if exists(t, filepath.Join(volumeDir(pv), "written-after")) {
 		t.Error("the restore holds a file written after the snapshot was taken")
 	}
@@ -245,7 +245,7 @@ func TestSnapshotRestoreLocal(t *testing.T) {
 	}
 }
 
-// The same for an NFS claim with the real Ganesha server: the controller snapshots it (its
+// The same for an NFS claim (on the bind-mounted export): the controller snapshots it (its
 // content carries no node label) and restores it.
 func TestSnapshotRestoreNFS(t *testing.T) {
 	ns := suite.NewNamespace(t)
@@ -254,7 +254,7 @@ func TestSnapshotRestoreNFS(t *testing.T) {
 	suite.CreateClaim(t, ns, "src", class.Name)
 	_, srcPV := waitNFSBound(t, ns, "src")
 	outside, _ := outsideDir(t)
-	writeTree(t, volumeDir(srcPV), outside, false)
+	writeTree(t, volumeDir(srcPV), outside)
 
 	vs, content := takeSnapshot(t, ns, "snap", "src", vsClass)
 	if l, ok := content.Labels["snapshot.storage.kubernetes.io/managed-by"]; ok {
@@ -264,11 +264,11 @@ func TestSnapshotRestoreNFS(t *testing.T) {
 		t.Errorf("restoreSize %v, want the source's capacity", vs.Status.RestoreSize)
 	}
 	snapDir := snapshotDir(t, content)
-	checkSameTree(t, volumeDir(srcPV), snapDir, false)
+	checkSameTree(t, volumeDir(srcPV), snapDir)
 
 	suite.CreateClaim(t, ns, "restored", class.Name, restoreOf("snap"))
 	_, pv := waitNFSBound(t, ns, "restored")
-	checkSameTree(t, snapDir, volumeDir(pv), false)
+	checkSameTree(t, snapDir, volumeDir(pv))
 }
 
 // writeNumbered writes files 000000, 000001, ... into dir, in order, each fileSize bytes of
