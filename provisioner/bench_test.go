@@ -210,7 +210,7 @@ func BenchmarkShouldProvision(b *testing.B) {
 	}
 	bases, _ := volume.NewAllowedBases([]string{"/var/lib/dirpv"}, "/var/lib/kubelet")
 	p, err := New(Config{DriverName: "dirpv.io", Role: RoleNode, NodeName: "node-a", Client: fake.NewClientset(),
-		Classes: storagelisters.NewStorageClassLister(idx), AllowedBases: bases})
+		Classes: storagelisters.NewStorageClassLister(idx), AllowedBases: bases, StateDir: b.TempDir()})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -251,7 +251,7 @@ func benchProvisionDelete(b *testing.B, base string) {
 	idx.Add(class)
 	bases, _ := volume.NewAllowedBases([]string{base}, "/var/lib/kubelet")
 	p, err := New(Config{DriverName: "dirpv.io", Role: RoleNode, NodeName: "node-a", Client: client,
-		Classes: storagelisters.NewStorageClassLister(idx), AllowedBases: bases})
+		Classes: storagelisters.NewStorageClassLister(idx), AllowedBases: bases, StateDir: b.TempDir()})
 	if err != nil {
 		b.Fatal(err)
 	}

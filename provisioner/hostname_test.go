@@ -69,7 +69,7 @@ func hostnameProvisioner(t *testing.T, url string) *Provisioner {
 		t.Fatal(err)
 	}
 	p, err := New(Config{DriverName: testDriver, Role: RoleNode, NodeName: "node-h", Client: client,
-		Classes: storagelisters.NewStorageClassLister(cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})), AllowedBases: bases})
+		Classes: storagelisters.NewStorageClassLister(cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})), AllowedBases: bases, StateDir: t.TempDir()})
 	if err != nil {
 		t.Fatal(err)
 	}

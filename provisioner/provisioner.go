@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"path"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -23,6 +24,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/record"
@@ -68,7 +70,11 @@ type Config struct {
 	// node plugin mounts from, so that a class naming another basePath is refused with an
 	// event instead of getting directories that can never be mounted.
 	AllowedBases *volume.AllowedBases
-	Client       kubernetes.Interface
+	// StateDir is the node's own directory for what dirpv must remember across restarts
+	// (role node, required): the identity of each local base (volume.BaseRecords), under
+	// bases/. It must not be on any base.
+	StateDir string
+	Client   kubernetes.Interface
 	// Classes lists StorageClasses; the Qualifier needs a class's backend.
 	Classes storagelisters.StorageClassLister
 	// Mounter mounts NFS exports (role controller).
@@ -125,8 +131,8 @@ func New(cfg Config) (*Provisioner, error) {
 			return nil, fmt.Errorf("role controller needs a work dir and a mounter")
 		}
 	case RoleNode:
-		if cfg.NodeName == "" || cfg.AllowedBases == nil {
-			return nil, fmt.Errorf("role node needs the node name and the allowed base paths")
+		if cfg.NodeName == "" || cfg.AllowedBases == nil || cfg.StateDir == "" {
+			return nil, fmt.Errorf("role node needs the node name, the allowed base paths and a state dir")
 		}
 	default:
 		return nil, fmt.Errorf("unknown role %q", cfg.Role)
@@ -146,6 +152,8 @@ func New(cfg Config) (*Provisioner, error) {
 	p := &Provisioner{cfg: cfg, copies: newCopyJobs()}
 	if cfg.Role == RoleController {
 		p.exports = newExports(cfg.Mounter, cfg.WorkDir, cfg.OperationTimeout)
+	} else {
+		p.locals.records = volume.NewBaseRecords(filepath.Join(cfg.StateDir, "bases"))
 	}
 	return p, nil
 }
@@ -326,6 +334,12 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 	attrs.Quota = m.quota
 	var exists *volume.ExistsError
 	switch {
+	case errors.Is(err, volume.ErrBaseChanged):
+		// Not rescheduled: the claim waits for the disk, which the admin is told to bring back,
+		// rather than go to a node the scheduler chose from this node's stale capacity.
+		err = fmt.Errorf("node %s: %w", p.cfg.NodeName, err)
+		p.baseChanged(claim, err)
+		return nil, controller.ProvisioningFinished, err
 	case errors.As(err, &exists):
 		// Handing over a directory that another claim's data may be in, or one dirpv did not
 		// make, could expose that data. No retry fixes it until someone changes the pattern
@@ -465,7 +479,22 @@ func (p *Provisioner) makeVolume(ctx context.Context, attrs volume.Attributes, m
 	} else {
 		err = p.onStores(ctx, attrs, mountOptions, src, fn)
 	}
+	if err == nil && attrs.Backend == volume.BackendLocal {
+		// Before the PV exists: a base that holds a volume must keep its identity.
+		err = p.locals.held(attrs.BasePath)
+	}
 	return m, err
+}
+
+// ReasonBaseFileSystemChanged is the event reason on a claim or PV whose local base is not
+// the file system it was (volume.ErrBaseChanged).
+const ReasonBaseFileSystemChanged = "BaseFileSystemChanged"
+
+// baseChanged tells the claim or PV that its base is refused, and why.
+func (p *Provisioner) baseChanged(obj runtime.Object, err error) {
+	if p.cfg.Events != nil {
+		p.cfg.Events.Event(obj, v1.EventTypeWarning, ReasonBaseFileSystemChanged, err.Error())
+	}
 }
 
 // checkRoom refuses a new local volume larger than the base's free space. A limit does not
@@ -728,6 +757,11 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 		}
 		return err
 	})
+	if errors.Is(err, volume.ErrBaseChanged) {
+		err = fmt.Errorf("node %s: %w", p.cfg.NodeName, err)
+		p.baseChanged(pv, err)
+		return err
+	}
 	if err != nil {
 		return fmt.Errorf("onDelete %s of %s in %s: %w", policy, attrs.Path, storeName(attrs), err)
 	}

@@ -46,6 +46,8 @@ type fixture struct {
 	ctrl    *Provisioner
 	mounter *mount.FakeMounter
 	work    string
+	// state is the node instance's state dir.
+	state string
 	// events holds what the node instance recorded beyond the lib's events.
 	events *record.FakeRecorder
 }
@@ -58,7 +60,7 @@ func newFixture(t *testing.T) *fixture {
 // newFixtureOn is newFixture with local volumes under base.
 func newFixtureOn(t *testing.T, base string) *fixture {
 	t.Helper()
-	f := &fixture{t: t, base: base, work: t.TempDir(), mounter: mount.NewFakeMounter(nil), events: record.NewFakeRecorder(100)}
+	f := &fixture{t: t, base: base, work: t.TempDir(), state: t.TempDir(), mounter: mount.NewFakeMounter(nil), events: record.NewFakeRecorder(100)}
 	f.classes = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
 	client := fake.NewClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{
 		Name: testNode, Labels: map[string]string{v1.LabelHostname: "host-a"},
@@ -68,7 +70,7 @@ func newFixtureOn(t *testing.T, base string) *fixture {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f.node, err = New(Config{DriverName: testDriver, Role: RoleNode, NodeName: testNode, Client: client, Classes: lister, AllowedBases: bases, Events: f.events})
+	f.node, err = New(Config{DriverName: testDriver, Role: RoleNode, NodeName: testNode, Client: client, Classes: lister, AllowedBases: bases, StateDir: f.state, Events: f.events})
 	if err != nil {
 		t.Fatal(err)
 	}

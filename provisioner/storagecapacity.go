@@ -15,6 +15,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/klog/v2"
 
 	"github.com/dirpv/dirpv/volume"
 )
@@ -90,6 +91,10 @@ func (p *Provisioner) GetCapacity(ctx context.Context, req *csi.GetCapacityReque
 		return err
 	})
 	switch {
+	case errors.Is(err, volume.ErrBaseChanged):
+		// Its volumes are refused there: no room to draw the scheduler with.
+		klog.FromContext(ctx).Info("Publishing no capacity for a base that is not the file system it was", "err", err.Error())
+		return &csi.GetCapacityResponse{AvailableCapacity: 0}, nil
 	case errors.Is(err, volume.ErrBaseNotAllowed):
 		return nil, status.Error(codes.PermissionDenied, err.Error())
 	case errors.Is(err, errExportUnresponsive):

@@ -175,6 +175,8 @@ func nodeFlags(fs *flag.FlagSet) func(context.Context) error {
 		return nil
 	})
 	fs.StringVar(&cfg.CSIEndpoint, "csi-endpoint", "", "CSI socket, unix:///path. Default: <kubelet-root-dir>/plugins/dirpv.io/csi.sock.")
+	fs.StringVar(&cfg.StateDir, "state-dir", "", "Host directory where the node remembers which file system each local base is, so that a base whose disk "+
+		"did not mount is refused instead of used. Must outlive the pod and be on no base. Default: the directory of --csi-endpoint's socket.")
 	fs.StringVar(&cfg.RegistrationDir, "plugin-registration-dir", "", "kubelet's plugin registration directory. Default: <kubelet-root-dir>/plugins_registry. \"-\" disables self-registration.")
 	fs.BoolVar(&cfg.LocalProvisioning, "local-provisioning", true, "Provision local-class volumes scheduled to this node.")
 	fs.BoolVar(&cfg.WatchAllVolumes, "watch-all-volumes", false, "Watch every claim and PV of the cluster, not only those dirpv controller labelled "+
@@ -189,6 +191,9 @@ func nodeFlags(fs *flag.FlagSet) func(context.Context) error {
 		cfg.Kube, cfg.Provisioner, cfg.HTTPAddress, cfg.Profiling, cfg.Capacity = *kube, *prov, *httpAddr, *profiling, *capacity
 		if cfg.CSIEndpoint == "" {
 			cfg.CSIEndpoint = daemon.DefaultCSIEndpoint(cfg.KubeletRootDir)
+		}
+		if cfg.StateDir == "" {
+			cfg.StateDir = daemon.DefaultStateDir(cfg.CSIEndpoint, cfg.KubeletRootDir)
 		}
 		switch cfg.RegistrationDir {
 		case "":

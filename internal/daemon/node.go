@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"path/filepath"
+	"strings"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/informers"
@@ -43,6 +44,9 @@ type NodeConfig struct {
 	// AllowedBasePaths are the host directories at or beneath which local volumes may live:
 	// the plugin mounts no other, and the node's provisioner creates no other.
 	AllowedBasePaths []string
+	// StateDir is the node's own directory for what the node's provisioner remembers across
+	// restarts: which file system each local base is (provisioner.Config.StateDir).
+	StateDir string
 }
 
 // DefaultBasePath is the base of local classes that name none, and so the default allowed one.
@@ -102,6 +106,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			Snapshots:        snapClient,
 			NodeName:         cfg.NodeName,
 			AllowedBases:     bases,
+			StateDir:         cfg.StateDir,
 			Client:           client,
 			Classes:          factory.Storage().V1().StorageClasses().Lister(),
 			OperationTimeout: cfg.Provisioner.OperationTimeout,
@@ -146,6 +151,16 @@ func nodeAlso(cfg NodeConfig, client kubernetes.Interface, factory informers.Sha
 // DefaultRegistrationDir is kubelet's plugin registration directory under its root dir.
 func DefaultRegistrationDir(kubeletRootDir string) string {
 	return filepath.Join(kubeletRootDir, "plugins_registry")
+}
+
+// DefaultStateDir is the state dir of a node plugin serving csiEndpoint: the directory of its
+// socket, which the DaemonSet mounts from the host anyway (it outlives the pod) and which no
+// base is on; for an endpoint that is not a unix socket, kubelet's plugin dir for dirpv.
+func DefaultStateDir(csiEndpoint, kubeletRootDir string) string {
+	if p, ok := strings.CutPrefix(csiEndpoint, "unix://"); ok && p != "" {
+		return filepath.Dir(p)
+	}
+	return filepath.Join(kubeletRootDir, "plugins", DriverName)
 }
 
 // DefaultCSIEndpoint is where kubelet expects CSI plugin sockets by convention.

@@ -244,6 +244,11 @@ func TestCapacitySteersScheduling(t *testing.T) {
 		return bytesOf(c[room.name]) > 0
 	})[room.name].UID
 	room.proc.Stop(10 * time.Second)
+	// The fresh tmpfs replaces a base that held a volume, on purpose: the admin removes the
+	// base's record, else the node refuses the base as a disk that did not mount (README).
+	if err := os.RemoveAll(filepath.Join(room.work, "bases")); err != nil {
+		t.Fatal(err)
+	}
 	room.start(t, base, "dirpv-node-"+room.name+"-2")
 	got = waitCapacity(t, ns, class.Name, "cap-room's object owned by its new pod, 64Mi", func(c map[string]storagev1.CSIStorageCapacity) bool {
 		o := c[room.name]

@@ -20,11 +20,12 @@ import (
 )
 
 // btrfsClass creates a local class whose base is a btrfs file system with quota on, mounted
-// (bound) inside node-a's allowed bases, and returns it and its base.
-func btrfsClass(t *testing.T, params map[string]string, opts ...framework.ClassOption) (string, string) {
+// (bound) inside node-a's allowed bases, and returns it, its base, and where else the file
+// system is mounted (to reach it while the base is not).
+func btrfsClass(t *testing.T, params map[string]string, opts ...framework.ClassOption) (class, base, disk string) {
 	t.Helper()
 	mnt := quotatest.Btrfs(t, true)
-	class, base := localClass(t, params, opts...)
+	c, base := localClass(t, params, opts...)
 	if err := os.MkdirAll(base, 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -34,7 +35,7 @@ func btrfsClass(t *testing.T, params map[string]string, opts ...framework.ClassO
 	// The node keeps its bases open: detached, the bind mount goes once it lets go, while the
 	// file system's own mount point can go at once.
 	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })
-	return class.Name, base
+	return c.Name, base, mnt
 }
 
 // setClaimSize sets the claim's storage request, as `kubectl edit` would.
@@ -59,7 +60,7 @@ func waitResized(t *testing.T, ns, name, size string) *v1.PersistentVolumeClaim 
 // and that is accepted. A shrink below the claim's capacity is refused by the API server.
 func TestLocalClaimExpandsOnline(t *testing.T) {
 	ns := suite.NewNamespace(t)
-	class, base := btrfsClass(t, map[string]string{"capacityEnforcement": "required"}, framework.AllowVolumeExpansion)
+	class, base, _ := btrfsClass(t, map[string]string{"capacityEnforcement": "required"}, framework.AllowVolumeExpansion)
 	claim := framework.NewClaim(ns, "data", class, framework.OnNode(nodeA))
 	claim.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("16Mi")
 	ctx := context.Background()

@@ -1,0 +1,124 @@
+package provisioner
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"k8s.io/client-go/tools/record"
+	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
+
+	"github.com/dirpv/dirpv/volume"
+)
+
+// recorded returns the events recorded so far that contain substr.
+func recorded(events *record.FakeRecorder, substr string) []string {
+	var out []string
+	for {
+		select {
+		case e := <-events.Events:
+			if strings.Contains(e, substr) {
+				out = append(out, e)
+			}
+		default:
+			return out
+		}
+	}
+}
+
+// The disk under a local base does not mount (after a reboot, say): the path leads to the
+// directory underneath. A new claim is refused there, not rescheduled, with a Warning that
+// names the node and says what is wrong, and nothing is made underneath, nor the base itself
+// where it lay beneath the disk's mount point; the node publishes no capacity for it; the
+// Delete of a volume on the disk fails instead of finding nothing and succeeding. Once the
+// disk is back, both go through, on the same Provisioner.
+func TestLocalBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
+	for name, tc := range map[string]struct{ mountAt, basePath string }{
+		"base at the disk's mount point":      {"data", "data"},
+		"base beneath the disk's mount point": {"mnt", "mnt/fast"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			f := newFixture(t)
+			disk := t.TempDir()
+			mnt := filepath.Join(f.base, tc.mountAt)
+			if err := os.Mkdir(mnt, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			mounted := false
+			mount := func() {
+				t.Helper()
+				if err := unix.Mount(disk, mnt, "", unix.MS_BIND, ""); err != nil {
+					t.Fatalf("mount the disk on %s: %v", mnt, err)
+				}
+				mounted = true
+			}
+			t.Cleanup(func() {
+				if mounted {
+					f.node.locals.closeAll()
+					unix.Unmount(mnt, unix.MNT_DETACH)
+				}
+			})
+			mount()
+			class := f.localClass(map[string]string{"basePath": filepath.Join(f.base, tc.basePath)})
+			ctx := context.Background()
+			pv, _, err := f.node.Provision(ctx, opts(class, claim("a")))
+			if err != nil {
+				t.Fatal(err)
+			}
+			onDisk := filepath.Join(disk, strings.TrimPrefix(tc.basePath, tc.mountAt), pv.Spec.CSI.VolumeAttributes["path"])
+			if _, err := os.Stat(onDisk); err != nil {
+				t.Fatalf("volume on the disk: %v", err)
+			}
+			recorded(f.events, "")
+
+			// The provisioner holds the base open: lazily, as an admin would have to.
+			if err := unix.Unmount(mnt, unix.MNT_DETACH); err != nil {
+				t.Fatal(err)
+			}
+			mounted = false
+			_, state, err := f.node.Provision(ctx, opts(class, claim("b")))
+			if !errors.Is(err, volume.ErrBaseChanged) || state != controller.ProvisioningFinished {
+				t.Fatalf("Provision with the disk gone = %s, %v; want Finished (the claim waits here) and ErrBaseChanged", state, err)
+			}
+			if !strings.Contains(err.Error(), "node "+testNode) || !strings.Contains(err.Error(), "not mounted") {
+				t.Errorf("error %q does not name the node or say what is wrong", err)
+			}
+			if got := recorded(f.events, "Warning "+ReasonBaseFileSystemChanged); len(got) != 1 {
+				t.Errorf("events on the claim: %q, want one %s warning", got, ReasonBaseFileSystemChanged)
+			}
+			if got := listTree(t, mnt); len(got) != 0 {
+				t.Errorf("the directory underneath the disk holds %v, want nothing", got)
+			}
+			resp, err := f.node.GetCapacity(ctx, &csi.GetCapacityRequest{Parameters: class.Parameters})
+			if err != nil || resp.AvailableCapacity != 0 {
+				t.Errorf("capacity with the disk gone = %v, %v; want 0", resp, err)
+			}
+
+			if err := f.node.Delete(ctx, pv); !errors.Is(err, volume.ErrBaseChanged) {
+				t.Errorf("Delete with the disk gone = %v, want ErrBaseChanged", err)
+			}
+			if got := recorded(f.events, "Warning "+ReasonBaseFileSystemChanged); len(got) != 1 {
+				t.Errorf("events on the PV: %q, want one %s warning", got, ReasonBaseFileSystemChanged)
+			}
+			if _, err := os.Stat(onDisk); err != nil {
+				t.Fatalf("volume on the disk after the refused Delete: %v", err)
+			}
+
+			mount()
+			if _, _, err := f.node.Provision(ctx, opts(class, claim("b"))); err != nil {
+				t.Errorf("Provision with the disk back: %v", err)
+			}
+			if err := f.node.Delete(ctx, pv); err != nil {
+				t.Errorf("Delete with the disk back: %v", err)
+			}
+			if _, err := os.Stat(onDisk); !os.IsNotExist(err) {
+				t.Errorf("volume on the disk after Delete: %v, want it gone", err)
+			}
+		})
+	}
+}

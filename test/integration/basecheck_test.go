@@ -1,0 +1,89 @@
+package integration
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/dirpv/dirpv/provisioner"
+	"github.com/dirpv/dirpv/test/framework"
+)
+
+// The disk under a local base goes away under the running node plugin, as after a reboot where
+// it did not mount: a btrfs file system on a loop device, unmounted from the base. A new claim
+// then gets a BaseFileSystemChanged warning naming the node, and nothing is created in the
+// directory underneath (where it would be hidden once the disk is back); deleting a claim
+// whose volume is on the disk does not delete its PV, nor touch its data, instead of finding
+// nothing and succeeding. Once the disk is mounted again, both go through by themselves,
+// without a restart of the plugin.
+func TestBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
+	ctx := context.Background()
+	ns := suite.NewNamespace(t)
+	class, base, disk := btrfsClass(t, nil)
+	suite.CreateClaim(t, ns, "first", class, framework.OnNode(nodeA), framework.Request("16Mi"))
+	_, pv := waitBound(t, ns, "first")
+	rel := pv.Spec.CSI.VolumeAttributes["path"]
+	if err := os.WriteFile(filepath.Join(base, rel, "data"), []byte("kept"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	// The node plugin holds the base open: the unmount is lazy, as an admin's would have to be.
+	if err := unix.Unmount(base, 0); errors.Is(err, unix.EBUSY) {
+		err = unix.Unmount(base, unix.MNT_DETACH)
+		if err != nil {
+			t.Fatalf("unmount %s: %v", base, err)
+		}
+	} else if err != nil {
+		t.Fatalf("unmount %s: %v", base, err)
+	}
+	suite.CreateClaim(t, ns, "second", class, framework.OnNode(nodeA), framework.Request("16Mi"))
+	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "second", provisioner.ReasonBaseFileSystemChanged, "not mounted", timeout)
+	if err != nil {
+		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
+	}
+	if ev.Type != v1.EventTypeWarning || !strings.Contains(ev.Message, "node "+nodeA) || !strings.Contains(ev.Message, base) {
+		t.Errorf("event %s %q: want a Warning naming node %s and base %s", ev.Type, ev.Message, nodeA, base)
+	}
+	if got := entries(t, base); len(got) != 0 {
+		t.Errorf("the directory underneath the disk holds %v, want nothing", got)
+	}
+
+	deleteClaim(t, ns, "first")
+	if _, err := framework.WaitForEvent(ctx, suite.Client, "", "PersistentVolume", pv.Name, provisioner.ReasonBaseFileSystemChanged, "not mounted", timeout); err != nil {
+		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
+	}
+	if got, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{}); err != nil {
+		t.Errorf("PV %s of the deleted claim while its disk is away: %v, want it kept until its volume is deleted", pv.Name, err)
+	} else if got.Status.Phase != v1.VolumeReleased {
+		t.Errorf("PV %s is %s, want Released", pv.Name, got.Status.Phase)
+	}
+	if b, err := os.ReadFile(filepath.Join(disk, rel, "data")); err != nil || string(b) != "kept" {
+		t.Errorf("the first claim's data on the disk: %q, %v", b, err)
+	}
+	if c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "second", metav1.GetOptions{}); err != nil || c.Status.Phase != v1.ClaimPending {
+		t.Errorf("claim second while the disk is away: %v (%v), want Pending", c.Status.Phase, err)
+	}
+
+	if err := unix.Mount(disk, base, "", unix.MS_BIND, ""); err != nil {
+		t.Fatalf("mount the disk on %s again: %v", base, err)
+	}
+	_, second := waitBound(t, ns, "second")
+	if _, err := os.Stat(filepath.Join(disk, second.Spec.CSI.VolumeAttributes["path"])); err != nil {
+		t.Errorf("the second claim's volume is not on the disk: %v", err)
+	}
+	if err := framework.WaitForPVDeleted(ctx, suite.Client, pv.Name, timeout); err != nil {
+		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
+	}
+	if _, err := os.Stat(filepath.Join(disk, rel)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the first claim's volume on the disk after its PV went: %v, want it removed", err)
+	}
+	deleteClaim(t, ns, "second")
+	waitPVGone(t, second.Name)
+}
