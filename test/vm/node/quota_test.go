@@ -401,6 +401,8 @@ echo h > /data/h; echo "userns: $($P userns set /data/h 0)"; echo "h-project $($
 				t.Errorf("after the refused move the file is in project %q, want %d", v, mine)
 			}
 
+			checkHostUsersFalse(ctx, t, ns, tools)
+
 			// The neighbour's claim, empty, is charged the tenant's 4 MiB.
 			createPods(ctx, t, tenantPod(ns, "neighbour", "theirs", `echo "entries $(ls -A /data | wc -l)"; df -Pk /data`))
 			nlog := podOutput(ctx, t, ns, "neighbour")
@@ -423,5 +425,48 @@ echo h > /data/h; echo "userns: $($P userns set /data/h 0)"; echo "h-project $($
 			}
 			t.Logf("%s: done in %s", d.FSType, time.Since(start).Round(time.Second))
 		})
+	}
+}
+
+// checkHostUsersFalse tries the tenant's move of its own file from a pod with `hostUsers:
+// false` (a user namespace of the pod's own): where the node runs such a pod, the kernel must
+// refuse it (EINVAL); where it does not, the pod must get a Warning event saying why, which the
+// test logs (Debian's containerd 1.6 has no user namespace support).
+func checkHostUsersFalse(ctx context.Context, t *testing.T, ns, tools string) {
+	t.Helper()
+	pod := withProjid(tenantPod(ns, "userns-pod", "mine", `P=/tools/projid
+echo u > /data/u; echo "userns-pod-own-to-0: $($P set /data/u 0)"`), tools)
+	pod.Spec.HostUsers = ptr.To(false)
+	createPods(ctx, t, pod)
+	var outcome string
+	err := framework.Poll(ctx, quotaWait, func(ctx context.Context) (bool, error) {
+		p, err := suite.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		if p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
+			outcome = "ran"
+			return true, nil
+		}
+		evs, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.name=" + pod.Name + ",type=Warning"})
+		if err != nil {
+			return false, err
+		}
+		if len(evs.Items) > 0 {
+			outcome = evs.Items[0].Reason + ": " + evs.Items[0].Message
+			return true, nil
+		}
+		return false, fmt.Errorf("pod %s is %s, no Warning event", pod.Name, p.Status.Phase)
+	})
+	if err != nil {
+		t.Fatalf("a hostUsers: false pod neither ran nor got a Warning event: %v", err)
+	}
+	if outcome != "ran" {
+		t.Logf("hostUsers: false is not tested on this node: %s", outcome)
+		return
+	}
+	log := podLogText(ctx, ns, pod.Name)
+	if v := logValue(log, "userns-pod-own-to-0:"); !strings.Contains(v, "invalid argument") {
+		t.Errorf("a hostUsers: false pod moving its own file to project 0: %q, want invalid argument; log:\n%s", v, log)
 	}
 }
