@@ -263,6 +263,10 @@ func projidTool(t *testing.T) string {
 		if projidDir, projidErr = vm.SharedDir("projid-"); projidErr != nil {
 			return
 		}
+		// The directory is the test's own (0700); the tenant pods' UID runs the tool too.
+		if projidErr = os.Chmod(projidDir, 0o755); projidErr != nil {
+			return
+		}
 		cmd := exec.Command("go", "build", "-o", filepath.Join(projidDir, "projid"), "./projid")
 		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 		if out, err := cmd.CombinedOutput(); err != nil {
@@ -437,6 +441,8 @@ func checkHostUsersFalse(ctx context.Context, t *testing.T, ns, tools string) {
 	pod := withProjid(tenantPod(ns, "userns-pod", "mine", `P=/tools/projid
 echo u > /data/u; echo "userns-pod-own-to-0: $($P set /data/u 0)"`), tools)
 	pod.Spec.HostUsers = ptr.To(false)
+	// The node has no cluster DNS: without this the pod gets a Warning event of its own for it.
+	pod.Spec.DNSPolicy = corev1.DNSDefault
 	createPods(ctx, t, pod)
 	var outcome string
 	err := framework.Poll(ctx, quotaWait, func(ctx context.Context) (bool, error) {
