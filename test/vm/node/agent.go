@@ -62,6 +62,19 @@ func agentMain(cfgPath string) int {
 		logf("readying the guest: %v", err)
 		return 1
 	}
+	if cfg.Disks {
+		unmount, err := setupDisks(filepath.Join(agentWorkDir, "disks"))
+		if err != nil {
+			logf("making the disks: %v", err)
+			return 1
+		}
+		defer func() {
+			if err := unmount(); err != nil {
+				logf("unmounting the disks: %v", err)
+			}
+		}()
+		logf("disks mounted: %v", Disks)
+	}
 	var srv *guest.NFSServer
 	if cfg.NFS {
 		if srv, err = startNFS(ctx); err != nil {

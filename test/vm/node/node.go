@@ -62,6 +62,9 @@ type Options struct {
 	// NFSAddr, the guest's loopback: pods on the host network (dirpv's controller and node
 	// plugin) reach it there.
 	NFS bool
+	// Disks mounts the guest's quota-enforcing disks (Disks: XFS and ext4 with project quota)
+	// before the node starts.
+	Disks bool
 	// Output receives the guest's output (the node agent's progress) as it comes.
 	Output io.Writer
 }
@@ -88,6 +91,7 @@ type agentConfig struct {
 	NodeIP     string   `json:"nodeIP"`
 	Images     []string `json:"images"`
 	NFS        bool     `json:"nfs"`
+	Disks      bool     `json:"disks"`
 }
 
 // readyTimeout bounds boot plus node start: minutes under emulation on a busy host.
@@ -123,7 +127,7 @@ func Start(ctx context.Context, opts Options) (_ *Node, err error) {
 			os.RemoveAll(n.dir)
 		}
 	}()
-	cfg := agentConfig{NodeName: n.Name, BinDir: opts.Cluster.BinDir, NodeIP: GuestAddr, NFS: opts.NFS,
+	cfg := agentConfig{NodeName: n.Name, BinDir: opts.Cluster.BinDir, NodeIP: GuestAddr, NFS: opts.NFS, Disks: opts.Disks,
 		Kubeconfig: filepath.Join(n.dir, "kubelet.kubeconfig"), CAFile: filepath.Join(n.dir, "ca.crt")}
 	if err := opts.Cluster.NodeKubeconfig(n.Name, cfg.Kubeconfig); err != nil {
 		return nil, err

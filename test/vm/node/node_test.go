@@ -61,7 +61,7 @@ func setup(ctx context.Context, s *framework.Suite) error {
 	if err != nil {
 		return err
 	}
-	if guestNode, err = node.Start(ctx, node.Options{Cluster: s.Cluster, Image: img, Images: []string{dirpvTar}, NFS: true, Output: os.Stderr}); err != nil {
+	if guestNode, err = node.Start(ctx, node.Options{Cluster: s.Cluster, Image: img, Images: []string{dirpvTar}, NFS: true, Disks: true, Output: os.Stderr}); err != nil {
 		return err
 	}
 	s.Cleanups.Add(func() {
