@@ -20,12 +20,18 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
 
 // Env names the environment variable that arms one failpoint.
 const Env = "DIRPV_TEST_FAILPOINT"
+
+// ReleaseEnv names the environment variable that gives a pause point a way out other than
+// cancellation: a path whose appearance lets the paused job go on as if it had never stopped.
+// A test then knows the job was still under way at every step it took before creating it.
+const ReleaseEnv = "DIRPV_TEST_FAILPOINT_RELEASE"
 
 // The points in dirpv's code.
 const (
@@ -47,7 +53,10 @@ const (
 )
 
 // armed and armedCount are read once: a process is started with the point it is to die at.
-var armed, armedCount = parse(os.Getenv(Env))
+var (
+	armed, armedCount = parse(os.Getenv(Env))
+	releasePath       = os.Getenv(ReleaseEnv)
+)
 
 // parse splits "name" or "name:N".
 func parse(v string) (string, int64) {
@@ -70,17 +79,33 @@ var (
 	pausedOnce sync.Once
 )
 
-// PauseAt waits until ctx is done if name is the armed point and n, the times it was reached
-// so far in this job, is the armed count; it says on stderr that it paused, and that it went
-// on, for the test to read in the process's log.
+// PauseAt waits until ctx is done, or the ReleaseEnv path exists, if name is the armed point
+// and n, the times it was reached so far in this job, is the armed count; it says on stderr
+// that it paused, and why it went on, for the test to read in the process's log.
 func PauseAt(ctx context.Context, name string, n int64) {
 	if armed == "" || armed != name || n != armedCount {
 		return
 	}
 	fmt.Fprintf(os.Stderr, "failpoint %s reached: pausing until the job is cancelled (%s=%s)\n", name, Env, armed)
 	pausedOnce.Do(func() { close(paused) })
-	<-ctx.Done()
-	fmt.Fprintf(os.Stderr, "failpoint %s released: %v\n", name, ctx.Err())
+	// A test's own process, never a deployment: polling a path is simpler than a signal handler.
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			fmt.Fprintf(os.Stderr, "failpoint %s released: %v\n", name, ctx.Err())
+			return
+		case <-tick.C:
+			if releasePath == "" {
+				continue
+			}
+			if _, err := os.Lstat(releasePath); err == nil {
+				fmt.Fprintf(os.Stderr, "failpoint %s released: %s exists\n", name, releasePath)
+				return
+			}
+		}
+	}
 }
 
 // Hit kills the process with SIGKILL if name is the armed point, after saying so on stderr

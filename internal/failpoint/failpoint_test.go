@@ -1,14 +1,18 @@
 package failpoint
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
+	"time"
 )
 
 // TestHelperHit is the process TestHitKills starts: it hits BeforeLimit, then says it lived.
@@ -81,6 +85,77 @@ func TestHelperPause(t *testing.T) {
 	}()
 	PauseAt(ctx, PauseDuringCopy, 2)
 	fmt.Fprintln(os.Stderr, "entry 2 passed")
+}
+
+// TestHelperPauseReleased is the process TestPauseReleasedByPath starts: it pauses at
+// PauseDuringCopy with a context that is never cancelled.
+func TestHelperPauseReleased(t *testing.T) {
+	if os.Getenv(Env) == "" {
+		t.Skip("run by TestPauseReleasedByPath")
+	}
+	PauseAt(context.Background(), PauseDuringCopy, 1)
+	fmt.Fprintln(os.Stderr, "entry 1 passed")
+}
+
+// TestPauseReleasedByPath: a paused job goes on once the ReleaseEnv path exists, and not
+// before: the process is still paused when the test creates the path.
+func TestPauseReleasedByPath(t *testing.T) {
+	release := filepath.Join(t.TempDir(), "release")
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperPauseReleased$", "-test.v")
+	cmd.Env = append(os.Environ(), Env+"="+PauseDuringCopy, ReleaseEnv+"="+release)
+	var out lockedBuffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	deadline := time.After(time.Minute)
+	for !strings.Contains(out.String(), "failpoint "+PauseDuringCopy+" reached") {
+		select {
+		case err := <-done:
+			t.Fatalf("the process ended before it paused: %v\n%s", err, out.String())
+		case <-deadline:
+			t.Fatalf("the process did not pause:\n%s", out.String())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	if strings.Contains(out.String(), "entry 1 passed") {
+		t.Fatalf("the job went on before its release:\n%s", out.String())
+	}
+	if err := os.WriteFile(release, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("released process: %v\n%s", err, out.String())
+		}
+	case <-deadline:
+		cmd.Process.Kill()
+		t.Fatalf("the process did not go on once %s existed:\n%s", release, out.String())
+	}
+	if s := out.String(); !strings.Contains(s, "released: "+release+" exists") || !strings.Contains(s, "entry 1 passed") {
+		t.Errorf("the process did not say it was released by the path and go on:\n%s", s)
+	}
+}
+
+// lockedBuffer is a bytes.Buffer that the process's output and the test share.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
 
 // TestPauseWaitsForCancel: a pause point armed with a count holds the job at that count until

@@ -266,39 +266,48 @@ func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 	}
 }
 
-// A clone of a 100k-file local claim is copied in the background: the node instance binds
-// another claim while the copy runs, and the clone binds once its copy is complete.
+// A clone whose copy outlasts Provision's wait is copied in the background: the node instance
+// binds another claim while the copy runs, and the clone binds once its copy is complete. The
+// copy is held halfway (failpoint.PauseDuringCopy) until the test has seen all of that, so the
+// copy's speed decides nothing: an idle machine copied the 100k files this test used to rely on
+// within Provision's wait.
 func TestCloneLargeTreeInBackground(t *testing.T) {
 	ctx := context.Background()
-	const files = 100_000
-	ns := suite.NewNamespace(t)
-	class, _ := localClass(t, nil)
-	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(nodeA))
-	_, srcPV := waitBound(t, ns, "src")
-	fillOnServer(t, volumeDir(srcPV), files)
-
+	const (
+		node  = "node-clone-background"
+		files = 2_000
+		point = failpoint.PauseDuringCopy
+	)
+	release := filepath.Join(t.TempDir(), "release")
+	proc, ns, _ := cloneStoppedAt(t, node, point, files, failpoint.ReleaseEnv+"="+release)
 	start := time.Now()
-	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(nodeA), cloneOf("src"))
 	// Provision gave the copy to the background: the lib says so on the claim.
 	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy", "ProvisioningFailed",
 		"in the background; the claim binds once the copy is complete", timeout); err != nil {
-		t.Fatalf("%v\nevents: %s\n--- node-a log tail:\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy"), nodeProc.Tail(3000))
+		t.Fatalf("%v\nevents: %s\n--- node log tail:\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy"), proc.Tail(3000))
 	}
-	suite.CreateClaim(t, ns, "other", class.Name, framework.OnNode(nodeA))
+	src, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "src", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	suite.CreateClaim(t, ns, "other", *src.Spec.StorageClassName, framework.OnNode(node))
 	waitBound(t, ns, "other")
+	if log := proc.Tail(50000); !strings.Contains(log, "failpoint "+point+" reached") || strings.Contains(log, "failpoint "+point+" released") {
+		t.Fatalf("the copy was not held at %s while the other claim bound:\n%s", point, proc.Tail(3000))
+	}
 	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "copy", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if c.Status.Phase != v1.ClaimPending {
-		t.Fatalf("clone is %s once the other claim bound, want Pending: its copy ended before the other claim was served", c.Status.Phase)
+		t.Fatalf("clone is %s while its copy is held, want Pending", c.Status.Phase)
 	}
-	if _, err := os.Stat(filepath.Join(volumeDir(srcPV))); err != nil {
+	if err := os.WriteFile(release, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, "copy", 10*time.Minute)
+	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, "copy", 5*time.Minute)
 	if err != nil {
-		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
+		t.Fatalf("%v\n--- node log tail:\n%s", err, proc.Tail(3000))
 	}
 	t.Logf("clone of %d files bound after %s; annotations %v", files, time.Since(start).Round(time.Millisecond), pvc.Annotations)
 	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
@@ -353,10 +362,11 @@ func TestCloneNFSClaim(t *testing.T) {
 
 // cloneStoppedAt starts a node instance armed to stop at point (a failpoint of the copy) half
 // way through files, and on it a claim "src" holding files and a claim "copy" cloning it. It
-// returns the instance, the namespace and the class's base.
-func cloneStoppedAt(t *testing.T, node, point string, files int) (*framework.Process, string, string) {
+// returns the instance, the namespace and the class's base. env is more of the instance's
+// environment.
+func cloneStoppedAt(t *testing.T, node, point string, files int, env ...string) (*framework.Process, string, string) {
 	t.Helper()
-	proc := startNodeInstance(t, node, suite.Work.BaseRoot, failpoint.Env+"="+point+":"+fmt.Sprint(files/2))
+	proc := startNodeInstance(t, node, suite.Work.BaseRoot, append([]string{failpoint.Env + "=" + point + ":" + fmt.Sprint(files/2)}, env...)...)
 	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
 	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(node))
