@@ -35,6 +35,11 @@ const (
 	// BusyboxImage is the busybox image every node has (BuildNodeImages), for pods with
 	// imagePullPolicy Never; Cluster.BusyboxImage of a cluster with a node.
 	BusyboxImage = "dirpv.local/busybox:1"
+	// ExamplesBusyboxImage is the name examples/ give busybox, as users write it ("busybox:1.36"
+	// normalised). Every node has BusyboxImage under this name too, so that those manifests
+	// run unchanged, with their default imagePullPolicy (IfNotPresent), on a cluster that
+	// reaches no registry.
+	ExamplesBusyboxImage = "docker.io/library/busybox:1.36"
 	// bridgeName is the CNI bridge; a dirpv-specific name so teardown never deletes a bridge
 	// that belongs to something else (cni0, docker0).
 	bridgeName = "dirpv0"
@@ -239,6 +244,9 @@ func (c *Cluster) runNode(ctx context.Context, kubeconfig string, images []strin
 		if err := c.ImportImage(ctx, tar); err != nil {
 			return err
 		}
+	}
+	if err := c.TagImage(ctx, BusyboxImage, ExamplesBusyboxImage); err != nil {
+		return err
 	}
 	return c.startKubelet(ctx, kubeconfig, nodeIP)
 }

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/google/go-containerregistry/pkg/name"
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	snapscheme "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned/scheme"
 	corev1 "k8s.io/api/core/v1"
@@ -18,6 +19,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/serializer/json"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
+
+	"github.com/dirpv/dirpv/test/cluster"
 )
 
 // strictDecoder refuses unknown and duplicate fields, as `kubectl apply --validate=strict` does.
@@ -196,6 +199,9 @@ func TestExamples(t *testing.T) {
 			}
 			used := map[string]bool{}
 			for _, pod := range pods {
+				for _, c := range pod.Spec.Containers {
+					checkExampleImage(t, pod.Name, c)
+				}
 				for _, v := range pod.Spec.Volumes {
 					if v.PersistentVolumeClaim == nil {
 						continue
@@ -212,5 +218,33 @@ func TestExamples(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// nodeBusybox is the busybox name every test/cluster node (and so `make up`'s) has, so that
+// examples naming it run there without a registry.
+var nodeBusybox = must(name.ParseReference(cluster.ExamplesBusyboxImage))
+
+func must[T any](v T, err error) T {
+	if err != nil {
+		panic(err)
+	}
+	return v
+}
+
+// checkExampleImage: an example's container runs on `make up`'s node as written, i.e. names
+// the node's busybox and lets kubelet use it rather than pull it.
+func checkExampleImage(t *testing.T, pod string, c corev1.Container) {
+	t.Helper()
+	ref, err := name.ParseReference(c.Image)
+	if err != nil {
+		t.Errorf("pod %s container %s: image %q: %v", pod, c.Name, c.Image, err)
+		return
+	}
+	if ref.Name() != nodeBusybox.Name() {
+		t.Errorf("pod %s container %s: image %s is not %s, the one `make up`'s node has (test/cluster ExamplesBusyboxImage)", pod, c.Name, c.Image, cluster.ExamplesBusyboxImage)
+	}
+	if c.ImagePullPolicy == corev1.PullAlways {
+		t.Errorf("pod %s container %s: imagePullPolicy Always needs a registry", pod, c.Name)
 	}
 }

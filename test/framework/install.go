@@ -35,8 +35,10 @@ import (
 // would: the image imported into containerd, deploy/overlays/e2e-local applied.
 type Installation struct {
 	Objects []*unstructured.Unstructured
-	dyn     dynamic.Interface
-	mapper  *restmapper.DeferredDiscoveryRESTMapper
+	// namespace is where namespaced objects that name none go, as with `kubectl apply -n`.
+	namespace string
+	dyn       dynamic.Interface
+	mapper    *restmapper.DeferredDiscoveryRESTMapper
 }
 
 // Install builds the dirpv image, imports it into the cluster's containerd, renders
@@ -83,7 +85,7 @@ func InstallImage(ctx context.Context, c *cluster.Cluster, imageName, node strin
 	if err != nil {
 		return nil, err
 	}
-	inst, err := applyObjects(ctx, c.Kubeconfig, objs)
+	inst, err := applyObjects(ctx, c.Kubeconfig, objs, "")
 	if err != nil {
 		return nil, err
 	}
@@ -114,11 +116,19 @@ func ApplyFile(ctx context.Context, kubeconfig, path string) (*Installation, err
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	return applyObjects(ctx, kubeconfig, objs)
+	return applyObjects(ctx, kubeconfig, objs, "")
 }
 
-// applyObjects applies objs in order to the cluster of kubeconfig.
-func applyObjects(ctx context.Context, kubeconfig string, objs []*unstructured.Unstructured) (*Installation, error) {
+// ApplyObjects server-side applies objs (deploy.Decode's) in order to the cluster of
+// kubeconfig, namespaced ones that name no namespace to namespace, as
+// `kubectl apply -n namespace` would; the Installation it returns deletes them again.
+func ApplyObjects(ctx context.Context, kubeconfig string, objs []*unstructured.Unstructured, namespace string) (*Installation, error) {
+	return applyObjects(ctx, kubeconfig, objs, namespace)
+}
+
+// applyObjects applies objs in order to the cluster of kubeconfig, namespaced ones that name
+// no namespace to namespace.
+func applyObjects(ctx context.Context, kubeconfig string, objs []*unstructured.Unstructured, namespace string) (*Installation, error) {
 	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 	if err != nil {
 		return nil, err
@@ -127,6 +137,7 @@ func applyObjects(ctx context.Context, kubeconfig string, objs []*unstructured.U
 	if err != nil {
 		return nil, err
 	}
+	inst.namespace = namespace
 	for _, o := range objs {
 		if err := inst.apply(ctx, o); err != nil {
 			return nil, err
@@ -219,6 +230,9 @@ func (inst *Installation) resource(o *unstructured.Unstructured) (dynamic.Resour
 		return nil, fmt.Errorf("map %s: %w", gvk, err)
 	}
 	if m.Scope.Name() == "namespace" {
+		if o.GetNamespace() == "" {
+			o.SetNamespace(inst.namespace)
+		}
 		return inst.dyn.Resource(m.Resource).Namespace(o.GetNamespace()), nil
 	}
 	return inst.dyn.Resource(m.Resource), nil
