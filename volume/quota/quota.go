@@ -178,8 +178,10 @@ func (f *FS) SetLimit(fd int, bytes uint64) (ID, error) {
 // fd (read-only, not O_PATH), before that volume is removed: while the directory is in place
 // and carries id, the ID is provably the volume's, and once it is gone its project is free as
 // soon as its files are no longer charged, however late that is. A directory that does not
-// carry id is left as it is (Release after the removal still applies). A btrfs limit goes with
-// its subvolume, so there is nothing to clear beforehand.
+// carry id is left as it is (Release after the removal still applies). On btrfs the limit is
+// lifted too, although it goes with its subvolume: at its limit, a subvolume's tree cannot be
+// removed, since deleting a subvolume nested in it (which any tenant may make) charges its
+// qgroup and fails with EDQUOT.
 func (f *FS) Unlimit(fd int, id ID) error {
 	if id.Kind != f.kind {
 		return fmt.Errorf("quota %s is not of this file system (%s)", id, f.describe())
@@ -187,7 +189,26 @@ func (f *FS) Unlimit(fd int, id ID) error {
 	if id.Kind == Project {
 		return unlimitProject(fd, uint32(id.Num))
 	}
-	return nil
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return fmt.Errorf("stat: %w", err)
+	}
+	if st.Ino != btrfsFirstFreeObject {
+		return nil
+	}
+	sub, err := btrfsSubvolID(fd)
+	if err != nil || sub != id.Num {
+		return err
+	}
+	// Through the parent directory, in another subvolume: the ioctl's transaction is charged
+	// to the subvolume of the file it is made on, and through the volume itself it fails
+	// with EDQUOT once the volume holds more than its limit (a snapshot clone that did not fit).
+	parent, err := unix.Openat(fd, "..", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open the parent directory: %w", err)
+	}
+	defer unix.Close(parent)
+	return btrfsLimit(parent, sub, 0)
 }
 
 // IDOf returns the ID of the limit that the directory open at fd (read-only, not O_PATH),

@@ -221,3 +221,35 @@ func TestBtrfsIDOf(t *testing.T) {
 		t.Errorf("IDOf a plain directory = %v, %v, %v; want none", id, ok, err)
 	}
 }
+
+// TestBtrfsUnlimit: Unlimit lifts the limit of the subvolume that carries the ID, even one that
+// holds more than its limit (a snapshot clone that did not fit), and leaves a subvolume that
+// carries another ID as it is.
+func TestBtrfsUnlimit(t *testing.T) {
+	mnt := quotatest.Btrfs(t, true)
+	base := openDir(t, mnt)
+	fs := probe(t, base)
+	const limit = 8 << 20
+	id := makeLimited(t, fs, mnt, "a", 32<<20)
+	neighbour := makeLimited(t, fs, mnt, "b", limit)
+	if n, err := quotatest.Fill(t, filepath.Join(mnt, "a", "big"), 16<<20); err != nil {
+		t.Fatalf("wrote %d bytes of 16 MiB: %v", n, err)
+	}
+	a := openDir(t, filepath.Join(mnt, "a"))
+	if err := fs.Resize(a, id, limit); err != nil {
+		t.Fatal(err)
+	}
+	unix.Sync()
+	if err := fs.Unlimit(a, neighbour); err != nil {
+		t.Fatalf("Unlimit with the neighbour's ID: %v", err)
+	}
+	if u, err := fs.Usage(base, neighbour); err != nil || u.LimitBytes != limit {
+		t.Errorf("neighbour's limit after an Unlimit of another subvolume with its ID: %d (%v), want %d", u.LimitBytes, err, limit)
+	}
+	if err := fs.Unlimit(a, id); err != nil {
+		t.Fatalf("Unlimit of a subvolume over its limit: %v", err)
+	}
+	if u, err := fs.Usage(base, id); err != nil || u.LimitBytes != 0 || u.UsedBytes < 16<<20 {
+		t.Errorf("after Unlimit: %+v, %v; want no limit and 16 MiB used", u, err)
+	}
+}
