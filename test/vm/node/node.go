@@ -27,7 +27,9 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
@@ -79,6 +81,8 @@ type Node struct {
 	// seen through the API.
 	Boot, Ready time.Duration
 	dir         string
+	// cancel ends the guest at once, whatever its agent does.
+	cancel context.CancelFunc
 }
 
 // agentConfig is what the host hands the node agent in the guest, as JSON in a file of the
@@ -93,9 +97,6 @@ type agentConfig struct {
 	NFS        bool     `json:"nfs"`
 	Disks      bool     `json:"disks"`
 }
-
-// readyTimeout bounds boot plus node start: minutes under emulation on a busy host.
-const readyTimeout = 10 * time.Minute
 
 // Start boots the guest with its node agent, which starts containerd and kubelet there, and
 // returns once the node is Ready in the API. It runs in the network namespace of Main. On
@@ -163,8 +164,45 @@ func Start(ctx context.Context, opts Options) (_ *Node, err error) {
 		return nil, fmt.Errorf("node: %w", err)
 	}
 
+	cs, err := opts.Cluster.Client()
+	if err != nil {
+		return nil, err
+	}
 	start := time.Now()
-	n.Machine, err = vm.Start(ctx, opts.Image, vm.Command{
+	for attempt := 1; ; attempt++ {
+		err = n.boot(ctx, opts, agent, cfgPath, cs)
+		if err == nil || !errors.Is(err, errNeverRegistered) || attempt == bootAttempts {
+			break
+		}
+		// Nothing of dirpv runs before the node registers: a guest whose kubelet never
+		// reached the API hung under emulation (seen once in ~10 boots: kubelet's log and
+		// events stop seconds after it starts, qemu spinning). Boot it afresh, once.
+		fmt.Fprintf(opts.Output, "node %s: %v; booting the guest again\n", n.Name, err)
+	}
+	n.Ready = time.Since(start)
+	if err != nil {
+		return nil, fmt.Errorf("node %s in the VM: %w", n.Name, err)
+	}
+	return n, nil
+}
+
+// Timeouts of a guest node's start, minutes under emulation on a busy host: registerTimeout
+// from the guest's start to the Node object kubelet registers (~30 s idle), readyTimeout to
+// its Ready condition.
+const (
+	registerTimeout = 5 * time.Minute
+	readyTimeout    = 10 * time.Minute
+	bootAttempts    = 2
+)
+
+// errNeverRegistered says that the guest's kubelet never created its Node object.
+var errNeverRegistered = errors.New("kubelet in the guest never registered its node")
+
+// boot starts the guest and waits for its node to be Ready. On error the guest is stopped
+// and gone, its result (what says why) in the error.
+func (n *Node) boot(ctx context.Context, opts Options, agent, cfgPath string, cs kubernetes.Interface) (err error) {
+	mctx, cancel := context.WithCancel(ctx)
+	n.Machine, err = vm.Start(mctx, opts.Image, vm.Command{
 		Args:    []string{agent},
 		Env:     []string{agentEnv + "=" + cfgPath},
 		Timeout: opts.Timeout,
@@ -172,23 +210,43 @@ func Start(ctx context.Context, opts Options) (_ *Node, err error) {
 		Network: &vm.Network{Tap: tapDevice, Address: GuestAddr + prefixLen, Gateway: HostAddr},
 	})
 	if err != nil {
-		return nil, err
+		cancel()
+		return err
 	}
+	n.cancel = cancel
 	defer func() {
-		if err != nil {
-			res, stopErr := n.Stop()
-			if stopErr != nil {
-				err = fmt.Errorf("%w\n%v", err, stopErr)
-			} else if res != nil {
-				err = fmt.Errorf("%w\n%s", err, Diagnose(res))
-			}
+		if err == nil {
+			return
+		}
+		// Asked to stop, an agent that still runs ends cleanly; a hung guest is ended by
+		// cancelling its context rather than by its own 30-minute deadline.
+		_ = n.Machine.Stop()
+		select {
+		case <-n.Machine.Done():
+		case <-time.After(time.Minute):
+		}
+		cancel()
+		if res, _ := n.Machine.Wait(); res != nil {
+			err = fmt.Errorf("%w\n%s", err, Diagnose(res))
 		}
 	}()
-	cs, err := opts.Cluster.Client()
+	start := time.Now()
+	err = framework.Poll(ctx, registerTimeout, func(ctx context.Context) (bool, error) {
+		select {
+		case <-n.Machine.Done():
+			return false, errors.New("the guest is gone")
+		default:
+		}
+		_, err := cs.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
+		return err == nil, err
+	})
 	if err != nil {
-		return nil, err
+		if _, getErr := cs.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{}); apierrors.IsNotFound(getErr) {
+			return fmt.Errorf("%w within %v of the guest's start: %v", errNeverRegistered, registerTimeout, err)
+		}
+		return err
 	}
-	err = framework.Poll(ctx, readyTimeout, func(ctx context.Context) (bool, error) {
+	return framework.Poll(ctx, readyTimeout-time.Since(start), func(ctx context.Context) (bool, error) {
 		select {
 		case <-n.Machine.Done():
 			return false, errors.New("the guest is gone")
@@ -200,16 +258,12 @@ func Start(ctx context.Context, opts Options) (_ *Node, err error) {
 		}
 		for _, c := range node.Status.Conditions {
 			if c.Type == corev1.NodeReady && c.Status == corev1.ConditionTrue {
+				n.Boot = n.Machine.BootTime()
 				return true, nil
 			}
 		}
 		return false, fmt.Errorf("node %s is not Ready: %v", n.Name, node.Status.Conditions)
 	})
-	n.Boot, n.Ready = n.Machine.BootTime(), time.Since(start)
-	if err != nil {
-		return nil, fmt.Errorf("node %s in the VM: %w", n.Name, err)
-	}
-	return n, nil
 }
 
 // Stop asks the node agent to stop kubelet, the pods and containerd, waits until the guest
@@ -222,6 +276,7 @@ func (n *Node) Stop() (*vm.Result, error) {
 		return nil, err
 	}
 	res, err := n.Machine.Wait()
+	n.cancel()
 	if err != nil {
 		return res, fmt.Errorf("node %s: %w", n.Name, err)
 	}
