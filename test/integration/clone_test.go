@@ -274,11 +274,11 @@ func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 func TestCloneLargeTreeInBackground(t *testing.T) {
 	ctx := context.Background()
 	const (
-		node  = "node-clone-background"
 		files = 2_000
 		point = failpoint.PauseDuringCopy
 	)
 	release := filepath.Join(t.TempDir(), "release")
+	node := uniqueName("node-clone-background")
 	proc, ns, _ := cloneStoppedAt(t, node, point, files, failpoint.ReleaseEnv+"="+release)
 	start := time.Now()
 	// Provision gave the copy to the background: the lib says so on the claim.
@@ -363,7 +363,8 @@ func TestCloneNFSClaim(t *testing.T) {
 // cloneStoppedAt starts a node instance armed to stop at point (a failpoint of the copy) half
 // way through files, and on it a claim "src" holding files and a claim "copy" cloning it. It
 // returns the instance, the namespace and the class's base. env is more of the instance's
-// environment.
+// environment. node must be unique to the run (uniqueName): an instance's log is appended to
+// under its name, and a test judges what the log says.
 func cloneStoppedAt(t *testing.T, node, point string, files int, env ...string) (*framework.Process, string, string) {
 	t.Helper()
 	proc := startNodeInstance(t, node, suite.Work.BaseRoot, append([]string{failpoint.Env + "=" + point + ":" + fmt.Sprint(files/2)}, env...)...)
@@ -381,11 +382,10 @@ func cloneStoppedAt(t *testing.T, node, point string, files int, env ...string) 
 // clone binds with a complete copy and nothing temporary is left.
 func TestCloneKilledMidCopyRestarts(t *testing.T) {
 	const (
-		node  = "node-clone-kill"
 		files = 20_000
 		point = failpoint.DuringCopy
 	)
-	proc, ns, base := cloneStoppedAt(t, node, point, files)
+	proc, ns, base := cloneStoppedAt(t, uniqueName("node-clone-kill"), point, files)
 	waitKilledAt(t, proc, point)
 	temps := tempDirs(t, base)
 	if len(temps) != 1 {
@@ -417,11 +417,10 @@ func TestCloneKilledMidCopyRestarts(t *testing.T) {
 // cancelled, so the test knows the copy was under way when the claim went.
 func TestCloneCancelledWhenItsClaimIsDeleted(t *testing.T) {
 	const (
-		node  = "node-clone-cancel"
 		files = 200
 		point = failpoint.PauseDuringCopy
 	)
-	proc, ns, base := cloneStoppedAt(t, node, point, files)
+	proc, ns, base := cloneStoppedAt(t, uniqueName("node-clone-cancel"), point, files)
 	if err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
 		return strings.Contains(proc.Tail(4000), "failpoint "+point+" reached"), errors.New("the copy did not reach the failpoint")
 	}); err != nil {
