@@ -1,6 +1,7 @@
 package volume
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -13,6 +14,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/volume/quota"
 	"github.com/dirpv/dirpv/volume/quota/quotatest"
 )
@@ -167,18 +169,14 @@ echo small > sub/inner/note
 	}
 	// The space comes back once the cleaner has dropped the deleted subvolumes, which
 	// Qgroups waited for; a last commit may still be under way.
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		used := usedBytes(t, mnt)
-		if used <= usedBefore+2<<20 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("file system holds %d bytes after Remove, %d before the tenant wrote", used, usedBefore)
-		}
+	err = framework.Poll(context.Background(), 30*time.Second, func(context.Context) (bool, error) {
 		if out, err := exec.Command("btrfs", "filesystem", "sync", mnt).CombinedOutput(); err != nil {
-			t.Fatal(fmt.Errorf("btrfs filesystem sync: %w\n%s", err, out))
+			return false, fmt.Errorf("btrfs filesystem sync: %w\n%s", err, out)
 		}
-		time.Sleep(100 * time.Millisecond)
+		used := usedBytes(t, mnt)
+		return used <= usedBefore+2<<20, fmt.Errorf("file system holds %d bytes after Remove, %d before the tenant wrote", used, usedBefore)
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }
