@@ -16,6 +16,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/volume"
 	"github.com/dirpv/dirpv/volume/quota/quotatest"
 )
 
@@ -35,6 +36,13 @@ func btrfsClass(t *testing.T, params map[string]string, opts ...framework.ClassO
 	// The node keeps its bases open: detached, the bind mount goes once it lets go, while the
 	// file system's own mount point can go at once.
 	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })
+	// The disk is this run's own: the next run (-count) mounts a fresh one at the same base,
+	// which node-a would refuse as a disk that did not mount while it remembers this one. The
+	// admin who retires a base removes its record; so does the test (node-a's state dir is the
+	// directory of its CSI socket, the workspace).
+	t.Cleanup(func() {
+		os.Remove(volume.NewBaseRecords(filepath.Join(suite.Work.Dir, "bases")).RecordPath(base))
+	})
 	return c.Name, base, mnt
 }
 
