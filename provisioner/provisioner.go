@@ -215,9 +215,17 @@ func (p *Provisioner) ShouldProvision(ctx context.Context, claim *v1.PersistentV
 	className := ptrValue(claim.Spec.StorageClassName)
 	class, err := p.cfg.Classes.Get(className)
 	if err != nil {
-		// The lib reports a missing class on a claim handed to dirpv; let the controller be the
-		// one to do so.
-		return p.cfg.Role == RoleController
+		if p.cfg.Role == RoleController {
+			// The lib reports a missing class on a claim handed to dirpv; let the controller
+			// be the one to do so.
+			return true
+		}
+		// The claim's watch can deliver it before the class's watch delivers the class it
+		// names. Answering no here would leave a claim placed on this node to the lib's
+		// resync (15 min); answering yes for one kube-controller-manager handed to dirpv lets
+		// the lib fail on the missing class and retry with back-off until the cache has it.
+		return claim.Annotations[annSelectedNode] == p.cfg.NodeName &&
+			claim.Annotations[annStorageProvisioner] == p.cfg.DriverName
 	}
 	if class.Provisioner != p.cfg.DriverName {
 		return false

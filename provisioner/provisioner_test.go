@@ -907,3 +907,31 @@ func TestClaimBeingDeletedIsNotProvisioned(t *testing.T) {
 		t.Error("the node provisions a claim being deleted")
 	}
 }
+
+// A claim placed on the node and handed to dirpv can reach the node instance before the class
+// it names does (two watches). The node takes it, so that the lib retries it once the class
+// is known instead of at the next resync; a claim handed to another provisioner, or placed on
+// another node, stays someone else's.
+func TestClaimBeforeItsClassStaysOnTheNode(t *testing.T) {
+	f := newFixture(t)
+	name := "created-with-its-claim"
+	for _, c := range []struct {
+		node, provisioner string
+		want              bool
+	}{
+		{testNode, testDriver, true},
+		{testNode, "rancher.io/local-path", false},
+		{"node-b", testDriver, false},
+		{testNode, "", false},
+	} {
+		pvc := claim("early")
+		pvc.Spec.StorageClassName = &name
+		pvc.Annotations[annSelectedNode] = c.node
+		if c.provisioner != "" {
+			pvc.Annotations[annStorageProvisioner] = c.provisioner
+		}
+		if got := f.node.ShouldProvision(context.Background(), pvc); got != c.want {
+			t.Errorf("node %s, provisioner %q, class not yet known: ShouldProvision = %t, want %t", c.node, c.provisioner, got, c.want)
+		}
+	}
+}

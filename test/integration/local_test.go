@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -182,5 +183,31 @@ func TestOtherNodesClaimIsLeftAlone(t *testing.T) {
 	}
 	if got := entries(t, base); !slices.Equal(got, []string{pv.Spec.CSI.VolumeAttributes["path"]}) {
 		t.Errorf("base holds %v, want only node-a's volume", got)
+	}
+}
+
+// A claim can reach a node instance before the class it names (the claim's watch and the
+// class's are separate): here it is already placed, labelled for node-a (as the API server's
+// admission policy labels it in the write that places it) and handed to dirpv, so neither
+// kube-controller-manager nor dirpv controller writes it again once the class exists. node-a
+// must still provision it; it used to drop the claim until the next resync, 15 minutes on,
+// which left the VM tier's quota claim Pending when the guest's class watch lagged.
+func TestClaimSeenBeforeItsClassBinds(t *testing.T) {
+	ns := suite.NewNamespace(t)
+	name := uniqueName("late-class")
+	suite.CreateClaim(t, ns, "early", name, labelled(nodeA), framework.OnNode(nodeA),
+		framework.Annotation("volume.kubernetes.io/storage-provisioner", "dirpv.io"),
+		framework.Annotation("volume.beta.kubernetes.io/storage-provisioner", "dirpv.io"))
+	// A claim node-a binds after "early" was created: node-a's claim watch has delivered
+	// "early" (one watch, in order) while its class did not exist yet.
+	witness, _ := localClass(t, nil)
+	suite.CreateClaim(t, ns, "witness", witness.Name, framework.OnNode(nodeA))
+	waitBound(t, ns, "witness")
+
+	base := filepath.Join(suite.Work.BaseRoot, name)
+	suite.CreateClass(t, name, map[string]string{"backend": "local", "basePath": base})
+	_, pv := waitBound(t, ns, "early")
+	if _, err := os.Stat(filepath.Join(base, pv.Spec.CSI.VolumeAttributes["path"])); err != nil {
+		t.Errorf("the early claim's volume: %v", err)
 	}
 }
