@@ -1,0 +1,62 @@
+package provisioner
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	v1 "k8s.io/api/core/v1"
+)
+
+// goldenBase stands for the test's base path in the stored PV.
+const goldenBase = "/var/lib/dirpv"
+
+// The PV is dirpv's longest-lived record in the API: Delete reads it years after Provision
+// wrote it, from a version that may be newer. testdata/formats holds each form a PV has had;
+// today's Provision must write the newest byte for byte, and Delete must act on every one. A
+// change of format fails here until its new form is added as a file of its own, next to the
+// old ones, which must go on working: never edit or delete one (volume's formats_test.go
+// holds the on-disk formats and the attributes the same way).
+func TestLocalPVFormat(t *testing.T) {
+	f := newFixture(t)
+	class := f.localClass(map[string]string{"onDelete": "archive"})
+	pvc := claim("data")
+	pv, _, err := f.node.Provision(context.Background(), opts(class, pvc))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pv.Spec.CSI.VolumeAttributes["basePath"] = goldenBase
+	// Whether the test's base enforces sizes depends on the machine; volume's formats test
+	// holds the quota attribute.
+	delete(pv.Spec.CSI.VolumeAttributes, "quota")
+	got, err := json.MarshalIndent(pv, "", "  ")
+	if err != nil {
+		t.Fatal(err)
+	}
+	file := filepath.Join("testdata", "formats", "pv-local-v1.json")
+	want, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(append(got, '\n'), want) {
+		t.Errorf("today's PV differs from %s; a new format needs a file of its own:\n%s", file, got)
+	}
+
+	// Delete of the stored form archives the volume that Provision made.
+	var stored v1.PersistentVolume
+	if err := json.Unmarshal(want, &stored); err != nil {
+		t.Fatal(err)
+	}
+	stored.Spec.CSI.VolumeAttributes["basePath"] = f.base
+	if err := f.node.Delete(context.Background(), &stored); err != nil {
+		t.Fatalf("Delete of %s: %v", file, err)
+	}
+	names := listTree(t, f.base)
+	if len(names) != 1 || !strings.HasPrefix(names[0], "archived-") {
+		t.Errorf("base after Delete of %s (onDelete archive): %v, want only the archived volume", file, names)
+	}
+}
