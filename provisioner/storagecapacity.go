@@ -64,7 +64,8 @@ func (p *Provisioner) GetCapacity(ctx context.Context, req *csi.GetCapacityReque
 	if err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-	attrs := volume.Attributes{Backend: params.backend, Server: params.server, Share: params.share, BasePath: params.basePath, Path: capacityProbe}
+	attrs := volume.Attributes{Backend: params.backend, Server: params.server, Share: params.share, BasePath: params.basePath, Path: capacityProbe,
+		BaseMountPoint: params.mountPoint}
 	var mountOptions []string
 	switch {
 	case params.backend == volume.BackendLocal && p.cfg.Role == RoleNode:
