@@ -10,8 +10,10 @@ import (
 
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/dirpv/dirpv/internal/daemon"
 	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/volume"
@@ -94,9 +96,10 @@ func TestBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 // mounted from the start (a new node whose fstab misses the disk): the base is an empty
 // directory of the root file system, which no record of the node knows yet and which would be
 // adopted without the parameter. A claim gets a BasePathNotMounted warning naming the node and
-// the base, and stays Pending; nothing is created underneath and nothing is adopted. Once the
-// disk (btrfs on a loop device) is mounted there, the claim binds without a restart of the
-// plugin, its volume on the disk. With the disk gone again, deleting the claim leaves its PV
+// the base, and stays Pending; nothing is created underneath and nothing is adopted; the node
+// publishes no room for the class. Once the disk (btrfs on a loop device) is mounted there, the
+// claim binds without a restart of the plugin, its volume on the disk, and the node publishes
+// the disk's room. With the disk gone again, deleting the claim leaves its PV
 // Released with the same warning and its data on the disk alone; the disk back, the PV and
 // the volume go.
 func TestBaseThatMustBeAMountPointWaitsForItsDisk(t *testing.T) {
@@ -140,9 +143,17 @@ func TestBaseThatMustBeAMountPointWaitsForItsDisk(t *testing.T) {
 	if got, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{}); err != nil || got.Status.Phase != v1.ClaimPending {
 		t.Errorf("claim while the disk is not mounted: %v (%v), want Pending", got.Status.Phase, err)
 	}
+	waitCapacity(t, daemon.DefaultNamespace, c.Name, "0 on "+nodeA+" while the disk is not mounted", func(m map[string]storagev1.CSIStorageCapacity) bool {
+		o, ok := m[nodeA]
+		return ok && bytesOf(o) == 0
+	})
 
 	mount()
 	_, pv := waitBound(t, ns, "data")
+	waitCapacity(t, daemon.DefaultNamespace, c.Name, "room on "+nodeA+" once the disk is mounted", func(m map[string]storagev1.CSIStorageCapacity) bool {
+		o, ok := m[nodeA]
+		return ok && bytesOf(o) > 0
+	})
 	rel := pv.Spec.CSI.VolumeAttributes["path"]
 	if err := os.WriteFile(filepath.Join(disk, rel, "data"), []byte("kept"), 0o644); err != nil {
 		t.Fatalf("the claim's volume on the disk: %v", err)
