@@ -23,6 +23,9 @@ const (
 	ParamGID         = "gid"
 	// ParamCapacityEnforcement says whether a local claim's size must be a filesystem limit.
 	ParamCapacityEnforcement = "capacityEnforcement"
+	// ParamBasePathMountPoint says whether a local base path must be a mount point
+	// (BasePathMountPoint).
+	ParamBasePathMountPoint = "basePathMountPoint"
 )
 
 // CapacityEnforcement is what a local class asks of the file system under its base path.
@@ -75,12 +78,14 @@ type classParams struct {
 	onDelete OnDelete
 	owner    volume.Owner
 	capacity CapacityEnforcement
+	// mountPoint: the base path must be a mount point (local only).
+	mountPoint bool
 }
 
 // parseParameters checks every parameter, so that a typo is reported on the claim rather than
 // silently ignored.
 func parseParameters(params map[string]string) (*classParams, error) {
-	known := []string{ParamBackend, ParamServer, ParamShare, ParamBasePath, ParamPathPattern, ParamOnDelete, ParamMode, ParamUID, ParamGID, ParamCapacityEnforcement}
+	known := []string{ParamBackend, ParamServer, ParamShare, ParamBasePath, ParamPathPattern, ParamOnDelete, ParamMode, ParamUID, ParamGID, ParamCapacityEnforcement, ParamBasePathMountPoint}
 	var unknown []string
 	for k := range params {
 		if !slices.Contains(known, k) {
@@ -104,7 +109,7 @@ func parseParameters(params map[string]string) (*classParams, error) {
 		if c.server == "" || c.share == "" {
 			return nil, fmt.Errorf("backend nfs needs parameters %s and %s", ParamServer, ParamShare)
 		}
-		for _, p := range []string{ParamBasePath, ParamCapacityEnforcement} {
+		for _, p := range []string{ParamBasePath, ParamCapacityEnforcement, ParamBasePathMountPoint} {
 			if _, ok := params[p]; ok {
 				// A client cannot set the server's quotas.
 				return nil, fmt.Errorf("parameter %s is for backend local, not nfs", p)
@@ -130,6 +135,14 @@ func parseParameters(params map[string]string) (*classParams, error) {
 				c.capacity = e
 			default:
 				return nil, fmt.Errorf("%s %s: want %q or %q", ParamCapacityEnforcement, volume.Quote(s), EnforceBestEffort, EnforceRequired)
+			}
+		}
+		if s, ok := params[ParamBasePathMountPoint]; ok {
+			switch m := BasePathMountPoint(s); m {
+			case MountPointRequired, MountPointOptional:
+				c.mountPoint = m == MountPointRequired
+			default:
+				return nil, fmt.Errorf("%s %s: want %q or %q", ParamBasePathMountPoint, volume.Quote(s), MountPointRequired, MountPointOptional)
 			}
 		}
 	case "":

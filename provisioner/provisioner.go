@@ -306,7 +306,8 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 	if err != nil {
 		return nil, controller.ProvisioningFinished, invalid(err)
 	}
-	attrs := volume.Attributes{Backend: params.backend, Server: params.server, Share: params.share, BasePath: params.basePath, Path: rel}
+	attrs := volume.Attributes{Backend: params.backend, Server: params.server, Share: params.share, BasePath: params.basePath, Path: rel,
+		BaseMountPoint: params.mountPoint}
 
 	var hostname string
 	if params.backend == volume.BackendLocal {
@@ -500,8 +501,12 @@ const ReasonBaseFileSystemChanged = "BaseFileSystemChanged"
 
 // baseChanged tells the claim or PV that its base is refused, and why.
 func (p *Provisioner) baseChanged(obj runtime.Object, err error) {
+	reason := ReasonBaseFileSystemChanged
+	if isNotMounted(err) {
+		reason = ReasonBasePathNotMounted
+	}
 	if p.cfg.Events != nil {
-		p.cfg.Events.Event(obj, v1.EventTypeWarning, ReasonBaseFileSystemChanged, err.Error())
+		p.cfg.Events.Event(obj, v1.EventTypeWarning, reason, err.Error())
 	}
 }
 
@@ -597,6 +602,9 @@ func (p *Provisioner) onStore(ctx context.Context, attrs volume.Attributes, moun
 		if err != nil {
 			return err
 		}
+		if attrs.BaseMountPoint {
+			return p.locals.doMounted(base, attrs.BasePath, fn)
+		}
 		return p.locals.do(base, attrs.BasePath, fn)
 	}
 	return fmt.Errorf("unknown backend %q", attrs.Backend)
@@ -677,6 +685,9 @@ func (p *Provisioner) buildPV(opts controller.ProvisionOptions, params *classPar
 	}
 	if attrs.Backend == volume.BackendLocal {
 		pv.Annotations[AnnNode] = p.cfg.NodeName
+		if attrs.BaseMountPoint {
+			pv.Annotations[AnnBasePathMountPoint] = string(MountPointRequired)
+		}
 		pv.Labels = map[string]string{LabelNode: NodeLabel(p.cfg.NodeName)}
 		pv.Spec.NodeAffinity = &v1.VolumeNodeAffinity{Required: &v1.NodeSelector{
 			NodeSelectorTerms: []v1.NodeSelectorTerm{{MatchExpressions: []v1.NodeSelectorRequirement{{
@@ -699,6 +710,7 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 	if err != nil {
 		return fmt.Errorf("PV %s: %w", pv.Name, err)
 	}
+	attrs.BaseMountPoint = mountPointRequired(pv)
 	if p.cfg.Role == RoleController && attrs.Backend == volume.BackendLocal {
 		// Only a lost node's volumes get here: nobody can reach the directory any more.
 		msg := fmt.Sprintf("node %s no longer exists: the PV is deleted, its data (if any) stays in %s/%s on that machine",

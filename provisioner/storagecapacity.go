@@ -64,7 +64,8 @@ func (p *Provisioner) GetCapacity(ctx context.Context, req *csi.GetCapacityReque
 	if err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-	attrs := volume.Attributes{Backend: params.backend, Server: params.server, Share: params.share, BasePath: params.basePath, Path: capacityProbe}
+	attrs := volume.Attributes{Backend: params.backend, Server: params.server, Share: params.share, BasePath: params.basePath, Path: capacityProbe,
+		BaseMountPoint: params.mountPoint}
 	var mountOptions []string
 	switch {
 	case params.backend == volume.BackendLocal && p.cfg.Role == RoleNode:
@@ -92,8 +93,9 @@ func (p *Provisioner) GetCapacity(ctx context.Context, req *csi.GetCapacityReque
 	})
 	switch {
 	case errors.Is(err, volume.ErrBaseChanged):
-		// Its volumes are refused there: no room to draw the scheduler with.
-		klog.FromContext(ctx).Info("Publishing no capacity for a base that is not the file system it was", "err", err.Error())
+		// Its volumes are refused there (not the file system it was, or not mounted): no room
+		// to draw the scheduler with.
+		klog.FromContext(ctx).Info("Publishing no capacity for a base that is refused", "err", err.Error())
 		return &csi.GetCapacityResponse{AvailableCapacity: 0}, nil
 	case errors.Is(err, volume.ErrBaseNotAllowed):
 		return nil, status.Error(codes.PermissionDenied, err.Error())

@@ -46,6 +46,10 @@ type Attributes struct {
 	// Quota names the volume's size limit, quota.ID's string form (local only; empty where
 	// the size is not enforced).
 	Quota string
+	// BaseMountPoint says the base path must be a mount point (local only): dirpv creates and
+	// deletes nothing there while it is not. Not a volume attribute: the class says it, and
+	// its PVs carry it in an annotation that an admin can remove, which spec.csi is not.
+	BaseMountPoint bool
 }
 
 // Map renders the attributes as PV volumeAttributes.

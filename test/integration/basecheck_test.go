@@ -10,10 +10,14 @@ import (
 
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/dirpv/dirpv/internal/daemon"
 	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
 )
 
 // The disk under a local base goes away under the running node plugin, as after a reboot where
@@ -86,4 +90,100 @@ func TestBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 	}
 	deleteClaim(t, ns, "second")
 	waitPVGone(t, second.Name)
+}
+
+// A class says that its base path must be a mount point, and the disk meant for it is not
+// mounted from the start (a new node whose fstab misses the disk): the base is an empty
+// directory of the root file system, which no record of the node knows yet and which would be
+// adopted without the parameter. A claim gets a BasePathNotMounted warning naming the node and
+// the base, and stays Pending; nothing is created underneath and nothing is adopted; the node
+// publishes no room for the class. Once the disk (btrfs on a loop device) is mounted there, the
+// claim binds without a restart of the plugin, its volume on the disk, and the node publishes
+// the disk's room. With the disk gone again, deleting the claim leaves its PV
+// Released with the same warning and its data on the disk alone; the disk back, the PV and
+// the volume go.
+func TestBaseThatMustBeAMountPointWaitsForItsDisk(t *testing.T) {
+	ctx := context.Background()
+	ns := suite.NewNamespace(t)
+	disk := quotatest.Btrfs(t, false)
+	c, base := localClass(t, map[string]string{provisioner.ParamBasePathMountPoint: string(provisioner.MountPointRequired)})
+	if err := os.MkdirAll(base, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	record := volume.NewBaseRecords(filepath.Join(suite.Work.Dir, "bases")).RecordPath(base)
+	t.Cleanup(func() {
+		unix.Unmount(base, unix.MNT_DETACH)
+		os.Remove(record)
+	})
+	mount := func() {
+		t.Helper()
+		if err := unix.Mount(disk, base, "", unix.MS_BIND, ""); err != nil {
+			t.Fatalf("mount the disk on %s: %v", base, err)
+		}
+	}
+	notMounted := func(kind, name string) {
+		t.Helper()
+		ev, err := framework.WaitForEvent(ctx, suite.Client, ns, kind, name, provisioner.ReasonBasePathNotMounted, "must be a mount point", timeout)
+		if err != nil {
+			t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
+		}
+		if ev.Type != v1.EventTypeWarning || !strings.Contains(ev.Message, "node "+nodeA) || !strings.Contains(ev.Message, base) {
+			t.Errorf("event %s %q: want a Warning naming node %s and base %s", ev.Type, ev.Message, nodeA, base)
+		}
+		if got := entries(t, base); len(got) != 0 {
+			t.Errorf("the directory underneath the disk holds %v, want nothing", got)
+		}
+	}
+
+	suite.CreateClaim(t, ns, "data", c.Name, framework.OnNode(nodeA), framework.Request("16Mi"))
+	notMounted("PersistentVolumeClaim", "data")
+	if _, err := os.Stat(record); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("node-a's record of base %s: %v, want none: the directory underneath must not be adopted", base, err)
+	}
+	if got, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{}); err != nil || got.Status.Phase != v1.ClaimPending {
+		t.Errorf("claim while the disk is not mounted: %v (%v), want Pending", got.Status.Phase, err)
+	}
+	waitCapacity(t, daemon.DefaultNamespace, c.Name, "0 on "+nodeA+" while the disk is not mounted", func(m map[string]storagev1.CSIStorageCapacity) bool {
+		o, ok := m[nodeA]
+		return ok && bytesOf(o) == 0
+	})
+
+	mount()
+	_, pv := waitBound(t, ns, "data")
+	waitCapacity(t, daemon.DefaultNamespace, c.Name, "room on "+nodeA+" once the disk is mounted", func(m map[string]storagev1.CSIStorageCapacity) bool {
+		o, ok := m[nodeA]
+		return ok && bytesOf(o) > 0
+	})
+	rel := pv.Spec.CSI.VolumeAttributes["path"]
+	if err := os.WriteFile(filepath.Join(disk, rel, "data"), []byte("kept"), 0o644); err != nil {
+		t.Fatalf("the claim's volume on the disk: %v", err)
+	}
+
+	// The node plugin holds the base open: the unmount is lazy, as an admin's would have to be.
+	if err := unix.Unmount(base, unix.MNT_DETACH); err != nil {
+		t.Fatalf("unmount %s: %v", base, err)
+	}
+	deleteClaim(t, ns, "data")
+	if _, err := framework.WaitForEvent(ctx, suite.Client, "", "PersistentVolume", pv.Name, provisioner.ReasonBasePathNotMounted, "must be a mount point", timeout); err != nil {
+		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
+	}
+	if got, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{}); err != nil {
+		t.Errorf("PV %s of the deleted claim while its disk is away: %v, want it kept until its volume is deleted", pv.Name, err)
+	} else if got.Status.Phase != v1.VolumeReleased {
+		t.Errorf("PV %s is %s, want Released", pv.Name, got.Status.Phase)
+	}
+	if b, err := os.ReadFile(filepath.Join(disk, rel, "data")); err != nil || string(b) != "kept" {
+		t.Errorf("the claim's data on the disk: %q, %v", b, err)
+	}
+	if got := entries(t, base); len(got) != 0 {
+		t.Errorf("the directory underneath the disk holds %v, want nothing", got)
+	}
+
+	mount()
+	if err := framework.WaitForPVDeleted(ctx, suite.Client, pv.Name, timeout); err != nil {
+		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
+	}
+	if _, err := os.Stat(filepath.Join(disk, rel)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the claim's volume on the disk after its PV went: %v, want it removed", err)
+	}
 }
