@@ -112,6 +112,19 @@ quota-debs:
 	  DEBIAN_FRONTEND=noninteractive apt-get -qq -oDPkg::Lock::Timeout=600 install -y --no-install-recommends $(QUOTA_DEBS); \
 	fi
 
+## monitoring-debs: Debian's prometheus package, for its promtool, with which test/deploy checks
+## and unit-tests the alerts in deploy/components/monitoring (TestRulesPromtool); the tests start
+## no Prometheus. On a machine that runs systemd the package also enables and starts a Prometheus
+## server (:9090): `systemctl disable --now prometheus` if that is not wanted.
+MONITORING_DEBS := prometheus
+.PHONY: monitoring-debs
+test-unit: monitoring-debs
+monitoring-debs:
+	@if ! command -v promtool >/dev/null; then \
+	  apt-get -qq -oDPkg::Lock::Timeout=600 update && \
+	  DEBIAN_FRONTEND=noninteractive apt-get -qq -oDPkg::Lock::Timeout=600 install -y --no-install-recommends $(MONITORING_DEBS); \
+	fi
+
 ## image-tar: the dirpv image as an OCI tar (no Docker engine needed): bin/dirpv-image.tar, named
 ## ghcr.io/dirpv/dirpv:$(VERSION) (git describe), never :latest.
 image-tar:
