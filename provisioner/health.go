@@ -1,74 +1,14 @@
 package provisioner
 
 import (
-	"context"
 	"fmt"
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"time"
+
+	"github.com/dirpv/dirpv/internal/blocking"
 )
-
-// callSlots is an export's cap of maxStuckCalls calls (see bounded). Besides the cap it keeps
-// what health checks and metrics report: how many calls their callers abandoned that still
-// wait on the server, and since when every slot has been taken without one coming free.
-type callSlots struct {
-	ch chan struct{}
-
-	mu        sync.Mutex
-	abandoned int
-	fullSince time.Time
-}
-
-func newCallSlots(n int) *callSlots { return &callSlots{ch: make(chan struct{}, n)} }
-
-func (s *callSlots) size() int { return cap(s.ch) }
-
-// acquire takes a slot, or returns ctx's error once ctx is done.
-func (s *callSlots) acquire(ctx context.Context) (*callSlot, error) {
-	select {
-	case s.ch <- struct{}{}:
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	}
-	s.mu.Lock()
-	// Slots come free only under mu (release), so a full channel seen here is really full.
-	if len(s.ch) == cap(s.ch) && s.fullSince.IsZero() {
-		s.fullSince = time.Now()
-	}
-	s.mu.Unlock()
-	return &callSlot{s: s}, nil
-}
-
-// callSlot is one taken slot.
-type callSlot struct {
-	s         *callSlots
-	abandoned bool
-	released  bool
-}
-
-// abandon records that the caller stopped waiting while the call still runs.
-func (c *callSlot) abandon() {
-	c.s.mu.Lock()
-	defer c.s.mu.Unlock()
-	if !c.released && !c.abandoned {
-		c.abandoned = true
-		c.s.abandoned++
-	}
-}
-
-// release frees the slot when the call has returned.
-func (c *callSlot) release() {
-	c.s.mu.Lock()
-	defer c.s.mu.Unlock()
-	c.released = true
-	if c.abandoned {
-		c.s.abandoned--
-	}
-	<-c.s.ch
-	c.s.fullSince = time.Time{}
-}
 
 // ExportStatus is what the controller knows about one NFS export it mounts.
 type ExportStatus struct {
@@ -96,8 +36,8 @@ func (p *Provisioner) Exports() []ExportStatus {
 	p.exports.mu.Lock()
 	// Copies count among the stuck calls, but a copy slot taken is no sign of a dead
 	// server: copies run for as long as their trees take.
-	slots := make(map[string][]*callSlots, len(p.exports.byKey))
-	copies := make(map[string][]*callSlots, len(p.exports.byKey))
+	slots := make(map[string][]*blocking.Slots, len(p.exports.byKey))
+	copies := make(map[string][]*blocking.Slots, len(p.exports.byKey))
 	lockedSince := make(map[string]time.Time, len(p.exports.byKey))
 	for _, ex := range p.exports.byKey {
 		slots[ex.source] = append(slots[ex.source], ex.sem)
@@ -113,17 +53,13 @@ func (p *Provisioner) Exports() []ExportStatus {
 	for source, ss := range slots {
 		st := ExportStatus{Export: source, MountLockHeldSince: lockedSince[source]}
 		for _, s := range ss {
-			s.mu.Lock()
-			st.Stuck += s.abandoned
-			if !s.fullSince.IsZero() && (st.SaturatedSince.IsZero() || s.fullSince.Before(st.SaturatedSince)) {
-				st.Saturated, st.SaturatedSince = true, s.fullSince
+			st.Stuck += s.Abandoned()
+			if full := s.FullSince(); !full.IsZero() && (st.SaturatedSince.IsZero() || full.Before(st.SaturatedSince)) {
+				st.Saturated, st.SaturatedSince = true, full
 			}
-			s.mu.Unlock()
 		}
 		for _, s := range copies[source] {
-			s.mu.Lock()
-			st.Stuck += s.abandoned
-			s.mu.Unlock()
+			st.Stuck += s.Abandoned()
 		}
 		out = append(out, st)
 	}

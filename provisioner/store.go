@@ -18,6 +18,8 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/mount-utils"
 
+	"github.com/dirpv/dirpv/internal/blocking"
+	"github.com/dirpv/dirpv/internal/unmount"
 	"github.com/dirpv/dirpv/volume"
 )
 
@@ -39,43 +41,40 @@ var errNoSlot = errors.New("earlier calls are still waiting for the server")
 
 // bounded runs fn and waits for it until ctx is done. sem limits how many fn may be running,
 // abandoned ones included.
-func bounded(ctx context.Context, sem *callSlots, what string, fn func() error) error {
-	return boundedOn(ctx, ctx, []*callSlots{sem}, what, fn)
+func bounded(ctx context.Context, sem *blocking.Slots, what string, fn func() error) error {
+	return boundedOn(ctx, ctx, []*blocking.Slots{sem}, what, fn)
 }
 
 // boundedOn is bounded for a call that waits on several exports (a clone from one to
 // another), taking slots until ctx is done and abandoning fn once wait is: it takes a slot of
 // each, in the order given, so that callers that always order them the same way never
 // deadlock each other.
-func boundedOn(ctx, wait context.Context, sems []*callSlots, what string, fn func() error) error {
-	slots := make([]*callSlot, 0, len(sems))
+func boundedOn(ctx, wait context.Context, sems []*blocking.Slots, what string, fn func() error) error {
+	slots := make([]*blocking.Slot, 0, len(sems))
 	release := func() {
 		for _, s := range slots {
-			s.release()
+			s.Release()
 		}
 	}
 	for _, sem := range sems {
-		slot, err := sem.acquire(ctx)
+		slot, err := sem.Acquire(ctx)
 		if err != nil {
 			release()
-			return fmt.Errorf("%s: %d %w: %w (%w)", what, sem.size(), errNoSlot, errExportUnresponsive, err)
+			return fmt.Errorf("%s: %d %w: %w (%w)", what, sem.Size(), errNoSlot, errExportUnresponsive, err)
 		}
 		slots = append(slots, slot)
 	}
-	done := make(chan error, 1)
-	go func() {
+	returned, err := blocking.Go(wait, func() error {
 		defer release()
-		done <- fn()
-	}()
-	select {
-	case err := <-done:
-		return err
-	case <-wait.Done():
+		return fn()
+	})
+	if !returned {
 		for _, s := range slots {
-			s.abandon()
+			s.Abandon()
 		}
 		return fmt.Errorf("%s: %w (%w)", what, errExportUnresponsive, context.Cause(wait))
 	}
+	return err
 }
 
 // graceAfter returns a context that ends grace after ctx does: how long a copy told to stop
@@ -101,9 +100,6 @@ func graceAfter(ctx context.Context, grace time.Duration) (context.Context, cont
 
 // errShuttingDown refuses calls that arrive after the exports were released for shutdown.
 var errShuttingDown = errors.New("dirpv controller is shutting down")
-
-// lazyUnmountTimeout bounds a forced or lazy unmount, which do not wait for the server.
-const lazyUnmountTimeout = 10 * time.Second
 
 // exportKey identifies one controller-side mount: a mount per (server, share, options), since
 // classes that differ in mount options must not share a mount.
@@ -144,7 +140,7 @@ type export struct {
 	// sem caps the calls, abandoned ones included, that may wait on the server; forceSem the
 	// forced and lazy unmounts, which do not wait on it and so need their own slots;
 	// copySem the copies (maxCopies).
-	sem, forceSem, copySem *callSlots
+	sem, forceSem, copySem *blocking.Slots
 	// lock serialises mounting and unmounting and guards root and gen; a channel so that
 	// waiters honour their deadline.
 	lock chan struct{}
@@ -193,9 +189,9 @@ func (e *exports) get(server, share string, options []string) *export {
 			source:   volume.ExportSource(server, share),
 			options:  slices.Clone(options),
 			dir:      filepath.Join(e.workDir, "exports", hex.EncodeToString(sum[:8])),
-			sem:      newCallSlots(maxStuckCalls),
-			forceSem: newCallSlots(2),
-			copySem:  newCallSlots(maxCopies),
+			sem:      blocking.NewSlots(maxStuckCalls),
+			forceSem: blocking.NewSlots(2),
+			copySem:  blocking.NewSlots(maxCopies),
 			lock:     make(chan struct{}, 1),
 		}
 		e.byKey[key] = ex
@@ -306,7 +302,7 @@ func (e *exports) runOn(ctx context.Context, copyTimeout time.Duration, exs []*e
 			r.Close()
 		}
 	}
-	sems := make([]*callSlots, 0, len(exs))
+	sems := make([]*blocking.Slots, 0, len(exs))
 	sources := make([]string, 0, len(exs))
 	for _, ex := range exs {
 		root, gen, err := e.acquire(mountCtx, ex)
@@ -473,7 +469,7 @@ func (e *exports) mountLocked(ctx context.Context, ex *export) error {
 // unmount drops the export's mount if it is still mount gen (0: whichever is mounted) and,
 // with idleOnly, if nobody uses the export. Every step is bounded, so a dead server never
 // wedges the caller: waiting for ex.lock and the plain unmount by the operation timeout, the
-// forced and the lazy unmount by lazyUnmountTimeout.
+// forced and the lazy unmount by unmount.LazyTimeout.
 func (e *exports) unmount(logger klog.Logger, ex *export, gen uint64, idleOnly bool) {
 	select {
 	case ex.lock <- struct{}{}:
@@ -527,23 +523,19 @@ func (e *exports) unmountDir(logger klog.Logger, ex *export) (how string, err er
 }
 
 // forceUnmountDir unmounts ex.dir with MNT_FORCE, then with MNT_DETACH, each bounded by
-// lazyUnmountTimeout, neither waiting on the server.
+// unmount.LazyTimeout and taking a slot of ex.forceSem, neither waiting on the server.
 func (e *exports) forceUnmountDir(logger klog.Logger, ex *export) (how string, err error) {
-	for _, how := range []struct {
-		name  string
-		flags int
-	}{{"forced", unix.MNT_FORCE}, {"lazy", unix.MNT_DETACH}} {
-		ctx, cancel := context.WithTimeout(context.Background(), min(e.timeout, lazyUnmountTimeout))
-		ferr := bounded(ctx, ex.forceSem, how.name+" unmount "+ex.dir, func() error { return unix.Unmount(ex.dir, how.flags) })
-		cancel()
-		// EINVAL: not a mount point any more, an earlier attempt got through after all.
-		if ferr == nil || errors.Is(ferr, unix.EINVAL) {
-			removeMountPoint(logger, ex.dir)
-			return how.name, nil
-		}
-		err = errors.Join(err, fmt.Errorf("%s unmount: %w", how.name, ferr))
+	timeout := min(e.timeout, unmount.LazyTimeout)
+	how, err = unmount.ForceThenLazy(klog.NewContext(context.Background(), logger), ex.dir, unmount.Force(ex.dir), timeout, timeout,
+		func(ctx context.Context, timeout time.Duration, what string, fn func() error) error {
+			ctx, cancel := context.WithTimeout(ctx, timeout)
+			defer cancel()
+			return bounded(ctx, ex.forceSem, what, fn)
+		})
+	if err == nil {
+		removeMountPoint(logger, ex.dir)
 	}
-	return "", err
+	return how, err
 }
 
 // dropLeftoverMount unmounts whatever is mounted at ex.dir, which this process has not mounted
@@ -596,7 +588,7 @@ func (e *exports) sweep(ctx context.Context, idle time.Duration) {
 // timeout plus two lazy unmount timeouts, whatever the servers do.
 func (e *exports) closeAll(ctx context.Context) {
 	logger := klog.FromContext(ctx)
-	deadline := time.After(e.timeout + 2*min(e.timeout, lazyUnmountTimeout))
+	deadline := time.After(e.timeout + 2*min(e.timeout, unmount.LazyTimeout))
 	e.mu.Lock()
 	if e.closed {
 		e.mu.Unlock()

@@ -16,6 +16,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/mount-utils"
 
+	"github.com/dirpv/dirpv/internal/unmount"
 	"github.com/dirpv/dirpv/volume"
 )
 
@@ -266,7 +267,7 @@ func TestHungUnmountBlocksNeitherSweepNorShutdown(t *testing.T) {
 	mountBoth()
 	start = time.Now()
 	e.closeAll(context.Background())
-	bound := timeout + 2*min(timeout, lazyUnmountTimeout)
+	bound := timeout + 2*min(timeout, unmount.LazyTimeout)
 	if d := time.Since(start); d > bound+time.Second {
 		t.Errorf("closeAll took %v with a hung unmount, bound %v", d, bound)
 	}
@@ -305,7 +306,7 @@ func TestLazyUnmountLeavesNoMount(t *testing.T) {
 
 	start := time.Now()
 	e.unmount(klog.Background(), e.get("dead.example", "/x", nil), 0, false)
-	if d, bound := time.Since(start), timeout+2*min(timeout, lazyUnmountTimeout); d > bound {
+	if d, bound := time.Since(start), timeout+2*min(timeout, unmount.LazyTimeout); d > bound {
 		t.Errorf("unmount took %v, bound %v", d, bound)
 	}
 	if isMounted(dir) {
