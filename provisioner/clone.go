@@ -18,6 +18,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/util/retry"
 	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
 	"github.com/dirpv/dirpv/volume"
@@ -98,10 +99,10 @@ func dataSourceOf(claim *v1.PersistentVolumeClaim) (kind sourceKind, name, names
 		if ref.Namespace != nil && *ref.Namespace != "" {
 			ns = *ref.Namespace
 		}
-		return sourceKind{ptrValue(ref.APIGroup), ref.Kind}, ref.Name, ns, true
+		return sourceKind{ptr.Deref(ref.APIGroup, ""), ref.Kind}, ref.Name, ns, true
 	}
 	if ref := claim.Spec.DataSource; ref != nil {
-		return sourceKind{ptrValue(ref.APIGroup), ref.Kind}, ref.Name, claim.Namespace, true
+		return sourceKind{ptr.Deref(ref.APIGroup, ""), ref.Kind}, ref.Name, claim.Namespace, true
 	}
 	return sourceKind{}, "", "", false
 }

@@ -30,6 +30,7 @@ import (
 	"k8s.io/client-go/tools/record"
 	"k8s.io/klog/v2"
 	"k8s.io/mount-utils"
+	"k8s.io/utils/ptr"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
 	"github.com/dirpv/dirpv/internal/failpoint"
@@ -212,7 +213,7 @@ func (p *Provisioner) ShouldProvision(ctx context.Context, claim *v1.PersistentV
 		// start its copy again each time ClaimDeleted cancelled it.
 		return false
 	}
-	className := ptrValue(claim.Spec.StorageClassName)
+	className := ptr.Deref(claim.Spec.StorageClassName, "")
 	class, err := p.cfg.Classes.Get(className)
 	if err != nil {
 		// The lib reports a missing class on a claim handed to dirpv; let the controller be the
@@ -865,11 +866,4 @@ func archiveName(rel string, now time.Time) string {
 		base = base[:max]
 	}
 	return prefix + base + suffix
-}
-
-func ptrValue(s *string) string {
-	if s == nil {
-		return ""
-	}
-	return *s
 }

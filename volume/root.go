@@ -954,17 +954,6 @@ func mountID(fd int) (uint64, error) {
 	return stx.Mnt_id, nil
 }
 
-// readDirNames lists the directory open at fd, without closing fd.
-func readDirNames(fd int) ([]string, error) {
-	dup, err := unix.Openat(fd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, err
-	}
-	dir := os.NewFile(uintptr(dup), ".")
-	defer dir.Close()
-	return dir.Readdirnames(-1)
-}
-
 // RemoveLink removes rel if it is no directory (a symlink planted where a volume was
 // expected), never following it: the link goes, its target stays. A missing rel is not an
 // error; a directory there now is left alone, with an error wrapping ErrReplaced.
@@ -1088,7 +1077,7 @@ func (r *Root) List(rel string) ([]string, error) {
 		return nil, err
 	}
 	defer unix.Close(fd)
-	names, err := readDirNames(fd)
+	names, err := listNames(fd)
 	if err != nil {
 		return nil, fmt.Errorf("list %s in %s: %w", rel, r.path, err)
 	}
