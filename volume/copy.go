@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"strconv"
 	"strings"
 	"unsafe"
@@ -807,18 +806,6 @@ func readlinkat(dirFd int, name string) (string, error) {
 			return string(buf[:n]), nil
 		}
 	}
-}
-
-// listNames lists the directory open at fd, which must not have been read from: it is read
-// through a duplicate sharing its offset (and its O_NOATIME), and fd stays open.
-func listNames(fd int) ([]string, error) {
-	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
-		return nil, err
-	}
-	dir := os.NewFile(uintptr(dup), ".")
-	defer dir.Close()
-	return dir.Readdirnames(-1)
 }
 
 // xattrIO reads and writes the extended attributes of one file.
