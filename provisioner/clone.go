@@ -21,7 +21,9 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
+	"github.com/dirpv/dirpv/internal/blocking"
 	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/export"
 )
 
 // FinalizerCloningProtection keeps a claim that is being copied from being deleted before the
@@ -452,7 +454,7 @@ func (j *copyJobs) stop(wait time.Duration) bool {
 	j.closed = true
 	j.mu.Unlock()
 	j.cancel()
-	return waitGroup(&j.wg, time.After(wait))
+	return blocking.WaitGroup(&j.wg, time.After(wait))
 }
 
 // copyVolume makes the claim's volume as a copy of src in the background, and returns the
@@ -528,7 +530,7 @@ func (p *Provisioner) discardVolume(logger klog.Logger, attrs volume.Attributes,
 	unlock, err := p.lockVolume(ctx, attrs)
 	if err == nil {
 		err = p.onStore(ctx, attrs, mountOptions, func(root *volume.Root) error {
-			vol, err := checkOwnedBy(root, attrs.Path, owner)
+			vol, err := root.OpenVolumeOf(attrs.Path, owner)
 			if err != nil {
 				return err
 			}
@@ -598,9 +600,9 @@ func (p *Provisioner) onStores(ctx context.Context, attrs volume.Attributes, mou
 		if p.exports == nil {
 			return fmt.Errorf("NFS volumes are handled by dirpv controller, not on a node")
 		}
-		return p.exports.doPair(ctx, p.cfg.CloneTimeout,
-			exportRef{attrs.Server, attrs.Share, mountOptions},
-			exportRef{src.attrs.Server, src.attrs.Share, src.mountOptions}, fn)
+		return p.exports.DoPair(ctx, p.cfg.CloneTimeout,
+			export.Ref{Server: attrs.Server, Share: attrs.Share, Options: mountOptions},
+			export.Ref{Server: src.attrs.Server, Share: src.attrs.Share, Options: src.mountOptions}, fn)
 	case volume.BackendLocal:
 		return p.onStore(ctx, src.attrs, nil, func(from *volume.Root) error {
 			return p.onStore(ctx, attrs, nil, func(root *volume.Root) error { return fn(ctx, root, from) })

@@ -36,6 +36,7 @@ import (
 	"github.com/dirpv/dirpv/internal/failpoint"
 	"github.com/dirpv/dirpv/internal/keyed"
 	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/export"
 	"github.com/dirpv/dirpv/volume/quota"
 )
 
@@ -101,7 +102,7 @@ type Config struct {
 // Provisioner implements controller.Provisioner, Qualifier and DeletionGuard.
 type Provisioner struct {
 	cfg     Config
-	exports *exports
+	exports *export.Exports
 	locals  localRoots
 	// nodePlugins rate-limits the controller's checks for a missing node plugin.
 	nodePlugins nodePluginChecks
@@ -152,7 +153,7 @@ func New(cfg Config) (*Provisioner, error) {
 	}
 	p := &Provisioner{cfg: cfg, copies: newCopyJobs()}
 	if cfg.Role == RoleController {
-		p.exports = newExports(cfg.Mounter, cfg.WorkDir, cfg.OperationTimeout)
+		p.exports = export.New(cfg.Mounter, cfg.WorkDir, cfg.OperationTimeout)
 	} else {
 		p.locals.records = volume.NewBaseRecords(filepath.Join(cfg.StateDir, "bases"))
 	}
@@ -167,7 +168,7 @@ const DefaultCloneTimeout = 6 * time.Hour
 func (p *Provisioner) Run(ctx context.Context) {
 	defer p.locals.closeAll()
 	if p.exports != nil {
-		defer p.exports.closeAll(context.WithoutCancel(ctx))
+		defer p.exports.Close(context.WithoutCancel(ctx))
 	}
 	// Before the bases and mounts go: a copy must not outlive the roots it works on.
 	defer func() {
@@ -186,7 +187,7 @@ func (p *Provisioner) Run(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-tick.C:
-			p.exports.sweep(ctx, p.cfg.IdleUnmount)
+			p.exports.Sweep(ctx, p.cfg.IdleUnmount)
 		}
 	}
 }
@@ -197,7 +198,7 @@ func (p *Provisioner) PendingDeletes() int {
 	if p.exports == nil {
 		return 0
 	}
-	return p.exports.pendingDeletes()
+	return p.exports.PendingDeletes()
 }
 
 // ShouldProvision says whether this instance serves the claim. Claims of other provisioners'
@@ -360,7 +361,7 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 		return nil, controller.ProvisioningFinished, fmt.Errorf("create directory %s: %w: the NFS server refused to give the directory to %d:%d; "+
 			"it may squash root (root_squash): export %s with no_root_squash, or drop %s and %s from the StorageClass",
 			rel, err, params.owner.UID, params.owner.GID, volume.ExportSource(attrs.Server, attrs.Share), ParamUID, ParamGID)
-	case errors.Is(err, errExportUnresponsive):
+	case errors.Is(err, export.ErrUnresponsive):
 		// An NFS server that did not answer may still create the directory; retrying adopts it.
 		return nil, controller.ProvisioningInBackground, fmt.Errorf("create directory %s: %w", rel, err)
 	case src != nil && (errors.Is(err, unix.EDQUOT) || errors.Is(err, unix.ENOSPC)):
@@ -579,7 +580,7 @@ func (p *Provisioner) onStore(ctx context.Context, attrs volume.Attributes, moun
 		if p.exports == nil {
 			return fmt.Errorf("NFS volumes are handled by dirpv controller, not on a node")
 		}
-		return p.exports.do(ctx, attrs.Server, attrs.Share, mountOptions, fn)
+		return p.exports.Do(ctx, attrs.Server, attrs.Share, mountOptions, fn)
 	case volume.BackendLocal:
 		if p.cfg.AllowedBases == nil {
 			return fmt.Errorf("local volumes are handled by dirpv node, not by the controller")
@@ -720,7 +721,7 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 	if policy == OnDeleteDelete && attrs.Backend == volume.BackendNFS && p.exports != nil {
 		// A big tree takes longer than a dead server may: only the move to the trash is
 		// bounded by the operation timeout, the removal goes on in the background.
-		if err := p.exports.trash(ctx, attrs.Server, attrs.Share, pv.Spec.MountOptions, attrs.Path, pv); err != nil {
+		if err := p.exports.Trash(ctx, attrs.Server, attrs.Share, pv.Spec.MountOptions, attrs.Path, claimOf(pv)); err != nil {
 			return fmt.Errorf("onDelete %s of %s in %s: %w", policy, attrs.Path, storeName(attrs), err)
 		}
 		return nil
@@ -728,7 +729,7 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 	// Local volumes are removed in place: a local disk has no server to wait for, and the
 	// node plugin has no trash to resume from after a restart.
 	err = p.onStore(ctx, attrs, pv.Spec.MountOptions, func(root *volume.Root) error {
-		vol, err := checkOwnedBy(root, attrs.Path, claimOf(pv))
+		vol, err := root.OpenVolumeOf(attrs.Path, claimOf(pv))
 		if err != nil && !errors.Is(err, volume.ErrNotDirectory) {
 			return err
 		}
@@ -770,7 +771,7 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 	return nil
 }
 
-// removeVolume removes vol, the volume directory of owner that checkOwnedBy found at attrs'
+// removeVolume removes vol, the volume directory of owner that Root.OpenVolumeOf found at attrs'
 // path (nil: none was there), and frees its size limit, if it had one. The limit is freed also
 // when the directory is gone already, for a retry after a crash between the two. What a
 // removal that stopped midway left under its private name is removed too.
@@ -790,7 +791,7 @@ func removeVolume(ctx context.Context, root *volume.Root, attrs volume.Attribute
 		if left != nil {
 			defer left.Close()
 			vol = left
-			if !ownedBy(left, owner) {
+			if !left.OwnedBy(owner) {
 				// A removal stopped (a crash) between giving another claim's volume, which had
 				// taken the path, its private name and finding out: that volume goes back.
 				if err := left.Rename(path.Base(attrs.Path)); err != nil {
@@ -813,38 +814,6 @@ func removeVolume(ctx context.Context, root *volume.Root, attrs volume.Attribute
 		return nil
 	}
 	return root.ReleaseQuota(id)
-}
-
-// checkOwnedBy opens the volume directory at rel and refuses it if its marker names another
-// claim than owner: a stale PV's Delete, retried after its directory was removed and made anew
-// for another claim of a pattern without ${pv.metadata.name}, must not destroy that claim's
-// data. Directories that name no claim (made before markers recorded owners) are owner's. It
-// returns nil if nothing is at rel, and an error wrapping volume.ErrNotDirectory if what is
-// there is no directory. The caller acts on the directory returned, never on rel again:
-// another directory may have taken that name since (volume.ErrReplaced).
-func checkOwnedBy(root *volume.Root, rel string, owner volume.Claim) (*volume.Volume, error) {
-	vol, err := root.OpenVolume(rel)
-	if isNotExist(err) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	if !ownedBy(vol, owner) {
-		vol.Close()
-		return nil, fmt.Errorf("directory %s now belongs to another claim's volume, not to this PV's claim; leaving it alone", rel)
-	}
-	return vol, nil
-}
-
-// ownedBy reports whether vol's marker names c, by its UID if c has one, else by its PV's
-// name, or no claim at all.
-func ownedBy(vol *volume.Volume, c volume.Claim) bool {
-	got, _ := vol.Owner()
-	if c.UID != "" {
-		return got.UID == "" || got.UID == c.UID
-	}
-	return got.UID == "" || got.PVName == c.PVName
 }
 
 // claimOf is the claim pv's volume was made for, as far as the PV tells: its UID only if the

@@ -642,7 +642,7 @@ func TestProvisionNFSMountsOnceAndEmitsSelfDescribingPV(t *testing.T) {
 	}
 
 	// Idle exports are unmounted, in the background.
-	f.ctrl.exports.sweep(context.Background(), -1)
+	f.ctrl.exports.Sweep(context.Background(), -1)
 	eventually(t, 5*time.Second, func() (bool, string) {
 		mps, _ := f.mounter.List()
 		return len(mps) == 0, fmt.Sprintf("still mounted after idle sweep: %+v", mps)

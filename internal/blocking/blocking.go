@@ -103,3 +103,18 @@ func (c *Slot) Release() {
 	<-c.s.ch
 	c.s.fullSince = time.Time{}
 }
+
+// WaitGroup waits for wg until deadline fires, and reports whether wg finished.
+func WaitGroup(wg *sync.WaitGroup, deadline <-chan time.Time) bool {
+	done := make(chan struct{})
+	go func() {
+		wg.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return true
+	case <-deadline:
+		return false
+	}
+}

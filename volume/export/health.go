@@ -1,4 +1,4 @@
-package provisioner
+package export
 
 import (
 	"fmt"
@@ -10,8 +10,8 @@ import (
 	"github.com/dirpv/dirpv/internal/blocking"
 )
 
-// ExportStatus is what the controller knows about one NFS export it mounts.
-type ExportStatus struct {
+// Status is what the controller knows about one NFS export it mounts.
+type Status struct {
 	// Export is server:share; mounts of it with different options are one export here.
 	Export string
 	// Stuck counts calls whose callers gave up waiting for the server but that still run.
@@ -27,19 +27,16 @@ type ExportStatus struct {
 	MountLockHeldSince time.Time
 }
 
-// Exports reports on every NFS export this controller knows, one entry per server:share (exports
+// Status reports on every NFS export this controller knows, one entry per server:share (exports
 // mounted with different options are summed), sorted by export. It never waits on a server.
-func (p *Provisioner) Exports() []ExportStatus {
-	if p.exports == nil {
-		return nil
-	}
-	p.exports.mu.Lock()
+func (e *Exports) Status() []Status {
+	e.mu.Lock()
 	// Copies count among the stuck calls, but a copy slot taken is no sign of a dead
 	// server: copies run for as long as their trees take.
-	slots := make(map[string][]*blocking.Slots, len(p.exports.byKey))
-	copies := make(map[string][]*blocking.Slots, len(p.exports.byKey))
-	lockedSince := make(map[string]time.Time, len(p.exports.byKey))
-	for _, ex := range p.exports.byKey {
+	slots := make(map[string][]*blocking.Slots, len(e.byKey))
+	copies := make(map[string][]*blocking.Slots, len(e.byKey))
+	lockedSince := make(map[string]time.Time, len(e.byKey))
+	for _, ex := range e.byKey {
 		slots[ex.source] = append(slots[ex.source], ex.sem)
 		copies[ex.source] = append(copies[ex.source], ex.copySem)
 		if ns := ex.lockedSince.Load(); ns != 0 {
@@ -48,10 +45,10 @@ func (p *Provisioner) Exports() []ExportStatus {
 			}
 		}
 	}
-	p.exports.mu.Unlock()
-	out := make([]ExportStatus, 0, len(slots))
+	e.mu.Unlock()
+	out := make([]Status, 0, len(slots))
 	for source, ss := range slots {
-		st := ExportStatus{Export: source, MountLockHeldSince: lockedSince[source]}
+		st := Status{Export: source, MountLockHeldSince: lockedSince[source]}
 		for _, s := range ss {
 			st.Stuck += s.Abandoned()
 			if full := s.FullSince(); !full.IsZero() && (st.SaturatedSince.IsZero() || full.Before(st.SaturatedSince)) {
@@ -63,7 +60,7 @@ func (p *Provisioner) Exports() []ExportStatus {
 		}
 		out = append(out, st)
 	}
-	slices.SortFunc(out, func(a, b ExportStatus) int { return strings.Compare(a.Export, b.Export) })
+	slices.SortFunc(out, func(a, b Status) int { return strings.Compare(a.Export, b.Export) })
 	return out
 }
 
@@ -71,12 +68,12 @@ func (p *Provisioner) Exports() []ExportStatus {
 // or its mount lock held, for longer than limit: every claim on it fails, and only a restart
 // (which the liveness probe triggers) gets rid of calls stuck in the kernel. A limit of zero or
 // less disables the check.
-func (p *Provisioner) Healthy(limit time.Duration) error {
+func (e *Exports) Healthy(limit time.Duration) error {
 	if limit <= 0 {
 		return nil
 	}
 	var wedged []string
-	for _, st := range p.Exports() {
+	for _, st := range e.Status() {
 		if st.Saturated && time.Since(st.SaturatedSince) > limit {
 			wedged = append(wedged, fmt.Sprintf("%s (every call slot taken since %s, %d calls abandoned)",
 				st.Export, st.SaturatedSince.UTC().Format(time.RFC3339), st.Stuck))
@@ -94,7 +91,7 @@ func (p *Provisioner) Healthy(limit time.Duration) error {
 
 // mounted counts the exports mounted under the work dir, as the kernel's mount table has them:
 // the truth, whichever call mounted or dropped them, and readable without waiting on a server.
-func (e *exports) mounted() (int, error) {
+func (e *Exports) Mounted() (int, error) {
 	mps, err := e.mounter.List()
 	if err != nil {
 		return 0, fmt.Errorf("list mounts: %w", err)
