@@ -41,15 +41,12 @@ type Volume struct {
 // exactly it. It fails with an error wrapping os.ErrNotExist if rel does not exist, and
 // ErrNotDirectory if it, or a component on the way, is no directory (a symlink included).
 func (r *Root) OpenVolume(rel string) (*Volume, error) {
-	if _, err := CleanRelPath(rel); err != nil {
-		return nil, err
-	}
-	parent, name := split(rel)
-	parentFd, err := r.openDir(parent, unix.O_PATH)
+	parentFd, name, err := r.parentOf(rel)
 	if err != nil {
 		return nil, err
 	}
 	defer unix.Close(parentFd)
+	parent, _ := split(rel)
 	// Readable, not O_PATH: the marker is an attribute of the directory itself where it can be.
 	fd, err := r.openChild(parentFd, name, rel)
 	if err != nil {

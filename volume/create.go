@@ -335,11 +335,7 @@ func (r *Root) makeMarked(parentFd int, name string, owner Owner, claim Claim, l
 // if rel carries no marker; owner is empty if the marker names no claim (a volume made before
 // dirpv recorded owners). It fails with an error wrapping os.ErrNotExist if rel does not exist.
 func (r *Root) VolumeOwner(rel string) (owner Claim, marked bool, err error) {
-	if _, err := CleanRelPath(rel); err != nil {
-		return Claim{}, false, err
-	}
-	parent, name := split(rel)
-	parentFd, err := r.openDir(parent, unix.O_PATH)
+	parentFd, name, err := r.parentOf(rel)
 	if err != nil {
 		return Claim{}, false, err
 	}

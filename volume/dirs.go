@@ -9,6 +9,19 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// parentOf checks rel and opens its parent beneath the root as an O_PATH handle, which the
+// caller closes; name is rel's last component.
+func (r *Root) parentOf(rel string) (parentFd int, name string, err error) {
+	if _, err := CleanRelPath(rel); err != nil {
+		return -1, "", err
+	}
+	parent, name := split(rel)
+	if parentFd, err = r.openDir(parent, unix.O_PATH); err != nil {
+		return -1, "", err
+	}
+	return parentFd, name, nil
+}
+
 // split returns the parent of rel ("" for the base) and its last component.
 func split(rel string) (string, string) {
 	i := strings.LastIndexByte(rel, '/')
@@ -62,11 +75,7 @@ func mountID(fd int) (uint64, error) {
 // expected), never following it: the link goes, its target stays. A missing rel is not an
 // error; a directory there now is left alone, with an error wrapping ErrReplaced.
 func (r *Root) RemoveLink(rel string) error {
-	if _, err := CleanRelPath(rel); err != nil {
-		return err
-	}
-	parent, name := split(rel)
-	parentFd, err := r.openDir(parent, unix.O_PATH)
+	parentFd, name, err := r.parentOf(rel)
 	if err != nil {
 		return err
 	}
@@ -85,11 +94,7 @@ func (r *Root) RemoveLink(rel string) error {
 // applies) if it is missing. Unlike MkdirAll it creates no parents and marks nothing: it is for
 // dirpv's own directories, which are not volumes.
 func (r *Root) Mkdir(rel string, mode uint32) error {
-	if _, err := CleanRelPath(rel); err != nil {
-		return err
-	}
-	parent, name := split(rel)
-	parentFd, err := r.openDir(parent, unix.O_PATH)
+	parentFd, name, err := r.parentOf(rel)
 	if err != nil {
 		return err
 	}
