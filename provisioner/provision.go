@@ -225,7 +225,7 @@ func (p *Provisioner) makeVolume(ctx context.Context, attrs volume.Attributes, m
 	}
 	if err == nil && attrs.Backend == volume.BackendLocal {
 		// Before the PV exists: a base that holds a volume must keep its identity.
-		err = p.locals.held(attrs.BasePath)
+		err = p.locals.Held(attrs.BasePath)
 	}
 	return m, err
 }
@@ -333,7 +333,7 @@ func (p *Provisioner) onStore(ctx context.Context, attrs volume.Attributes, moun
 		if err != nil {
 			return err
 		}
-		return p.locals.do(base, attrs.BasePath, fn)
+		return p.locals.Do(base, attrs.BasePath, fn)
 	}
 	return fmt.Errorf("unknown backend %q", attrs.Backend)
 }

@@ -29,6 +29,7 @@ import (
 	"github.com/dirpv/dirpv/internal/keyed"
 	"github.com/dirpv/dirpv/volume"
 	"github.com/dirpv/dirpv/volume/export"
+	"github.com/dirpv/dirpv/volume/local"
 )
 
 // Annotations dirpv puts on the PVs it makes, so Delete never needs the StorageClass.
@@ -94,7 +95,7 @@ type Config struct {
 type Provisioner struct {
 	cfg     Config
 	exports *export.Exports
-	locals  localRoots
+	locals  local.Bases
 	// nodePlugins rate-limits the controller's checks for a missing node plugin.
 	nodePlugins nodePluginChecks
 	// unplaced rate-limits the controller's checks of local claims no node can serve.
@@ -146,7 +147,7 @@ func New(cfg Config) (*Provisioner, error) {
 	if cfg.Role == RoleController {
 		p.exports = export.New(cfg.Mounter, cfg.WorkDir, cfg.OperationTimeout)
 	} else {
-		p.locals.records = volume.NewBaseRecords(filepath.Join(cfg.StateDir, "bases"))
+		p.locals.Records = volume.NewBaseRecords(filepath.Join(cfg.StateDir, "bases"))
 	}
 	return p, nil
 }
@@ -157,7 +158,7 @@ const DefaultCloneTimeout = 6 * time.Hour
 // Run unmounts idle NFS exports until ctx is done, then stops the copies under way and
 // releases every mount and directory.
 func (p *Provisioner) Run(ctx context.Context) {
-	defer p.locals.closeAll()
+	defer p.locals.Close()
 	if p.exports != nil {
 		defer p.exports.Close(context.WithoutCancel(ctx))
 	}

@@ -735,7 +735,7 @@ func (f *fixture) mountForTest(source, fstype string, flags uintptr, data string
 	}
 	dir := f.base
 	f.t.Cleanup(func() {
-		f.node.locals.closeAll()
+		f.node.locals.Close()
 		if err := unix.Unmount(dir, 0); err != nil {
 			f.t.Errorf("unmount %s: %v", dir, err)
 		}

@@ -1,8 +1,12 @@
-package provisioner
+// Package local keeps the base directories of local classes open on a node, and makes sure
+// each is still the file system its volumes are on before anything is created or removed
+// beneath it (volume.BaseRecords).
+package local
 
 import (
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"sync"
@@ -10,11 +14,14 @@ import (
 	"github.com/dirpv/dirpv/volume"
 )
 
-// localRoots keeps the base directories of local classes open, and makes sure each is still
-// the file system its volumes are on (volume.BaseRecords).
-type localRoots struct {
-	// records are the bases' identities (role node; nil: unchecked, for tests of other parts).
-	records *volume.BaseRecords
+// ErrUnusable marks a local base path that could not be created or opened on this node.
+var ErrUnusable = errors.New("base path unusable")
+
+// Bases keeps the base directories of local classes open, and makes sure each is still the
+// file system its volumes are on (volume.BaseRecords). The zero value is ready to use.
+type Bases struct {
+	// Records are the bases' identities (role node; nil: unchecked, for tests of other parts).
+	Records *volume.BaseRecords
 
 	mu     sync.Mutex
 	byBase map[string]*volume.Root
@@ -23,13 +30,13 @@ type localRoots struct {
 	retired []*volume.Root
 }
 
-// do runs fn on the root of basePath, which is allowed or beneath allowed. The allowed base
+// Do runs fn on the root of basePath, which is allowed or beneath allowed. The allowed base
 // is the admin's (set by flag) and may be reached through symlinks; basePath is opened beneath
 // it without following any, and both are created on first use. A root whose path has moved
 // since (an admin mounted the disk meant for the base after the class was first used, say) is
 // opened again, so that volumes go where the path leads now. A base that held volumes is
 // never created, and must still be the file system it was (volume.ErrBaseChanged otherwise).
-func (l *localRoots) do(allowed, basePath string, fn func(*volume.Root) error) error {
+func (l *Bases) Do(allowed, basePath string, fn func(*volume.Root) error) error {
 	l.mu.Lock()
 	root, ok := l.byBase[basePath]
 	if ok {
@@ -41,23 +48,23 @@ func (l *localRoots) do(allowed, basePath string, fn func(*volume.Root) error) e
 	}
 	if !ok {
 		held := false
-		if l.records != nil {
+		if l.Records != nil {
 			var err error
-			if held, err = l.records.Held(basePath); err != nil {
+			if held, err = l.Records.Held(basePath); err != nil {
 				l.mu.Unlock()
-				return fmt.Errorf("%w: %w", errBaseUnusable, err)
+				return fmt.Errorf("%w: %w", ErrUnusable, err)
 			}
 		}
 		var err error
-		if root, err = openLocalBase(allowed, basePath, !held); err != nil {
+		if root, err = openBase(allowed, basePath, !held); err != nil {
 			l.mu.Unlock()
-			if held && isNotExist(err) {
+			if held && errors.Is(err, fs.ErrNotExist) {
 				return fmt.Errorf("base path %s is %w: it held volumes but is gone (%w); the disk meant to be mounted at or above it "+
 					"is probably not mounted. dirpv creates and deletes no volume there until it is back, and carries on by itself then. "+
 					"If the base was removed on purpose, remove %s on this node",
-					basePath, volume.ErrBaseChanged, err, l.records.RecordPath(basePath))
+					basePath, volume.ErrBaseChanged, err, l.Records.RecordPath(basePath))
 			}
-			return fmt.Errorf("%w: %w", errBaseUnusable, err)
+			return fmt.Errorf("%w: %w", ErrUnusable, err)
 		}
 		if l.byBase == nil {
 			l.byBase = map[string]*volume.Root{}
@@ -65,27 +72,27 @@ func (l *localRoots) do(allowed, basePath string, fn func(*volume.Root) error) e
 		l.byBase[basePath] = root
 	}
 	l.mu.Unlock()
-	if l.records != nil {
-		if err := l.records.Check(basePath, root); err != nil {
+	if l.Records != nil {
+		if err := l.Records.Check(basePath, root); err != nil {
 			if errors.Is(err, volume.ErrBaseChanged) {
 				return err
 			}
-			return fmt.Errorf("%w: %w", errBaseUnusable, err)
+			return fmt.Errorf("%w: %w", ErrUnusable, err)
 		}
 	}
 	return fn(root)
 }
 
-// held records that basePath holds a volume, so that it must keep its identity from now on.
-func (l *localRoots) held(basePath string) error {
-	if l.records == nil {
+// Held records that basePath holds a volume, so that it must keep its identity from now on.
+func (l *Bases) Held(basePath string) error {
+	if l.Records == nil {
 		return nil
 	}
-	return l.records.MarkHeld(basePath)
+	return l.Records.MarkHeld(basePath)
 }
 
 // openLocalBase opens basePath beneath allowed, making both first with create.
-func openLocalBase(allowed, basePath string, create bool) (*volume.Root, error) {
+func openBase(allowed, basePath string, create bool) (*volume.Root, error) {
 	if create {
 		if err := os.MkdirAll(allowed, 0o755); err != nil {
 			return nil, fmt.Errorf("create allowed base path: %w", err)
@@ -110,7 +117,8 @@ func openLocalBase(allowed, basePath string, create bool) (*volume.Root, error) 
 	return root, nil
 }
 
-func (l *localRoots) closeAll() {
+// Close closes every base, for shutdown.
+func (l *Bases) Close() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for base, root := range l.byBase {
