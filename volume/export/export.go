@@ -53,7 +53,7 @@ func exportKey(server, share string, options []string) string {
 	return volume.ExportSource(server, share) + " " + strings.Join(opts, ",")
 }
 
-// exports keeps one mount of each NFS export the controller serves, under workDir, unmounts
+// Exports keeps one mount of each NFS export the controller serves, under workDir, unmounts
 // those left unused, and removes deleted volumes in the background (trash.go).
 type Exports struct {
 	mounter mount.Interface
@@ -106,6 +106,8 @@ type export struct {
 	trash               trashQueue
 }
 
+// New returns the exports of a controller that mounts them under workDir with mounter and
+// bounds each call on them by timeout.
 func New(mounter mount.Interface, workDir string, timeout time.Duration) *Exports {
 	bg, stop := context.WithCancel(context.Background())
 	return &Exports{mounter: mounter, workDir: workDir, timeout: timeout, logger: klog.Background(),
@@ -134,7 +136,7 @@ func (e *Exports) get(server, share string, options []string) *export {
 	return ex
 }
 
-// background runs fn in a goroutine that closeAll waits for, unless shutdown began. The
+// background runs fn in a goroutine that Close waits for, unless shutdown began. The
 // caller holds e.mu.
 func (e *Exports) background(wg *sync.WaitGroup, fn func()) bool {
 	if e.closed {
@@ -148,7 +150,7 @@ func (e *Exports) background(wg *sync.WaitGroup, fn func()) bool {
 	return true
 }
 
-// do runs fn on the export's root, mounting the export first if needed. fn runs under the
+// Do runs fn on the export's root, mounting the export first if needed. fn runs under the
 // operation timeout; if the server does not answer, or answers that the mount went stale,
 // the mount is dropped so the next call mounts afresh once the server is back.
 func (e *Exports) Do(ctx context.Context, server, share string, options []string, fn func(*volume.Root) error) error {
@@ -165,7 +167,7 @@ type Ref struct {
 	Options       []string
 }
 
-// doPair runs fn, a copy from one export to another, on the roots of both, a's first,
+// DoPair runs fn, a copy from one export to another, on the roots of both, a's first,
 // mounting them first if needed, under timeout rather than the operation timeout: a copy
 // takes as long as its tree. Mounting is still bounded by the operation timeout. When a and
 // b are one export, fn gets its root twice and the call takes one slot.
@@ -192,7 +194,7 @@ func (e *Exports) DoPair(ctx context.Context, timeout time.Duration, a, b Ref, f
 }
 
 // runOn runs fn on the roots of exs, each mounted first if needed, within the operation
-// timeout; or, if copyTimeout is set, fn is a copy (doPair), which stops when its ctx ends,
+// timeout; or, if copyTimeout is set, fn is a copy (DoPair), which stops when its ctx ends,
 // and gets copyTimeout and the export's copy slots.
 func (e *Exports) runOn(ctx context.Context, copyTimeout time.Duration, exs []*export, fn func(context.Context, []*volume.Root) error) error {
 	e.mu.Lock()

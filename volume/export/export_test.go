@@ -174,15 +174,15 @@ func TestHungUnmountBlocksNeitherSweepNorShutdown(t *testing.T) {
 	e.Close(context.Background())
 	bound := timeout + 2*min(timeout, unmount.LazyTimeout)
 	if d := time.Since(start); d > bound+time.Second {
-		t.Errorf("closeAll took %v with a hung unmount, bound %v", d, bound)
+		t.Errorf("Close took %v with a hung unmount, bound %v", d, bound)
 	}
 	for _, dir := range []string{dead, live} {
 		if isMounted(dir) {
-			t.Errorf("%s is still mounted after closeAll", dir)
+			t.Errorf("%s is still mounted after Close", dir)
 		}
 	}
 	if err := e.Do(context.Background(), "live.example", "/y", nil, noop); !errors.Is(err, errShuttingDown) {
-		t.Errorf("call after closeAll: %v, want errShuttingDown", err)
+		t.Errorf("call after Close: %v, want errShuttingDown", err)
 	}
 }
 
@@ -223,8 +223,8 @@ func TestLazyUnmountLeavesNoMount(t *testing.T) {
 	}
 }
 
-// A background delete that passed its shutdown check just before closeAll acquires its export
-// after closeAll unmounted everything: it is refused, and nothing is mounted again behind
+// A background delete that passed its shutdown check just before Close acquires its export
+// after Close unmounted everything: it is refused, and nothing is mounted again behind
 // shutdown's back.
 func TestNoMountAfterShutdown(t *testing.T) {
 	m := mount.NewFakeMounter(nil)
@@ -236,7 +236,7 @@ func TestNoMountAfterShutdown(t *testing.T) {
 		root.Close()
 	}
 	if !errors.Is(err, errShuttingDown) {
-		t.Errorf("acquire after closeAll: %v, want errShuttingDown", err)
+		t.Errorf("acquire after Close: %v, want errShuttingDown", err)
 	}
 	if mps, _ := m.List(); len(mps) != 0 {
 		t.Errorf("mounts after shutdown: %v, want none", mps)

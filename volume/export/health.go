@@ -89,7 +89,7 @@ func (e *Exports) Healthy(limit time.Duration) error {
 	return nil
 }
 
-// mounted counts the exports mounted under the work dir, as the kernel's mount table has them:
+// Mounted counts the exports mounted under the work dir, as the kernel's mount table has them:
 // the truth, whichever call mounted or dropped them, and readable without waiting on a server.
 func (e *Exports) Mounted() (int, error) {
 	mps, err := e.mounter.List()

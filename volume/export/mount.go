@@ -89,8 +89,8 @@ func (e *Exports) mountLocked(ctx context.Context, ex *export) error {
 			return fmt.Errorf("create mount point: %w", err)
 		}
 		// A background delete checks for shutdown before it acquires the export, without
-		// ex.lock: closeAll may have unmounted everything since. Checked here, under ex.lock,
-		// which closeAll's unmount takes too, no mount starts after that unmount.
+		// ex.lock: Close may have unmounted everything since. Checked here, under ex.lock,
+		// which Close's unmount takes too, no mount starts after that unmount.
 		e.mu.Lock()
 		closed := e.closed
 		e.mu.Unlock()
@@ -234,7 +234,7 @@ func removeMountPoint(logger klog.Logger, dir string) {
 	}
 }
 
-// sweep starts unmounting the exports that nobody used for idle, each in its own goroutine,
+// Sweep starts unmounting the exports that nobody used for idle, each in its own goroutine,
 // so that one whose server is dead holds up neither the others nor the caller.
 func (e *Exports) Sweep(ctx context.Context, idle time.Duration) {
 	logger := klog.FromContext(ctx)
@@ -254,7 +254,7 @@ func (e *Exports) Sweep(ctx context.Context, idle time.Duration) {
 	}
 }
 
-// closeAll unmounts every export, for shutdown; later calls are refused. Background deletes
+// Close unmounts every export, for shutdown; later calls are refused. Background deletes
 // stop at their next step and carry on after a restart. It returns within about the operation
 // timeout plus two lazy unmount timeouts, whatever the servers do.
 func (e *Exports) Close(ctx context.Context) {

@@ -45,10 +45,11 @@ type trashQueue struct {
 	walkers int
 }
 
-// Trash moves the volume rel of owner to the export's trash, as owner's PV name, within the operation timeout and
-// starts removing it in the background. A volume already moved (a retried Delete) is not moved
-// again; its removal is started if it is not under way, for instance after a restart. A
-// directory at rel that belongs to another claim is left alone (volume.Root.OpenVolumeOf).
+// Trash moves the volume rel of owner to the export's trash, named after owner's PV, within
+// the operation timeout and starts removing it in the background. A volume already moved (a
+// retried Delete) is not moved again; its removal is started if it is not under way, for
+// instance after a restart. A directory at rel that belongs to another claim is left alone
+// (volume.Root.OpenVolumeOf).
 func (e *Exports) Trash(ctx context.Context, server, share string, options []string, rel string, owner volume.Claim) error {
 	ex := e.get(server, share, options)
 	var (
@@ -306,7 +307,7 @@ func (e *Exports) step(logger klog.Logger, fn func() error) error {
 	return fn()
 }
 
-// pendingDeletes counts the volumes moved to the trash and not yet removed.
+// PendingDeletes counts the volumes moved to the trash and not yet removed.
 func (e *Exports) PendingDeletes() int {
 	e.mu.Lock()
 	defer e.mu.Unlock()
