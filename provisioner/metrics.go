@@ -145,7 +145,7 @@ func (c *exportsCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(descDeletesPending, prometheus.GaugeValue, float64(c.p.PendingDeletes()))
 	// Left out if the mount table cannot be read: an invalid metric would fail the whole scrape.
-	if n, err := c.p.exports.mounted(); err == nil {
+	if n, err := c.p.exports.Mounted(); err == nil {
 		ch <- prometheus.MustNewConstMetric(descMounted, prometheus.GaugeValue, float64(n))
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/dirpv/dirpv/internal/daemon"
+	"github.com/dirpv/dirpv/provisioner"
 )
 
 const usage = `dirpv turns directories on an NFS export or a node-local path into PersistentVolumes.
@@ -85,7 +86,7 @@ func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfi
 	fs.DurationVar(&prov.OperationTimeout, "operation-timeout", 30*time.Second,
 		"Deadline of each call that can hang on storage: NFS mounts, directory creation and removal on NFS, unmounts.")
 	fs.DurationVar(&prov.Resync, "resync-period", 15*time.Minute, "Informer resync period.")
-	fs.DurationVar(&prov.CloneTimeout, "clone-timeout", daemon.DefaultCloneTimeout,
+	fs.DurationVar(&prov.CloneTimeout, "clone-timeout", provisioner.DefaultCloneTimeout,
 		"Deadline of each copy that starts a volume from a data source (a clone, a restore) or makes a VolumeSnapshot; the copy runs in the background meanwhile, and starts again after it.")
 	fs.DurationVar(&prov.RetryIntervalStart, "retry-interval-start", daemon.DefaultRetryIntervalStart,
 		"Delay before the first retry of a failed provision or delete; it doubles with each failure, up to --retry-interval-max. Retries never stop.")
