@@ -138,6 +138,8 @@ func (p *Provisioner) checkQuota(ctx context.Context, pv *v1.PersistentVolume) {
 		logger.Error(err, "Quota check: bad PV attributes")
 		return
 	}
+	// A base that must be a mount point and is not holds no volume to check (Delete too).
+	attrs.BaseMountPoint = mountPointRequired(pv)
 	// Not beside a resize or Delete of the same volume: a file moved back into a project
 	// that Delete has just released would keep its limit from being cleared.
 	unlock, err := p.lockVolume(ctx, attrs)
