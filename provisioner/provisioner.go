@@ -19,6 +19,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	corelisters "k8s.io/client-go/listers/core/v1"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/klog/v2"
@@ -89,6 +90,12 @@ type Config struct {
 	// nodes (role controller), on claims whose size is not enforced (role node). Nil records
 	// none.
 	Events record.EventRecorder
+	// Volumes lists PVs (role node): the node's quota checks look for its own volumes there.
+	Volumes corelisters.PersistentVolumeLister
+	// QuotaCheckPeriod is how often the node checks its limited local volumes for data
+	// outside their limits, repairs what it can and tells their claims (role node, with
+	// Volumes); 0 disables the checks.
+	QuotaCheckPeriod time.Duration
 }
 
 // Provisioner implements controller.Provisioner, Qualifier and DeletionGuard.
@@ -104,6 +111,8 @@ type Provisioner struct {
 	copies *copyJobs
 	// volumeLocks serialise the creation, resize and deletion of each volume (lockVolume).
 	volumeLocks keyed.Locks[string]
+	// escapes are the node's quota checks' findings (runQuotaChecks).
+	escapes escapeChecks
 
 	// hostname caches nodeHostname's answer once it has one. Only the read and the store are
 	// under the lock, never the API call: a GET that hangs must not hold up the other workers.
@@ -155,8 +164,9 @@ func New(cfg Config) (*Provisioner, error) {
 // DefaultCloneTimeout is the default of Config.CloneTimeout.
 const DefaultCloneTimeout = 6 * time.Hour
 
-// Run unmounts idle NFS exports until ctx is done, then stops the copies under way and
-// releases every mount and directory.
+// Run unmounts idle NFS exports (role controller) or checks local volumes for quota escapes
+// (role node) until ctx is done, then stops the copies under way and releases every mount and
+// directory.
 func (p *Provisioner) Run(ctx context.Context) {
 	defer p.locals.Close()
 	if p.exports != nil {
@@ -169,6 +179,9 @@ func (p *Provisioner) Run(ctx context.Context) {
 		}
 	}()
 	if p.exports == nil {
+		if p.cfg.QuotaCheckPeriod > 0 && p.cfg.Volumes != nil {
+			p.runQuotaChecks(ctx)
+		}
 		<-ctx.Done()
 		return
 	}

@@ -183,6 +183,9 @@ func nodeFlags(fs *flag.FlagSet) func(context.Context) error {
 	fs.BoolVar(&cfg.WatchAllVolumes, "watch-all-volumes", false, "Watch every claim and PV of the cluster, not only those dirpv controller labelled "+
 		"dirpv.io/node=<this node>: for clusters that run no dirpv controller, whose cloning-protection finalizer the node then removes too. "+
 		"Memory and watch traffic then grow with the cluster.")
+	fs.DurationVar(&cfg.QuotaCheckPeriod, "quota-check-period", daemon.DefaultQuotaCheckPeriod,
+		"How often the node walks its limited local volumes for data outside their limits: files a tenant moved out of its volume's XFS or ext4 "+
+			"project quota are moved back, nested btrfs subvolumes are reported; either gets a QuotaEscape event on the claim. 0 disables the checks.")
 	capacity := capacityFlags(fs)
 	fs.StringVar(&capacity.PodName, "pod-name", os.Getenv("POD_NAME"),
 		"Name of the pod this runs in, the owner of the node's CSIStorageCapacity objects (they go with it). Default: $POD_NAME; empty: no owner.")

@@ -737,7 +737,8 @@ func TestRenderE2ELocal(t *testing.T) {
 		t.Error("no error without a port")
 	}
 	// A node on another kernel (test/vm/node) reaches the apiserver at the host's address.
-	out, err = RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, APIServerHost: "192.168.254.1", Image: "ghcr.io/dirpv/dirpv:e2e-1"})
+	out, err = RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, APIServerHost: "192.168.254.1", Image: "ghcr.io/dirpv/dirpv:e2e-1",
+		NodeArgs: []string{"--quota-check-period=5s"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -757,6 +758,10 @@ func TestRenderE2ELocal(t *testing.T) {
 			}
 			seen[e.Name] = true
 		}
+	}
+	// A test's node flags (test/vm/node's quota check period) go at the end of the node's own.
+	if args := container(t, daemonSet(t, objs).Spec.Template.Spec).Args; len(args) < 2 || args[0] != "node" || args[len(args)-1] != "--quota-check-period=5s" {
+		t.Errorf("node args with NodeArgs: %q", args)
 	}
 	if _, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, APIServerHost: "apiserver.local"}); err == nil {
 		t.Error("no error with a host name for APIServerHost")

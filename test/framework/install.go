@@ -70,14 +70,15 @@ func BuildDirpvImage(ctx context.Context) (tarPath, imageName string, err error)
 // InstallImage renders deploy/overlays/e2e-local for the cluster's apiserver (its address and
 // port) with imageName, which the node has already (BuildDirpvImage, imported), applies it
 // and waits up to timeout for the node plugin to register with node's kubelet.
-func InstallImage(ctx context.Context, c *cluster.Cluster, imageName, node string, timeout time.Duration, logf func(string, ...any)) (*Installation, error) {
+// nodeArgs are added to the node plugin's command line.
+func InstallImage(ctx context.Context, c *cluster.Cluster, imageName, node string, timeout time.Duration, logf func(string, ...any), nodeArgs ...string) (*Installation, error) {
 	start := time.Now()
 	kustomize, err := deploy.Tool(ctx, "kustomize", true)
 	if err != nil {
 		return nil, err
 	}
 	manifests, err := deploy.RenderE2ELocal(ctx, kustomize, deploy.E2ELocalOptions{
-		APIServerPort: c.APIServerPort, APIServerHost: c.APIServerHost, Image: imageName})
+		APIServerPort: c.APIServerPort, APIServerHost: c.APIServerHost, Image: imageName, NodeArgs: nodeArgs})
 	if err != nil {
 		return nil, err
 	}
