@@ -326,9 +326,7 @@ func (b *bench) cpuSnapshot() map[string]time.Duration {
 		if p == nil {
 			continue
 		}
-		if pid, err := findPID("--http-address", p.HTTPAddr); err == nil {
-			out["dirpv "+p.Args[0]] += cpuTime(pid)
-		}
+		out["dirpv "+p.Args[0]] += cpuTime(p.Pid())
 	}
 	out["bench"] = cpuTime(os.Getpid())
 	return out
@@ -985,27 +983,23 @@ func (b *bench) rss() error {
 		return err
 	}
 	b.s.Cleanups.Add(func() { floor.Stop(10 * time.Second) })
-	if pid, err := findPID("--http-address", floor.HTTPAddr); err == nil {
-		waitIdle(pid, 10*time.Second)
-		hwm, _ := procStatusKB(pid, "VmHWM")
-		anon, _ := procStatusKB(pid, "RssAnon")
-		file, _ := procStatusKB(pid, "RssFile")
-		b.ms["rss.floor"] = float64(hwm) / 1024
-		secs, _ := residentBySection(pid, b.dirpvBin)
-		note := fmt.Sprintf("%.1f anon + %.1f file-backed (%s)", float64(anon)/1024, float64(file)/1024, sectionsNote(secs))
-		b.add(Row{Name: "floor: dirpv node, CSI only, no API client (VmHWM)", Value: float64(hwm) / 1024, Unit: "MiB",
-			Ref: peerRSSRef, RefValue: peerRSSMiB, Note: note})
-		fmt.Printf("   (floor now: %s)\n", note)
-	}
+	pid := floor.Pid()
+	waitIdle(pid, 10*time.Second)
+	hwm, _ := procStatusKB(pid, "VmHWM")
+	anon, _ := procStatusKB(pid, "RssAnon")
+	file, _ := procStatusKB(pid, "RssFile")
+	b.ms["rss.floor"] = float64(hwm) / 1024
+	secs, _ := residentBySection(pid, b.dirpvBin)
+	note := fmt.Sprintf("%.1f anon + %.1f file-backed (%s)", float64(anon)/1024, float64(file)/1024, sectionsNote(secs))
+	b.add(Row{Name: "floor: dirpv node, CSI only, no API client (VmHWM)", Value: float64(hwm) / 1024, Unit: "MiB",
+		Ref: peerRSSRef, RefValue: peerRSSMiB, Note: note})
+	fmt.Printf("   (floor now: %s)\n", note)
 	floor.Stop(10 * time.Second)
 	// The live Go heap of each process before it has seen a claim or volume.
 	heap0 := map[string]float64{}
 	for _, p := range []*framework.Process{b.node, b.ctrl} {
-		pid, err := findPID("--http-address", p.HTTPAddr)
-		if err != nil {
-			return err
-		}
-		waitIdle(pid, 30*time.Second)
+		waitIdle(p.Pid(), 30*time.Second)
+		var err error
 		if heap0[p.Args[0]], _, err = b.liveHeap(p, "-start"); err != nil {
 			return err
 		}
@@ -1020,10 +1014,7 @@ func (b *bench) rss() error {
 	read := func(what string) error {
 		// Both processes have seen every object once they go idle after the last binding.
 		for _, p := range []*framework.Process{b.node, b.ctrl} {
-			pid, err := findPID("--http-address", p.HTTPAddr)
-			if err != nil {
-				return err
-			}
+			pid := p.Pid()
 			waitIdle(pid, 30*time.Second)
 			hwm, err := procStatusKB(pid, "VmHWM")
 			if err != nil {
@@ -1133,30 +1124,24 @@ func (b *bench) liveHeap(p *framework.Process, suffix string) (live, inuse float
 // its working set, as opposed to the pages only startup touched.
 func (b *bench) binaryWorkingSet() error {
 	procs := []*framework.Process{b.node, b.ctrl}
-	pids := make([]int, len(procs))
-	for i, p := range procs {
-		pid, err := findPID("--http-address", p.HTTPAddr)
-		if err != nil {
+	for _, p := range procs {
+		if err := pageOutBinary(p.Pid()); err != nil {
 			return err
 		}
-		if err := pageOutBinary(pid); err != nil {
-			return err
-		}
-		pids[i] = pid
 	}
 	const n = 20
 	if _, err := b.bulk("rss-ws", "bench-rss", nodeName, n); err != nil {
 		return err
 	}
-	for i, p := range procs {
-		waitIdle(pids[i], 30*time.Second)
+	for _, p := range procs {
+		waitIdle(p.Pid(), 30*time.Second)
 		// A scrape, as Prometheus would do, is part of the steady state.
 		if _, err := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_heap_inuse_bytes"); err != nil {
 			return err
 		}
-		rss, _ := procStatusKB(pids[i], "VmRSS")
-		file, _ := procStatusKB(pids[i], "RssFile")
-		secs, _ := residentBySection(pids[i], b.dirpvBin)
+		rss, _ := procStatusKB(p.Pid(), "VmRSS")
+		file, _ := procStatusKB(p.Pid(), "RssFile")
+		secs, _ := residentBySection(p.Pid(), b.dirpvBin)
 		b.ms["ws."+p.Args[0]] = float64(file) / 1024
 		b.add(Row{Name: fmt.Sprintf("dirpv %s binary working set (file-backed RSS)", p.Args[0]), Value: float64(file) / 1024, Unit: "MiB",
 			Note: fmt.Sprintf("after MADV_PAGEOUT of the binary and %d more claims; VmRSS now %.1f MiB (%s)", n, float64(rss)/1024, sectionsNote(secs))})
@@ -1244,7 +1229,7 @@ func (b *bench) print() {
 	}
 	for _, ph := range rp.Phases {
 		for k := range rp.CPU[ph] {
-			if !contains(names, k) {
+			if !slices.Contains(names, k) {
 				names = append(names, k)
 			}
 		}
@@ -1258,13 +1243,4 @@ func (b *bench) print() {
 		}
 		fmt.Printf("  %-28s %s\n", ph, strings.Join(parts, ", "))
 	}
-}
-
-func contains(ss []string, s string) bool {
-	for _, x := range ss {
-		if x == s {
-			return true
-		}
-	}
-	return false
 }

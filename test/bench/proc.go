@@ -10,7 +10,6 @@ import (
 	"io"
 	"net/http"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -18,45 +17,6 @@ import (
 
 	"golang.org/x/sys/unix"
 )
-
-// findPID returns the PID of the process whose command line has all of args (in any position).
-// The framework does not expose the PIDs of the dirpv processes it starts; each has a unique
-// --http-address, which is what callers pass.
-func findPID(args ...string) (int, error) {
-	ents, err := os.ReadDir("/proc")
-	if err != nil {
-		return 0, err
-	}
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err != nil {
-			continue
-		}
-		fields := strings.Split(string(bytes.TrimRight(b, "\x00")), "\x00")
-		all := true
-		for _, a := range args {
-			found := false
-			for _, f := range fields {
-				if f == a {
-					found = true
-					break
-				}
-			}
-			if !found {
-				all = false
-				break
-			}
-		}
-		if all {
-			return pid, nil
-		}
-	}
-	return 0, fmt.Errorf("no process with arguments %q", args)
-}
 
 // procStatusKB reads a "<key>: <n> kB" line of /proc/<pid>/status (VmHWM, VmRSS).
 func procStatusKB(pid int, key string) (int64, error) {
