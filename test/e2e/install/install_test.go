@@ -140,12 +140,8 @@ func TestDefaultClassIsDirpvLocal(t *testing.T) {
 		t.Errorf("default classes = %v, want [dirpv-local]", defaults)
 	}
 	ns := suite.NewNamespace(t)
-	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, framework.NewClaim(ns, "data", ""), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "w", "data", "echo installed > /data/f", false), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	suite.CreateClaim(t, ns, "data", "")
+	suite.CreatePod(t, suite.BusyboxPod(ns, "w", "data", "echo installed > /data/f", false))
 	dir := volumeDir(t, ns, "data")
 	if !strings.HasPrefix(dir, basePath+"/") {
 		t.Errorf("volume dir %s is not under %s", dir, basePath)
@@ -163,12 +159,8 @@ func TestDefaultClassIsDirpvLocal(t *testing.T) {
 func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
 	ctx := context.Background()
 	ns := suite.NewNamespace(t)
-	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, framework.NewClaim(ns, "data", ""), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "writer", "data", "while true; do date >> /data/log; sleep 1; done", false), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	suite.CreateClaim(t, ns, "data", "")
+	suite.CreatePod(t, suite.BusyboxPod(ns, "writer", "data", "while true; do date >> /data/log; sleep 1; done", false))
 	waitRunning(t, ns, "writer")
 	logFile := filepath.Join(volumeDir(t, ns, "data"), "log")
 	size := readGrows(t, logFile, 0)
