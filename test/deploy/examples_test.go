@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -155,7 +156,7 @@ func TestExamples(t *testing.T) {
 				if bp == "" {
 					bp = "/var/lib/dirpv"
 				}
-				if !contains(nodeMounts, bp) {
+				if !slices.Contains(nodeMounts, bp) {
 					t.Errorf("class %s: basePath %s is not mounted by the node DaemonSet (%v)", sc.Name, bp, nodeMounts)
 				}
 			}
