@@ -271,31 +271,7 @@ func TestDiskMountedUnderRunningPluginIsUsed(t *testing.T) {
 	suite.CreateClass(t, "install-late-disk", map[string]string{"backend": "local", "basePath": late, "capacityEnforcement": "required"})
 	suite.CreateClaim(t, ns, "c", "install-late-disk", framework.Request("16Mi"))
 	// Before the disk goes: the volume is removed from it, not from the directory under it.
-	t.Cleanup(func() {
-		ctx := context.Background()
-		if err := suite.Client.CoreV1().Pods(ns).Delete(ctx, "writer", metav1.DeleteOptions{}); err != nil {
-			t.Errorf("delete pod: %v", err)
-		}
-		if err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "c", metav1.DeleteOptions{}); err != nil {
-			t.Errorf("delete claim: %v", err)
-			return
-		}
-		err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-			pvs, err := suite.Client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
-			if err != nil {
-				return false, err
-			}
-			for _, pv := range pvs.Items {
-				if ref := pv.Spec.ClaimRef; ref != nil && ref.Namespace == ns {
-					return false, fmt.Errorf("PV %s of the claim is %s", pv.Name, pv.Status.Phase)
-				}
-			}
-			return true, nil
-		})
-		if err != nil {
-			t.Error(err)
-		}
-	})
+	t.Cleanup(func() { deletePodAndClaim(t, ns, "writer", "c") })
 	suite.CreatePod(t, suite.BusyboxPod(ns, "writer", "c", `echo on-the-disk > /data/f && sync && echo wrote`, false))
 	if logs := podDone(t, ns, "writer"); !strings.Contains(logs, "wrote") {
 		t.Fatalf("pod printed %q", logs)
