@@ -995,13 +995,10 @@ func (b *bench) rss() error {
 	b.s.Cleanups.Add(func() { floor.Stop(10 * time.Second) })
 	pid := floor.Pid()
 	waitIdle(pid, 10*time.Second)
-	hwm, _ := procStatusKB(pid, "VmHWM")
-	anon, _ := procStatusKB(pid, "RssAnon")
-	file, _ := procStatusKB(pid, "RssFile")
-	b.ms["rss.floor"] = float64(hwm) / 1024
-	secs, _ := residentBySection(pid, b.dirpvBin)
-	note := fmt.Sprintf("%.1f anon + %.1f file-backed (%s)", float64(anon)/1024, float64(file)/1024, sectionsNote(secs))
-	b.add(Row{Name: "floor: dirpv node, CSI only, no API client (VmHWM)", Value: float64(hwm) / 1024, Unit: "MiB",
+	st, _ := procStatus(pid)
+	b.ms["rss.floor"] = st["VmHWM"]
+	note := fmt.Sprintf("%.1f anon + %.1f file-backed (%s)", st["RssAnon"], st["RssFile"], sectionsNote(pid, b.dirpvBin))
+	b.add(Row{Name: "floor: dirpv node, CSI only, no API client (VmHWM)", Value: st["VmHWM"], Unit: "MiB",
 		Ref: peerRSSRef, RefValue: peerRSSMiB, Note: note})
 	fmt.Printf("   (floor now: %s)\n", note)
 	floor.Stop(10 * time.Second)
@@ -1026,27 +1023,23 @@ func (b *bench) rss() error {
 		for _, p := range []*framework.Process{b.node, b.ctrl} {
 			pid := p.Pid()
 			waitIdle(pid, 30*time.Second)
-			hwm, err := procStatusKB(pid, "VmHWM")
+			st, err := procStatus(pid)
 			if err != nil {
 				return err
 			}
-			rss, _ := procStatusKB(pid, "VmRSS")
-			anon, _ := procStatusKB(pid, "RssAnon")
-			file, _ := procStatusKB(pid, "RssFile")
-			secs, _ := residentBySection(pid, b.dirpvBin)
 			live, inuse, err := b.liveHeap(p, "")
 			if err != nil {
 				return err
 			}
 			m, _ := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_stack_inuse_bytes")
-			b.ms["rss."+p.Args[0]+"."+what] = float64(hwm) / 1024
+			b.ms["rss."+p.Args[0]+"."+what] = st["VmHWM"]
 			// What GC tuning costs shows in the CPU time (the processes started with this phase).
 			cpu := cpuTime(pid).Seconds()
 			b.ms["cpu."+p.Args[0]+"."+what] = cpu
 			note := fmt.Sprintf("now %.1f MiB RSS = %.1f anon (Go heap: %.1f live, %.1f in spans; stacks %.1f) + %.1f file-backed (%s); CPU %.2f s since start",
-				float64(rss)/1024, float64(anon)/1024, live/(1<<20), inuse/(1<<20), m["go_memstats_stack_inuse_bytes"]/(1<<20),
-				float64(file)/1024, sectionsNote(secs), cpu)
-			b.add(Row{Name: fmt.Sprintf("dirpv %s peak RSS (VmHWM), %s", p.Args[0], what), Value: float64(hwm) / 1024, Unit: "MiB",
+				st["VmRSS"], st["RssAnon"], live/(1<<20), inuse/(1<<20), m["go_memstats_stack_inuse_bytes"]/(1<<20),
+				st["RssFile"], sectionsNote(pid, b.dirpvBin), cpu)
+			b.add(Row{Name: fmt.Sprintf("dirpv %s peak RSS (VmHWM), %s", p.Args[0], what), Value: st["VmHWM"], Unit: "MiB",
 				Ref: peerRSSRef, RefValue: peerRSSMiB, Note: note})
 			fmt.Printf("   (%s %s)\n", p.Args[0], note)
 			growth := (live - heap0[p.Args[0]]) / (1 << 20)
@@ -1149,12 +1142,10 @@ func (b *bench) binaryWorkingSet() error {
 		if _, err := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_heap_inuse_bytes"); err != nil {
 			return err
 		}
-		rss, _ := procStatusKB(p.Pid(), "VmRSS")
-		file, _ := procStatusKB(p.Pid(), "RssFile")
-		secs, _ := residentBySection(p.Pid(), b.dirpvBin)
-		b.ms["ws."+p.Args[0]] = float64(file) / 1024
-		b.add(Row{Name: fmt.Sprintf("dirpv %s binary working set (file-backed RSS)", p.Args[0]), Value: float64(file) / 1024, Unit: "MiB",
-			Note: fmt.Sprintf("after MADV_PAGEOUT of the binary and %d more claims; VmRSS now %.1f MiB (%s)", n, float64(rss)/1024, sectionsNote(secs))})
+		st, _ := procStatus(p.Pid())
+		b.ms["ws."+p.Args[0]] = st["RssFile"]
+		b.add(Row{Name: fmt.Sprintf("dirpv %s binary working set (file-backed RSS)", p.Args[0]), Value: st["RssFile"], Unit: "MiB",
+			Note: fmt.Sprintf("after MADV_PAGEOUT of the binary and %d more claims; VmRSS now %.1f MiB (%s)", n, st["VmRSS"], sectionsNote(p.Pid(), b.dirpvBin))})
 	}
 	return nil
 }

@@ -326,12 +326,11 @@ var cachedSeries = regexp.MustCompile(`^dirpv_\w*(cache|informer)\w*`)
 // of a heap profile) and what it reports caching.
 func (b *bench) nodeCounts(p *framework.Process) (nodeCount, error) {
 	var c nodeCount
-	hwm, err := procStatusKB(p.Pid(), "VmHWM")
+	st, err := procStatus(p.Pid())
 	if err != nil {
 		return c, err
 	}
-	rss, _ := procStatusKB(p.Pid(), "VmRSS")
-	c.peakMiB, c.rssMiB, c.cpuS = float64(hwm)/1024, float64(rss)/1024, cpuTime(p.Pid()).Seconds()
+	c.peakMiB, c.rssMiB, c.cpuS = st["VmHWM"], st["VmRSS"], cpuTime(p.Pid()).Seconds()
 	if _, err := saveHeapProfile("http://"+p.HTTPAddr, filepath.Join(b.s.Work.LogDir, p.Name+".heap.pprof")); err != nil {
 		return c, err
 	}
@@ -401,8 +400,8 @@ func (b *bench) apiServerLoad() (watches, rssMiB float64, err error) {
 	watches = sumSamples(string(raw), "apiserver_longrunning_requests", `verb="WATCH"`)
 	for _, p := range b.s.Cluster.Procs {
 		if p.Name == "kube-apiserver" {
-			kb, err := procStatusKB(p.PID, "VmRSS")
-			return watches, float64(kb) / 1024, err
+			st, err := procStatus(p.PID)
+			return watches, st["VmRSS"], err
 		}
 	}
 	return 0, 0, errors.New("no kube-apiserver process")
