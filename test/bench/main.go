@@ -482,7 +482,7 @@ func (b *bench) deleteAll(ns, class string, idealDeleter bool, done func() (bool
 		return 0, err
 	}
 	err = waitFor(b.ctx, pw.changed, *flagTimeout, func() (bool, string) {
-		left := pw.count()
+		left := pw.count("")
 		if left > 0 {
 			return false, fmt.Sprintf("%d PVs of class %s for claims in %s left", left, class, ns)
 		}
@@ -515,14 +515,7 @@ func (b *bench) ceilingBulk() error {
 	})
 	if err == nil {
 		err = waitFor(b.ctx, pw.changed, *flagTimeout, func() (bool, string) {
-			pw.mu.Lock()
-			defer pw.mu.Unlock()
-			avail := 0
-			for _, ph := range pw.pvs {
-				if ph == v1.VolumeAvailable {
-					avail++
-				}
-			}
+			avail := pw.count(v1.VolumeAvailable)
 			return avail == n, fmt.Sprintf("%d of %d PVs Available", avail, n)
 		})
 	}
