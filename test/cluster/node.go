@@ -559,6 +559,7 @@ func buildBusyboxImage(ctx context.Context, tmpDir, tarPath string) error {
 	return image.WriteOCITar(tarPath, BusyboxImage, files, image.Config{Cmd: []string{"sh"}})
 }
 
+// tail returns the last n lines of s.
 func tail(s string, n int) string {
 	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
 	if len(lines) > n {
