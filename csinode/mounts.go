@@ -11,6 +11,8 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 	"k8s.io/mount-utils"
+
+	"github.com/dirpv/dirpv/internal/unmount"
 )
 
 // The mount table (/proc/mounts through mount.Interface.List) is read instead of stat-ing
@@ -129,34 +131,19 @@ func (d *Driver) unmountOnce(ctx context.Context, scope *opScope, target string)
 	return d.forceUnmount(ctx, scope, target)
 }
 
-// lazyUnmountTimeout bounds the final MNT_DETACH, which only detaches the mount from the tree
-// and does not wait for the file system.
-const lazyUnmountTimeout = 10 * time.Second
-
 // forceUnmount is the last resort: umount -f (which aborts outstanding NFS requests) and,
-// failing that, a lazy unmount.
+// failing that, a lazy unmount (unmount.ForceThenLazy).
 func (d *Driver) forceUnmount(ctx context.Context, scope *opScope, target string) error {
-	logger := klog.FromContext(ctx)
+	var force func() error
 	if fu, ok := d.mounter.(mount.MounterForceUnmounter); ok {
-		err := scope.call(ctx, "forced unmount "+target, func() error {
-			return fu.UnmountWithForce(target, d.opts.OperationTimeout/2)
+		force = func() error { return fu.UnmountWithForce(target, d.opts.OperationTimeout/2) }
+	}
+	_, err := unmount.ForceThenLazy(ctx, target, force, scope.timeout, min(d.opts.OperationTimeout, unmount.LazyTimeout),
+		func(ctx context.Context, timeout time.Duration, what string, fn func() error) error {
+			return scope.withTimeout(timeout).call(ctx, what, fn)
 		})
-		if err == nil {
-			return nil
-		}
-		logger.Info("Forced unmount failed; detaching lazily", "target", target, "reason", err)
-	}
-	// The lazy unmount must happen even when the caller's deadline has passed: it is what keeps
-	// a dead server's mount from outliving the pod.
-	lazy := scope.withTimeout(min(d.opts.OperationTimeout, lazyUnmountTimeout))
-	err := lazy.call(context.WithoutCancel(ctx), "lazy unmount "+target, func() error {
-		return unix.Unmount(target, unix.MNT_DETACH)
-	})
-	if errors.Is(err, unix.EINVAL) {
-		return nil // not a mount point any more: an earlier attempt got through after all
-	}
 	if err != nil {
-		return fmt.Errorf("lazy unmount of %s: %w", target, err)
+		return fmt.Errorf("unmount of %s: %w", target, err)
 	}
 	return nil
 }

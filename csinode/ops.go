@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"sync"
 	"time"
+
+	"github.com/dirpv/dirpv/internal/blocking"
 )
 
 // keyedLock serialises operations per key (volume ID and target path), so that kubelet
@@ -88,28 +90,27 @@ func (s *opScope) call(ctx context.Context, what string, fn func() error) error 
 	return runBounded(ctx, s.timeout, what, &s.pending, &s.late, fn)
 }
 
+// runBounded runs fn through blocking.Go, waiting at most timeout; wg, if set, tracks fn to its
+// end, and late, if set, counts it when the caller stopped waiting first.
 func runBounded(ctx context.Context, timeout time.Duration, what string, wg *sync.WaitGroup, late *int, fn func() error) error {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	done := make(chan error, 1)
 	if wg != nil {
 		wg.Add(1)
 	}
-	go func() {
+	returned, err := blocking.Go(ctx, func() error {
 		if wg != nil {
 			defer wg.Done()
 		}
-		done <- fn()
-	}()
-	select {
-	case err := <-done:
-		return err
-	case <-ctx.Done():
+		return fn()
+	})
+	if !returned {
 		if late != nil {
 			*late++
 		}
 		return &timeoutError{what: what, err: ctx.Err()}
 	}
+	return err
 }
 
 // release gives the key back, at once if every call finished, otherwise when the last one does.

@@ -59,7 +59,7 @@ func TestLocalBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 			}
 			t.Cleanup(func() {
 				if mounted {
-					f.node.locals.closeAll()
+					f.node.locals.Close()
 					unix.Unmount(mnt, unix.MNT_DETACH)
 				}
 			})

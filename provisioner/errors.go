@@ -7,18 +7,17 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/dirpv/dirpv/volume/local"
 )
 
 func isNotExist(err error) bool { return errors.Is(err, fs.ErrNotExist) }
-
-// errBaseUnusable marks a local base path that could not be created or opened on this node.
-var errBaseUnusable = errors.New("base path unusable")
 
 // isNodeLocalFailure reports whether a local provision failed because of this node's disk:
 // full, over quota, read-only, or a base path that cannot be created or written. Such a
 // failure says nothing about other nodes.
 func isNodeLocalFailure(err error) bool {
-	for _, target := range []error{errBaseUnusable, unix.ENOSPC, unix.EDQUOT, unix.EROFS, unix.EACCES, unix.EPERM} {
+	for _, target := range []error{local.ErrUnusable, unix.ENOSPC, unix.EDQUOT, unix.EROFS, unix.EACCES, unix.EPERM} {
 		if errors.Is(err, target) {
 			return true
 		}

@@ -41,7 +41,7 @@ func Instrument(p *Provisioner, reg prometheus.Registerer) controller.Provisione
 			Buckets: operationBuckets,
 		}, []string{"backend", "result"}),
 	}
-	reg.MustRegister(in.provision, in.delete, &exportsCollector{p: p}, &copiesCollector{p: p})
+	reg.MustRegister(in.provision, in.delete, &exportsCollector{p: p}, &copiesCollector{p: p}, &escapesCollector{p: p})
 	return in
 }
 
@@ -111,6 +111,16 @@ var (
 	descDeletesPending = prometheus.NewDesc("dirpv_nfs_deletes_pending",
 		"Deleted NFS volumes whose trees are still being removed in the background (in .dirpv-trash).",
 		nil, nil)
+	descQuotaEscapes = prometheus.NewDesc("dirpv_quota_escapes",
+		"What the last quota check of each of this node's limited local volumes found outside the volume's limit, summed, by kind of limit: "+
+			"project (files and directories moved out of the volume's XFS or ext4 project quota, moved back since) and btrfs (nested subvolumes). 0 on a controller.",
+		[]string{"kind"}, nil)
+	descQuotaRepairs = prometheus.NewDesc("dirpv_quota_escape_repairs_total",
+		"Files and directories this node's quota checks moved back into their volume's project quota.",
+		nil, nil)
+	descQuotaPasses = prometheus.NewDesc("dirpv_quota_checks_total",
+		"Passes of this node's quota checks (--quota-check-period) that checked every limited local volume of the node.",
+		nil, nil)
 	descCopiesRunning = prometheus.NewDesc("dirpv_copies_running",
 		"Copies that start new volumes from data sources (clones, restores) running now, cancelled ones included until they have stopped and removed what they copied.",
 		nil, nil)
@@ -145,7 +155,7 @@ func (c *exportsCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(descDeletesPending, prometheus.GaugeValue, float64(c.p.PendingDeletes()))
 	// Left out if the mount table cannot be read: an invalid metric would fail the whole scrape.
-	if n, err := c.p.exports.mounted(); err == nil {
+	if n, err := c.p.exports.Mounted(); err == nil {
 		ch <- prometheus.MustNewConstMetric(descMounted, prometheus.GaugeValue, float64(n))
 	}
 }
@@ -157,4 +167,22 @@ func (c *copiesCollector) Describe(ch chan<- *prometheus.Desc) { ch <- descCopie
 
 func (c *copiesCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descCopiesRunning, prometheus.GaugeValue, float64(c.p.copies.active.Load()))
+}
+
+// escapesCollector reads the node's quota check findings at scrape time.
+type escapesCollector struct{ p *Provisioner }
+
+func (c *escapesCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descQuotaEscapes
+	ch <- descQuotaRepairs
+	ch <- descQuotaPasses
+}
+
+func (c *escapesCollector) Collect(ch chan<- prometheus.Metric) {
+	q := c.p.QuotaChecks()
+	for kind, n := range q.Found {
+		ch <- prometheus.MustNewConstMetric(descQuotaEscapes, prometheus.GaugeValue, float64(n), string(kind))
+	}
+	ch <- prometheus.MustNewConstMetric(descQuotaRepairs, prometheus.CounterValue, float64(q.Repaired))
+	ch <- prometheus.MustNewConstMetric(descQuotaPasses, prometheus.CounterValue, float64(q.Passes))
 }

@@ -8,6 +8,7 @@ import (
 	v1 "k8s.io/api/core/v1"
 
 	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/local"
 )
 
 // BasePathMountPoint is what a local class asks of its base path: whether a file system must
@@ -62,10 +63,10 @@ func mountPointRequired(pv *v1.PersistentVolume) bool {
 // allowed base through a hostPath volume, a bind mount that is a mount point in the pod
 // whether or not the host has the disk mounted there, so the check could never fail there.
 // Beneath it, the pod sees the host's mounts as the host does (HostToContainer).
-func (l *localRoots) doMounted(allowed, basePath string, fn func(*volume.Root) error) error {
+func doMounted(l *local.Bases, allowed, basePath string, fn func(*volume.Root) error) error {
 	rel, err := filepath.Rel(allowed, basePath)
 	if err != nil {
-		return fmt.Errorf("%w: base path %s beneath %s: %w", errBaseUnusable, basePath, allowed, err)
+		return fmt.Errorf("%w: base path %s beneath %s: %w", local.ErrUnusable, basePath, allowed, err)
 	}
 	if rel == "." {
 		return &notMountedError{fmt.Sprintf("base path %s must be a mount point (%s: %s), but it is the allowed base path itself, "+
@@ -73,7 +74,7 @@ func (l *localRoots) doMounted(allowed, basePath string, fn func(*volume.Root) e
 			"on the host. Mount the disk at a directory beneath %s and name that directory as the class's %s",
 			basePath, ParamBasePathMountPoint, MountPointRequired, allowed, ParamBasePath)}
 	}
-	checked, err := openLocalBase(allowed, basePath, false)
+	checked, err := local.OpenBase(allowed, basePath, false)
 	if isNotExist(err) {
 		return &notMountedError{fmt.Sprintf("base path %s must be a mount point (%s: %s), but it does not exist (%v): "+
 			"the disk meant to be mounted there is probably not mounted. dirpv creates and deletes no volume there until it is, "+
@@ -81,15 +82,15 @@ func (l *localRoots) doMounted(allowed, basePath string, fn func(*volume.Root) e
 			basePath, ParamBasePathMountPoint, MountPointRequired, err, basePath)}
 	}
 	if err != nil {
-		return fmt.Errorf("%w: %w", errBaseUnusable, err)
+		return fmt.Errorf("%w: %w", local.ErrUnusable, err)
 	}
 	defer checked.Close()
 	if err := checkMountPoint(checked); err != nil {
 		return err
 	}
-	return l.do(allowed, basePath, func(root *volume.Root) error {
+	return l.Do(allowed, basePath, func(root *volume.Root) error {
 		if same, err := root.SameDirectory(checked); err != nil {
-			return fmt.Errorf("%w: %w", errBaseUnusable, err)
+			return fmt.Errorf("%w: %w", local.ErrUnusable, err)
 		} else if !same {
 			// Mounted or unmounted between the two looks: the next attempt sees which.
 			return &notMountedError{fmt.Sprintf("base path %s changed while it was checked for a mount point: "+
@@ -103,7 +104,7 @@ func (l *localRoots) doMounted(allowed, basePath string, fn func(*volume.Root) e
 func checkMountPoint(root *volume.Root) error {
 	mounted, err := root.IsMountPoint()
 	if err != nil {
-		return fmt.Errorf("%w: %w", errBaseUnusable, err)
+		return fmt.Errorf("%w: %w", local.ErrUnusable, err)
 	}
 	if !mounted {
 		return &notMountedError{fmt.Sprintf("base path %s must be a mount point (%s: %s), but no file system is mounted there: "+

@@ -53,7 +53,7 @@ func TestBasePathThatMustBeAMountPoint(t *testing.T) {
 	}
 	t.Cleanup(func() {
 		if mounted {
-			f.node.locals.closeAll()
+			f.node.locals.Close()
 			unix.Unmount(mnt, unix.MNT_DETACH)
 		}
 	})
@@ -82,7 +82,7 @@ func TestBasePathThatMustBeAMountPoint(t *testing.T) {
 	if got := listTree(t, mnt); len(got) != 0 {
 		t.Errorf("the directory underneath the disk holds %v, want nothing", got)
 	}
-	if _, err := os.Stat(f.node.locals.records.RecordPath(mnt)); !errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(f.node.locals.Records.RecordPath(mnt)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("record of the base: %v, want none: the directory underneath must not be adopted", err)
 	}
 	resp, err := f.node.GetCapacity(ctx, &csi.GetCapacityRequest{Parameters: class.Parameters})

@@ -6,6 +6,7 @@ import (
 	"unicode"
 
 	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/export"
 )
 
 // DefaultPathPattern names each volume after its claim and PV, so a directory is unique to
@@ -145,7 +146,7 @@ func (p *pattern) expand(v pathVars) (string, error) {
 		}
 		if strings.HasPrefix(comp, volume.ReservedPrefix) {
 			return "", fmt.Errorf("pathPattern component %s %w (volume records, volumes being made, and %s, which holds deleted volumes)",
-				volume.Quote(comp), volume.ErrReservedName, trashDir)
+				volume.Quote(comp), volume.ErrReservedName, export.TrashDir)
 		}
 		if len(comp) > volume.MaxComponentLength {
 			return "", fmt.Errorf("pathPattern component expands to %d bytes, more than the %d a directory name may have",

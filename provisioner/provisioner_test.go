@@ -642,7 +642,7 @@ func TestProvisionNFSMountsOnceAndEmitsSelfDescribingPV(t *testing.T) {
 	}
 
 	// Idle exports are unmounted, in the background.
-	f.ctrl.exports.sweep(context.Background(), -1)
+	f.ctrl.exports.Sweep(context.Background(), -1)
 	eventually(t, 5*time.Second, func() (bool, string) {
 		mps, _ := f.mounter.List()
 		return len(mps) == 0, fmt.Sprintf("still mounted after idle sweep: %+v", mps)
@@ -735,7 +735,7 @@ func (f *fixture) mountForTest(source, fstype string, flags uintptr, data string
 	}
 	dir := f.base
 	f.t.Cleanup(func() {
-		f.node.locals.closeAll()
+		f.node.locals.Close()
 		if err := unix.Unmount(dir, 0); err != nil {
 			f.t.Errorf("unmount %s: %v", dir, err)
 		}

@@ -18,6 +18,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/export"
 )
 
 // PublishesCapacity says whether this instance publishes CSIStorageCapacity for the class:
@@ -99,7 +100,7 @@ func (p *Provisioner) GetCapacity(ctx context.Context, req *csi.GetCapacityReque
 		return &csi.GetCapacityResponse{AvailableCapacity: 0}, nil
 	case errors.Is(err, volume.ErrBaseNotAllowed):
 		return nil, status.Error(codes.PermissionDenied, err.Error())
-	case errors.Is(err, errExportUnresponsive):
+	case errors.Is(err, export.ErrUnresponsive):
 		return nil, status.Errorf(codes.Unavailable, "free space of %s: %v", storeName(attrs), err)
 	case err != nil:
 		return nil, status.Errorf(codes.FailedPrecondition, "free space of %s: %v", storeName(attrs), err)

@@ -17,12 +17,18 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/dirpv/dirpv/volume/export"
+	"github.com/dirpv/dirpv/volume/export/exporttest"
 )
 
+// eventually polls until a condition holds (exporttest.Eventually).
+var eventually = exporttest.Eventually
+
 // trashFixture is a controller Provisioner on a stand-in NFS export (a tmpfs, bind-mounted by
-// bindMounter as the controller's mount), with a class on it.
+// exporttest.BindMounter as the controller's mount), with a class on it.
 type trashFixture struct {
-	m       *bindMounter
+	m       *exporttest.BindMounter
 	src     string
 	work    string
 	class   *storagev1.StorageClass
@@ -32,8 +38,8 @@ type trashFixture struct {
 
 func newTrashFixture(t *testing.T, timeout time.Duration) *trashFixture {
 	t.Helper()
-	f := &trashFixture{m: newBindMounter(t), work: t.TempDir(), timeout: timeout}
-	f.src = f.m.export(t, "nfs.example", "/export")
+	f := &trashFixture{m: exporttest.NewBindMounter(t), work: t.TempDir(), timeout: timeout}
+	f.src = f.m.Export(t, "nfs.example", "/export")
 	// tmpfs keeps 100k files off the shared disk.
 	if err := unix.Mount("tmpfs", f.src, "tmpfs", 0, "size=512m"); err != nil {
 		t.Fatal(err)
@@ -105,7 +111,7 @@ func fill(t *testing.T, dir string, files int) {
 
 func (f *trashFixture) trashEntries(t *testing.T) []string {
 	t.Helper()
-	entries, err := os.ReadDir(filepath.Join(f.src, trashDir))
+	entries, err := os.ReadDir(filepath.Join(f.src, export.TrashDir))
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		t.Fatal(err)
 	}
@@ -131,7 +137,7 @@ func TestLargeNFSDeleteReturnsAtOnce(t *testing.T) {
 
 	// Hold the walk, so that it outlasts the operation timeout whatever the machine's speed.
 	release := make(chan struct{})
-	p.exports.beforeStep = func() { <-release }
+	p.exports.HoldSteps(func() { <-release })
 	start := time.Now()
 	if err := p.Delete(context.Background(), pv); err != nil {
 		t.Fatalf("Delete: %v", err)
@@ -150,11 +156,7 @@ func TestLargeNFSDeleteReturnsAtOnce(t *testing.T) {
 	}
 	// The export keeps serving claims while the tree waits for its removal.
 	f.provision(t, p, "meanwhile")
-	removalsStarted := func() int {
-		p.exports.mu.Lock()
-		defer p.exports.mu.Unlock()
-		return p.exports.removals
-	}
+	removalsStarted := p.exports.RemovalsStarted
 	// The walk runs on a goroutine of its own: wait until it has started (and is held), so
 	// that a second walk, if the retry below started one, could not be mistaken for the first.
 	eventually(t, 30*time.Second, func() (bool, string) {
@@ -179,7 +181,7 @@ func TestLargeNFSDeleteReturnsAtOnce(t *testing.T) {
 		return len(got) == 0 && p.PendingDeletes() == 0, fmt.Sprintf("trash %v, %d pending", got, p.PendingDeletes())
 	})
 	t.Logf("%d files removed %v after Delete returned", files, time.Since(start).Round(time.Millisecond))
-	if n := f.m.mounts.Load(); n != 1 {
+	if n := f.m.Mounts.Load(); n != 1 {
 		t.Errorf("export mounted %d times, want once: the walk must not make it look dead", n)
 	}
 }
@@ -193,11 +195,11 @@ func TestTrashResumedAfterRestart(t *testing.T) {
 	pv := f.provision(t, first, "old")
 	fill(t, filepath.Join(f.src, pv.Spec.CSI.VolumeAttributes["path"]), 3000)
 	// The first controller's walk never gets going: it stops for shutdown instead.
-	first.exports.beforeStep = func() { <-first.exports.bg.Done() }
+	first.exports.HoldSteps(func() { <-first.exports.ShuttingDown() })
 	if err := first.Delete(context.Background(), pv); err != nil {
 		t.Fatal(err)
 	}
-	first.exports.closeAll(context.Background())
+	first.exports.Close(context.Background())
 	if got := f.trashEntries(t); len(got) != 1 {
 		t.Fatalf("trash after the first controller stopped: %v, want the deleted volume", got)
 	}
@@ -212,12 +214,12 @@ func TestTrashResumedAfterRestart(t *testing.T) {
 
 // No pathPattern can name a volume after dirpv's own directories.
 func TestPatternCannotProduceTrash(t *testing.T) {
-	for _, pat := range []string{trashDir, trashDir + "/${pv.metadata.name}", ".dirpv-x-${pv.metadata.name}", "${pvc.metadata.annotations['dir']}"} {
+	for _, pat := range []string{export.TrashDir, export.TrashDir + "/${pv.metadata.name}", ".dirpv-x-${pv.metadata.name}", "${pvc.metadata.annotations['dir']}"} {
 		p, err := parsePattern(pat)
 		if err != nil {
 			t.Fatalf("parse %q: %v", pat, err)
 		}
-		got, err := p.expand(pathVars{namespace: "ns", pvcName: "c", pvName: "pv", annotations: map[string]string{"dir": trashDir}})
+		got, err := p.expand(pathVars{namespace: "ns", pvcName: "c", pvName: "pv", annotations: map[string]string{"dir": export.TrashDir}})
 		if err == nil {
 			t.Errorf("pattern %q expands to %q, want it refused", pat, got)
 		}

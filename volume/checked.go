@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"os"
 	"path"
 	"strings"
 
@@ -40,15 +41,12 @@ type Volume struct {
 // exactly it. It fails with an error wrapping os.ErrNotExist if rel does not exist, and
 // ErrNotDirectory if it, or a component on the way, is no directory (a symlink included).
 func (r *Root) OpenVolume(rel string) (*Volume, error) {
-	if _, err := CleanRelPath(rel); err != nil {
-		return nil, err
-	}
-	parent, name := split(rel)
-	parentFd, err := r.openDir(parent, unix.O_PATH)
+	parentFd, name, err := r.parentOf(rel)
 	if err != nil {
 		return nil, err
 	}
 	defer unix.Close(parentFd)
+	parent, _ := split(rel)
 	// Readable, not O_PATH: the marker is an attribute of the directory itself where it can be.
 	fd, err := r.openChild(parentFd, name, rel)
 	if err != nil {
@@ -212,4 +210,36 @@ func (v *Volume) isAt(dirFd int, name, where string) (bool, error) {
 		return false, err
 	}
 	return !m.marked || (m.marked == v.marker.marked && m.owner == v.marker.owner), nil
+}
+
+// OpenVolumeOf opens the volume directory at rel and refuses it if its marker names another
+// claim than owner: a stale PV's Delete, retried after its directory was removed and made anew
+// for another claim of a pattern without ${pv.metadata.name}, must not destroy that claim's
+// data. Directories that name no claim (made before markers recorded owners) are owner's. It
+// returns nil if nothing is at rel, and an error wrapping ErrNotDirectory if what is
+// there is no directory. The caller acts on the directory returned, never on rel again:
+// another directory may have taken that name since (ErrReplaced).
+func (r *Root) OpenVolumeOf(rel string, owner Claim) (*Volume, error) {
+	vol, err := r.OpenVolume(rel)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	if !vol.OwnedBy(owner) {
+		vol.Close()
+		return nil, fmt.Errorf("directory %s now belongs to another claim's volume, not to this PV's claim; leaving it alone", rel)
+	}
+	return vol, nil
+}
+
+// OwnedBy reports whether v's marker names c, by its UID if c has one, else by its PV's
+// name, or no claim at all.
+func (v *Volume) OwnedBy(c Claim) bool {
+	got, _ := v.Owner()
+	if c.UID != "" {
+		return got.UID == "" || got.UID == c.UID
+	}
+	return got.UID == "" || got.PVName == c.PVName
 }

@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // A removal in steps removes no more than each step's budget, carries on where the last step
@@ -59,70 +61,6 @@ func TestRemovalInSteps(t *testing.T) {
 	}
 	if _, err := os.Stat("/etc/hostname"); err != nil {
 		t.Errorf("symlink target touched: %v", err)
-	}
-}
-
-// Move takes a volume out of its parent into another directory beneath the root, refuses to
-// replace anything there, and never follows a symlink planted as the destination directory.
-func TestMoveStaysBeneathRoot(t *testing.T) {
-	r, base := newRoot(t)
-	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755}, Claim{UID: "uid-vol", PVName: "pv-vol"}); err != nil {
-		t.Fatal(err)
-	}
-	if err := r.Mkdir(".trash", 0o700); err != nil {
-		t.Fatal(err)
-	}
-	outside := t.TempDir()
-	if err := os.Symlink(outside, filepath.Join(base, "evil")); err != nil {
-		t.Fatal(err)
-	}
-	if err := moveVolume(r, "ns/vol", "evil", "vol"); !errors.Is(err, ErrNotDirectory) {
-		t.Errorf("Move into a symlinked directory: %v, want ErrNotDirectory", err)
-	}
-	if err := r.Mkdir("evil", 0o700); !errors.Is(err, ErrNotDirectory) {
-		t.Errorf("Mkdir over a symlink: %v, want ErrNotDirectory", err)
-	}
-	if err := moveVolume(r, "ns/vol", "../x", "vol"); err == nil {
-		t.Error("Move to a directory outside the root succeeded")
-	}
-	if err := os.Mkdir(filepath.Join(base, ".trash", "taken"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := moveVolume(r, "ns/vol", ".trash", "taken"); err == nil {
-		t.Error("Move over an existing entry succeeded")
-	}
-	if err := moveVolume(r, "ns/vol", ".trash", "pv-1"); err != nil {
-		t.Fatal(err)
-	}
-	if names, err := r.List(".trash"); err != nil || len(names) != 2 {
-		t.Errorf("trash holds %v (%v), want taken and pv-1", names, err)
-	}
-	if _, err := os.Stat(filepath.Join(base, "ns/vol")); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("ns/vol after Move: %v, want it gone", err)
-	}
-	if entries, _ := os.ReadDir(outside); len(entries) != 0 {
-		t.Errorf("directory behind the symlink got %v", entries)
-	}
-}
-
-// A duplicated handle keeps working after the original is closed, on the same directory.
-func TestDupOutlivesClose(t *testing.T) {
-	base := t.TempDir()
-	r, err := OpenRoot(base)
-	if err != nil {
-		t.Fatal(err)
-	}
-	d, err := r.Dup()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	r.Close()
-	if _, err := d.MkdirAll("vol", Owner{Mode: 0o755}, Claim{UID: "uid-vol", PVName: "pv-vol"}); err != nil {
-		t.Fatalf("MkdirAll on the duplicate after the original closed: %v", err)
-	}
-	if _, err := os.Stat(filepath.Join(base, "vol")); err != nil {
-		t.Errorf("directory made through the duplicate is not in the base: %v", err)
 	}
 }
 
@@ -183,4 +121,77 @@ func TestRemovalHoldsAtMostOneBatchOfNames(t *testing.T) {
 		t.Errorf("vol after the removal: %v, want it gone", err)
 	}
 	t.Logf("at most %d names held at once", most)
+}
+
+func TestRemoveAllDeepTree(t *testing.T) {
+	r, base := newRoot(t)
+	if _, err := r.MkdirAll("vol", Owner{Mode: 0o755}, claimA); err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(base, "vol")
+	for i := 0; i < 300; i++ {
+		if err := os.WriteFile(filepath.Join(dir, "f"+string(rune('a'+i%26))+string(rune('a'+i/26))), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deep := filepath.Join(dir, "a/b/c/d")
+	if err := os.MkdirAll(deep, 0o500); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(filepath.Join(dir, "a"), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.RemoveAll("vol"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(dir); !os.IsNotExist(err) {
+		t.Errorf("volume still there: %v", err)
+	}
+}
+
+// A mount inside a volume (a pod's bind mount, or one a tenant arranged) stops the removal:
+// crossing it could delete data that is not the volume's.
+func TestRemoveAllStopsAtMountPoints(t *testing.T) {
+	r, base := newRoot(t)
+	if _, err := r.MkdirAll("vol/mnt", Owner{Mode: 0o755}, claimA); err != nil {
+		t.Fatal(err)
+	}
+	other := t.TempDir()
+	if err := os.WriteFile(filepath.Join(other, "data"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	mnt := filepath.Join(base, "vol/mnt")
+	if err := unix.Mount("tmpfs", mnt, "tmpfs", 0, ""); err != nil {
+		t.Fatalf("mount tmpfs: %v", err)
+	}
+	t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
+	if err := os.WriteFile(filepath.Join(mnt, "data"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.RemoveAll("vol"); err == nil {
+		t.Fatal("RemoveAll crossed a mount point")
+	}
+	if _, err := os.Stat(filepath.Join(mnt, "data")); err != nil {
+		t.Errorf("file on the other file system was removed: %v", err)
+	}
+
+	// A bind mount of a directory on the same file system is a mount point too.
+	if err := unix.Unmount(mnt, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.MkdirAll("other", Owner{Mode: 0o755}, claimA); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(base, "other/keep"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount(filepath.Join(base, "other"), mnt, "", unix.MS_BIND, ""); err != nil {
+		t.Fatalf("bind mount: %v", err)
+	}
+	if err := r.RemoveAll("vol"); err == nil {
+		t.Fatal("RemoveAll crossed a same-file-system bind mount")
+	}
+	if _, err := os.Stat(filepath.Join(base, "other/keep")); err != nil {
+		t.Errorf("file behind the bind mount was removed: %v", err)
+	}
 }

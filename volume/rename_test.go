@@ -3,6 +3,8 @@ package volume
 import (
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"runtime"
 	"sync"
 	"testing"
@@ -162,5 +164,72 @@ func TestRenameLockIsPerTarget(t *testing.T) {
 	}
 	if n := locks.Users(stuck); n != 0 {
 		t.Fatalf("%d holders of the target after every rename ended", n)
+	}
+}
+
+func TestRenameStaysInParent(t *testing.T) {
+	r, base := newRoot(t)
+	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755}, claimA); err != nil {
+		t.Fatal(err)
+	}
+	for _, bad := range []string{"../x", "a/b", "..", ""} {
+		if err := renameVolume(r, "ns/vol", bad); err == nil {
+			t.Errorf("Rename to %q succeeded", bad)
+		}
+	}
+	if _, err := r.MkdirAll("ns/taken", Owner{Mode: 0o755}, claimA); err != nil {
+		t.Fatal(err)
+	}
+	if err := renameVolume(r, "ns/vol", "taken"); err == nil {
+		t.Error("Rename over an existing directory succeeded")
+	}
+	if err := renameVolume(r, "ns/vol", "archived-vol"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(base, "ns/archived-vol")); err != nil {
+		t.Errorf("archived directory missing: %v", err)
+	}
+}
+
+// Move takes a volume out of its parent into another directory beneath the root, refuses to
+// replace anything there, and never follows a symlink planted as the destination directory.
+func TestMoveStaysBeneathRoot(t *testing.T) {
+	r, base := newRoot(t)
+	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755}, Claim{UID: "uid-vol", PVName: "pv-vol"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Mkdir(".trash", 0o700); err != nil {
+		t.Fatal(err)
+	}
+	outside := t.TempDir()
+	if err := os.Symlink(outside, filepath.Join(base, "evil")); err != nil {
+		t.Fatal(err)
+	}
+	if err := moveVolume(r, "ns/vol", "evil", "vol"); !errors.Is(err, ErrNotDirectory) {
+		t.Errorf("Move into a symlinked directory: %v, want ErrNotDirectory", err)
+	}
+	if err := r.Mkdir("evil", 0o700); !errors.Is(err, ErrNotDirectory) {
+		t.Errorf("Mkdir over a symlink: %v, want ErrNotDirectory", err)
+	}
+	if err := moveVolume(r, "ns/vol", "../x", "vol"); err == nil {
+		t.Error("Move to a directory outside the root succeeded")
+	}
+	if err := os.Mkdir(filepath.Join(base, ".trash", "taken"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := moveVolume(r, "ns/vol", ".trash", "taken"); err == nil {
+		t.Error("Move over an existing entry succeeded")
+	}
+	if err := moveVolume(r, "ns/vol", ".trash", "pv-1"); err != nil {
+		t.Fatal(err)
+	}
+	if names, err := r.List(".trash"); err != nil || len(names) != 2 {
+		t.Errorf("trash holds %v (%v), want taken and pv-1", names, err)
+	}
+	if _, err := os.Stat(filepath.Join(base, "ns/vol")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("ns/vol after Move: %v, want it gone", err)
+	}
+	if entries, _ := os.ReadDir(outside); len(entries) != 0 {
+		t.Errorf("directory behind the symlink got %v", entries)
 	}
 }

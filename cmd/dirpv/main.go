@@ -15,6 +15,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/dirpv/dirpv/internal/daemon"
+	"github.com/dirpv/dirpv/provisioner"
 )
 
 const usage = `dirpv turns directories on an NFS export or a node-local path into PersistentVolumes.
@@ -85,7 +86,7 @@ func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfi
 	fs.DurationVar(&prov.OperationTimeout, "operation-timeout", 30*time.Second,
 		"Deadline of each call that can hang on storage: NFS mounts, directory creation and removal on NFS, unmounts.")
 	fs.DurationVar(&prov.Resync, "resync-period", 15*time.Minute, "Informer resync period.")
-	fs.DurationVar(&prov.CloneTimeout, "clone-timeout", daemon.DefaultCloneTimeout,
+	fs.DurationVar(&prov.CloneTimeout, "clone-timeout", provisioner.DefaultCloneTimeout,
 		"Deadline of each copy that starts a volume from a data source (a clone, a restore) or makes a VolumeSnapshot; the copy runs in the background meanwhile, and starts again after it.")
 	fs.DurationVar(&prov.RetryIntervalStart, "retry-interval-start", daemon.DefaultRetryIntervalStart,
 		"Delay before the first retry of a failed provision or delete; it doubles with each failure, up to --retry-interval-max. Retries never stop.")
@@ -182,6 +183,9 @@ func nodeFlags(fs *flag.FlagSet) func(context.Context) error {
 	fs.BoolVar(&cfg.WatchAllVolumes, "watch-all-volumes", false, "Watch every claim and PV of the cluster, not only those dirpv controller labelled "+
 		"dirpv.io/node=<this node>: for clusters that run no dirpv controller, whose cloning-protection finalizer the node then removes too. "+
 		"Memory and watch traffic then grow with the cluster.")
+	fs.DurationVar(&cfg.QuotaCheckPeriod, "quota-check-period", daemon.DefaultQuotaCheckPeriod,
+		"How often the node walks its limited local volumes for data outside their limits: files a tenant moved out of its volume's XFS or ext4 "+
+			"project quota are moved back, nested btrfs subvolumes are reported; either gets a QuotaEscape event on the claim. 0 disables the checks.")
 	capacity := capacityFlags(fs)
 	fs.StringVar(&capacity.PodName, "pod-name", os.Getenv("POD_NAME"),
 		"Name of the pod this runs in, the owner of the node's CSIStorageCapacity objects (they go with it). Default: $POD_NAME; empty: no owner.")

@@ -152,9 +152,6 @@ func retryLimiter(cfg ProvisionerConfig) workqueue.TypedRateLimiter[string] {
 	)
 }
 
-// DefaultCloneTimeout is the default of ProvisionerConfig.CloneTimeout.
-const DefaultCloneTimeout = provisioner.DefaultCloneTimeout
-
 // ControllerConfig configures `dirpv controller`.
 type ControllerConfig struct {
 	Kube        KubeConfig

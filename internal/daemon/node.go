@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"strings"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/informers"
@@ -44,10 +45,16 @@ type NodeConfig struct {
 	// AllowedBasePaths are the host directories at or beneath which local volumes may live:
 	// the plugin mounts no other, and the node's provisioner creates no other.
 	AllowedBasePaths []string
+	// QuotaCheckPeriod is how often the node checks its limited local volumes for data outside
+	// their limits (provisioner.Config.QuotaCheckPeriod); 0 disables the checks.
+	QuotaCheckPeriod time.Duration
 	// StateDir is the node's own directory for what the node's provisioner remembers across
 	// restarts: which file system each local base is (provisioner.Config.StateDir).
 	StateDir string
 }
+
+// DefaultQuotaCheckPeriod is the default of NodeConfig.QuotaCheckPeriod.
+const DefaultQuotaCheckPeriod = provisioner.DefaultQuotaCheckPeriod
 
 // DefaultBasePath is the base of local classes that name none, and so the default allowed one.
 const DefaultBasePath = provisioner.DefaultBasePath
@@ -111,6 +118,8 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			Classes:          factory.Storage().V1().StorageClasses().Lister(),
 			OperationTimeout: cfg.Provisioner.OperationTimeout,
 			CloneTimeout:     cfg.Provisioner.CloneTimeout,
+			Volumes:          factory.Core().V1().PersistentVolumes().Lister(),
+			QuotaCheckPeriod: cfg.QuotaCheckPeriod,
 		})
 		if err != nil {
 			return err

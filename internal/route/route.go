@@ -24,6 +24,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
 
 	"github.com/dirpv/dirpv/provisioner"
 )
@@ -85,7 +86,7 @@ func New(client kubernetes.Interface, driver string, timeout time.Duration,
 			return
 		}
 		for _, claim := range all {
-			if ptrValue(claim.Spec.StorageClassName) == class.Name {
+			if ptr.Deref(claim.Spec.StorageClassName, "") == class.Name {
 				claimChanged(claim)
 			}
 		}
@@ -178,7 +179,7 @@ func (c *Controller) sync(ctx context.Context, k key) error {
 
 // claimPatch returns the patch the claim needs, or nil.
 func (c *Controller) claimPatch(claim *v1.PersistentVolumeClaim) []byte {
-	class, err := c.classes.Get(ptrValue(claim.Spec.StorageClassName))
+	class, err := c.classes.Get(ptr.Deref(claim.Spec.StorageClassName, ""))
 	if err != nil {
 		return nil
 	}
@@ -206,11 +207,4 @@ func volumePatch(pv *v1.PersistentVolume, driver string) []byte {
 func labelPatch(value string) []byte {
 	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]string{provisioner.LabelNode: value}}})
 	return patch
-}
-
-func ptrValue(s *string) string {
-	if s == nil {
-		return ""
-	}
-	return *s
 }

@@ -3,7 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
-	"sort"
+	"slices"
 	"sync"
 	"time"
 
@@ -321,21 +321,12 @@ func watchPVs(ctx context.Context, c kubernetes.Interface, class, ns string, del
 		},
 	})
 	if deleteReleased {
-		for i := 0; i < createParallelism; i++ {
-			go func() {
-				for {
-					select {
-					case <-w.stop:
-						return
-					case name := <-released:
-						err := c.CoreV1().PersistentVolumes().Delete(context.Background(), name, metav1.DeleteOptions{})
-						if err != nil && !apierrors.IsNotFound(err) {
-							fmt.Printf("ideal deleter: delete PV %s: %v\n", name, err)
-						}
-					}
-				}
-			}()
-		}
+		workers(w.stop, released, func(name string) {
+			err := c.CoreV1().PersistentVolumes().Delete(context.Background(), name, metav1.DeleteOptions{})
+			if err != nil && !apierrors.IsNotFound(err) {
+				fmt.Printf("ideal deleter: delete PV %s: %v\n", name, err)
+			}
+		})
 	}
 	f.Start(w.stop)
 	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
@@ -347,10 +338,33 @@ func watchPVs(ctx context.Context, c kubernetes.Interface, class, ns string, del
 
 func (w *pvWatch) Stop() { close(w.stop) }
 
-func (w *pvWatch) count() int {
+// count is how many of the PVs are in phase; "": how many there are.
+func (w *pvWatch) count(phase v1.PersistentVolumePhase) int {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return len(w.pvs)
+	n := 0
+	for _, ph := range w.pvs {
+		if phase == "" || ph == phase {
+			n++
+		}
+	}
+	return n
+}
+
+// workers calls fn for each item of todo in createParallelism goroutines until stop closes.
+func workers[T any](stop <-chan struct{}, todo <-chan T, fn func(T)) {
+	for range createParallelism {
+		go func() {
+			for {
+				select {
+				case <-stop:
+					return
+				case item := <-todo:
+					fn(item)
+				}
+			}
+		}()
+	}
 }
 
 // idealProvisioner is the ceiling of external provisioning: it watches claims of its class
@@ -381,23 +395,14 @@ func startIdealProvisioner(ctx context.Context, c kubernetes.Interface, provisio
 		todo <- pvc
 	}
 	inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: see, UpdateFunc: func(_, n any) { see(n) }})
-	for i := 0; i < createParallelism; i++ {
-		go func() {
-			for {
-				select {
-				case <-p.stop:
-					return
-				case pvc := <-todo:
-					pv := staticPV("pvc-"+string(pvc.UID), *pvc.Spec.StorageClassName, pvc.Namespace, pvc.Name, v1.PersistentVolumeReclaimDelete)
-					pv.Spec.ClaimRef.UID = pvc.UID
-					pv.Annotations = map[string]string{"pv.kubernetes.io/provisioned-by": provisioner}
-					if _, err := c.CoreV1().PersistentVolumes().Create(context.Background(), pv, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-						fmt.Printf("ideal provisioner: create PV for %s: %v\n", pvc.Name, err)
-					}
-				}
-			}
-		}()
-	}
+	workers(p.stop, todo, func(pvc *v1.PersistentVolumeClaim) {
+		pv := staticPV("pvc-"+string(pvc.UID), *pvc.Spec.StorageClassName, pvc.Namespace, pvc.Name, v1.PersistentVolumeReclaimDelete)
+		pv.Spec.ClaimRef.UID = pvc.UID
+		pv.Annotations = map[string]string{"pv.kubernetes.io/provisioned-by": provisioner}
+		if _, err := c.CoreV1().PersistentVolumes().Create(context.Background(), pv, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			fmt.Printf("ideal provisioner: create PV for %s: %v\n", pvc.Name, err)
+		}
+	})
 	f.Start(p.stop)
 	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
 		close(p.stop)
@@ -413,14 +418,6 @@ func percentile(ds []time.Duration, p float64) time.Duration {
 	if len(ds) == 0 {
 		return 0
 	}
-	s := append([]time.Duration(nil), ds...)
-	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
-	idx := int(p/100*float64(len(s))+0.999999) - 1
-	if idx < 0 {
-		idx = 0
-	}
-	if idx >= len(s) {
-		idx = len(s) - 1
-	}
-	return s[idx]
+	s := slices.Sorted(slices.Values(ds))
+	return s[min(max(int(p/100*float64(len(s))+0.999999)-1, 0), len(s)-1)]
 }

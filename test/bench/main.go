@@ -326,9 +326,7 @@ func (b *bench) cpuSnapshot() map[string]time.Duration {
 		if p == nil {
 			continue
 		}
-		if pid, err := findPID("--http-address", p.HTTPAddr); err == nil {
-			out["dirpv "+p.Args[0]] += cpuTime(pid)
-		}
+		out["dirpv "+p.Args[0]] += cpuTime(p.Pid())
 	}
 	out["bench"] = cpuTime(os.Getpid())
 	return out
@@ -484,7 +482,7 @@ func (b *bench) deleteAll(ns, class string, idealDeleter bool, done func() (bool
 		return 0, err
 	}
 	err = waitFor(b.ctx, pw.changed, *flagTimeout, func() (bool, string) {
-		left := pw.count()
+		left := pw.count("")
 		if left > 0 {
 			return false, fmt.Sprintf("%d PVs of class %s for claims in %s left", left, class, ns)
 		}
@@ -517,14 +515,7 @@ func (b *bench) ceilingBulk() error {
 	})
 	if err == nil {
 		err = waitFor(b.ctx, pw.changed, *flagTimeout, func() (bool, string) {
-			pw.mu.Lock()
-			defer pw.mu.Unlock()
-			avail := 0
-			for _, ph := range pw.pvs {
-				if ph == v1.VolumeAvailable {
-					avail++
-				}
-			}
+			avail := pw.count(v1.VolumeAvailable)
 			return avail == n, fmt.Sprintf("%d of %d PVs Available", avail, n)
 		})
 	}
@@ -563,9 +554,7 @@ func (b *bench) ceilingLatency() error {
 	if err != nil {
 		return err
 	}
-	b.ms["ceil.p50"], b.ms["ceil.p95"] = ms(percentile(ds, 50)), ms(percentile(ds, 95))
-	b.add(Row{Name: "ceiling: single claim create->Bound p50", Value: b.ms["ceil.p50"], Unit: "ms"})
-	b.add(Row{Name: "ceiling: single claim create->Bound p95", Value: b.ms["ceil.p95"], Unit: "ms"})
+	b.latencyRows("ceil", "ceiling: single claim create->Bound", ds, "")
 	return nil
 }
 
@@ -596,9 +585,7 @@ func (b *bench) idealExternal() error {
 	if err != nil {
 		return err
 	}
-	b.ms["ideal.p50"], b.ms["ideal.p95"] = ms(percentile(ds, 50)), ms(percentile(ds, 95))
-	b.add(Row{Name: "ideal external provisioner, WFFC: single claim p50", Value: b.ms["ideal.p50"], Unit: "ms", Ref: "ceiling", RefValue: b.ms["ceil.p50"]})
-	b.add(Row{Name: "ideal external provisioner, WFFC: single claim p95", Value: b.ms["ideal.p95"], Unit: "ms", Ref: "ceiling", RefValue: b.ms["ceil.p95"]})
+	b.latencyRows("ideal", "ideal external provisioner, WFFC: single claim", ds, "")
 	if *flagNFS && (len(b.only) == 0 || b.only["nfs"]) {
 		// Immediate binding, like dirpv's NFS claims.
 		d, err := b.bulk("ideal-imm", "bench-ideal-imm", "", *flagN)
@@ -708,12 +695,26 @@ func (b *bench) localLatency() error {
 	}
 	fmt.Printf("   (mean lib provisioning op (event+Provision+PV create) %.1f ms, of it dirpv's Provision %.1f ms)\n",
 		meanMS(libBefore, b.provisionStats()), meanMS(ownBefore, b.histogramStats(dirpvProvision)))
-	b.ms["local.p50"], b.ms["local.p95"] = ms(percentile(ds, 50)), ms(percentile(ds, 95))
-	b.add(Row{Name: "dirpv local: single claim create->Bound p50", Value: b.ms["local.p50"], Unit: "ms", Ref: "ceiling", RefValue: b.ms["ceil.p50"],
-		Note: fmt.Sprintf("%.2fx ideal external", b.ms["local.p50"]/b.ms["ideal.p50"])})
-	b.add(Row{Name: "dirpv local: single claim create->Bound p95", Value: b.ms["local.p95"], Unit: "ms", Ref: "ceiling", RefValue: b.ms["ceil.p95"],
-		Note: fmt.Sprintf("%.2fx ideal external", b.ms["local.p95"]/b.ms["ideal.p95"])})
+	b.latencyRows("local", "dirpv local: single claim create->Bound", ds, "ideal")
 	return nil
+}
+
+// latencyRows records the p50 and p95 of ds as figures key.p50 and key.p95 and adds their rows,
+// against the ceiling's but for the ceiling itself, and noting the ratio to vs's if set.
+func (b *bench) latencyRows(key, name string, ds []time.Duration, vs string) {
+	for _, q := range []float64{50, 95} {
+		p := fmt.Sprintf("p%.0f", q)
+		v := ms(percentile(ds, q))
+		b.ms[key+"."+p] = v
+		r := Row{Name: name + " " + p, Value: v, Unit: "ms"}
+		if key != "ceil" {
+			r.Ref, r.RefValue = "ceiling", b.ms["ceil."+p]
+		}
+		if vs != "" {
+			r.Note = fmt.Sprintf("%.2fx ideal external", v/b.ms[vs+"."+p])
+		}
+		b.add(r)
+	}
 }
 
 func (b *bench) localDeletion() error {
@@ -985,27 +986,20 @@ func (b *bench) rss() error {
 		return err
 	}
 	b.s.Cleanups.Add(func() { floor.Stop(10 * time.Second) })
-	if pid, err := findPID("--http-address", floor.HTTPAddr); err == nil {
-		waitIdle(pid, 10*time.Second)
-		hwm, _ := procStatusKB(pid, "VmHWM")
-		anon, _ := procStatusKB(pid, "RssAnon")
-		file, _ := procStatusKB(pid, "RssFile")
-		b.ms["rss.floor"] = float64(hwm) / 1024
-		secs, _ := residentBySection(pid, b.dirpvBin)
-		note := fmt.Sprintf("%.1f anon + %.1f file-backed (%s)", float64(anon)/1024, float64(file)/1024, sectionsNote(secs))
-		b.add(Row{Name: "floor: dirpv node, CSI only, no API client (VmHWM)", Value: float64(hwm) / 1024, Unit: "MiB",
-			Ref: peerRSSRef, RefValue: peerRSSMiB, Note: note})
-		fmt.Printf("   (floor now: %s)\n", note)
-	}
+	pid := floor.Pid()
+	waitIdle(pid, 10*time.Second)
+	st, _ := procStatus(pid)
+	b.ms["rss.floor"] = st["VmHWM"]
+	note := fmt.Sprintf("%.1f anon + %.1f file-backed (%s)", st["RssAnon"], st["RssFile"], sectionsNote(pid, b.dirpvBin))
+	b.add(Row{Name: "floor: dirpv node, CSI only, no API client (VmHWM)", Value: st["VmHWM"], Unit: "MiB",
+		Ref: peerRSSRef, RefValue: peerRSSMiB, Note: note})
+	fmt.Printf("   (floor now: %s)\n", note)
 	floor.Stop(10 * time.Second)
 	// The live Go heap of each process before it has seen a claim or volume.
 	heap0 := map[string]float64{}
 	for _, p := range []*framework.Process{b.node, b.ctrl} {
-		pid, err := findPID("--http-address", p.HTTPAddr)
-		if err != nil {
-			return err
-		}
-		waitIdle(pid, 30*time.Second)
+		waitIdle(p.Pid(), 30*time.Second)
+		var err error
 		if heap0[p.Args[0]], _, err = b.liveHeap(p, "-start"); err != nil {
 			return err
 		}
@@ -1020,32 +1014,25 @@ func (b *bench) rss() error {
 	read := func(what string) error {
 		// Both processes have seen every object once they go idle after the last binding.
 		for _, p := range []*framework.Process{b.node, b.ctrl} {
-			pid, err := findPID("--http-address", p.HTTPAddr)
-			if err != nil {
-				return err
-			}
+			pid := p.Pid()
 			waitIdle(pid, 30*time.Second)
-			hwm, err := procStatusKB(pid, "VmHWM")
+			st, err := procStatus(pid)
 			if err != nil {
 				return err
 			}
-			rss, _ := procStatusKB(pid, "VmRSS")
-			anon, _ := procStatusKB(pid, "RssAnon")
-			file, _ := procStatusKB(pid, "RssFile")
-			secs, _ := residentBySection(pid, b.dirpvBin)
 			live, inuse, err := b.liveHeap(p, "")
 			if err != nil {
 				return err
 			}
 			m, _ := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_stack_inuse_bytes")
-			b.ms["rss."+p.Args[0]+"."+what] = float64(hwm) / 1024
+			b.ms["rss."+p.Args[0]+"."+what] = st["VmHWM"]
 			// What GC tuning costs shows in the CPU time (the processes started with this phase).
 			cpu := cpuTime(pid).Seconds()
 			b.ms["cpu."+p.Args[0]+"."+what] = cpu
 			note := fmt.Sprintf("now %.1f MiB RSS = %.1f anon (Go heap: %.1f live, %.1f in spans; stacks %.1f) + %.1f file-backed (%s); CPU %.2f s since start",
-				float64(rss)/1024, float64(anon)/1024, live/(1<<20), inuse/(1<<20), m["go_memstats_stack_inuse_bytes"]/(1<<20),
-				float64(file)/1024, sectionsNote(secs), cpu)
-			b.add(Row{Name: fmt.Sprintf("dirpv %s peak RSS (VmHWM), %s", p.Args[0], what), Value: float64(hwm) / 1024, Unit: "MiB",
+				st["VmRSS"], st["RssAnon"], live/(1<<20), inuse/(1<<20), m["go_memstats_stack_inuse_bytes"]/(1<<20),
+				st["RssFile"], sectionsNote(pid, b.dirpvBin), cpu)
+			b.add(Row{Name: fmt.Sprintf("dirpv %s peak RSS (VmHWM), %s", p.Args[0], what), Value: st["VmHWM"], Unit: "MiB",
 				Ref: peerRSSRef, RefValue: peerRSSMiB, Note: note})
 			fmt.Printf("   (%s %s)\n", p.Args[0], note)
 			growth := (live - heap0[p.Args[0]]) / (1 << 20)
@@ -1133,33 +1120,25 @@ func (b *bench) liveHeap(p *framework.Process, suffix string) (live, inuse float
 // its working set, as opposed to the pages only startup touched.
 func (b *bench) binaryWorkingSet() error {
 	procs := []*framework.Process{b.node, b.ctrl}
-	pids := make([]int, len(procs))
-	for i, p := range procs {
-		pid, err := findPID("--http-address", p.HTTPAddr)
-		if err != nil {
+	for _, p := range procs {
+		if err := pageOutBinary(p.Pid()); err != nil {
 			return err
 		}
-		if err := pageOutBinary(pid); err != nil {
-			return err
-		}
-		pids[i] = pid
 	}
 	const n = 20
 	if _, err := b.bulk("rss-ws", "bench-rss", nodeName, n); err != nil {
 		return err
 	}
-	for i, p := range procs {
-		waitIdle(pids[i], 30*time.Second)
+	for _, p := range procs {
+		waitIdle(p.Pid(), 30*time.Second)
 		// A scrape, as Prometheus would do, is part of the steady state.
 		if _, err := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_heap_inuse_bytes"); err != nil {
 			return err
 		}
-		rss, _ := procStatusKB(pids[i], "VmRSS")
-		file, _ := procStatusKB(pids[i], "RssFile")
-		secs, _ := residentBySection(pids[i], b.dirpvBin)
-		b.ms["ws."+p.Args[0]] = float64(file) / 1024
-		b.add(Row{Name: fmt.Sprintf("dirpv %s binary working set (file-backed RSS)", p.Args[0]), Value: float64(file) / 1024, Unit: "MiB",
-			Note: fmt.Sprintf("after MADV_PAGEOUT of the binary and %d more claims; VmRSS now %.1f MiB (%s)", n, float64(rss)/1024, sectionsNote(secs))})
+		st, _ := procStatus(p.Pid())
+		b.ms["ws."+p.Args[0]] = st["RssFile"]
+		b.add(Row{Name: fmt.Sprintf("dirpv %s binary working set (file-backed RSS)", p.Args[0]), Value: st["RssFile"], Unit: "MiB",
+			Note: fmt.Sprintf("after MADV_PAGEOUT of the binary and %d more claims; VmRSS now %.1f MiB (%s)", n, st["VmRSS"], sectionsNote(p.Pid(), b.dirpvBin))})
 	}
 	return nil
 }
@@ -1188,22 +1167,21 @@ func (b *bench) goals() {
 		}
 		b.report.Goals = append(b.report.Goals, Goal{What: what, Target: target, Actual: actual, Met: met})
 	}
-	r := b.ms["local.bulk"] / b.ms["ceil.bulk"]
-	g(fmt.Sprintf("%d local claims create->Bound vs ceiling", *flagN), "<= 1.2x", r, r <= 1.2)
-	{
-		r = b.ms["nfs.bulk"] / b.ms["ceil.bulk"]
-		g(fmt.Sprintf("%d NFS claims (bind-mounted export) create->Bound vs ceiling", *flagN), "<= 1.2x", r, r <= 1.2)
+	for _, r := range []struct {
+		what, num, den string
+		limit          float64
+	}{
+		{fmt.Sprintf("%d local claims create->Bound vs ceiling", *flagN), "local.bulk", "ceil.bulk", 1.2},
+		{fmt.Sprintf("%d NFS claims (bind-mounted export) create->Bound vs ceiling", *flagN), "nfs.bulk", "ceil.bulk", 1.2},
+		{fmt.Sprintf("%d local claims with size limits vs without (btrfs)", *flagN), "limits.bulk.limit", "limits.bulk.nolimit", 1.1},
+		{"single local claim p50 with size limits vs without (btrfs)", "limits.p50.limit", "limits.p50.nolimit", 1.1},
+		{"single local claim p50 vs ceiling", "local.p50", "ceil.p50", 1.2},
+		{"publish+unpublish p50 vs bare bind mount (mount-utils)", "pub.p50", "mu.p50", 3},
+		{"publish+unpublish p50 vs bare bind mount (mount(2))", "pub.p50", "sys.p50", 3},
+	} {
+		ratio := b.ms[r.num] / b.ms[r.den]
+		g(r.what, fmt.Sprintf("<= %gx", r.limit), ratio, ratio <= r.limit)
 	}
-	r = b.ms["limits.bulk.limit"] / b.ms["limits.bulk.nolimit"]
-	g(fmt.Sprintf("%d local claims with size limits vs without (btrfs)", *flagN), "<= 1.1x", r, r <= 1.1)
-	r = b.ms["limits.p50.limit"] / b.ms["limits.p50.nolimit"]
-	g("single local claim p50 with size limits vs without (btrfs)", "<= 1.1x", r, r <= 1.1)
-	r = b.ms["local.p50"] / b.ms["ceil.p50"]
-	g("single local claim p50 vs ceiling", "<= 1.2x", r, r <= 1.2)
-	r = b.ms["pub.p50"] / b.ms["mu.p50"]
-	g("publish+unpublish p50 vs bare bind mount (mount-utils)", "<= 3x", r, r <= 3)
-	r = b.ms["pub.p50"] / b.ms["sys.p50"]
-	g("publish+unpublish p50 vs bare bind mount (mount(2))", "<= 3x", r, r <= 3)
 	if mem := b.report.Memory; mem != nil {
 		for _, proc := range []string{"controller", "node"} {
 			heap := mem[proc+"HeapGrowthMiBPer1000PVs"]
@@ -1244,7 +1222,7 @@ func (b *bench) print() {
 	}
 	for _, ph := range rp.Phases {
 		for k := range rp.CPU[ph] {
-			if !contains(names, k) {
+			if !slices.Contains(names, k) {
 				names = append(names, k)
 			}
 		}
@@ -1258,13 +1236,4 @@ func (b *bench) print() {
 		}
 		fmt.Printf("  %-28s %s\n", ph, strings.Join(parts, ", "))
 	}
-}
-
-func contains(ss []string, s string) bool {
-	for _, x := range ss {
-		if x == s {
-			return true
-		}
-	}
-	return false
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -325,12 +326,11 @@ var cachedSeries = regexp.MustCompile(`^dirpv_\w*(cache|informer)\w*`)
 // of a heap profile) and what it reports caching.
 func (b *bench) nodeCounts(p *framework.Process) (nodeCount, error) {
 	var c nodeCount
-	hwm, err := procStatusKB(p.Pid(), "VmHWM")
+	st, err := procStatus(p.Pid())
 	if err != nil {
 		return c, err
 	}
-	rss, _ := procStatusKB(p.Pid(), "VmRSS")
-	c.peakMiB, c.rssMiB, c.cpuS = float64(hwm)/1024, float64(rss)/1024, cpuTime(p.Pid()).Seconds()
+	c.peakMiB, c.rssMiB, c.cpuS = st["VmHWM"], st["VmRSS"], cpuTime(p.Pid()).Seconds()
 	if _, err := saveHeapProfile("http://"+p.HTTPAddr, filepath.Join(b.s.Work.LogDir, p.Name+".heap.pprof")); err != nil {
 		return c, err
 	}
@@ -400,8 +400,8 @@ func (b *bench) apiServerLoad() (watches, rssMiB float64, err error) {
 	watches = sumSamples(string(raw), "apiserver_longrunning_requests", `verb="WATCH"`)
 	for _, p := range b.s.Cluster.Procs {
 		if p.Name == "kube-apiserver" {
-			kb, err := procStatusKB(p.PID, "VmRSS")
-			return watches, float64(kb) / 1024, err
+			st, err := procStatus(p.PID)
+			return watches, st["VmRSS"], err
 		}
 	}
 	return 0, 0, errors.New("no kube-apiserver process")
@@ -437,7 +437,7 @@ func (b *bench) addNodesRows(r nodesResult) {
 	b.add(Row{Name: pre + "node peak RSS, median", Value: r.PeakMed, Unit: "MiB", Note: fmt.Sprintf("max %.1f", r.PeakMax)})
 	b.add(Row{Name: pre + "node RSS now, median", Value: r.RSSMed, Unit: "MiB", Note: fmt.Sprintf("max %.1f", r.RSSMax)})
 	b.add(Row{Name: pre + "node Go heap in use, median", Value: r.HeapMed, Unit: "MiB", Note: fmt.Sprintf("max %.1f", r.HeapMax)})
-	for _, series := range sortedKeys(r.Cached) {
+	for _, series := range slices.Sorted(maps.Keys(r.Cached)) {
 		b.add(Row{Name: pre + series + ", median", Value: r.Cached[series], Unit: "",
 			Note: fmt.Sprintf("max %.0f; %.0f over all nodes, for %d claims", r.CachedMax[series], r.CachedTotal[series], r.Claims)})
 	}
@@ -458,15 +458,6 @@ func sum(m map[string]float64) float64 {
 	return s
 }
 
-func sortedKeys(m map[string]float64) []string {
-	ks := make([]string, 0, len(m))
-	for k := range m {
-		ks = append(ks, k)
-	}
-	sort.Strings(ks)
-	return ks
-}
-
 // printNodesTable prints the scaling table: one line per N.
 func printNodesTable(rs []nodesResult) {
 	fmt.Printf("\n   simulated nodes (%d claims per node; per node instance: median / max over the nodes)\n", *flagNodeClaims)
@@ -476,7 +467,7 @@ func printNodesTable(rs []nodesResult) {
 		fmt.Printf("   | %5d | %6d | %5.1f / %5.1f | %5.1f / %5.1f | %5.1f / %5.1f | %4.1f / %4.1f | %7.0f (%5.1f)   | %5.0f (+%4.0f) | %7.1f | %9.1f |\n",
 			r.N, r.Claims, r.PeakMed, r.PeakMax, r.RSSMed, r.RSSMax, r.HeapMed, r.HeapMax, r.CPUMed, r.CPUMax,
 			r.Watches, (r.Watches-r.WatchesBefore)/float64(r.N), r.APIRSSMiB, r.APIRSSMiB-r.APIRSSBefore, r.APICPU, r.ClaimsPerS)
-		for _, series := range sortedKeys(r.Cached) {
+		for _, series := range slices.Sorted(maps.Keys(r.Cached)) {
 			fmt.Printf("   |       |        | %s median %.0f, max %.0f, %.0f over all nodes\n", series, r.Cached[series], r.CachedMax[series], r.CachedTotal[series])
 		}
 	}

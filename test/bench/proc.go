@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"debug/elf"
 	"encoding/binary"
@@ -10,7 +9,6 @@ import (
 	"io"
 	"net/http"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -19,64 +17,26 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// findPID returns the PID of the process whose command line has all of args (in any position).
-// The framework does not expose the PIDs of the dirpv processes it starts; each has a unique
-// --http-address, which is what callers pass.
-func findPID(args ...string) (int, error) {
-	ents, err := os.ReadDir("/proc")
+// procStatus reads the "<key>: <n> kB" lines of /proc/<pid>/status (VmHWM, VmRSS, RssAnon,
+// RssFile), in MiB.
+func procStatus(pid int) (map[string]float64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err != nil {
-			continue
-		}
-		fields := strings.Split(string(bytes.TrimRight(b, "\x00")), "\x00")
-		all := true
-		for _, a := range args {
-			found := false
-			for _, f := range fields {
-				if f == a {
-					found = true
-					break
-				}
-			}
-			if !found {
-				all = false
-				break
+	out := map[string]float64{}
+	for _, line := range strings.Split(string(b), "\n") {
+		key, rest, _ := strings.Cut(line, ":")
+		if f := strings.Fields(rest); len(f) == 2 && f[1] == "kB" {
+			if kb, err := strconv.ParseInt(f[0], 10, 64); err == nil {
+				out[key] = float64(kb) / 1024
 			}
 		}
-		if all {
-			return pid, nil
-		}
 	}
-	return 0, fmt.Errorf("no process with arguments %q", args)
-}
-
-// procStatusKB reads a "<key>: <n> kB" line of /proc/<pid>/status (VmHWM, VmRSS).
-func procStatusKB(pid int, key string) (int64, error) {
-	f, err := os.Open(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		return 0, err
+	if _, ok := out["VmHWM"]; !ok {
+		return nil, fmt.Errorf("/proc/%d/status has no VmHWM", pid)
 	}
-	defer f.Close()
-	s := bufio.NewScanner(f)
-	for s.Scan() {
-		line := s.Text()
-		if rest, ok := strings.CutPrefix(line, key+":"); ok {
-			fs := strings.Fields(rest)
-			if len(fs) == 0 {
-				break
-			}
-			return strconv.ParseInt(fs[0], 10, 64)
-		}
-	}
-	return 0, fmt.Errorf("/proc/%d/status has no %s", pid, key)
+	return out, nil
 }
 
 // cpuTime is the user+system CPU time a process used so far.
@@ -185,8 +145,10 @@ type sectionRSS struct {
 	Size, Resident uint64
 }
 
-// sectionsNote formats residentBySection's result, e.g. ".text 12.8/25.9 MiB, ...".
-func sectionsNote(secs []sectionRSS) string {
+// sectionsNote formats residentBySection's result for process pid and the binary at path,
+// e.g. ".text 12.8/25.9 MiB, ...".
+func sectionsNote(pid int, path string) string {
+	secs, _ := residentBySection(pid, path)
 	var parts []string
 	for _, s := range secs {
 		if s.Resident >= 1<<20 {

@@ -453,16 +453,10 @@ func LoadState(path string, logf func(string, ...any)) (*Cluster, error) {
 }
 
 func joinErrs(errs []error) error {
-	var out []error
-	for _, e := range errs {
-		if e != nil {
-			out = append(out, e)
-		}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("stop: %w", err)
 	}
-	if len(out) == 0 {
-		return nil
-	}
-	return fmt.Errorf("stop: %w", errors.Join(out...))
+	return nil
 }
 
 // freePorts reserves n distinct loopback ports by listening on :0, then releases them. The

@@ -1,13 +1,13 @@
 package cluster
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	"k8s.io/mount-utils"
 )
 
 // hostChanges records the host state before the node started, so that Stop reverts exactly
@@ -70,19 +71,12 @@ func (h *hostChanges) shareRoot() error {
 // the deepest mount point at or above dir has a shared:N tag in /proc/self/mountinfo.
 func sharedMount(dir string) bool {
 	best, shared := "", false
-	eachMount(func(mp string, fields []string) {
-		if mp != "/" && mp != dir && !strings.HasPrefix(dir, mp+"/") || len(mp) < len(best) {
-			return
+	for _, mi := range mountInfos() {
+		if mp := mi.MountPoint; (mp == "/" || mp == dir || strings.HasPrefix(dir, mp+"/")) && len(mp) >= len(best) {
+			best = mp
+			shared = slices.ContainsFunc(mi.OptionalFields, func(f string) bool { return strings.HasPrefix(f, "shared:") })
 		}
-		best, shared = mp, false
-		// id parent major:minor root mountpoint options optional-fields... - type source super
-		for _, opt := range fields[6:] {
-			if opt == "-" {
-				break
-			}
-			shared = shared || strings.HasPrefix(opt, "shared:")
-		}
-	})
+	}
 	return shared
 }
 
@@ -302,30 +296,20 @@ func rmdirTree(root string) int {
 func mountsUnder(dir string) []string {
 	dir = filepath.Clean(dir)
 	var mps []string
-	eachMount(func(mp string, _ []string) {
-		if mp == dir || strings.HasPrefix(mp, dir+"/") {
+	for _, mi := range mountInfos() {
+		if mp := mi.MountPoint; mp == dir || strings.HasPrefix(mp, dir+"/") {
 			mps = append(mps, mp)
 		}
-	})
+	}
 	sort.SliceStable(mps, func(i, j int) bool { return strings.Count(mps[i], "/") > strings.Count(mps[j], "/") })
 	return mps
 }
 
-// eachMount calls fn with the mount point and the fields of each line of /proc/self/mountinfo,
-// in its order (a mount stacked on another comes after it).
-func eachMount(fn func(mountPoint string, fields []string)) {
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 64*1024), 1024*1024)
-	for sc.Scan() {
-		if fields := strings.Fields(sc.Text()); len(fields) >= 7 {
-			fn(unescapeMountinfo(fields[4]), fields)
-		}
-	}
+// mountInfos is this mount namespace's mount table, in its order (a mount stacked on another
+// comes after it); none if it cannot be read.
+func mountInfos() []mount.MountInfo {
+	infos, _ := mount.ParseMountInfo("/proc/self/mountinfo")
+	return infos
 }
 
 // unmountUnder unmounts everything mounted at or below dir, deepest first. Lazy unmount is the
@@ -346,23 +330,4 @@ func unmountUnder(dir string) error {
 		return fmt.Errorf("still mounted under %s: %v", dir, mps)
 	}
 	return nil
-}
-
-// unescapeMountinfo decodes the octal escapes (\040 for space etc.) used in mountinfo paths.
-func unescapeMountinfo(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }

@@ -31,7 +31,8 @@ const (
 	// keep the host clean anyway. The price: one node cluster per host at a time.
 	KubeletRootDir = "/var/lib/kubelet"
 
-	pauseImage = "dirpv.local/pause:1"
+	// PauseImage is the sandbox image every node has; Cluster.PauseImage of a cluster with a node.
+	PauseImage = "dirpv.local/pause:1"
 	// BusyboxImage is the busybox image every node has (BuildNodeImages), for pods with
 	// imagePullPolicy Never; Cluster.BusyboxImage of a cluster with a node.
 	BusyboxImage = "dirpv.local/busybox:1"
@@ -208,7 +209,7 @@ func (c *Cluster) waitFor(d time.Duration) time.Duration {
 func (c *Cluster) runNode(ctx context.Context, kubeconfig string, images []string, nodeIP string) error {
 	c.KubeletRootDir = KubeletRootDir
 	c.PluginRegistryDir = filepath.Join(KubeletRootDir, "plugins_registry")
-	c.PauseImage, c.BusyboxImage = pauseImage, BusyboxImage
+	c.PauseImage, c.BusyboxImage = PauseImage, BusyboxImage
 
 	ctrDir := filepath.Join(c.WorkDir, "containerd")
 	c.ContainerdSocket = filepath.Join(ctrDir, "containerd.sock")
@@ -354,7 +355,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     bin_dir = %[7]q
     conf_dir = %[8]q
 `, filepath.Join(dir, "root"), filepath.Join(dir, "state"), c.ContainerdSocket,
-		filepath.Join(dir, "opt"), pauseImage, filepath.Join(dir, "runc"), cniBinDir,
+		filepath.Join(dir, "opt"), PauseImage, filepath.Join(dir, "runc"), cniBinDir,
 		filepath.Join(c.WorkDir, "cni", "net.d"))
 	if err := os.WriteFile(filepath.Join(dir, "config.toml"), []byte(cfg), 0o644); err != nil {
 		return fmt.Errorf("write containerd config: %w", err)
@@ -546,7 +547,7 @@ func buildPauseImage(ctx context.Context, binDir, tarPath string) error {
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("build pause: %w: %s", err, out)
 	}
-	return image.WriteOCITar(tarPath, pauseImage, []image.File{{HostPath: bin, ImagePath: "/pause", Mode: 0o755}},
+	return image.WriteOCITar(tarPath, PauseImage, []image.File{{HostPath: bin, ImagePath: "/pause", Mode: 0o755}},
 		image.Config{Entrypoint: []string{"/pause"}})
 }
 
@@ -558,6 +559,7 @@ func buildBusyboxImage(ctx context.Context, tmpDir, tarPath string) error {
 	return image.WriteOCITar(tarPath, BusyboxImage, files, image.Config{Cmd: []string{"sh"}})
 }
 
+// tail returns the last n lines of s.
 func tail(s string, n int) string {
 	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
 	if len(lines) > n {

@@ -142,11 +142,7 @@ func logTail(path string, n int) string {
 	if err != nil {
 		return ""
 	}
-	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
+	return tail(string(b), n)
 }
 
 // poll calls check every interval until it returns true, an error, ctx ends or timeout passes.

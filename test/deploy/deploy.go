@@ -9,6 +9,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -130,6 +131,8 @@ type E2ELocalOptions struct {
 	// Image replaces deploy/base's ghcr.io/dirpv/dirpv:<release>, e.g. with the name
 	// WriteDirpvTar returned; it must have a tag or a digest. Empty keeps the release's.
 	Image string
+	// NodeArgs are added to the node plugin's command line (a test's --quota-check-period).
+	NodeArgs []string
 }
 
 // RenderE2ELocal renders deploy/overlays/e2e-local for a cluster whose apiserver listens on
@@ -184,6 +187,20 @@ func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptio
 			return nil, fmt.Errorf("deploy: %w", err)
 		}
 		fmt.Fprintf(&k, "  - path: %s\n", file)
+	}
+	if len(opts.NodeArgs) > 0 {
+		var ops []map[string]string
+		for _, a := range opts.NodeArgs {
+			ops = append(ops, map[string]string{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": a})
+		}
+		b, err := json.Marshal(ops)
+		if err != nil {
+			return nil, fmt.Errorf("deploy: %w", err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, "node-args.json"), b, 0o644); err != nil {
+			return nil, fmt.Errorf("deploy: %w", err)
+		}
+		k.WriteString("  - path: node-args.json\n    target:\n      kind: DaemonSet\n      name: dirpv-node\n")
 	}
 	if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(k.String()), 0o644); err != nil {
 		return nil, fmt.Errorf("deploy: %w", err)

@@ -152,17 +152,8 @@ func TestControllerHostNetwork(t *testing.T) {
 	if !spec.HostNetwork || spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
 		t.Errorf("hostNetwork %v dnsPolicy %q, want true, ClusterFirstWithHostNet", spec.HostNetwork, spec.DNSPolicy)
 	}
-	port := func(spec corev1.PodSpec) int32 {
-		for _, p := range container(t, spec).Ports {
-			if p.Name == "http" {
-				return p.ContainerPort
-			}
-		}
-		t.Fatal("no http port")
-		return 0
-	}
-	if c, n := port(spec), port(daemonSet(t, withComponent).Spec.Template.Spec); c == n {
-		t.Errorf("controller and node plugin both on the host network's :%d", c)
+	if c, n := httpPort(container(t, spec)), httpPort(container(t, daemonSet(t, withComponent).Spec.Template.Spec)); c == 0 || c == n {
+		t.Errorf("controller's http port %d, node plugin's %d: want two ports on the host network", c, n)
 	}
 	// Only the two fields differ from the kind overlay.
 	if d := diff("", kind["Deployment dirpv/dirpv-controller"].Object, withComponent["Deployment dirpv/dirpv-controller"].Object); !reflect.DeepEqual(d, []string{
@@ -396,14 +387,8 @@ func checkProbes(t *testing.T, what string, c corev1.Container) {
 		t.Errorf("%s: no --http-address in %v", what, c.Args)
 		return
 	}
-	var port int32
-	for _, p := range c.Ports {
-		if p.Name == "http" {
-			port = p.ContainerPort
-		}
-	}
-	if fmt.Sprintf(":%d", port) != addr {
-		t.Errorf("%s: port http %d but --http-address=%s", what, port, addr)
+	if port := httpPort(c); fmt.Sprintf(":%d", port) != addr {
+		t.Errorf("%s: port http %d but --http-address=%s", what, httpPort(c), addr)
 	}
 	for pname, p := range map[string]*corev1.Probe{"liveness": c.LivenessProbe, "readiness": c.ReadinessProbe} {
 		if p == nil || p.HTTPGet == nil {
@@ -702,61 +687,56 @@ func TestRenderE2ELocal(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Every component reaches the apiserver at host:36443, set once in its environment.
+	podSpecs := func(objs objects, host string) map[string]corev1.PodSpec {
+		specs := map[string]corev1.PodSpec{"controller": deployment(t, objs).Spec.Template.Spec, "node": daemonSet(t, objs).Spec.Template.Spec,
+			"snapshot-controller": get[*appsv1.Deployment](t, objs, "Deployment dirpv/dirpv-snapshot-controller").Spec.Template.Spec}
+		for name, spec := range specs {
+			c := container(t, spec)
+			h, _ := envValue(c, "KUBERNETES_SERVICE_HOST")
+			port, _ := envValue(c, "KUBERNETES_SERVICE_PORT")
+			if h.Value != host || port.Value != "36443" {
+				t.Errorf("%s: apiserver %s:%s, want %s:36443", name, h.Value, port.Value, host)
+			}
+			seen := map[string]bool{}
+			for _, e := range c.Env {
+				if seen[e.Name] {
+					t.Errorf("%s: env %s twice", name, e.Name)
+				}
+				seen[e.Name] = true
+			}
+		}
+		return specs
+	}
 	objs := decode(t, out)
 	if objs["StorageClass /dirpv-local"] == nil {
 		t.Error("no dirpv-local class")
 	}
-	d, ds := deployment(t, objs), daemonSet(t, objs)
-	if *d.Spec.Replicas != 1 {
+	if d := deployment(t, objs); *d.Spec.Replicas != 1 {
 		t.Errorf("controller replicas %d: two on one host network collide on the port", *d.Spec.Replicas)
 	}
-	snap := get[*appsv1.Deployment](t, objs, "Deployment dirpv/dirpv-snapshot-controller")
-	for name, spec := range map[string]corev1.PodSpec{"controller": d.Spec.Template.Spec, "node": ds.Spec.Template.Spec,
-		"snapshot-controller": snap.Spec.Template.Spec} {
+	for name, spec := range podSpecs(objs, "127.0.0.1") {
 		if !spec.HostNetwork || spec.DNSPolicy != corev1.DNSClusterFirstWithHostNet {
 			t.Errorf("%s: hostNetwork %v dnsPolicy %s", name, spec.HostNetwork, spec.DNSPolicy)
 		}
-		c := container(t, spec)
-		if c.Image != "ghcr.io/dirpv/dirpv:e2e-1" || c.ImagePullPolicy != corev1.PullNever {
+		if c := container(t, spec); c.Image != "ghcr.io/dirpv/dirpv:e2e-1" || c.ImagePullPolicy != corev1.PullNever {
 			t.Errorf("%s: image %s pull %s", name, c.Image, c.ImagePullPolicy)
-		}
-		host, _ := envValue(c, "KUBERNETES_SERVICE_HOST")
-		port, _ := envValue(c, "KUBERNETES_SERVICE_PORT")
-		if host.Value != "127.0.0.1" || port.Value != "36443" {
-			t.Errorf("%s: apiserver %s:%s", name, host.Value, port.Value)
-		}
-		seen := map[string]bool{}
-		for _, e := range c.Env {
-			if seen[e.Name] {
-				t.Errorf("%s: env %s twice", name, e.Name)
-			}
-			seen[e.Name] = true
 		}
 	}
 	if _, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{}); err == nil {
 		t.Error("no error without a port")
 	}
 	// A node on another kernel (test/vm/node) reaches the apiserver at the host's address.
-	out, err = RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, APIServerHost: "192.168.254.1", Image: "ghcr.io/dirpv/dirpv:e2e-1"})
+	out, err = RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, APIServerHost: "192.168.254.1", Image: "ghcr.io/dirpv/dirpv:e2e-1",
+		NodeArgs: []string{"--quota-check-period=5s"}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	objs = decode(t, out)
-	for name, spec := range map[string]corev1.PodSpec{"controller": deployment(t, objs).Spec.Template.Spec, "node": daemonSet(t, objs).Spec.Template.Spec,
-		"snapshot-controller": get[*appsv1.Deployment](t, objs, "Deployment dirpv/dirpv-snapshot-controller").Spec.Template.Spec} {
-		c := container(t, spec)
-		host, _ := envValue(c, "KUBERNETES_SERVICE_HOST")
-		port, _ := envValue(c, "KUBERNETES_SERVICE_PORT")
-		if host.Value != "192.168.254.1" || port.Value != "36443" {
-			t.Errorf("%s with APIServerHost: apiserver %s:%s", name, host.Value, port.Value)
-		}
-		seen := map[string]bool{}
-		for _, e := range c.Env {
-			if seen[e.Name] {
-				t.Errorf("%s with APIServerHost: env %s twice", name, e.Name)
-			}
-			seen[e.Name] = true
-		}
+	podSpecs(objs, "192.168.254.1")
+	// A test's node flags (test/vm/node's quota check period) go at the end of the node's own.
+	if args := container(t, daemonSet(t, objs).Spec.Template.Spec).Args; len(args) < 2 || args[0] != "node" || args[len(args)-1] != "--quota-check-period=5s" {
+		t.Errorf("node args with NodeArgs: %q", args)
 	}
 	if _, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, APIServerHost: "apiserver.local"}); err == nil {
 		t.Error("no error with a host name for APIServerHost")
@@ -896,7 +876,7 @@ func TestHelmCustomValues(t *testing.T) {
 		t.Errorf("extraEnv not applied: %+v", e)
 	}
 	c := container(t, daemonSet(t, objs).Spec.Template.Spec)
-	if !contains(c.Args, "--kubelet-root-dir=/data/kubelet") || !contains(c.Args, "--allowed-base-paths=/srv/dirpv,/mnt/ssd/dirpv") {
+	if !slices.Contains(c.Args, "--kubelet-root-dir=/data/kubelet") || !slices.Contains(c.Args, "--allowed-base-paths=/srv/dirpv,/mnt/ssd/dirpv") {
 		t.Errorf("node args %v", c.Args)
 	}
 	var paths []string
@@ -904,19 +884,10 @@ func TestHelmCustomValues(t *testing.T) {
 		paths = append(paths, m.MountPath)
 	}
 	for _, want := range []string{"/data/kubelet/pods", "/data/kubelet/plugins/dirpv.io", "/data/kubelet/plugins_registry", "/srv/dirpv", "/mnt/ssd/dirpv"} {
-		if !contains(paths, want) {
+		if !slices.Contains(paths, want) {
 			t.Errorf("node mounts %v lack %s", paths, want)
 		}
 	}
-}
-
-func contains(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
-	}
-	return false
 }
 
 // TestHelmRejects: values that would give a class dirpv refuses fail at render time instead.
@@ -980,7 +951,7 @@ func checkParameters(t *testing.T, sc *storagev1.StorageClass) {
 			}
 		case "mode":
 			var m uint32
-			if _, err := fmt.Sscanf(v, "%o", &m); err != nil || m > 0o7777 || !hasPrefixAny(v, "0", "1", "2", "3", "4", "5", "6", "7") {
+			if _, err := fmt.Sscanf(v, "%o", &m); err != nil || m > 0o7777 || !strings.ContainsRune("01234567", rune(v[0])) {
 				t.Errorf("class %s: mode %q", sc.Name, v)
 			}
 		case "uid", "gid":
@@ -1018,13 +989,8 @@ func TestControllerPDB(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			for _, k := range objs.keys() {
-				u := objs[k]
-				if u.GetKind() != "Deployment" && u.GetKind() != "DaemonSet" {
-					continue
-				}
-				lbls, _, _ := unstructured.NestedStringMap(u.Object, "spec", "template", "metadata", "labels")
-				if covers := sel.Matches(labels.Set(lbls)); covers != (k == "Deployment dirpv/dirpv-controller") {
+			for k, covers := range podsSelected(objs, sel) {
+				if covers != (k == "Deployment dirpv/dirpv-controller") {
 					t.Errorf("budget covers %s's pods: %v", k, covers)
 				}
 			}
@@ -1062,13 +1028,8 @@ func TestMetricsServices(t *testing.T) {
 				if svc.Labels["app.kubernetes.io/component"] != component {
 					t.Errorf("%s labels %v", svc.Name, svc.Labels)
 				}
-				for _, k := range objs.keys() {
-					u := objs[k]
-					if u.GetKind() != "Deployment" && u.GetKind() != "DaemonSet" {
-						continue
-					}
-					lbls, _, _ := unstructured.NestedStringMap(u.Object, "spec", "template", "metadata", "labels")
-					if selects := labels.SelectorFromSet(svc.Spec.Selector).Matches(labels.Set(lbls)); selects != (k == workload) {
+				for k, selects := range podsSelected(objs, labels.SelectorFromSet(svc.Spec.Selector)) {
+					if selects != (k == workload) {
 						t.Errorf("%s selects %s's pods: %v", svc.Name, k, selects)
 					}
 				}
@@ -1079,14 +1040,9 @@ func TestMetricsServices(t *testing.T) {
 					spec = daemonSet(t, objs).Spec.Template.Spec
 				}
 				c := container(t, spec)
-				var served int32
-				for _, p := range c.Ports {
-					if p.Name == "http" {
-						served = p.ContainerPort
-					}
-				}
+				served := httpPort(c)
 				want := []corev1.ServicePort{{Name: "http-metrics", Port: served, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP}}
-				if !reflect.DeepEqual(svc.Spec.Ports, want) || !contains(c.Args, fmt.Sprintf("--http-address=:%d", served)) {
+				if !reflect.DeepEqual(svc.Spec.Ports, want) || !slices.Contains(c.Args, fmt.Sprintf("--http-address=:%d", served)) {
 					t.Errorf("%s ports %+v, want %+v (args %v)", svc.Name, svc.Spec.Ports, want, c.Args)
 				}
 			}
@@ -1178,7 +1134,7 @@ func TestNodeWatchesAllVolumesWithoutController(t *testing.T) {
 	_, helm := tools(t)
 	for set, want := range map[string]bool{"controller.enabled=true": false, "controller.enabled=false": true} {
 		c := container(t, daemonSet(t, helmObjs(t, helm, nil, set)).Spec.Template.Spec)
-		if got := contains(c.Args, "--watch-all-volumes"); got != want {
+		if got := slices.Contains(c.Args, "--watch-all-volumes"); got != want {
 			t.Errorf("%s: node args %v, want --watch-all-volumes %v", set, c.Args, want)
 		}
 	}

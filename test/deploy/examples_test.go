@@ -5,8 +5,10 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -113,10 +115,7 @@ func TestExamples(t *testing.T) {
 			if !bytes.HasPrefix(data, []byte("# ")) {
 				t.Error("an example starts with a comment saying what it shows and how to use it")
 			}
-			classes := map[string]*storagev1.StorageClass{}
-			for k, v := range deployed {
-				classes[k] = v
-			}
+			classes := maps.Clone(deployed)
 			claims := map[string]*corev1.PersistentVolumeClaim{}
 			snapshots := map[string]*snapshotv1.VolumeSnapshot{}
 			var pods []*corev1.Pod
@@ -155,7 +154,7 @@ func TestExamples(t *testing.T) {
 				if bp == "" {
 					bp = "/var/lib/dirpv"
 				}
-				if !contains(nodeMounts, bp) {
+				if !slices.Contains(nodeMounts, bp) {
 					t.Errorf("class %s: basePath %s is not mounted by the node DaemonSet (%v)", sc.Name, bp, nodeMounts)
 				}
 			}
@@ -223,14 +222,7 @@ func TestExamples(t *testing.T) {
 
 // nodeBusybox is the busybox name every test/cluster node (and so `make up`'s) has, so that
 // examples naming it run there without a registry.
-var nodeBusybox = must(name.ParseReference(cluster.ExamplesBusyboxImage))
-
-func must[T any](v T, err error) T {
-	if err != nil {
-		panic(err)
-	}
-	return v
-}
+var nodeBusybox = name.MustParseReference(cluster.ExamplesBusyboxImage)
 
 // checkExampleImage: an example's container runs on `make up`'s node as written, i.e. names
 // the node's busybox and lets kubelet use it rather than pull it.

@@ -3,10 +3,11 @@ package deploy
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"reflect"
+	"slices"
 	"sort"
-	"strings"
 	"testing"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -14,6 +15,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"k8s.io/client-go/kubernetes/scheme"
@@ -175,6 +177,29 @@ func container(t *testing.T, spec corev1.PodSpec) corev1.Container {
 	return spec.Containers[0]
 }
 
+// httpPort is the container's port named http, where dirpv serves /healthz and /metrics.
+func httpPort(c corev1.Container) int32 {
+	for _, p := range c.Ports {
+		if p.Name == "http" {
+			return p.ContainerPort
+		}
+	}
+	return 0
+}
+
+// podsSelected reports, for each workload (Deployment, DaemonSet) among o, whether sel
+// matches its pods' labels.
+func podsSelected(o objects, sel labels.Selector) map[string]bool {
+	out := map[string]bool{}
+	for k, u := range o {
+		if u.GetKind() == "Deployment" || u.GetKind() == "DaemonSet" {
+			lbls, _, _ := unstructured.NestedStringMap(u.Object, "spec", "template", "metadata", "labels")
+			out[k] = sel.Matches(labels.Set(lbls))
+		}
+	}
+	return out
+}
+
 func envValue(c corev1.Container, name string) (corev1.EnvVar, bool) {
 	for _, e := range c.Env {
 		if e.Name == name {
@@ -205,19 +230,14 @@ func diff(path string, a, b any) []string {
 			break
 		}
 		var out []string
-		keys := map[string]bool{}
-		for k := range av {
-			keys[k] = true
-		}
+		keys := slices.Collect(maps.Keys(av))
 		for k := range bv {
-			keys[k] = true
+			if _, ok := av[k]; !ok {
+				keys = append(keys, k)
+			}
 		}
-		sorted := make([]string, 0, len(keys))
-		for k := range keys {
-			sorted = append(sorted, k)
-		}
-		sort.Strings(sorted)
-		for _, k := range sorted {
+		slices.Sort(keys)
+		for _, k := range keys {
 			out = append(out, diff(path+"."+k, av[k], bv[k])...)
 		}
 		return out
@@ -247,13 +267,4 @@ func sortedCopy(s []string) []string {
 func joinRule(r rbacv1.PolicyRule) string {
 	return fmt.Sprintf("groups=%v resources=%v names=%v verbs=%v", sortedCopy(r.APIGroups), sortedCopy(r.Resources),
 		sortedCopy(r.ResourceNames), sortedCopy(r.Verbs))
-}
-
-func hasPrefixAny(s string, prefixes ...string) bool {
-	for _, p := range prefixes {
-		if strings.HasPrefix(s, p) {
-			return true
-		}
-	}
-	return false
 }

@@ -14,15 +14,6 @@ import (
 
 const timeout = 2 * time.Minute
 
-func createPod(t *testing.T, pod *v1.Pod) *v1.Pod {
-	t.Helper()
-	pod, err := suite.Client.CoreV1().Pods(pod.Namespace).Create(context.Background(), pod, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return pod
-}
-
 // waitPodPhase waits for the pod to reach phase.
 func waitPodPhase(t *testing.T, ns, name string, phase v1.PodPhase) *v1.Pod {
 	t.Helper()

@@ -21,7 +21,7 @@ func TestLocalVolumeKeepsDataAcrossPods(t *testing.T) {
 	suite.CreateClass(t, "e2e-local", map[string]string{"backend": "local", "basePath": base})
 	suite.CreateClaim(t, ns, "data", "e2e-local")
 
-	createPod(t, suite.BusyboxPod(ns, "writer", "data", "echo hello-dirpv > /data/greeting && sync && sleep 3600", false))
+	suite.CreatePod(t, suite.BusyboxPod(ns, "writer", "data", "echo hello-dirpv > /data/greeting && sync && sleep 3600", false))
 	writer := waitPodPhase(t, ns, "writer", v1.PodRunning)
 	pv := boundPV(t, ns, "data")
 	onDisk := filepath.Join(base, pv.Spec.CSI.VolumeAttributes["path"], "greeting")
@@ -43,7 +43,7 @@ func TestLocalVolumeKeepsDataAcrossPods(t *testing.T) {
 		t.Errorf("target %s still exists after unpublish: %v", target, err)
 	}
 
-	createPod(t, suite.BusyboxPod(ns, "reader", "data", `test "$(cat /data/greeting)" = hello-dirpv && echo read-ok`, false))
+	suite.CreatePod(t, suite.BusyboxPod(ns, "reader", "data", `test "$(cat /data/greeting)" = hello-dirpv && echo read-ok`, false))
 	waitPodPhase(t, ns, "reader", v1.PodSucceeded)
 	if logs := podLogs(t, ns, "reader"); !strings.Contains(logs, "read-ok") {
 		t.Errorf("reader pod logs %q, want read-ok", logs)
@@ -56,7 +56,7 @@ func TestLocalReadOnlyMount(t *testing.T) {
 	base := filepath.Join(suite.Work.BaseRoot, "read-only")
 	suite.CreateClass(t, "e2e-local-ro", map[string]string{"backend": "local", "basePath": base})
 	suite.CreateClaim(t, ns, "data", "e2e-local-ro")
-	createPod(t, suite.BusyboxPod(ns, "ro", "data", `if touch /data/x 2>/dev/null; then echo wrote; exit 1; fi; echo refused`, true))
+	suite.CreatePod(t, suite.BusyboxPod(ns, "ro", "data", `if touch /data/x 2>/dev/null; then echo wrote; exit 1; fi; echo refused`, true))
 	waitPodPhase(t, ns, "ro", v1.PodSucceeded)
 	pv := boundPV(t, ns, "data")
 	// A missing directory would read as empty: require it to be there.

@@ -45,7 +45,7 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 
 	// The victim: another tenant's claim with data.
 	suite.CreateClaim(t, ns, "victim", "e2e-symlink-delete")
-	createPod(t, suite.BusyboxPod(ns, "victim", "victim", "echo victim-data > /data/data && mkdir /data/sub && echo more > /data/sub/f", false))
+	suite.CreatePod(t, suite.BusyboxPod(ns, "victim", "victim", "echo victim-data > /data/data && mkdir /data/sub && echo more > /data/sub/f", false))
 	waitPodPhase(t, ns, "victim", v1.PodSucceeded)
 	victimPV := boundPV(t, ns, "victim")
 	victimDir := filepath.Join(base, victimPV.Spec.CSI.VolumeAttributes["path"])
@@ -79,7 +79,7 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 	attackers := []*attacker{{claim: "attacker-delete", class: "e2e-symlink-delete"}, {claim: "attacker-archive", class: "e2e-symlink-archive"}}
 	for _, a := range attackers {
 		suite.CreateClaim(t, ns, a.claim, a.class)
-		createPod(t, suite.BusyboxPod(ns, a.claim, a.claim, script.String(), false))
+		suite.CreatePod(t, suite.BusyboxPod(ns, a.claim, a.claim, script.String(), false))
 	}
 	for _, a := range attackers {
 		a.pod = waitPodPhase(t, ns, a.claim, v1.PodRunning)

@@ -6,20 +6,16 @@ package externale2e
 
 import (
 	"context"
-	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/onsi/ginkgo/v2/types"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
@@ -34,27 +30,19 @@ const basePath = "/var/lib/dirpv"
 // skips are the parts of the External Storage suite this tier does not run, each with why.
 // Tests the suite skips itself because a capability is not declared in the driver file are
 // not listed: they report as skipped.
-var skips = []struct {
-	pattern, reason string
-	// applies, if set, says whether the skip is needed on this host.
-	applies func() bool
-}{
-	{pattern: `\[Disruptive\]`, reason: "restarts kubelet or the node (over SSH, or by killing it); this cluster's " +
-		"kubelet is a process of the test run, with no SSH and no service manager to restart it. " +
-		"The peers (csi-driver-host-path, csi-driver-nfs) skip these too."},
-	{pattern: `\(immediate.binding\)`, reason: "a local class must be WaitForFirstConsumer: dirpv makes the " +
+var skips = []Skip{
+	SkipDisruptive,
+	{Pattern: `\(immediate.binding\)`, Reason: "a local class must be WaitForFirstConsumer: dirpv makes the " +
 		"directory on the node the pod is scheduled to, and refuses a claim of an Immediate copy " +
 		"of dirpv-local with an event (DESIGN.md, bad input), as test/integration TestRejectionsAreEventsAndTouchNothing checks."},
-	{pattern: `provisioning should provision storage with any volume data source`, reason: "runs " +
-		"kubernetes-csi's hello-populator and volume-data-source-validator, whose images are not " +
-		"reachable and whose modules the Go module proxy refuses here (403), so they cannot be built."},
-	{pattern: `volumeMode should not mount / map unused volumes`, reason: "the suite looks at kubelet's " +
+	SkipVolumeDataSource,
+	{Pattern: `volumeMode should not mount / map unused volumes`, Reason: "the suite looks at kubelet's " +
 		"pod directory from a privileged pod through nsenter into PID 1's mount namespace, which " +
-		"this host refuses even to root (a sandbox's PID 1).", applies: pid1NamespaceClosed},
-	{pattern: `should provision correct filesystem size when restoring snapshot to larger size pvc`, reason: "the " +
+		"this host refuses even to root (a sandbox's PID 1).", Applies: pid1NamespaceClosed},
+	{Pattern: `should provision correct filesystem size when restoring snapshot to larger size pvc`, Reason: "the " +
 		"pod's df must show the restored claim's size, which only a project quota makes statfs report " +
 		"(XFS, ext4 with prjquota); the suite's base has none, so df shows the base's file system for " +
-		"both claims (btrfs qgroups enforce, but statfs does not report them either).", applies: baseWithoutProjectQuota},
+		"both claims (btrfs qgroups enforce, but statfs does not report them either).", Applies: baseWithoutProjectQuota},
 }
 
 // baseWithoutProjectQuota reports whether basePath (made by the install) is on a file system
@@ -149,10 +137,11 @@ func setup(ctx context.Context, s *framework.Suite) error {
 		return fmt.Errorf("install dirpv: %w", err)
 	}
 	repoList = filepath.Join(s.Work.Dir, "repo-list.yaml")
-	if err := os.WriteFile(repoList, []byte(repoListYAML), 0o644); err != nil {
+	if err := os.WriteFile(repoList, []byte(RepoListYAML), 0o644); err != nil {
 		return fmt.Errorf("write repo list: %w", err)
 	}
-	return provideImages(ctx, s, filepath.Join(binDir, "e2e.test"), filepath.Join(binDir, "agnhost"), repoList)
+	return ProvideImages(ctx, s.Cluster, s.Cluster.BusyboxImage, s.Cluster.PauseImage, s.Work.Dir,
+		filepath.Join(binDir, "e2e.test"), filepath.Join(binDir, "agnhost"), repoList)
 }
 
 // TestExternalStorage runs the suite once per driver file and fails if a test failed, or if a
@@ -164,7 +153,16 @@ func TestExternalStorage(t *testing.T) {
 	}
 	before, _ := baseEntries()
 	for _, d := range drivers {
-		t.Run(strings.TrimSuffix(d, ".yaml"), func(t *testing.T) { runDriver(t, d) })
+		t.Run(strings.TrimSuffix(d, ".yaml"), func(t *testing.T) {
+			run := Run{Driver: d, BinDir: binDir, RepoList: repoList,
+				Kubeconfig: suite.Cluster.Kubeconfig, KubeletRootDir: suite.Cluster.KubeletRootDir,
+				WorkDir: suite.Work.Dir, LogDir: suite.Work.LogDir,
+				Focus: *focus, Skips: skips, Procs: *procs, Timeout: time.Hour}
+			if *extraSkp != "" {
+				run.Skips = append(run.Skips, Skip{Pattern: *extraSkp, Reason: "-skip"})
+			}
+			run.Do(t)
+		})
 	}
 	err = framework.Poll(context.Background(), 2*time.Minute, func(context.Context) (bool, error) {
 		after, err := baseEntries()
@@ -174,135 +172,4 @@ func TestExternalStorage(t *testing.T) {
 	if err != nil {
 		t.Error(err)
 	}
-}
-
-func runDriver(t *testing.T, driverFile string) {
-	abs, err := filepath.Abs(driverFile)
-	if err != nil {
-		t.Fatal(err)
-	}
-	name := strings.TrimSuffix(driverFile, ".yaml")
-	reportDir := filepath.Join(suite.Work.Dir, "report-"+name)
-	if err := os.MkdirAll(reportDir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	report := filepath.Join(reportDir, "report.json")
-	skip := make([]string, 0, len(skips)+1)
-	for _, s := range skips {
-		if s.applies == nil || s.applies() {
-			skip = append(skip, s.pattern)
-			t.Logf("not run here: %s: %s", s.pattern, s.reason)
-		}
-	}
-	if *extraSkp != "" {
-		skip = append(skip, *extraSkp)
-	}
-	args := []string{
-		"-procs=" + strconv.Itoa(*procs),
-		"-focus=" + *focus,
-		"-skip=" + strings.Join(skip, "|"),
-		"-json-report=" + report,
-		"-timeout=1h",
-		"-no-color",
-		filepath.Join(binDir, "e2e.test"),
-		"--",
-		"-kubeconfig=" + suite.Cluster.Kubeconfig,
-		"-provider=skeleton",
-		"-storage.testdriver=" + abs,
-		"-report-dir=" + reportDir,
-		// Control-plane components are host processes here, not pods or systemd units.
-		"-disable-log-dump",
-		"-kubelet-root-dir=" + suite.Cluster.KubeletRootDir,
-	}
-	logPath := filepath.Join(suite.Work.LogDir, "e2e-"+name+".log")
-	logFile, err := os.Create(logPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer logFile.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Hour+10*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, filepath.Join(binDir, "ginkgo"), args...)
-	cmd.Env = append(os.Environ(), "KUBE_TEST_REPO_LIST="+repoList)
-	cmd.Stdout, cmd.Stderr = logFile, logFile
-	cmd.Dir = reportDir
-	start := time.Now()
-	t.Logf("running %s (log: %s)", strings.Join(cmd.Args, " "), logPath)
-	runErr := cmd.Run()
-	took := time.Since(start).Round(time.Second)
-
-	specs, err := readReport(report)
-	if err != nil {
-		t.Fatalf("e2e.test (%v after %s): %v; log tail:\n%s", runErr, took, err, tailFile(logPath, 4000))
-	}
-	tierSkip := regexp.MustCompile(strings.Join(skip, "|"))
-	var passed, failed []string
-	var skippedBySuite, skippedHere int
-	for _, s := range specs {
-		switch {
-		case s.State == types.SpecStatePassed:
-			passed = append(passed, s.FullText())
-		case s.State == types.SpecStateSkipped || s.State == types.SpecStatePending:
-			if tierSkip.MatchString(s.FullText()) {
-				skippedHere++
-			} else {
-				skippedBySuite++
-			}
-		default:
-			failed = append(failed, fmt.Sprintf("%s [%s]: %s", s.FullText(), s.State, firstLine(s.Failure.Message)))
-		}
-	}
-	// Printed, not only logged: this line is what the tier is for, with or without -v.
-	fmt.Printf("external-e2e %s: %d passed, %d failed, %d skipped by the suite (capability not declared, "+
-		"one node), %d skipped here (README.md) in %s (driver %s)\n",
-		name, len(passed), len(failed), skippedBySuite, skippedHere, took, driverFile)
-	for _, p := range passed {
-		t.Logf("passed: %s", p)
-	}
-	for _, f := range failed {
-		t.Errorf("failed: %s", f)
-	}
-	if len(failed) == 0 && runErr != nil {
-		t.Errorf("e2e.test: %v with no failed test in its report; log tail:\n%s", runErr, tailFile(logPath, 4000))
-	}
-	if len(passed) == 0 {
-		t.Errorf("no test of the suite ran for %s (focus %q): the driver file or the focus selects nothing", driverFile, *focus)
-	}
-}
-
-// readReport returns the External Storage specs of a ginkgo JSON report (e2e.test reports its
-// thousands of other specs as skipped), and any failed suite set-up node, which fails every
-// test.
-func readReport(path string) ([]types.SpecReport, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return nil, fmt.Errorf("ginkgo report: %w", err)
-	}
-	var reports []types.Report
-	if err := json.Unmarshal(b, &reports); err != nil {
-		return nil, fmt.Errorf("ginkgo report %s: %w", path, err)
-	}
-	var specs []types.SpecReport
-	for _, r := range reports {
-		for _, s := range r.SpecReports {
-			external := s.LeafNodeType == types.NodeTypeIt && strings.Contains(s.FullText(), "External Storage [Driver: ")
-			if external || s.State.Is(types.SpecStateFailureStates) {
-				specs = append(specs, s)
-			}
-		}
-	}
-	return specs, nil
-}
-
-func firstLine(s string) string {
-	s, _, _ = strings.Cut(strings.TrimSpace(s), "\n")
-	return s
-}
-
-func tailFile(path string, n int) string {
-	b, _ := os.ReadFile(path)
-	if len(b) > n {
-		b = b[len(b)-n:]
-	}
-	return string(b)
 }

@@ -1,7 +1,6 @@
 package framework
 
 import (
-	"bufio"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -121,20 +120,15 @@ func (e *Export) MountsUnder(dir string) ([]ExportMount, error) {
 	var out []ExportMount
 	for _, mi := range infos {
 		sum := sha256.Sum256([]byte(mi.MountPoint))
-		f, err := os.Open(filepath.Join(e.bin, "mounts", hex.EncodeToString(sum[:])))
+		rec, err := os.ReadFile(filepath.Join(e.bin, "mounts", hex.EncodeToString(sum[:])))
 		if errors.Is(err, os.ErrNotExist) {
 			continue
 		} else if err != nil {
 			return nil, err
 		}
-		var lines []string
-		sc := bufio.NewScanner(f)
-		for sc.Scan() {
-			lines = append(lines, sc.Text())
-		}
-		f.Close()
-		if err := sc.Err(); err != nil || len(lines) != 3 {
-			return nil, fmt.Errorf("mount record of %s: %d lines, %v", mi.MountPoint, len(lines), err)
+		lines := strings.Split(strings.TrimSuffix(string(rec), "\n"), "\n")
+		if len(lines) != 3 {
+			return nil, fmt.Errorf("mount record of %s: %d lines", mi.MountPoint, len(lines))
 		}
 		m := ExportMount{Dir: mi.MountPoint, FSType: lines[0], Source: lines[1]}
 		if lines[2] != "" {

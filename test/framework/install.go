@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/restmapper"
 	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/utils/ptr"
 
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/deploy"
@@ -70,14 +71,15 @@ func BuildDirpvImage(ctx context.Context) (tarPath, imageName string, err error)
 // InstallImage renders deploy/overlays/e2e-local for the cluster's apiserver (its address and
 // port) with imageName, which the node has already (BuildDirpvImage, imported), applies it
 // and waits up to timeout for the node plugin to register with node's kubelet.
-func InstallImage(ctx context.Context, c *cluster.Cluster, imageName, node string, timeout time.Duration, logf func(string, ...any)) (*Installation, error) {
+// nodeArgs are added to the node plugin's command line.
+func InstallImage(ctx context.Context, c *cluster.Cluster, imageName, node string, timeout time.Duration, logf func(string, ...any), nodeArgs ...string) (*Installation, error) {
 	start := time.Now()
 	kustomize, err := deploy.Tool(ctx, "kustomize", true)
 	if err != nil {
 		return nil, err
 	}
 	manifests, err := deploy.RenderE2ELocal(ctx, kustomize, deploy.E2ELocalOptions{
-		APIServerPort: c.APIServerPort, APIServerHost: c.APIServerHost, Image: imageName})
+		APIServerPort: c.APIServerPort, APIServerHost: c.APIServerHost, Image: imageName, NodeArgs: nodeArgs})
 	if err != nil {
 		return nil, err
 	}
@@ -85,7 +87,7 @@ func InstallImage(ctx context.Context, c *cluster.Cluster, imageName, node strin
 	if err != nil {
 		return nil, err
 	}
-	inst, err := applyObjects(ctx, c.Kubeconfig, objs, "")
+	inst, err := ApplyObjects(ctx, c.Kubeconfig, objs, "")
 	if err != nil {
 		return nil, err
 	}
@@ -116,19 +118,13 @@ func ApplyFile(ctx context.Context, kubeconfig, path string) (*Installation, err
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	return applyObjects(ctx, kubeconfig, objs, "")
+	return ApplyObjects(ctx, kubeconfig, objs, "")
 }
 
 // ApplyObjects server-side applies objs (deploy.Decode's) in order to the cluster of
 // kubeconfig, namespaced ones that name no namespace to namespace, as
 // `kubectl apply -n namespace` would; the Installation it returns deletes them again.
 func ApplyObjects(ctx context.Context, kubeconfig string, objs []*unstructured.Unstructured, namespace string) (*Installation, error) {
-	return applyObjects(ctx, kubeconfig, objs, namespace)
-}
-
-// applyObjects applies objs in order to the cluster of kubeconfig, namespaced ones that name
-// no namespace to namespace.
-func applyObjects(ctx context.Context, kubeconfig string, objs []*unstructured.Unstructured, namespace string) (*Installation, error) {
 	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 	if err != nil {
 		return nil, err
@@ -257,13 +253,11 @@ func (inst *Installation) apply(ctx context.Context, o *unstructured.Unstructure
 	if err != nil {
 		return err
 	}
-	if _, err := r.Patch(ctx, o.GetName(), types.ApplyPatchType, data, metav1.PatchOptions{FieldManager: "dirpv-test", Force: ptrTrue()}); err != nil {
+	if _, err := r.Patch(ctx, o.GetName(), types.ApplyPatchType, data, metav1.PatchOptions{FieldManager: "dirpv-test", Force: ptr.To(true)}); err != nil {
 		return fmt.Errorf("apply %s %s: %w", o.GetKind(), o.GetName(), err)
 	}
 	return nil
 }
-
-func ptrTrue() *bool { b := true; return &b }
 
 // Uninstall stops dirpv's pods, then deletes the rest of what Install applied, in reverse
 // order, and waits until it is gone. The workloads go first, and their pods must be gone

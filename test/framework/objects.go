@@ -146,6 +146,16 @@ func (s *Suite) CreateClaim(t testing.TB, ns, name, class string, opts ...ClaimO
 	return c
 }
 
+// CreatePod creates pod; the test's namespace takes it away.
+func (s *Suite) CreatePod(t testing.TB, pod *v1.Pod) *v1.Pod {
+	t.Helper()
+	p, err := s.Client.CoreV1().Pods(pod.Namespace).Create(context.Background(), pod, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
 // BusyboxPod is a pod of the node cluster's busybox image (never pulled) that runs script once
 // with the claim mounted at /data.
 func (s *Suite) BusyboxPod(ns, name, claim, script string, readOnly bool) *v1.Pod {

@@ -18,6 +18,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/ptr"
 )
 
 // CheckOnePVPerClaim checks what was provisioned for the claims in ns against what is on disk:
@@ -108,7 +109,7 @@ func BlockPVCreation(ctx context.Context, c kubernetes.Interface, ns string, cla
 	policy := &admissionv1.ValidatingAdmissionPolicy{
 		ObjectMeta: metav1.ObjectMeta{Name: name},
 		Spec: admissionv1.ValidatingAdmissionPolicySpec{
-			FailurePolicy: ptrTo(admissionv1.Fail),
+			FailurePolicy: ptr.To(admissionv1.Fail),
 			MatchConstraints: &admissionv1.MatchResources{ResourceRules: []admissionv1.NamedRuleWithOperations{{
 				RuleWithOperations: admissionv1.RuleWithOperations{
 					Operations: []admissionv1.OperationType{admissionv1.Create},
@@ -180,8 +181,6 @@ func dryRunPV(ctx context.Context, c kubernetes.Interface, ns, claim string) err
 	_, err := c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
 	return err
 }
-
-func ptrTo[T any](v T) *T { return &v }
 
 // KillSnapshot is what was provisioned when a provisioner was killed: how many claims were
 // Bound, which directories existed (with their inode numbers) and which of them had a PV.

@@ -82,7 +82,9 @@ func setup(ctx context.Context, s *framework.Suite) error {
 	nodeProc, err = s.StartDirpv(ctx, "node-a", "node", append(common,
 		"--node-name", nodeA, "--allowed-base-paths", s.Work.BaseRoot,
 		"--csi-endpoint", "unix://"+filepath.Join(s.Work.Dir, "csi-a.sock"),
-		"--plugin-registration-dir", "-")...)
+		"--plugin-registration-dir", "-",
+		// TestNestedSubvolumeIsReported waits for a few of them.
+		"--quota-check-period", quotaCheckPeriod.String())...)
 	if err != nil {
 		return fmt.Errorf("start node-a: %w", err)
 	}

@@ -124,7 +124,7 @@ func TestNFSManyClaimsShareOneMount(t *testing.T) {
 }
 
 // trashOnServer is where dirpv controller moves deleted NFS volumes until their trees are
-// removed (provisioner/trash.go).
+// removed (volume/export/trash.go).
 const trashOnServer = ".dirpv-trash"
 
 // fillOnServer creates files empty files under dir on the server's side of the export,

@@ -51,9 +51,7 @@ dd if=/dev/zero of=sparse bs=1M count=1 seek=512 2>/dev/null
 ln -s ` + filepath.Join(outside, "target") + ` out; ln -s ../../../etc/passwd sub/up
 mkfifo fifo; touch -d '2020-01-02 03:04:05' a.txt; sync
 ` + describeTree
-	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "writer", "src", write, false), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	suite.CreatePod(t, suite.BusyboxPod(ns, "writer", "src", write, false))
 	want := podDone(t, ns, "writer")
 	srcDir := volumeDir(t, ns, "src")
 	// busybox has no setfattr: the xattr is set from the host, as a tool in a pod would.
@@ -64,9 +62,7 @@ mkfifo fifo; touch -d '2020-01-02 03:04:05' a.txt; sync
 	suite.CreateClaim(t, ns, "copy", "install-clone", framework.Request("1Gi"), func(c *v1.PersistentVolumeClaim) {
 		c.Spec.DataSource = &v1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: "src"}
 	})
-	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "reader", "copy", describeTree, false), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	suite.CreatePod(t, suite.BusyboxPod(ns, "reader", "copy", describeTree, false))
 	got := podDone(t, ns, "reader")
 	if got != want || !strings.Contains(want, "./sparse regular file") {
 		t.Errorf("the clone's pod sees\n%s\nthe source's pod saw\n%s", got, want)

@@ -121,9 +121,7 @@ var exampleChecks = map[string]func(t *testing.T, ns string){
 	"clone.yaml": func(t *testing.T, ns string) {
 		examplePodRunning(t, ns, "seed-writer")
 		examplePodRunning(t, ns, "clone-reader")
-		if logs := waitLogs(t, ns, "clone-reader"); !strings.Contains(logs, "seeded on seed-writer") {
-			t.Errorf("clone-reader printed %q, want the seed-writer's line", logs)
-		}
+		waitLogContains(t, ns, "clone-reader", "seeded on seed-writer")
 		waitFileHas(t, filepath.Join(volumeDir(t, ns, "seeded-clone"), "seed.txt"), "seeded on seed-writer")
 	},
 	"snapshot-restore.yaml": func(t *testing.T, ns string) {
@@ -136,7 +134,7 @@ var exampleChecks = map[string]func(t *testing.T, ns string){
 		if err != nil {
 			t.Fatal(err)
 		}
-		if logs := waitLogs(t, ns, "reader"); logs != string(want) {
+		if logs := waitLogContains(t, ns, "reader", ""); logs != string(want) {
 			t.Errorf("reader printed %q, want what writer wrote: %q", logs, want)
 		}
 	},
@@ -284,21 +282,6 @@ func waitFileHas(t *testing.T, path, substr string) {
 	if err != nil {
 		t.Fatalf("%s does not hold %q: %v", path, substr, err)
 	}
-}
-
-// waitLogs waits until the pod has printed something and returns it, as `kubectl logs` shows it.
-func waitLogs(t *testing.T, ns, name string) string {
-	t.Helper()
-	var logs string
-	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-		b, err := suite.Client.CoreV1().Pods(ns).GetLogs(name, &v1.PodLogOptions{}).DoRaw(ctx)
-		logs = string(b)
-		return err == nil && logs != "", err
-	})
-	if err != nil {
-		t.Fatalf("logs of %s/%s: %v", ns, name, err)
-	}
-	return logs
 }
 
 func claimClass(t *testing.T, ns, name string) string {

@@ -140,12 +140,8 @@ func TestDefaultClassIsDirpvLocal(t *testing.T) {
 		t.Errorf("default classes = %v, want [dirpv-local]", defaults)
 	}
 	ns := suite.NewNamespace(t)
-	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, framework.NewClaim(ns, "data", ""), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "w", "data", "echo installed > /data/f", false), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	suite.CreateClaim(t, ns, "data", "")
+	suite.CreatePod(t, suite.BusyboxPod(ns, "w", "data", "echo installed > /data/f", false))
 	dir := volumeDir(t, ns, "data")
 	if !strings.HasPrefix(dir, basePath+"/") {
 		t.Errorf("volume dir %s is not under %s", dir, basePath)
@@ -163,12 +159,8 @@ func TestDefaultClassIsDirpvLocal(t *testing.T) {
 func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
 	ctx := context.Background()
 	ns := suite.NewNamespace(t)
-	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, framework.NewClaim(ns, "data", ""), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "writer", "data", "while true; do date >> /data/log; sleep 1; done", false), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	suite.CreateClaim(t, ns, "data", "")
+	suite.CreatePod(t, suite.BusyboxPod(ns, "writer", "data", "while true; do date >> /data/log; sleep 1; done", false))
 	waitRunning(t, ns, "writer")
 	logFile := filepath.Join(volumeDir(t, ns, "data"), "log")
 	size := readGrows(t, logFile, 0)
@@ -200,23 +192,10 @@ func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
 	}
 	readGrows(t, logFile, size)
 	// The workload keeps writing, and a new pod on the same claim still reads its data.
-	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, suite.BusyboxPod(ns, "reader", "data", "test -s /data/log", false), metav1.CreateOptions{}); err == nil {
-		// The claim is RWO on one node: a second pod on the same node may use it.
-		err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-			p, err := suite.Client.CoreV1().Pods(ns).Get(ctx, "reader", metav1.GetOptions{})
-			if err != nil {
-				return false, err
-			}
-			if p.Status.Phase == v1.PodFailed {
-				return false, fmt.Errorf("reader failed")
-			}
-			return p.Status.Phase == v1.PodSucceeded, fmt.Errorf("reader is %s", p.Status.Phase)
-		})
-		if err != nil {
-			t.Errorf("a new pod could not use the claim after the node plugin restarted: %v", err)
-		}
-	} else {
-		t.Fatal(err)
+	// The claim is RWO on one node: a second pod on the same node may use it.
+	suite.CreatePod(t, suite.BusyboxPod(ns, "reader", "data", "test -s /data/log", false))
+	if _, err := framework.WaitForPodPhase(ctx, suite.Client, ns, "reader", v1.PodSucceeded, timeout); err != nil {
+		t.Errorf("a new pod could not use the claim after the node plugin restarted: %v", err)
 	}
 }
 

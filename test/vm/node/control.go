@@ -188,3 +188,27 @@ func runControl(ctx context.Context, srv *guest.NFSServer, path string) controlR
 	}
 	return controlResponse{}
 }
+
+// guestContainerd is the socket of the guest's containerd (cluster.StartNode in agentWorkDir).
+var guestContainerd = filepath.Join(agentWorkDir, "containerd", "containerd.sock")
+
+// ImportImage imports an image tar into the guest's containerd, for pods whose images are
+// made after the node started (Options.Images are imported as it starts). The tar is copied
+// into the VM's share, which the guest sees at vm.GuestShareDir.
+func (n *Node) ImportImage(ctx context.Context, tarPath string) error {
+	name := "import-" + strconv.FormatInt(controlSeq.Add(1), 10) + ".tar"
+	if err := copyFile(tarPath, filepath.Join(n.Machine.Share(), name), 0o644); err != nil {
+		return err
+	}
+	defer os.Remove(filepath.Join(n.Machine.Share(), name))
+	_, err := n.Exec(ctx, 5*time.Minute, "ctr", "--address", guestContainerd, "-n", "k8s.io",
+		"images", "import", filepath.Join(vm.GuestShareDir, name))
+	return err
+}
+
+// TagImage gives an image in the guest's containerd another name.
+func (n *Node) TagImage(ctx context.Context, src, dst string) error {
+	_, err := n.Exec(ctx, time.Minute, "ctr", "--address", guestContainerd, "-n", "k8s.io",
+		"images", "tag", "--force", src, dst)
+	return err
+}

@@ -17,8 +17,10 @@ const (
 	XFSBase = "/var/lib/dirpv/xfs"
 	// Ext4Base is an ext4 file system made with -O quota,project, mounted with prjquota.
 	Ext4Base = "/var/lib/dirpv/ext4"
-	// diskSize is each disk's size: mkfs.xfs refuses file systems under 300 MB.
-	diskSize = 320 << 20
+	// The disks' sizes: the quota tests need little; the XFS disk also holds the External
+	// Storage suite's claim restored into 1Gi more than its source's size
+	// (TestExternalStorageLocalXFSOnGuestNode). Sparse files: only what is written costs.
+	ext4Size, xfsSize = 320 << 20, 2 << 30
 )
 
 // Disk is one of the guest's disks: its file system type and its mount point.
@@ -59,7 +61,11 @@ func setupDisks(dir string) (unmount func() error, err error) {
 		if err != nil {
 			return nil, err
 		}
-		err = f.Truncate(diskSize)
+		size := int64(xfsSize)
+		if d.FSType == "ext4" {
+			size = ext4Size
+		}
+		err = f.Truncate(size)
 		if cerr := f.Close(); err == nil {
 			err = cerr
 		}

@@ -71,7 +71,8 @@ func setup(ctx context.Context, s *framework.Suite) error {
 	})
 	fmt.Fprintf(os.Stderr, "VM node %s: guest booted in %s, node Ready %s after the guest's start\n",
 		guestNode.Name, guestNode.Boot.Round(time.Second), guestNode.Ready.Round(time.Second))
-	if _, err := framework.InstallImage(ctx, s.Cluster, dirpvImage, guestNode.Name, installTimeout, klog.Infof); err != nil {
+	if _, err := framework.InstallImage(ctx, s.Cluster, dirpvImage, guestNode.Name, installTimeout, klog.Infof,
+		"--quota-check-period="+quotaCheckPeriod.String()); err != nil {
 		return fmt.Errorf("install dirpv: %w", err)
 	}
 	// The scheduler places a claim of a WaitForFirstConsumer class on the node only once

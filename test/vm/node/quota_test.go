@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/test/vm"
@@ -27,6 +28,11 @@ import (
 // quotaWait bounds each wait of the quota tests: a pod's start, a write, kubelet's next stats
 // (volumeStatsAggPeriod 10s), a resize, under the VM's emulation.
 const quotaWait = 4 * time.Minute
+
+// quotaCheckPeriod is the node plugin's --quota-check-period here: short, so that
+// TestQuotaEscapesOnGuestDisk sees checks, long enough that a pod that has just seen one
+// usually makes its moves and writes before the next (it tries again if not).
+const quotaCheckPeriod = 10 * time.Second
 
 // tenantUID is the pods' user: an ordinary, unprivileged container (no capabilities, no
 // privilege escalation), which owns the files it writes.
@@ -308,15 +314,24 @@ func projectOf(ctx context.Context, t *testing.T, ns, claim string) uint64 {
 
 // TestQuotaEscapesOnGuestDisk measures what a pod can do to its volume's project quota on
 // XFS and ext4, with real pods and the kernel's FS_IOC_FSSETXATTR (test/vm/node/projid, what
-// `chattr -p` does), so README and SECURITY.md say what holds against whom:
+// `chattr -p` does), so README and SECURITY.md say what holds against whom, and what dirpv's
+// periodic quota check (--quota-check-period) closes:
 //   - an ordinary pod (UID 1000, no capabilities) that owns its files CAN move them out of its
 //     volume's project (into project 0, then write past its claim's size) or into a
-//     neighbour's project (whose df then shows the pod's data as the neighbour's usage);
+//     neighbour's project;
+//   - the node's next check moves them back and tells the claim (a Warning QuotaEscape event
+//     naming how many and one of them): the moved file's next write fails, the volume being
+//     over its limit, and the neighbour is no longer charged;
 //   - it cannot move a file it does not own (EPERM), nor any file from a user namespace of its
 //     own (EINVAL: the kernel allows project changes only from the initial user namespace);
 //   - root in a pod with its default capabilities (CAP_FOWNER) moves other users' files too,
 //     and without CAP_FOWNER it cannot;
 //   - a privileged pod writes past its claim's size on ext4 (CAP_SYS_RESOURCE) but not on XFS.
+//
+// The tenant first moves a canary out of the project and waits until a check has moved it
+// back, so that its moves and writes start with most of a period before the next check; it
+// then makes sure no check moved its files back before it was done, and otherwise starts
+// again after the next check (the test does not depend on how fast the guest is).
 func TestQuotaEscapesOnGuestDisk(t *testing.T) {
 	tools := projidTool(t)
 	for _, d := range node.Disks {
@@ -346,7 +361,7 @@ echo "root-without-fowner: $($P set /data/by1000 %d)"`, mine), false)
 				Name: "owner", Image: cluster.BusyboxImage, ImagePullPolicy: corev1.PullNever,
 				Command: []string{"sh", "-c", `P=/tools/projid
 echo root > /data/byroot; echo 1000 > /data/by1000; chown 1000:1000 /data/by1000
-echo "root-moves-others: $($P set /data/by1000 0) now $($P get /data/by1000)"`},
+echo "root-moves-others: $($P set /data/by1000 0)"`},
 				VolumeMounts: root.Spec.Containers[0].VolumeMounts,
 			}}
 			createPods(ctx, t, withProjid(root, tools))
@@ -366,7 +381,7 @@ echo "root-moves-others: $($P set /data/by1000 0) now $($P get /data/by1000)"`},
 			}
 			rootLog := string(b) + podLogText(ctx, ns, "root")
 			t.Logf("%s root pod:\n%s", d.FSType, rootLog)
-			if v := logValue(rootLog, "root-moves-others:"); v != "ok now 0" {
+			if v := logValue(rootLog, "root-moves-others:"); v != "ok" {
 				t.Errorf("root with CAP_FOWNER moving UID 1000's file to project 0: %q, want ok", v)
 			}
 			if v := logValue(rootLog, "root-without-fowner:"); !strings.Contains(v, "operation not permitted") {
@@ -376,10 +391,23 @@ echo "root-moves-others: $($P set /data/by1000 0) now $($P get /data/by1000)"`},
 			tenant := withProjid(tenantPod(ns, "tenant", "mine", fmt.Sprintf(`P=/tools/projid
 echo "others-file: $($P set /data/byroot 0)"
 dd if=/dev/zero of=/data/f bs=1M count=1 conv=fsync 2>/dev/null; echo "f-project $($P get /data/f)"
-echo "own-to-0: $($P set /data/f 0)"
-dd if=/dev/zero of=/data/f bs=1M count=24 seek=1 conv=fsync,notrunc 2>&1; echo "dd exit $?"; echo "size $(stat -c %%s /data/f)"
-dd if=/dev/zero of=/data/g bs=1M count=4 conv=fsync 2>/dev/null; echo "own-to-neighbour: $($P set /data/g %d)"
-echo h > /data/h; echo "userns: $($P userns set /data/h 0)"; echo "h-project $($P get /data/h)"`, theirs)), tools)
+echo c > /data/canary; try=0
+while :; do
+  try=$((try+1)); [ $try -le 5 ] || { echo "a check ran during each of 5 tries"; exit 3; }
+  $P set /data/canary 0 >/dev/null
+  i=0; while [ "$($P get /data/canary)" != %[1]d ]; do i=$((i+1)); [ $i -le 600 ] || { echo "no check seen"; exit 3; }; sleep 0.2; done
+  rm -f /data/f /data/g; dd if=/dev/zero of=/data/f bs=1M count=1 conv=fsync 2>/dev/null
+  own=$($P set /data/f 0); [ "$own" = ok ] || break
+  out=$(dd if=/dev/zero of=/data/f bs=1M count=24 seek=1 conv=fsync,notrunc 2>&1); ddexit=$?; size=$(stat -c %%s /data/f)
+  dd if=/dev/zero of=/data/g bs=1M count=4 conv=fsync 2>/dev/null; nb=$($P set /data/g %[2]d)
+  [ "$($P get /data/f)" = 0 ] && [ "$($P get /data/g)" = %[2]d ] && break
+  echo "try $try: a check moved the files back during the escape; again right after the next check"
+done
+echo "own-to-0: $own"; echo "$out"; echo "dd exit $ddexit"; echo "size $size"; echo "own-to-neighbour: $nb"
+echo h > /data/h; echo "userns: $($P userns set /data/h 0)"; echo "h-project $($P get /data/h)"
+i=0; while [ "$($P get /data/f)" != %[1]d ] || [ "$($P get /data/g)" != %[1]d ]; do i=$((i+1)); [ $i -le 600 ] || { echo "no repair seen"; exit 3; }; sleep 0.2; done
+echo repaired
+dd if=/dev/zero of=/data/f bs=1M count=1 seek=25 conv=fsync,notrunc 2>/tmp/err; echo "after-repair dd exit $?"; echo "after-repair: $(head -n 1 /tmp/err)"`, mine, theirs)), tools)
 			tenantLog := func() string { createPods(ctx, t, tenant); return podOutput(ctx, t, ns, "tenant") }()
 			t.Logf("%s tenant pod:\n%s", d.FSType, tenantLog)
 			if v := logValue(tenantLog, "others-file:"); !strings.Contains(v, "operation not permitted") {
@@ -391,7 +419,7 @@ echo h > /data/h; echo "userns: $($P userns set /data/h 0)"; echo "h-project $($
 			if v := logValue(tenantLog, "own-to-0:"); v != "ok" {
 				t.Errorf("UID 1000 moving its own file to project 0: %q; the kernel allowed it when this test was written", v)
 			}
-			// The escape: the moved file grows past the claim's size.
+			// The escape: the moved file grows past the claim's size until the next check.
 			if size, _ := strconv.ParseUint(logValue(tenantLog, "size"), 10, 64); logValue(tenantLog, "dd exit") != "0" || size != 25<<20 {
 				t.Errorf("the file moved out of the project holds %d bytes after writing 25 MiB into a 16Mi claim (%s)", size, tenantLog)
 			}
@@ -404,14 +432,28 @@ echo h > /data/h; echo "userns: $($P userns set /data/h 0)"; echo "h-project $($
 			if v := logValue(tenantLog, "h-project"); v != strconv.FormatUint(mine, 10) {
 				t.Errorf("after the refused move the file is in project %q, want %d", v, mine)
 			}
+			// Closed: back in the project, the file is charged to the full volume.
+			if logValue(tenantLog, "after-repair dd exit") == "0" || !writeFailed(logValue(tenantLog, "after-repair:")) {
+				t.Errorf("the escaped file's write after the check moved it back went in, want it stopped by the limit: %s", tenantLog)
+			}
+			// Earlier checks moved back the root pod's move and the canary: this one is of the
+			// pass that found f and g.
+			ev := waitForEscapeEvent(ctx, t, ns, "mine", func(msg string) bool {
+				return strings.HasPrefix(msg, "2 ") && (strings.Contains(msg, `e.g. "f"`) || strings.Contains(msg, `e.g. "g"`))
+			})
+			if ev.Type != corev1.EventTypeWarning || !strings.HasPrefix(ev.Message, "2 file(s) or director(ies) of the volume had left its project quota") ||
+				!strings.Contains(ev.Message, "dirpv moved them back") {
+				t.Errorf("event on the claim: %s %q; want a Warning: 2 files left the project, moved back", ev.Type, ev.Message)
+			}
+			t.Logf("%s: event %q", d.FSType, ev.Message)
 
 			checkHostUsersFalse(ctx, t, ns, tools)
 
-			// The neighbour's claim, empty, is charged the tenant's 4 MiB.
+			// The neighbour's claim, empty, is no longer charged the tenant's 4 MiB.
 			createPods(ctx, t, tenantPod(ns, "neighbour", "theirs", `echo "entries $(ls -A /data | wc -l)"; df -Pk /data`))
 			nlog := podOutput(ctx, t, ns, "neighbour")
-			if _, used := dfSizeKiB(t, nlog); logValue(nlog, "entries") != "0" || used < 4096 {
-				t.Errorf("the neighbour's claim: %s; want it empty with the tenant's 4096 KiB charged to it", nlog)
+			if _, used := dfSizeKiB(t, nlog); logValue(nlog, "entries") != "0" || used >= 4096 {
+				t.Errorf("the neighbour's claim: %s; want it empty and the tenant's 4096 KiB no longer charged to it", nlog)
 			}
 
 			plog := podOutput(ctx, t, ns, "privileged")
@@ -430,6 +472,32 @@ echo h > /data/h; echo "userns: $($P userns set /data/h 0)"; echo "h-project $($
 			t.Logf("%s: done in %s", d.FSType, time.Since(start).Round(time.Second))
 		})
 	}
+}
+
+// waitForEscapeEvent waits for a QuotaEscape event on the claim whose message is one that
+// want accepts.
+func waitForEscapeEvent(ctx context.Context, t *testing.T, ns, claim string, want func(string) bool) *corev1.Event {
+	t.Helper()
+	var found *corev1.Event
+	err := framework.Poll(ctx, quotaWait, func(ctx context.Context) (bool, error) {
+		evs, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: "involvedObject.kind=PersistentVolumeClaim,involvedObject.name=" + claim})
+		if err != nil {
+			return false, err
+		}
+		var seen []string
+		for i, e := range evs.Items {
+			if e.Reason == provisioner.ReasonQuotaEscape && want(e.Message) {
+				found = &evs.Items[i]
+				return true, nil
+			}
+			seen = append(seen, e.Reason+": "+e.Message)
+		}
+		return false, fmt.Errorf("events so far: %q", seen)
+	})
+	if err != nil {
+		t.Fatalf("QuotaEscape event on claim %s/%s: %v", ns, claim, err)
+	}
+	return found
 }
 
 // checkHostUsersFalse has the tenant move its own file from a pod with `hostUsers: false` (a

@@ -3,7 +3,9 @@
 // (TestQuotaEscapesOnGuestDisk). It is built static (CGO_ENABLED=0) to run in a busybox pod.
 //
 //	projid get FILE          print FILE's project ID
-//	projid set FILE ID       move FILE into project ID; print "ok" or the error
+//	projid set FILE ID       move FILE into project ID; print "ok" (read back at once through
+//	                         the same descriptor, before a quota check can move it back) or
+//	                         the error
 //	projid userns set FILE ID  the same from a new user namespace where the caller is root
 //	                         (as `unshare -U -r` would do)
 package main
@@ -69,6 +71,9 @@ func run(args []string) error {
 		}
 		if err := quota.SetFileProject(fd, uint32(id)); err != nil {
 			return err
+		}
+		if got, err := quota.FileProject(fd); err != nil || got != uint32(id) {
+			return fmt.Errorf("set project %d, read back %d (%v)", id, got, err)
 		}
 		fmt.Println("ok")
 		return nil

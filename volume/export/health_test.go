@@ -1,4 +1,4 @@
-package provisioner
+package export
 
 import (
 	"context"
@@ -30,16 +30,15 @@ func pollUntil(t *testing.T, within time.Duration, what string, cond func() bool
 // controller unhealthy once that has lasted longer than the limit, and healthy again when the
 // server answers. Calls that finish in time never count.
 func TestHealthFailsWhileAnExportIsWedged(t *testing.T) {
-	e := newExports(mount.NewFakeMounter(nil), t.TempDir(), 500*time.Millisecond)
-	p := &Provisioner{exports: e}
-	t.Cleanup(func() { e.closeAll(context.Background()) })
+	e := New(mount.NewFakeMounter(nil), t.TempDir(), 500*time.Millisecond)
+	t.Cleanup(func() { e.Close(context.Background()) })
 	const server, share = "nfs.example", "/export"
 
 	// A healthy server: calls come back, nothing is stuck.
-	if err := e.do(context.Background(), server, share, nil, func(*volume.Root) error { return nil }); err != nil {
+	if err := e.Do(context.Background(), server, share, nil, func(*volume.Root) error { return nil }); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Healthy(time.Nanosecond); err != nil {
+	if err := e.Healthy(time.Nanosecond); err != nil {
 		t.Fatalf("healthy export reported wedged: %v", err)
 	}
 
@@ -48,36 +47,36 @@ func TestHealthFailsWhileAnExportIsWedged(t *testing.T) {
 	var wg sync.WaitGroup
 	for range maxStuckCalls {
 		wg.Go(func() {
-			if err := e.do(context.Background(), server, share, nil, hang); !errors.Is(err, errExportUnresponsive) {
-				t.Errorf("call on a hung server: %v, want errExportUnresponsive", err)
+			if err := e.Do(context.Background(), server, share, nil, hang); !errors.Is(err, ErrUnresponsive) {
+				t.Errorf("call on a hung server: %v, want ErrUnresponsive", err)
 			}
 		})
 	}
 	wg.Wait()
-	st := p.Exports()
+	st := e.Status()
 	if len(st) != 1 || st[0].Export != server+":"+share || st[0].Stuck != maxStuckCalls || !st[0].Saturated {
 		t.Fatalf("exports: %+v, want %s:%s with %d stuck calls, saturated", st, server, share, maxStuckCalls)
 	}
 	// The calls that timed out dropped the mount, so a new call either finds every slot taken
 	// or waits behind the unmount, which waits for a slot too: refused either way, in time.
-	err := e.do(context.Background(), server, share, nil, func(*volume.Root) error { return nil })
-	if !errors.Is(err, errExportUnresponsive) ||
+	err := e.Do(context.Background(), server, share, nil, func(*volume.Root) error { return nil })
+	if !errors.Is(err, ErrUnresponsive) ||
 		!(strings.Contains(err.Error(), fmt.Sprint(maxStuckCalls)+" earlier calls") || strings.Contains(err.Error(), "waiting to mount")) {
 		t.Errorf("call on a saturated export: %v, want it refused for the %d earlier calls", err, maxStuckCalls)
 	}
-	if err := p.Healthy(time.Hour); err != nil {
+	if err := e.Healthy(time.Hour); err != nil {
 		t.Errorf("saturated for less than the limit, yet unhealthy: %v", err)
 	}
 	const limit = 300 * time.Millisecond
-	pollUntil(t, 5*time.Second, "unhealthy after the limit", func() bool { return p.Healthy(limit) != nil })
-	if err := p.Healthy(limit); !strings.Contains(err.Error(), server+":"+share) {
+	pollUntil(t, 5*time.Second, "unhealthy after the limit", func() bool { return e.Healthy(limit) != nil })
+	if err := e.Healthy(limit); !strings.Contains(err.Error(), server+":"+share) {
 		t.Errorf("health error does not name the export: %v", err)
 	}
 
 	close(answer)
 	pollUntil(t, 5*time.Second, "healthy, nothing stuck, once the server answers", func() bool {
-		st := p.Exports()
-		return p.Healthy(limit) == nil && len(st) == 1 && st[0].Stuck == 0 && !st[0].Saturated
+		st := e.Status()
+		return e.Healthy(limit) == nil && len(st) == 1 && st[0].Stuck == 0 && !st[0].Saturated
 	})
 }
 
@@ -87,9 +86,8 @@ func TestHealthFailsWhileAnExportIsWedged(t *testing.T) {
 // mount returns.
 func TestHealthFailsWhileAMountHoldsTheLock(t *testing.T) {
 	m := &slowMounter{FakeMounter: mount.NewFakeMounter(nil), release: make(chan struct{})}
-	e := newExports(m, t.TempDir(), 200*time.Millisecond)
-	p := &Provisioner{exports: e}
-	t.Cleanup(func() { e.closeAll(context.Background()) })
+	e := New(m, t.TempDir(), 200*time.Millisecond)
+	t.Cleanup(func() { e.Close(context.Background()) })
 	released := false
 	t.Cleanup(func() {
 		if !released {
@@ -98,15 +96,15 @@ func TestHealthFailsWhileAMountHoldsTheLock(t *testing.T) {
 	})
 	const limit = 400 * time.Millisecond
 
-	err := e.do(context.Background(), "nfs.example", "/export", nil, func(*volume.Root) error { return nil })
-	if !errors.Is(err, errExportUnresponsive) {
-		t.Fatalf("call against a hung mount: %v, want errExportUnresponsive", err)
+	err := e.Do(context.Background(), "nfs.example", "/export", nil, func(*volume.Root) error { return nil })
+	if !errors.Is(err, ErrUnresponsive) {
+		t.Fatalf("call against a hung mount: %v, want ErrUnresponsive", err)
 	}
 	pollUntil(t, 5*time.Second, "unhealthy while the mount hangs", func() bool {
-		err := p.Healthy(limit)
+		err := e.Healthy(limit)
 		return err != nil && strings.Contains(err.Error(), "nfs.example:/export (mount lock held since")
 	})
 	close(m.release)
 	released = true
-	pollUntil(t, 5*time.Second, "healthy once the mount returned", func() bool { return p.Healthy(limit) == nil })
+	pollUntil(t, 5*time.Second, "healthy once the mount returned", func() bool { return e.Healthy(limit) == nil })
 }

@@ -1,4 +1,4 @@
-package provisioner
+package export
 
 import (
 	"context"
@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -16,7 +15,9 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/mount-utils"
 
+	"github.com/dirpv/dirpv/internal/unmount"
 	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/export/exporttest"
 )
 
 // slowMounter is a FakeMounter whose Mount blocks until release is closed, like mount(8)
@@ -38,20 +39,20 @@ func (m *slowMounter) Mount(source, target, fstype string, options []string) err
 // busy" on a real NFS mount), nor mounted a second time on top.
 func TestLateMountIsAdopted(t *testing.T) {
 	m := &slowMounter{FakeMounter: mount.NewFakeMounter(nil), release: make(chan struct{})}
-	e := newExports(m, t.TempDir(), 200*time.Millisecond)
+	e := New(m, t.TempDir(), 200*time.Millisecond)
 	noop := func(*volume.Root) error { return nil }
 
-	err := e.do(context.Background(), "nfs.example", "/export", []string{"nolock"}, noop)
-	if !errors.Is(err, errExportUnresponsive) {
-		t.Fatalf("first call against a hung mount: %v, want errExportUnresponsive", err)
+	err := e.Do(context.Background(), "nfs.example", "/export", []string{"nolock"}, noop)
+	if !errors.Is(err, ErrUnresponsive) {
+		t.Fatalf("first call against a hung mount: %v, want ErrUnresponsive", err)
 	}
 	// While the abandoned mount is still running, a second call must not start another.
-	err = e.do(context.Background(), "nfs.example", "/export", []string{"nolock"}, noop)
-	if !errors.Is(err, errExportUnresponsive) {
-		t.Fatalf("call while the first mount still runs: %v, want errExportUnresponsive", err)
+	err = e.Do(context.Background(), "nfs.example", "/export", []string{"nolock"}, noop)
+	if !errors.Is(err, ErrUnresponsive) {
+		t.Fatalf("call while the first mount still runs: %v, want ErrUnresponsive", err)
 	}
 	close(m.release)
-	err = e.do(context.Background(), "nfs.example", "/export", []string{"nolock"}, noop)
+	err = e.Do(context.Background(), "nfs.example", "/export", []string{"nolock"}, noop)
 	if err != nil {
 		t.Fatalf("call after the server answered: %v", err)
 	}
@@ -61,113 +62,18 @@ func TestLateMountIsAdopted(t *testing.T) {
 	if mps, _ := m.List(); len(mps) != 1 {
 		t.Errorf("mounts: %v, want exactly one", mps)
 	}
-	e.closeAll(context.Background())
+	e.Close(context.Background())
 }
 
-// bindMounter stands in for mount(8) and an NFS server with real mounts: mounting
-// "server:share" bind-mounts the local directory registered for it. Its Unmount can be made
-// to hang, like umount(8) against a dead server.
-type bindMounter struct {
-	mount.Interface
-	mounts atomic.Int32
-
-	mu      sync.Mutex
-	dirs    map[string]string        // source -> local directory
-	targets map[string]string        // mount point -> source
-	hang    map[string]chan struct{} // source -> Unmount waits until it is closed
-}
-
-func newBindMounter(t *testing.T) *bindMounter {
-	m := &bindMounter{Interface: mount.New(""), dirs: map[string]string{}, targets: map[string]string{}, hang: map[string]chan struct{}{}}
-	t.Cleanup(func() {
-		m.mu.Lock()
-		defer m.mu.Unlock()
-		for _, ch := range m.hang {
-			close(ch)
-		}
-		m.hang = map[string]chan struct{}{}
-		for target := range m.targets {
-			for isMounted(target) {
-				if err := unix.Unmount(target, unix.MNT_DETACH); err != nil {
-					t.Errorf("clean up mount at %s: %v", target, err)
-					break
-				}
-			}
-		}
-	})
-	return m
-}
-
-// export registers a fresh local directory as server:share and returns it.
-func (m *bindMounter) export(t *testing.T, server, share string) string {
-	dir := t.TempDir()
-	m.mu.Lock()
-	m.dirs[volume.ExportSource(server, share)] = dir
-	m.mu.Unlock()
-	return dir
-}
-
-// hangUnmounts makes every later Unmount of a live mount of source wait until the test ends.
-func (m *bindMounter) hangUnmounts(server, share string) {
-	m.mu.Lock()
-	m.hang[volume.ExportSource(server, share)] = make(chan struct{})
-	m.mu.Unlock()
-}
-
-func (m *bindMounter) Mount(source, target, _ string, _ []string) error {
-	m.mu.Lock()
-	dir, ok := m.dirs[source]
-	m.targets[target] = source
-	m.mu.Unlock()
-	if !ok {
-		return fmt.Errorf("no such export %s", source)
-	}
-	m.mounts.Add(1)
-	// The syscall, not mount(8): a fork and exec on a loaded machine can outlast the short
-	// operation timeouts these tests use, and a slow mount would read as a dead server.
-	if err := unix.Mount(dir, target, "", unix.MS_BIND, ""); err != nil {
-		return fmt.Errorf("bind mount %s on %s: %w", dir, target, err)
-	}
-	return nil
-}
-
-func (m *bindMounter) Unmount(target string) error {
-	m.mu.Lock()
-	hang := m.hang[m.targets[target]]
-	m.mu.Unlock()
-	if hang != nil && isMounted(target) {
-		<-hang
-	}
-	if err := unix.Unmount(target, 0); err != nil {
-		return fmt.Errorf("unmount %s: %w", target, err)
-	}
-	return nil
-}
-
-// isMounted reports whether the kernel has a mount at dir.
-func isMounted(dir string) bool {
-	infos, _ := mount.ParseMountInfo("/proc/self/mountinfo")
-	return slices.ContainsFunc(infos, func(mi mount.MountInfo) bool { return mi.MountPoint == dir })
-}
-
-// eventually polls cond until it holds or within has passed, and fails with cond's message.
-func eventually(t *testing.T, within time.Duration, cond func() (bool, string)) {
-	t.Helper()
-	deadline := time.Now().Add(within)
-	for {
-		ok, msg := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("after %v: %s", within, msg)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
+// Test helpers shared with the tests of the packages above (provisioner).
+var (
+	newBindMounter = exporttest.NewBindMounter
+	isMounted      = exporttest.IsMounted
+	eventually     = exporttest.Eventually
+)
 
 // exportDir returns the mount point of server:share under e's work dir.
-func exportDir(e *exports, server, share string) string {
+func exportDir(e *Exports, server, share string) string {
 	return e.get(server, share, nil).dir
 }
 
@@ -177,15 +83,15 @@ func exportDir(e *exports, server, share string) string {
 // the call keeps it busy).
 func TestRootInUseSurvivesUnmount(t *testing.T) {
 	m := newBindMounter(t)
-	src := m.export(t, "nfs.example", "/a")
-	e := newExports(m, t.TempDir(), 2*time.Second)
-	defer e.closeAll(context.Background())
+	src := m.Export(t, "nfs.example", "/a")
+	e := New(m, t.TempDir(), 2*time.Second)
+	defer e.Close(context.Background())
 	dir := exportDir(e, "nfs.example", "/a")
 
 	entered, proceed := make(chan struct{}), make(chan struct{})
 	held := make(chan error, 1)
 	go func() {
-		held <- e.do(context.Background(), "nfs.example", "/a", nil, func(root *volume.Root) error {
+		held <- e.Do(context.Background(), "nfs.example", "/a", nil, func(root *volume.Root) error {
 			close(entered)
 			<-proceed
 			_, err := root.MkdirAll("made-after-unmount", volume.Owner{Mode: 0o755, UID: -1, GID: -1}, volume.Claim{UID: "uid-late", PVName: "pv-late"})
@@ -193,7 +99,7 @@ func TestRootInUseSurvivesUnmount(t *testing.T) {
 		})
 	}()
 	<-entered
-	err := e.do(context.Background(), "nfs.example", "/a", nil, func(*volume.Root) error { return unix.EIO })
+	err := e.Do(context.Background(), "nfs.example", "/a", nil, func(*volume.Root) error { return unix.EIO })
 	if !errors.Is(err, unix.EIO) {
 		t.Fatalf("failing call: %v, want EIO", err)
 	}
@@ -216,14 +122,14 @@ func TestRootInUseSurvivesUnmount(t *testing.T) {
 		t.Errorf("directory made through the held root is not in the export: %v", err)
 	}
 	// The next call mounts afresh and sees it.
-	err = e.do(context.Background(), "nfs.example", "/a", nil, func(root *volume.Root) error {
+	err = e.Do(context.Background(), "nfs.example", "/a", nil, func(root *volume.Root) error {
 		_, err := root.Stat("made-after-unmount")
 		return err
 	})
 	if err != nil {
 		t.Errorf("call after the remount: %v", err)
 	}
-	if n := m.mounts.Load(); n != 2 {
+	if n := m.Mounts.Load(); n != 2 {
 		t.Errorf("mounted %d times, want 2", n)
 	}
 }
@@ -233,25 +139,25 @@ func TestRootInUseSurvivesUnmount(t *testing.T) {
 func TestHungUnmountBlocksNeitherSweepNorShutdown(t *testing.T) {
 	const timeout = time.Second
 	m := newBindMounter(t)
-	m.export(t, "dead.example", "/x")
-	m.export(t, "live.example", "/y")
-	e := newExports(m, t.TempDir(), timeout)
+	m.Export(t, "dead.example", "/x")
+	m.Export(t, "live.example", "/y")
+	e := New(m, t.TempDir(), timeout)
 	dead, live := exportDir(e, "dead.example", "/x"), exportDir(e, "live.example", "/y")
 	noop := func(*volume.Root) error { return nil }
 	mountBoth := func() {
 		t.Helper()
 		for _, s := range []string{"dead.example", "live.example"} {
 			share := map[string]string{"dead.example": "/x", "live.example": "/y"}[s]
-			if err := e.do(context.Background(), s, share, nil, noop); err != nil {
+			if err := e.Do(context.Background(), s, share, nil, noop); err != nil {
 				t.Fatal(err)
 			}
 		}
 	}
-	m.hangUnmounts("dead.example", "/x")
+	m.HangUnmounts("dead.example", "/x")
 	mountBoth()
 
 	start := time.Now()
-	e.sweep(context.Background(), -1)
+	e.Sweep(context.Background(), -1)
 	if d := time.Since(start); d > timeout/2 {
 		t.Errorf("sweep took %v: it waits for unmounts", d)
 	}
@@ -265,18 +171,18 @@ func TestHungUnmountBlocksNeitherSweepNorShutdown(t *testing.T) {
 
 	mountBoth()
 	start = time.Now()
-	e.closeAll(context.Background())
-	bound := timeout + 2*min(timeout, lazyUnmountTimeout)
+	e.Close(context.Background())
+	bound := timeout + 2*min(timeout, unmount.LazyTimeout)
 	if d := time.Since(start); d > bound+time.Second {
-		t.Errorf("closeAll took %v with a hung unmount, bound %v", d, bound)
+		t.Errorf("Close took %v with a hung unmount, bound %v", d, bound)
 	}
 	for _, dir := range []string{dead, live} {
 		if isMounted(dir) {
-			t.Errorf("%s is still mounted after closeAll", dir)
+			t.Errorf("%s is still mounted after Close", dir)
 		}
 	}
-	if err := e.do(context.Background(), "live.example", "/y", nil, noop); !errors.Is(err, errShuttingDown) {
-		t.Errorf("call after closeAll: %v, want errShuttingDown", err)
+	if err := e.Do(context.Background(), "live.example", "/y", nil, noop); !errors.Is(err, errShuttingDown) {
+		t.Errorf("call after Close: %v, want errShuttingDown", err)
 	}
 }
 
@@ -286,14 +192,14 @@ func TestHungUnmountBlocksNeitherSweepNorShutdown(t *testing.T) {
 func TestLazyUnmountLeavesNoMount(t *testing.T) {
 	const timeout = time.Second
 	m := newBindMounter(t)
-	src := m.export(t, "dead.example", "/x")
+	src := m.Export(t, "dead.example", "/x")
 	if err := os.WriteFile(filepath.Join(src, "busy"), nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	e := newExports(m, t.TempDir(), timeout)
-	defer e.closeAll(context.Background())
+	e := New(m, t.TempDir(), timeout)
+	defer e.Close(context.Background())
 	dir := exportDir(e, "dead.example", "/x")
-	if err := e.do(context.Background(), "dead.example", "/x", nil, func(*volume.Root) error { return nil }); err != nil {
+	if err := e.Do(context.Background(), "dead.example", "/x", nil, func(*volume.Root) error { return nil }); err != nil {
 		t.Fatal(err)
 	}
 	busy, err := os.Open(filepath.Join(dir, "busy"))
@@ -301,11 +207,11 @@ func TestLazyUnmountLeavesNoMount(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer busy.Close()
-	m.hangUnmounts("dead.example", "/x")
+	m.HangUnmounts("dead.example", "/x")
 
 	start := time.Now()
 	e.unmount(klog.Background(), e.get("dead.example", "/x", nil), 0, false)
-	if d, bound := time.Since(start), timeout+2*min(timeout, lazyUnmountTimeout); d > bound {
+	if d, bound := time.Since(start), timeout+2*min(timeout, unmount.LazyTimeout); d > bound {
 		t.Errorf("unmount took %v, bound %v", d, bound)
 	}
 	if isMounted(dir) {
@@ -317,20 +223,20 @@ func TestLazyUnmountLeavesNoMount(t *testing.T) {
 	}
 }
 
-// A background delete that passed its shutdown check just before closeAll acquires its export
-// after closeAll unmounted everything: it is refused, and nothing is mounted again behind
+// A background delete that passed its shutdown check just before Close acquires its export
+// after Close unmounted everything: it is refused, and nothing is mounted again behind
 // shutdown's back.
 func TestNoMountAfterShutdown(t *testing.T) {
 	m := mount.NewFakeMounter(nil)
-	e := newExports(m, t.TempDir(), time.Second)
+	e := New(m, t.TempDir(), time.Second)
 	ex := e.get("nfs.example", "/export", nil)
-	e.closeAll(context.Background())
+	e.Close(context.Background())
 	root, _, err := e.acquire(context.Background(), ex)
 	if root != nil {
 		root.Close()
 	}
 	if !errors.Is(err, errShuttingDown) {
-		t.Errorf("acquire after closeAll: %v, want errShuttingDown", err)
+		t.Errorf("acquire after Close: %v, want errShuttingDown", err)
 	}
 	if mps, _ := m.List(); len(mps) != 0 {
 		t.Errorf("mounts after shutdown: %v, want none", mps)
@@ -342,9 +248,9 @@ func TestNoMountAfterShutdown(t *testing.T) {
 // mounts afresh within its deadline instead of hanging with the export's lock held.
 func TestLeftoverMountWithHungUnmountIsReplaced(t *testing.T) {
 	m := newBindMounter(t)
-	data := m.export(t, "nfs.example", "/export")
-	e := newExports(m, t.TempDir(), 2*time.Second)
-	defer e.closeAll(context.Background())
+	data := m.Export(t, "nfs.example", "/export")
+	e := New(m, t.TempDir(), 2*time.Second)
+	defer e.Close(context.Background())
 	dir := exportDir(e, "nfs.example", "/export")
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
@@ -352,9 +258,9 @@ func TestLeftoverMountWithHungUnmountIsReplaced(t *testing.T) {
 	if err := m.Mount(volume.ExportSource("nfs.example", "/export"), dir, "nfs", nil); err != nil {
 		t.Fatal(err)
 	}
-	m.hangUnmounts("nfs.example", "/export")
+	m.HangUnmounts("nfs.example", "/export")
 	start := time.Now()
-	err := e.do(context.Background(), "nfs.example", "/export", nil, func(root *volume.Root) error {
+	err := e.Do(context.Background(), "nfs.example", "/export", nil, func(root *volume.Root) error {
 		return root.Mkdir("made", 0o755)
 	})
 	if err != nil {
@@ -405,14 +311,14 @@ func TestStoppedCopyKeepsTheExport(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			m := newBindMounter(t)
-			m.export(t, "nfs.example", "/export")
-			e := newExports(m, t.TempDir(), 5*time.Second)
-			defer e.closeAll(context.Background())
+			m.Export(t, "nfs.example", "/export")
+			e := New(m, t.TempDir(), 5*time.Second)
+			defer e.Close(context.Background())
 			dir := exportDir(e, "nfs.example", "/export")
-			ref := exportRef{"nfs.example", "/export", nil}
+			ref := Ref{"nfs.example", "/export", nil}
 			// Mounted before the copy starts, so that the copy's short deadline can only
 			// pass in the copy, never in the mount (which would read as a dead server).
-			if err := e.do(context.Background(), "nfs.example", "/export", nil, func(*volume.Root) error { return nil }); err != nil {
+			if err := e.Do(context.Background(), "nfs.example", "/export", nil, func(*volume.Root) error { return nil }); err != nil {
 				t.Fatal(err)
 			}
 
@@ -420,7 +326,7 @@ func TestStoppedCopyKeepsTheExport(t *testing.T) {
 			defer cancel()
 			started := make(chan struct{}, 1)
 			copied := make(chan error, 1)
-			go func() { copied <- e.doPair(ctx, tc.copyTimeout, ref, ref, longCopy(started, nil)) }()
+			go func() { copied <- e.DoPair(ctx, tc.copyTimeout, ref, ref, longCopy(started, nil)) }()
 			var err error
 			select {
 			case <-started:
@@ -432,19 +338,19 @@ func TestStoppedCopyKeepsTheExport(t *testing.T) {
 				// On a loaded machine the short deadline can pass before the copy begins
 				// (its slot): a copy stopped by its deadline all the same.
 			}
-			if !errors.Is(err, tc.want) || errors.Is(err, errExportUnresponsive) {
-				t.Fatalf("stopped copy: %v, want %v and not errExportUnresponsive", err, tc.want)
+			if !errors.Is(err, tc.want) || errors.Is(err, ErrUnresponsive) {
+				t.Fatalf("stopped copy: %v, want %v and not ErrUnresponsive", err, tc.want)
 			}
 			e.running.Wait() // any unmount the copy started
 			if !isMounted(dir) {
 				t.Fatal("the export was unmounted after a copy was stopped")
 			}
-			if err := e.do(context.Background(), "nfs.example", "/export", nil, func(root *volume.Root) error {
+			if err := e.Do(context.Background(), "nfs.example", "/export", nil, func(root *volume.Root) error {
 				return root.Mkdir("after", 0o755)
 			}); err != nil {
 				t.Fatalf("call after the stopped copy: %v", err)
 			}
-			if n := m.mounts.Load(); n != 1 {
+			if n := m.Mounts.Load(); n != 1 {
 				t.Errorf("mounted %d times, want 1", n)
 			}
 		})
@@ -455,24 +361,24 @@ func TestStoppedCopyKeepsTheExport(t *testing.T) {
 // unmounted: copies have slots of their own, and one beyond them waits its turn.
 func TestManyCopiesLeaveCallsAlone(t *testing.T) {
 	m := newBindMounter(t)
-	m.export(t, "nfs.example", "/export")
+	m.Export(t, "nfs.example", "/export")
 	const timeout = time.Second
-	e := newExports(m, t.TempDir(), timeout)
-	defer e.closeAll(context.Background())
+	e := New(m, t.TempDir(), timeout)
+	defer e.Close(context.Background())
 	dir := exportDir(e, "nfs.example", "/export")
-	ref := exportRef{"nfs.example", "/export", nil}
+	ref := Ref{"nfs.example", "/export", nil}
 
 	started, done := make(chan struct{}, maxCopies+1), make(chan struct{})
 	var wg sync.WaitGroup
 	errs := make(chan error, maxCopies+1)
 	for range maxCopies + 1 {
-		wg.Go(func() { errs <- e.doPair(context.Background(), time.Minute, ref, ref, longCopy(started, done)) })
+		wg.Go(func() { errs <- e.DoPair(context.Background(), time.Minute, ref, ref, longCopy(started, done)) })
 	}
 	for range maxCopies {
 		<-started
 	}
 	start := time.Now()
-	if err := e.do(context.Background(), "nfs.example", "/export", nil, func(root *volume.Root) error {
+	if err := e.Do(context.Background(), "nfs.example", "/export", nil, func(root *volume.Root) error {
 		return root.Mkdir("during", 0o755)
 	}); err != nil {
 		t.Errorf("call while %d copies run: %v", maxCopies+1, err)
@@ -493,7 +399,7 @@ func TestManyCopiesLeaveCallsAlone(t *testing.T) {
 	if !isMounted(dir) {
 		t.Error("the export was unmounted")
 	}
-	if n := m.mounts.Load(); n != 1 {
+	if n := m.Mounts.Load(); n != 1 {
 		t.Errorf("mounted %d times, want 1", n)
 	}
 }
@@ -502,29 +408,28 @@ func TestManyCopiesLeaveCallsAlone(t *testing.T) {
 // operation timeout later, counted among the stuck calls, and the mount is dropped.
 func TestCopyThatDoesNotStopIsAbandoned(t *testing.T) {
 	m := newBindMounter(t)
-	m.export(t, "nfs.example", "/export")
+	m.Export(t, "nfs.example", "/export")
 	const timeout = 200 * time.Millisecond
-	e := newExports(m, t.TempDir(), timeout)
-	p := &Provisioner{exports: e}
-	defer e.closeAll(context.Background())
+	e := New(m, t.TempDir(), timeout)
+	defer e.Close(context.Background())
 	dir := exportDir(e, "nfs.example", "/export")
-	ref := exportRef{"nfs.example", "/export", nil}
+	ref := Ref{"nfs.example", "/export", nil}
 
 	answer := make(chan struct{})
 	defer close(answer)
 	ctx, cancel := context.WithCancel(context.Background())
 	copied := make(chan error, 1)
 	go func() {
-		copied <- e.doPair(ctx, time.Minute, ref, ref, func(context.Context, *volume.Root, *volume.Root) error {
+		copied <- e.DoPair(ctx, time.Minute, ref, ref, func(context.Context, *volume.Root, *volume.Root) error {
 			cancel()
 			<-answer // in the kernel, deaf to ctx
 			return nil
 		})
 	}()
-	if err := <-copied; !errors.Is(err, errExportUnresponsive) {
-		t.Fatalf("copy that does not stop: %v, want errExportUnresponsive", err)
+	if err := <-copied; !errors.Is(err, ErrUnresponsive) {
+		t.Fatalf("copy that does not stop: %v, want ErrUnresponsive", err)
 	}
-	if st := p.Exports(); len(st) != 1 || st[0].Stuck != 1 {
+	if st := e.Status(); len(st) != 1 || st[0].Stuck != 1 {
 		t.Errorf("exports: %+v, want one stuck call", st)
 	}
 	eventually(t, 10*time.Second, func() (bool, string) {

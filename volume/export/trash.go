@@ -1,4 +1,4 @@
-package provisioner
+package export
 
 import (
 	"context"
@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-	v1 "k8s.io/api/core/v1"
 	"k8s.io/klog/v2"
 
 	"github.com/dirpv/dirpv/internal/failpoint"
@@ -17,14 +16,14 @@ import (
 )
 
 // Deleting an NFS volume is two jobs with different budgets. Liveness (the server answers)
-// gets the operation timeout: Delete moves the volume's directory into trashDir at the export
+// gets the operation timeout: Delete moves the volume's directory into TrashDir at the export
 // root, which takes a few calls whatever the tree's size, and the PV can go. Work (the tree
 // is big) gets as long as it needs: a background walk removes the trash entry in steps,
 // one walk per entry, a few per export, and the walks pick up again after a restart.
 
-// trashDir holds deleted NFS volumes until their trees are removed. No pathPattern can
+// TrashDir holds deleted NFS volumes until their trees are removed. No pathPattern can
 // produce it (volume.ReservedPrefix), and it is not a volume, so nesting checks never stop there.
-const trashDir = volume.ReservedPrefix + "trash"
+const TrashDir = volume.ReservedPrefix + "trash"
 
 const (
 	// maxWalksPerExport bounds the background deletes that run at once on one export.
@@ -46,11 +45,12 @@ type trashQueue struct {
 	walkers int
 }
 
-// trash moves the volume rel of pv to the export's trash within the operation timeout and
-// starts removing it in the background. A volume already moved (a retried Delete) is not moved
-// again; its removal is started if it is not under way, for instance after a restart. A
-// directory at rel that belongs to another claim is left alone (checkOwnedBy).
-func (e *exports) trash(ctx context.Context, server, share string, options []string, rel string, pv *v1.PersistentVolume) error {
+// Trash moves the volume rel of owner to the export's trash, named after owner's PV, within
+// the operation timeout and starts removing it in the background. A volume already moved (a
+// retried Delete) is not moved again; its removal is started if it is not under way, for
+// instance after a restart. A directory at rel that belongs to another claim is left alone
+// (volume.Root.OpenVolumeOf).
+func (e *Exports) Trash(ctx context.Context, server, share string, options []string, rel string, owner volume.Claim) error {
 	ex := e.get(server, share, options)
 	var (
 		entry string
@@ -58,7 +58,7 @@ func (e *exports) trash(ctx context.Context, server, share string, options []str
 	)
 	err := e.run(ctx, ex, func(root *volume.Root) error {
 		var err error
-		entry, moved, err = moveToTrash(root, rel, pv)
+		entry, moved, err = moveToTrash(root, rel, owner)
 		return err
 	})
 	if err != nil {
@@ -67,9 +67,9 @@ func (e *exports) trash(ctx context.Context, server, share string, options []str
 	logger := klog.FromContext(ctx)
 	switch {
 	case moved:
-		logger.Info("Moved volume directory to the trash; removing it in the background", "path", rel, "trash", trashDir+"/"+entry)
+		logger.Info("Moved volume directory to the trash; removing it in the background", "path", rel, "trash", TrashDir+"/"+entry)
 	case entry != "":
-		logger.Info("Volume directory is in the trash already; removing it in the background", "path", rel, "trash", trashDir+"/"+entry)
+		logger.Info("Volume directory is in the trash already; removing it in the background", "path", rel, "trash", TrashDir+"/"+entry)
 	default:
 		logger.Info("Volume directory is gone already", "path", rel)
 	}
@@ -80,14 +80,14 @@ func (e *exports) trash(ctx context.Context, server, share string, options []str
 	return nil
 }
 
-// moveToTrash moves rel into trashDir as the PV's name, unless rel is another claim's volume.
+// moveToTrash moves rel into TrashDir as owner's PV name, unless rel is another claim's volume.
 // It returns the trash entry to remove ("" if there is none) and whether this call moved it
 // there. It moves the directory it checked or nothing: another that took rel's name after the
 // check is left alone.
-func moveToTrash(root *volume.Root, rel string, pv *v1.PersistentVolume) (string, bool, error) {
+func moveToTrash(root *volume.Root, rel string, owner volume.Claim) (string, bool, error) {
 	// A stale PV's retried Delete must not send a new claim's volume at the same path to the
 	// background walk, which would remove that claim's data.
-	vol, err := checkOwnedBy(root, rel, claimOf(pv))
+	vol, err := root.OpenVolumeOf(rel, owner)
 	if err != nil && !errors.Is(err, volume.ErrNotDirectory) {
 		return "", false, err
 	}
@@ -102,7 +102,7 @@ func moveToTrash(root *volume.Root, rel string, pv *v1.PersistentVolume) (string
 			return "", false, err
 		}
 	case vol != nil:
-		entry, err := moveChecked(root, vol, pv.Name)
+		entry, err := moveChecked(root, vol, owner.PVName)
 		if err == nil {
 			return entry, true, nil
 		}
@@ -112,19 +112,19 @@ func moveToTrash(root *volume.Root, rel string, pv *v1.PersistentVolume) (string
 		// Removed after the check; what took its path, if anything, is not this PV's.
 	}
 	// Moved by an earlier attempt, whose walk may be lost with a restart, or never there.
-	if _, err := root.Stat(trashDir + "/" + pv.Name); errors.Is(err, os.ErrNotExist) {
+	if _, err := root.Stat(TrashDir + "/" + owner.PVName); errors.Is(err, os.ErrNotExist) {
 		return "", false, nil
 	}
-	return pv.Name, false, nil
+	return owner.PVName, false, nil
 }
 
 // moveChecked moves vol into the trash as pvName and returns the entry it got.
 func moveChecked(root *volume.Root, vol *volume.Volume, pvName string) (string, error) {
-	if err := root.Mkdir(trashDir, 0o700); err != nil {
+	if err := root.Mkdir(TrashDir, 0o700); err != nil {
 		return "", err
 	}
 	entry := pvName
-	err := vol.Move(trashDir, entry)
+	err := vol.Move(TrashDir, entry)
 	if errors.Is(err, unix.EEXIST) {
 		// Another tree with this name is still being removed (a pattern without the PV name
 		// made a new volume at the same path, under a PV of the same name): keep both.
@@ -132,19 +132,19 @@ func moveChecked(root *volume.Root, vol *volume.Volume, pvName string) (string, 
 		if len(entry) > volume.MaxComponentLength {
 			entry = entry[len(entry)-volume.MaxComponentLength:]
 		}
-		err = vol.Move(trashDir, entry)
+		err = vol.Move(TrashDir, entry)
 	}
 	return entry, err
 }
 
 // resumeTrash queues every entry left in the trash of the export just mounted at root.
-func (e *exports) resumeTrash(logger klog.Logger, ex *export, root *volume.Root) {
-	names, err := root.List(trashDir)
+func (e *Exports) resumeTrash(logger klog.Logger, ex *export, root *volume.Root) {
+	names, err := root.List(TrashDir)
 	if errors.Is(err, os.ErrNotExist) {
 		return
 	}
 	if err != nil {
-		logger.Error(err, "Listing volumes left to remove", "export", ex.source, "trash", trashDir)
+		logger.Error(err, "Listing volumes left to remove", "export", ex.source, "trash", TrashDir)
 		return
 	}
 	if len(names) > 0 {
@@ -157,7 +157,7 @@ func (e *exports) resumeTrash(logger klog.Logger, ex *export, root *volume.Root)
 
 // enqueue queues the removal of a trash entry unless it is already known, and starts a walk
 // if the export has fewer than maxWalksPerExport.
-func (e *exports) enqueue(logger klog.Logger, ex *export, entry string) {
+func (e *Exports) enqueue(logger klog.Logger, ex *export, entry string) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
@@ -175,7 +175,7 @@ func (e *exports) enqueue(logger klog.Logger, ex *export, entry string) {
 }
 
 // requeueLocked puts a known entry back in the queue and starts a walk if there is room.
-func (e *exports) requeueLocked(logger klog.Logger, ex *export, entry string) {
+func (e *Exports) requeueLocked(logger klog.Logger, ex *export, entry string) {
 	ex.trash.queue = append(ex.trash.queue, entry)
 	if ex.trash.walkers >= maxWalksPerExport {
 		return
@@ -188,7 +188,7 @@ func (e *exports) requeueLocked(logger klog.Logger, ex *export, entry string) {
 }
 
 // walk removes queued trash entries of the export until none is left or shutdown begins.
-func (e *exports) walk(logger klog.Logger, ex *export) {
+func (e *Exports) walk(logger klog.Logger, ex *export) {
 	for {
 		e.mu.Lock()
 		if len(ex.trash.queue) == 0 || e.closed {
@@ -217,7 +217,7 @@ func (e *exports) walk(logger klog.Logger, ex *export) {
 			ex.trash.entries[entry] = attempts
 			delay := min(retryMin<<min(attempts-1, 20), retryMax)
 			logger.Error(err, "Removing a deleted volume; trying again later", "export", ex.source,
-				"trash", trashDir+"/"+entry, "attempts", attempts, "retryIn", delay)
+				"trash", TrashDir+"/"+entry, "attempts", attempts, "retryIn", delay)
 			e.background(&e.running, func() {
 				t := time.NewTimer(delay)
 				defer t.Stop()
@@ -236,7 +236,7 @@ func (e *exports) walk(logger klog.Logger, ex *export) {
 }
 
 // removeEntry removes one trash entry in steps of removalStep entries.
-func (e *exports) removeEntry(logger klog.Logger, ex *export, entry string) error {
+func (e *Exports) removeEntry(logger klog.Logger, ex *export, entry string) error {
 	ctx, cancel := context.WithTimeout(e.bg, e.timeout)
 	root, _, err := e.acquire(ctx, ex)
 	cancel()
@@ -246,7 +246,7 @@ func (e *exports) removeEntry(logger klog.Logger, ex *export, entry string) erro
 	// The walk's own handles keep the mount from going away under it; were it dropped
 	// meanwhile, it detaches and the walk carries on until this handle is closed.
 	defer root.Close()
-	rel := trashDir + "/" + entry
+	rel := TrashDir + "/" + entry
 	logger = logger.WithValues("export", ex.source, "trash", rel)
 	var rm *volume.Removal
 	if err := e.step(logger, func() error {
@@ -288,7 +288,7 @@ func (e *exports) removeEntry(logger klog.Logger, ex *export, entry string) erro
 // alone, since other claims on it judge the server with their own deadlines. The step is
 // waited for, not abandoned, since the next one carries on from its state and a second walk
 // of the same tree is what this design avoids.
-func (e *exports) step(logger klog.Logger, fn func() error) error {
+func (e *Exports) step(logger klog.Logger, fn func() error) error {
 	start := time.Now()
 	paused := time.AfterFunc(e.timeout, func() {
 		logger.Info("Background delete paused: the NFS server has not answered", "waited", e.timeout)
@@ -307,8 +307,8 @@ func (e *exports) step(logger klog.Logger, fn func() error) error {
 	return fn()
 }
 
-// pendingDeletes counts the volumes moved to the trash and not yet removed.
-func (e *exports) pendingDeletes() int {
+// PendingDeletes counts the volumes moved to the trash and not yet removed.
+func (e *Exports) PendingDeletes() int {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return e.pending

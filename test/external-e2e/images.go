@@ -9,13 +9,19 @@ import (
 	"strings"
 	"time"
 
-	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/test/image"
 )
 
-// repoListYAML maps every registry of k8s.io/kubernetes/test/utils/image to a name under
-// dirpv.local, which no one serves: the images the suite runs are built here and imported.
-const repoListYAML = `promoterE2eRegistry: dirpv.local/e2e-test-images
+// ImageStore is the containerd of the node the suite's pods run on.
+type ImageStore interface {
+	ImportImage(ctx context.Context, tarPath string) error
+	TagImage(ctx context.Context, src, dst string) error
+}
+
+// RepoListYAML is the KUBE_TEST_REPO_LIST file's content: it maps every registry of
+// k8s.io/kubernetes/test/utils/image to a name under dirpv.local, which no one serves: the
+// images the suite runs are built here and imported.
+const RepoListYAML = `promoterE2eRegistry: dirpv.local/e2e-test-images
 buildImageRegistry: dirpv.local/build-image
 invalidRegistry: invalid.registry.k8s.io/invalid
 gcEtcdRegistry: dirpv.local
@@ -39,13 +45,13 @@ func busyboxStandsIn(repo string) bool {
 	return false
 }
 
-// provideImages puts into the node's containerd, under the names e2e.test asks for (its
+// ProvideImages puts into the node's containerd, under the names e2e.test asks for (its
 // -list-images, read with the repo list applied, so versions are e2e.test's own), the images
 // the storage tests run: agnhost (built from k8s.io/kubernetes/test/images/agnhost, on a
 // busybox userland as upstream's has a shell), busybox and pause (the cluster's own, tagged;
 // busybox also under the names of busyboxStandsIn).
 // Any other image stays missing and its test fails with the image's name in the pod's events.
-func provideImages(ctx context.Context, s *framework.Suite, e2eTest, agnhost, repoList string) error {
+func ProvideImages(ctx context.Context, node ImageStore, busybox, pause, workDir, e2eTest, agnhost, repoList string) error {
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, e2eTest, "-list-images")
@@ -61,9 +67,9 @@ func provideImages(ctx context.Context, s *framework.Suite, e2eTest, agnhost, re
 		case repo == "dirpv.local/e2e-test-images/agnhost":
 			agnhostNames = append(agnhostNames, name)
 		case busyboxStandsIn(repo):
-			err = s.Cluster.TagImage(ctx, s.Cluster.BusyboxImage, name)
+			err = node.TagImage(ctx, busybox, name)
 		case repo == "dirpv.local/pause":
-			err = s.Cluster.TagImage(ctx, s.Cluster.PauseImage, name)
+			err = node.TagImage(ctx, pause, name)
 		}
 		if err != nil {
 			return err
@@ -72,7 +78,7 @@ func provideImages(ctx context.Context, s *framework.Suite, e2eTest, agnhost, re
 	if len(agnhostNames) == 0 {
 		return fmt.Errorf("e2e.test -list-images names no agnhost image under the repo list's registry:\n%s", out)
 	}
-	dir := filepath.Join(s.Work.Dir, "images")
+	dir := filepath.Join(workDir, "images")
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
@@ -88,12 +94,12 @@ func provideImages(ctx context.Context, s *framework.Suite, e2eTest, agnhost, re
 	if err := image.WriteOCITar(tar, agnhostNames[0], files, image.Config{Entrypoint: []string{"/agnhost"}, Cmd: []string{"pause"}}); err != nil {
 		return fmt.Errorf("agnhost image: %w", err)
 	}
-	if err := s.Cluster.ImportImage(ctx, tar); err != nil {
+	if err := node.ImportImage(ctx, tar); err != nil {
 		return err
 	}
 	// The previous agnhost version the suite names is served by this one.
 	for _, name := range agnhostNames[1:] {
-		if err := s.Cluster.TagImage(ctx, agnhostNames[0], name); err != nil {
+		if err := node.TagImage(ctx, agnhostNames[0], name); err != nil {
 			return err
 		}
 	}

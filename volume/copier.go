@@ -1,0 +1,368 @@
+package volume
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/dirpv/dirpv/internal/failpoint"
+)
+
+// devIno identifies an inode.
+type devIno struct{ dev, ino uint64 }
+
+// copier copies one tree. It holds the current directory of each side and the roots, and
+// goes back up by "..", checked against the directory it came down from.
+type copier struct {
+	ctx   context.Context
+	stats *CopyStats
+	// srcCur and dstCur are the directories being copied; dstRoot is the target's root, from
+	// which hard links are made by path.
+	srcCur, dstCur, dstRoot int
+	srcMnt                  uint64
+	// dstDir is the target root's inode: where the target is made inside the source (a
+	// source that is not a volume), the walk must not copy the copy into itself.
+	dstDir devIno
+	stack  []copyLevel
+	// links maps the inodes of files with more than one name, first copied at path (from
+	// the target's root), to their path and the number of names not met yet.
+	links     map[devIno]*linkGroup
+	skipXattr map[string]bool
+	// noReflink is set once the target refuses a clone as such (another file system, or
+	// none offered), so that the other files go straight to copy_file_range.
+	noReflink, noCopyRange bool
+	reflinked, copied      int64
+	entries                int64
+	buf                    []byte
+	xbuf                   []byte
+}
+
+type copyLevel struct {
+	// name is the directory's name in its parent ("" for the root); names are its entries
+	// not copied yet.
+	name     string
+	names    []string
+	src, dst devIno
+	times    [2]unix.Timespec
+}
+
+type linkGroup struct {
+	path string
+	left uint64
+}
+
+func newCopier(ctx context.Context, stats *CopyStats, srcFd, dstFd int, skipXattr string) (*copier, error) {
+	c := &copier{ctx: ctx, stats: stats, srcCur: -1, dstCur: -1, dstRoot: -1,
+		links: map[devIno]*linkGroup{}, skipXattr: map[string]bool{volumeMarker: true, skipXattr: true}}
+	var err error
+	if c.srcMnt, err = mountID(srcFd); err != nil {
+		return nil, fmt.Errorf("copy source: %w", err)
+	}
+	dup := func(fd int) int {
+		if err != nil {
+			return -1
+		}
+		var d int
+		d, err = unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+		return d
+	}
+	c.srcCur, c.dstCur, c.dstRoot = dup(srcFd), dup(dstFd), dup(dstFd)
+	if err != nil {
+		c.close()
+		return nil, fmt.Errorf("duplicate directory handle: %w", err)
+	}
+	var sst, dst unix.Stat_t
+	if err := unix.Fstat(srcFd, &sst); err != nil {
+		c.close()
+		return nil, fmt.Errorf("stat copy source: %w", err)
+	}
+	if err := unix.Fstat(dstFd, &dst); err != nil {
+		c.close()
+		return nil, fmt.Errorf("stat copy target: %w", err)
+	}
+	c.dstDir = devIno{dst.Dev, dst.Ino}
+	if err := c.copyXattrs(fdXattrs(srcFd), fdXattrs(dstFd), ""); err != nil {
+		c.close()
+		return nil, err
+	}
+	c.stats.Allocated += sst.Blocks * 512
+	names, err := listNames(c.srcCur)
+	if err != nil {
+		c.close()
+		return nil, fmt.Errorf("list copy source: %w", err)
+	}
+	c.stack = []copyLevel{{names: names, src: devIno{sst.Dev, sst.Ino}, dst: c.dstDir, times: statTimes(&sst)}}
+	return c, nil
+}
+
+func (c *copier) close() {
+	for _, fd := range []int{c.srcCur, c.dstCur, c.dstRoot} {
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+	}
+	c.srcCur, c.dstCur, c.dstRoot = -1, -1, -1
+}
+
+func (c *copier) method() string {
+	switch {
+	case c.reflinked > 0 && c.copied > 0:
+		return MethodMixed
+	case c.reflinked > 0:
+		return MethodReflink
+	}
+	return MethodCopy
+}
+
+// where names child of the current directory relative to the copy's root.
+func (c *copier) where(child string) string {
+	var b strings.Builder
+	for _, l := range c.stack[1:] {
+		b.WriteString(l.name)
+		b.WriteByte('/')
+	}
+	b.WriteString(child)
+	return b.String()
+}
+
+func (c *copier) copyTree() error {
+	for {
+		top := &c.stack[len(c.stack)-1]
+		if len(top.names) == 0 {
+			// A directory's times are set once its entries are made, which changed them.
+			if err := futimens(c.dstCur, &top.times); err != nil {
+				return fmt.Errorf("copy %s: set times: %w", c.where(""), err)
+			}
+			if len(c.stack) == 1 {
+				return nil
+			}
+			if err := c.up(); err != nil {
+				return err
+			}
+			continue
+		}
+		name := top.names[0]
+		top.names = top.names[1:]
+		if err := c.ctx.Err(); err != nil {
+			return fmt.Errorf("copy %s: %w", c.where(name), err)
+		}
+		c.entries++
+		failpoint.HitAfter(failpoint.DuringCopy, c.entries)
+		failpoint.PauseAt(c.ctx, failpoint.PauseDuringCopy, c.entries)
+		if err := c.copyEntry(name); err != nil {
+			if errors.Is(err, unix.EDQUOT) || errors.Is(err, unix.ENOSPC) {
+				return fmt.Errorf("copy %s: the new volume is full: %w", c.where(name), err)
+			}
+			return fmt.Errorf("copy %s: %w", c.where(name), err)
+		}
+	}
+}
+
+// up goes back to the parent directory on both sides, checking that each is the one the
+// walk came down from.
+func (c *copier) up() error {
+	done := c.stack[len(c.stack)-1]
+	c.stack = c.stack[:len(c.stack)-1]
+	parent := c.stack[len(c.stack)-1]
+	sfd, err := openParent(c.srcCur, parent.src)
+	if err != nil {
+		return fmt.Errorf("copy %s: %w", c.where(done.name), err)
+	}
+	dfd, err := openParent(c.dstCur, parent.dst)
+	if err != nil {
+		unix.Close(sfd)
+		return fmt.Errorf("copy %s (target): %w", c.where(done.name), err)
+	}
+	unix.Close(c.srcCur)
+	unix.Close(c.dstCur)
+	c.srcCur, c.dstCur = sfd, dfd
+	return nil
+}
+
+// openParent opens ".." of fd, which must be the directory want: ".." is the one lookup that
+// cannot be made beneath where it starts, so its result is checked instead.
+func openParent(fd int, want devIno) (int, error) {
+	pfd, err := unix.Openat(fd, "..", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("open parent: %w", err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(pfd, &st); err != nil {
+		unix.Close(pfd)
+		return -1, fmt.Errorf("stat parent: %w", err)
+	}
+	if (devIno{st.Dev, st.Ino}) != want {
+		unix.Close(pfd)
+		return -1, ErrSourceMoved
+	}
+	return pfd, nil
+}
+
+// copyEntry copies the entry name of the current source directory into the current target
+// directory, and descends into it if it is a directory.
+func (c *copier) copyEntry(name string) error {
+	var st unix.Stat_t
+	if err := unix.Fstatat(c.srcCur, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			c.stats.Vanished++
+			return nil
+		}
+		return fmt.Errorf("stat: %w", err)
+	}
+	kind := st.Mode & unix.S_IFMT
+	if kind == unix.S_IFDIR {
+		return c.enterDir(name)
+	}
+	if kind == unix.S_IFCHR || kind == unix.S_IFBLK {
+		c.stats.SkippedDevices++
+		klog.FromContext(c.ctx).Info("Device node left out of a copy", "path", c.where(name))
+		return nil
+	}
+	if kind != unix.S_IFREG && kind != unix.S_IFLNK && kind != unix.S_IFIFO && kind != unix.S_IFSOCK {
+		c.stats.Vanished++ // no other kind exists; nothing to copy
+		return nil
+	}
+	key := devIno{st.Dev, st.Ino}
+	if st.Nlink > 1 {
+		if g := c.links[key]; g != nil {
+			if err := unix.Linkat(c.dstRoot, g.path, c.dstCur, name, 0); err != nil {
+				return fmt.Errorf("link to %s: %w", g.path, err)
+			}
+			c.stats.HardLinks++
+			if g.left--; g.left == 0 {
+				delete(c.links, key)
+			}
+			return nil
+		}
+	}
+	var made bool
+	var err error
+	switch kind {
+	case unix.S_IFREG:
+		made, err = c.copyFile(name, &st)
+	case unix.S_IFLNK:
+		made, err = c.copySymlink(name, &st)
+	default:
+		made, err = c.copySpecial(name, &st)
+	}
+	if err != nil || !made {
+		return err
+	}
+	c.stats.Allocated += st.Blocks * 512
+	if st.Nlink > 1 {
+		c.links[key] = &linkGroup{path: c.where(name), left: uint64(st.Nlink) - 1}
+	}
+	return nil
+}
+
+// openBeneath opens name in dirFd without following symlinks or leaving dirFd. A file it
+// creates has mode 0600.
+func openBeneath(dirFd int, name string, flags int) (int, error) {
+	how := &unix.OpenHow{Flags: uint64(flags | unix.O_NOFOLLOW | unix.O_CLOEXEC), Resolve: resolveBeneath}
+	if flags&unix.O_CREAT != 0 {
+		how.Mode = 0o600
+	}
+	return unix.Openat2(dirFd, name, how)
+}
+
+// openSource opens name in the current source directory, without updating its access time
+// where allowed. It reports false if name is gone or is no longer of kind.
+func (c *copier) openSource(name string, flags int, kind uint32, st *unix.Stat_t) (int, bool, error) {
+	fd, err := openBeneath(c.srcCur, name, flags|unix.O_NOATIME)
+	if errors.Is(err, unix.EPERM) {
+		fd, err = openBeneath(c.srcCur, name, flags)
+	}
+	switch {
+	case errors.Is(err, unix.ENOENT), errors.Is(err, unix.ELOOP), errors.Is(err, unix.ENOTDIR):
+		// Gone, or replaced by a symlink or (for a directory) something else meanwhile.
+		c.stats.Vanished++
+		return -1, false, nil
+	case err != nil:
+		return -1, false, fmt.Errorf("open: %w", err)
+	}
+	if err := unix.Fstat(fd, st); err != nil {
+		unix.Close(fd)
+		return -1, false, fmt.Errorf("stat: %w", err)
+	}
+	if st.Mode&unix.S_IFMT != kind {
+		unix.Close(fd)
+		c.stats.Vanished++
+		return -1, false, nil
+	}
+	return fd, true, nil
+}
+
+func (c *copier) enterDir(name string) error {
+	var st unix.Stat_t
+	sfd, ok, err := c.openSource(name, unix.O_RDONLY|unix.O_DIRECTORY, unix.S_IFDIR, &st)
+	if err != nil || !ok {
+		return err
+	}
+	keep := false
+	defer func() {
+		if !keep {
+			unix.Close(sfd)
+		}
+	}()
+	if (devIno{st.Dev, st.Ino}) == c.dstDir {
+		return nil // the copy itself, made inside its source
+	}
+	if err := c.checkMount(sfd, name); err != nil {
+		return err
+	}
+	names, err := listNames(sfd)
+	if errors.Is(err, unix.ENOENT) {
+		c.stats.Vanished++ // removed since it was opened
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("list: %w", err)
+	}
+	if err := unix.Mkdirat(c.dstCur, name, 0o700); err != nil {
+		return fmt.Errorf("mkdir: %w", err)
+	}
+	dfd, err := openBeneath(c.dstCur, name, unix.O_RDONLY|unix.O_DIRECTORY)
+	if err != nil {
+		return fmt.Errorf("open new directory: %w", err)
+	}
+	fail := func(err error) error {
+		unix.Close(dfd)
+		return err
+	}
+	if err := setOwnerMode(dfd, &st); err != nil {
+		return fail(err)
+	}
+	if err := c.copyXattrs(fdXattrs(sfd), fdXattrs(dfd), name); err != nil {
+		return fail(err)
+	}
+	var dst unix.Stat_t
+	if err := unix.Fstat(dfd, &dst); err != nil {
+		return fail(fmt.Errorf("stat new directory: %w", err))
+	}
+	c.stats.Dirs++
+	c.stats.Allocated += st.Blocks * 512
+	unix.Close(c.srcCur)
+	unix.Close(c.dstCur)
+	c.srcCur, c.dstCur, keep = sfd, dfd, true
+	c.stack = append(c.stack, copyLevel{name: name, names: names,
+		src: devIno{st.Dev, st.Ino}, dst: devIno{dst.Dev, dst.Ino}, times: statTimes(&st)})
+	return nil
+}
+
+// checkMount fails with ErrMountInSource if the source entry name, open at fd, is on another
+// mount than the source's root: a directory or a file mounted there (a bind mount of a single
+// file is one too).
+func (c *copier) checkMount(fd int, name string) error {
+	mnt, err := mountID(fd)
+	if err != nil {
+		return err
+	}
+	if mnt != c.srcMnt {
+		return fmt.Errorf("%s %w", c.where(name), ErrMountInSource)
+	}
+	return nil
+}

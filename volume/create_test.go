@@ -1,0 +1,43 @@
+package volume
+
+import (
+	"path/filepath"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+func TestMkdirAllSetsExactModeAndOwner(t *testing.T) {
+	r, base := newRoot(t)
+	old := unix.Umask(0o077)
+	defer unix.Umask(old)
+
+	created, err := r.MkdirAll("ns/vol", Owner{Mode: 0o2770, UID: 1234, GID: 5678}, claimA)
+	if err != nil || !created {
+		t.Fatalf("MkdirAll = %v, %v; want created", created, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(filepath.Join(base, "ns/vol"), &st); err != nil {
+		t.Fatal(err)
+	}
+	if got := st.Mode & 0o7777; got != 0o2770 {
+		t.Errorf("mode = %o, want 2770 despite umask 077", got)
+	}
+	if st.Uid != 1234 || st.Gid != 5678 {
+		t.Errorf("owner = %d:%d, want 1234:5678", st.Uid, st.Gid)
+	}
+	if err := unix.Stat(filepath.Join(base, "ns"), &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Uid != 0 {
+		t.Errorf("parent owner = %d, want root: only the volume itself belongs to the class's uid", st.Uid)
+	}
+
+	created, err = r.MkdirAll("ns/vol", Owner{Mode: 0o700}, claimA)
+	if err != nil || created {
+		t.Fatalf("second MkdirAll = %v, %v; want existing directory, no error", created, err)
+	}
+	if err := unix.Stat(filepath.Join(base, "ns/vol"), &st); err != nil || st.Mode&0o7777 != 0o2770 {
+		t.Errorf("existing directory's mode changed to %o (err %v)", st.Mode&0o7777, err)
+	}
+}

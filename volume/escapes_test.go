@@ -1,0 +1,173 @@
+package volume
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dirpv/dirpv/volume/quota"
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
+)
+
+// projectOfPath is the project ID of the file or directory at p, read as FileProject does.
+func projectOfPath(t *testing.T, p string) uint32 {
+	t.Helper()
+	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	id, err := quota.FileProject(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+// A tenant (UID 1000, no capability) of a volume in project 4242 on a real XFS file system
+// moves files out of the project as SECURITY.md describes: one into project 0, one into a
+// neighbour's project, and a directory's inherit flag cleared, so that a file it then makes
+// there lands in project 0. FindEscapes with repair finds exactly those four, names one of them
+// relative to the volume, and moves each back: afterwards every file and directory of the
+// volume is in 4242, the directory inherits it again, and a second check finds nothing. What
+// the volume's symlinks point at, a file outside the volume, is never touched. (The host kernel
+// enforces no project quota; XFS keeps and changes project IDs all the same. The VM tier checks
+// the limit itself.)
+func TestFindEscapesMovesFilesBackIntoTheirProject(t *testing.T) {
+	mnt := quotatest.XFS(t)
+	r, err := OpenRoot(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755, UID: 1000, GID: 1000}, claimA); err != nil {
+		t.Fatal(err)
+	}
+	// The volume as MkdirAllLimited makes it where quotas are on: its project on the directory,
+	// inherited, and named by its marker.
+	const project = 4242
+	parent, err := r.openDir("ns", unix.O_PATH)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(parent)
+	dir, err := r.openChild(parent, "vol", "ns/vol")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := quota.MoveIntoProject(dir, project, true); err != nil {
+		unix.Close(dir)
+		t.Fatal(err)
+	}
+	err = r.writeMarker(parent, dir, claimA, quota.ID{Kind: quota.Project, Num: project}.String())
+	unix.Close(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	outside := filepath.Join(mnt, "outside")
+	if err := os.WriteFile(outside, []byte("not the volume's"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	vol := filepath.Join(mnt, "ns/vol")
+	if out, err := asTenant(vol, `set -e
+mkdir -p a/b keep
+echo x > a/b/f; echo y > g; echo z > keep/h
+ln -s ../../outside link; ln -s ../.. up; mkfifo fifo
+chattr -p 0 a/b/f
+chattr -p 77 g
+chattr -P a
+echo new > a/new
+`); err != nil {
+		t.Fatalf("tenant's moves: %v\n%s", err, out)
+	}
+	for p, want := range map[string]uint32{"a/b/f": 0, "g": 77, "a/new": 0, "keep/h": project} {
+		if got := projectOfPath(t, filepath.Join(vol, p)); got != want {
+			t.Fatalf("before the check %s is in project %d, want %d (the tenant's move)", p, got, want)
+		}
+	}
+
+	v, err := r.OpenVolume("ns/vol")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	e, err := v.FindEscapes(context.Background(), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("found %+v", e)
+	escaped := []string{"a", "a/b/f", "a/new", "g"}
+	if e.Kind != quota.Project || e.Found != len(escaped) || e.Repaired != len(escaped) || !slices.Contains(escaped, e.Example) {
+		t.Errorf("FindEscapes = %+v; want %d found and repaired, the example one of %q", e, len(escaped), escaped)
+	}
+	// ".", a, a/b, keep, a/b/f, g, keep/h, a/new: no symlink, no FIFO.
+	if e.Walked != 8 {
+		t.Errorf("walked %d files and directories, want 8", e.Walked)
+	}
+	for _, p := range []string{".", "a", "a/b", "keep", "a/b/f", "g", "keep/h", "a/new"} {
+		if got := projectOfPath(t, filepath.Join(vol, p)); got != project {
+			t.Errorf("after the check %s is in project %d, want %d", p, got, project)
+		}
+	}
+	if got := projectOfPath(t, outside); got != 0 {
+		t.Errorf("the file outside the volume, a symlink's target, went into project %d", got)
+	}
+	if out, err := asTenant(vol, `echo again > a/again`); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	if got := projectOfPath(t, filepath.Join(vol, "a/again")); got != project {
+		t.Errorf("a file made in the repaired directory is in project %d, want %d: it inherits no more", got, project)
+	}
+	if e, err := v.FindEscapes(context.Background(), true); err != nil || e.Found != 0 {
+		t.Errorf("second check: %+v, %v; want nothing found", e, err)
+	}
+}
+
+// A tenant of a limited btrfs volume makes nested subvolumes, one inside a directory, one in
+// another: FindEscapes reports the two made in the volume itself (the third is inside one of
+// them), with the path of one of them relative to the volume, and leaves them as they are.
+func TestFindEscapesReportsNestedSubvolumes(t *testing.T) {
+	mnt := quotatest.Btrfs(t, true)
+	r, err := OpenRoot(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if _, _, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o755, UID: 1000, GID: 1000}, claimA, 16<<20); err != nil {
+		t.Fatal(err)
+	}
+	v, err := r.OpenVolume("ns/vol")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	if e, err := v.FindEscapes(context.Background(), true); err != nil || e.Found != 0 || e.Kind != quota.Btrfs {
+		t.Fatalf("check of the new volume: %+v, %v; want a btrfs volume with nothing found", e, err)
+	}
+	vol := filepath.Join(mnt, "ns/vol")
+	if out, err := asTenant(vol, `set -e
+mkdir -p d/e
+btrfs subvolume create d/e/sub
+btrfs subvolume create d/e/sub/inner
+btrfs subvolume create other
+`); err != nil {
+		t.Fatalf("tenant's nested subvolumes: %v\n%s", err, out)
+	}
+	e, err := v.FindEscapes(context.Background(), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("found %+v", e)
+	if e.Found != 2 || e.Repaired != 0 || !slices.Contains([]string{"d/e/sub", "other"}, e.Example) {
+		t.Errorf("FindEscapes = %+v; want 2 nested subvolumes found, none repaired, the example d/e/sub or other", e)
+	}
+	for _, p := range []string{"d/e/sub/inner", "other"} {
+		if st, err := os.Stat(filepath.Join(vol, p)); err != nil || !st.IsDir() {
+			t.Errorf("nested subvolume %s after the check: %v", p, err)
+		}
+	}
+}
