@@ -112,6 +112,21 @@ quota-debs:
 	  DEBIAN_FRONTEND=noninteractive apt-get -qq -oDPkg::Lock::Timeout=600 install -y --no-install-recommends $(QUOTA_DEBS); \
 	fi
 
+## monitoring-tools: promtool from Debian's prometheus package, with which test/deploy checks and
+## unit-tests the alerts in deploy/components/monitoring (TestRulesPromtool). Only promtool is
+## taken out of the package, into ~/.cache/dirpv/tools: installing the package would also
+## enable and start a Prometheus server on machines that run systemd.
+PROMTOOL := $(HOME)/.cache/dirpv/tools/promtool
+.PHONY: monitoring-tools
+test-unit: monitoring-tools
+monitoring-tools:
+	@if [ ! -x $(PROMTOOL) ]; then \
+	  d=$$(mktemp -d) && cd $$d && \
+	  { apt-get download prometheus >/dev/null 2>&1 || { apt-get -qq -oDPkg::Lock::Timeout=600 update && apt-get download prometheus >/dev/null 2>&1; }; } && \
+	  dpkg-deb -x prometheus_*.deb x && mkdir -p $$(dirname $(PROMTOOL)) && cp x/usr/bin/promtool $(PROMTOOL) && \
+	  cd / && rm -rf $$d; \
+	fi
+
 ## image-tar: the dirpv image as an OCI tar (no Docker engine needed): bin/dirpv-image.tar, named
 ## ghcr.io/dirpv/dirpv:$(VERSION) (git describe), never :latest.
 image-tar:
