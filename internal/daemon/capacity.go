@@ -86,16 +86,37 @@ func newCapacityPublisher(client kubernetes.Interface, classes storageinformers.
 	return &capacityPublisher{p: p, classes: classes, client: client, cfg: cfg, managedBy: managedBy, timeout: timeout, owner: owner}, nil
 }
 
-// run publishes until ctx is done. What it needs from the API server first (the node's
-// hostname label, the owner's UID) it retries for as long as it takes: the node plugin must
-// serve kubelet, and the controller provision, while the API server is out of reach.
+// ownerCheckInterval is how often a publisher makes sure its objects' owner is still the one
+// it gives them: a CSIDriver deleted and created again (an uninstall and reinstall, or an
+// upgrade that replaces it, as its immutable fields require) has a new UID, and objects that
+// name the old one are garbage collected as soon as they are made.
+const ownerCheckInterval = 10 * time.Second
+
+// run publishes until ctx is done, starting again whenever the objects' owner is replaced.
 func (c *capacityPublisher) run(ctx context.Context) {
+	for ctx.Err() == nil {
+		owner, segment, ok := c.ready(ctx)
+		if !ok {
+			return
+		}
+		pub, cancel := context.WithCancel(ctx)
+		go func() {
+			c.watchOwner(pub, owner)
+			cancel()
+		}()
+		c.publish(pub, owner, segment)
+		cancel()
+	}
+}
+
+// ready returns what publishing needs from the API server first (the owner, the node's
+// hostname label), retried for as long as it takes: the node plugin must serve kubelet, and
+// the controller provision, while the API server is out of reach. ok is false once ctx is done.
+func (c *capacityPublisher) ready(ctx context.Context) (owner *metav1.OwnerReference, segment topology.Segment, ok bool) {
 	logger := klog.FromContext(ctx)
-	var owner *metav1.OwnerReference
-	var segment topology.Segment
-	// Retried with backoff up to a minute apart, so that a cluster without a CSIDriver object
-	// (which then has no use for capacity) does not fill the log.
-	retry := wait.Backoff{Duration: 2 * time.Second, Factor: 2, Cap: time.Minute, Steps: math.MaxInt32}
+	// Retried with backoff up to half a minute apart, so that a cluster without a CSIDriver
+	// object (which then has no use for capacity) does not fill the log.
+	retry := wait.Backoff{Duration: 2 * time.Second, Factor: 2, Cap: 30 * time.Second, Steps: math.MaxInt32}
 	err := wait.ExponentialBackoffWithContext(ctx, retry, func(ctx context.Context) (bool, error) {
 		lookup, cancel := context.WithTimeout(ctx, c.timeout)
 		defer cancel()
@@ -115,9 +136,38 @@ func (c *capacityPublisher) run(ctx context.Context) {
 		}
 		return true, nil
 	})
-	if err != nil {
-		return
+	return owner, segment, err == nil
+}
+
+// watchOwner returns once the objects' owner is gone or another object (ctx done: at once).
+// An owner that cannot be read for another reason (the API server out of reach) is kept.
+func (c *capacityPublisher) watchOwner(ctx context.Context, owner *metav1.OwnerReference) {
+	tick := time.NewTicker(ownerCheckInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		lookup, cancel := context.WithTimeout(ctx, c.timeout)
+		now, err := c.owner(lookup)
+		cancel()
+		switch {
+		case apierrors.IsNotFound(err):
+			klog.FromContext(ctx).Info("The owner of the CSIStorageCapacity objects is gone; publishing waits for it", "err", err)
+			return
+		case err != nil:
+		case (now == nil) != (owner == nil) || now != nil && now.UID != owner.UID:
+			klog.FromContext(ctx).Info("The owner of the CSIStorageCapacity objects was replaced; publishing under the new one",
+				"owner", now)
+			return
+		}
 	}
+}
+
+// publish runs the capacity controller for owner's objects until ctx is done.
+func (c *capacityPublisher) publish(ctx context.Context, owner *metav1.OwnerReference, segment topology.Segment) {
 	// Only our own objects are watched: the namespace's, labelled as ours.
 	selector := labels.Set{capacity.DriverNameLabel: DriverName, capacity.ManagedByLabel: c.managedBy}.String()
 	objects := informers.NewSharedInformerFactoryWithOptions(c.client, 0,

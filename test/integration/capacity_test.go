@@ -15,6 +15,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 
 	"github.com/dirpv/dirpv/provisioner"
@@ -282,6 +283,55 @@ func TestCapacitySteersScheduling(t *testing.T) {
 	}
 	deleteClaim(t, ns, "fits")
 	waitPVGone(t, pv.Name)
+}
+
+// A CSIDriver deleted and created again (an uninstall and reinstall, an upgrade that replaces
+// it for its immutable fields) has a new UID: the controller's objects, which the CSIDriver
+// owns, must come back under the new one, not be published for ever under the old one, which
+// the garbage collector deletes as soon as they are made.
+func TestCapacityFollowsARecreatedCSIDriver(t *testing.T) {
+	ctx := context.Background()
+	const home = "dirpv"
+	if _, err := suite.Client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: home}}, metav1.CreateOptions{}); err == nil {
+		t.Cleanup(func() { suite.Client.CoreV1().Namespaces().Delete(context.Background(), home, metav1.DeleteOptions{}) })
+	} else if !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	csiDriverFromDeploy(t)
+	class := nfsClass(t, suite.NFS, []string{"nolock"}, nil, func(c *storagev1.StorageClass) {
+		c.VolumeBindingMode = ptr.To(storagev1.VolumeBindingWaitForFirstConsumer)
+	})
+	ownedBy := func(uid types.UID) func(map[string]storagev1.CSIStorageCapacity) bool {
+		return func(c map[string]storagev1.CSIStorageCapacity) bool {
+			o, ok := c["dirpv.io-controller"]
+			return len(c) == 1 && ok && len(o.OwnerReferences) == 1 && o.OwnerReferences[0].UID == uid
+		}
+	}
+	drivers := suite.Client.StorageV1().CSIDrivers()
+	first, err := drivers.Get(ctx, "dirpv.io", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitCapacity(t, home, class.Name, "one object owned by the CSIDriver", ownedBy(first.UID))
+
+	if err := drivers.Delete(ctx, first.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := framework.WaitForDeleted(ctx, timeout, "CSIDriver "+first.Name, func(ctx context.Context) (string, error) {
+		_, err := drivers.Get(ctx, first.Name, metav1.GetOptions{})
+		return "", err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	d, err := framework.CSIDriverFromDeploy()
+	if err != nil {
+		t.Fatal(err)
+	}
+	second, err := drivers.Create(ctx, d, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitCapacity(t, home, class.Name, "one object owned by the new CSIDriver", ownedBy(second.UID))
 }
 
 // An NFS class that waits for its first consumer must keep scheduling once the CSIDriver asks
