@@ -285,22 +285,31 @@ func TestCapacitySteersScheduling(t *testing.T) {
 	waitPVGone(t, pv.Name)
 }
 
+// nfsCapacityClass registers dirpv's CSIDriver as deploy/ does and makes an NFS class that
+// waits for its first consumer, whose CSIStorageCapacity object the suite's controller
+// publishes in home, dirpv's default namespace.
+func nfsCapacityClass(t *testing.T) (home string, class *storagev1.StorageClass) {
+	t.Helper()
+	home = "dirpv"
+	_, err := suite.Client.CoreV1().Namespaces().Create(context.Background(), &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: home}}, metav1.CreateOptions{})
+	if err == nil {
+		t.Cleanup(func() { suite.Client.CoreV1().Namespaces().Delete(context.Background(), home, metav1.DeleteOptions{}) })
+	} else if !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	csiDriverFromDeploy(t)
+	return home, nfsClass(t, suite.NFS, []string{"nolock"}, nil, func(c *storagev1.StorageClass) {
+		c.VolumeBindingMode = ptr.To(storagev1.VolumeBindingWaitForFirstConsumer)
+	})
+}
+
 // A CSIDriver deleted and created again (an uninstall and reinstall, an upgrade that replaces
 // it for its immutable fields) has a new UID: the controller's objects, which the CSIDriver
 // owns, must come back under the new one, not be published for ever under the old one, which
 // the garbage collector deletes as soon as they are made.
 func TestCapacityFollowsARecreatedCSIDriver(t *testing.T) {
 	ctx := context.Background()
-	const home = "dirpv"
-	if _, err := suite.Client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: home}}, metav1.CreateOptions{}); err == nil {
-		t.Cleanup(func() { suite.Client.CoreV1().Namespaces().Delete(context.Background(), home, metav1.DeleteOptions{}) })
-	} else if !apierrors.IsAlreadyExists(err) {
-		t.Fatal(err)
-	}
-	csiDriverFromDeploy(t)
-	class := nfsClass(t, suite.NFS, []string{"nolock"}, nil, func(c *storagev1.StorageClass) {
-		c.VolumeBindingMode = ptr.To(storagev1.VolumeBindingWaitForFirstConsumer)
-	})
+	home, class := nfsCapacityClass(t)
 	ownedBy := func(uid types.UID) func(map[string]storagev1.CSIStorageCapacity) bool {
 		return func(c map[string]storagev1.CSIStorageCapacity) bool {
 			o, ok := c["dirpv.io-controller"]
@@ -339,17 +348,7 @@ func TestCapacityFollowsARecreatedCSIDriver(t *testing.T) {
 // every node, with the export's free space.
 func TestCapacityNFSClassSchedules(t *testing.T) {
 	ctx := context.Background()
-	// The suite's controller publishes in dirpv's default namespace.
-	const home = "dirpv"
-	if _, err := suite.Client.CoreV1().Namespaces().Create(ctx, &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: home}}, metav1.CreateOptions{}); err == nil {
-		t.Cleanup(func() { suite.Client.CoreV1().Namespaces().Delete(context.Background(), home, metav1.DeleteOptions{}) })
-	} else if !apierrors.IsAlreadyExists(err) {
-		t.Fatal(err)
-	}
-	csiDriverFromDeploy(t)
-	class := nfsClass(t, suite.NFS, []string{"nolock"}, nil, func(c *storagev1.StorageClass) {
-		c.VolumeBindingMode = ptr.To(storagev1.VolumeBindingWaitForFirstConsumer)
-	})
+	home, class := nfsCapacityClass(t)
 	got := waitCapacity(t, home, class.Name, "one all-nodes object", func(c map[string]storagev1.CSIStorageCapacity) bool {
 		return len(c) == 1 && bytesOf(c["dirpv.io-controller"]) > 0
 	})
