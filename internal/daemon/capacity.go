@@ -5,7 +5,6 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
-	"math"
 	"sync/atomic"
 	"time"
 
@@ -18,7 +17,6 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/validation"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/informers"
 	storageinformers "k8s.io/client-go/informers/storage/v1"
 	"k8s.io/client-go/kubernetes"
@@ -68,6 +66,8 @@ type capacityPublisher struct {
 	// ctrl is the library's controller once run has built it; nil before, when a Provision
 	// or Delete has nothing to refresh yet.
 	ctrl atomic.Pointer[capacity.Controller]
+	// retryFirst and retryMax bound ready's back-off.
+	retryFirst, retryMax time.Duration
 }
 
 // newCapacityPublisher returns the publisher of p's classes, or nil if cfg publishes nothing.
@@ -83,7 +83,8 @@ func newCapacityPublisher(client kubernetes.Interface, classes storageinformers.
 	if cfg.Namespace == "" {
 		return nil, fmt.Errorf("capacity publishing needs a namespace for CSIStorageCapacity objects")
 	}
-	return &capacityPublisher{p: p, classes: classes, client: client, cfg: cfg, managedBy: managedBy, timeout: timeout, owner: owner}, nil
+	return &capacityPublisher{p: p, classes: classes, client: client, cfg: cfg, managedBy: managedBy, timeout: timeout, owner: owner,
+		retryFirst: 2 * time.Second, retryMax: 30 * time.Second}, nil
 }
 
 // ownerCheckInterval is how often a publisher makes sure its objects' owner is still the one
@@ -112,31 +113,43 @@ func (c *capacityPublisher) run(ctx context.Context) {
 // ready returns what publishing needs from the API server first (the owner, the node's
 // hostname label), retried for as long as it takes: the node plugin must serve kubelet, and
 // the controller provision, while the API server is out of reach. ok is false once ctx is done.
-func (c *capacityPublisher) ready(ctx context.Context) (owner *metav1.OwnerReference, segment topology.Segment, ok bool) {
+func (c *capacityPublisher) ready(ctx context.Context) (*metav1.OwnerReference, topology.Segment, bool) {
 	logger := klog.FromContext(ctx)
-	// Retried with backoff up to half a minute apart, so that a cluster without a CSIDriver
-	// object (which then has no use for capacity) does not fill the log.
-	retry := wait.Backoff{Duration: 2 * time.Second, Factor: 2, Cap: 30 * time.Second, Steps: math.MaxInt32}
-	err := wait.ExponentialBackoffWithContext(ctx, retry, func(ctx context.Context) (bool, error) {
+	// Retried with back-off up to half a minute apart, so that a cluster without a CSIDriver
+	// object (which then has no use for capacity) does not fill the log, and never given up:
+	// wait.ExponentialBackoff stops once its cap is reached, which left a controller that
+	// started a minute before its CSIDriver publishing nothing until it restarted.
+	for delay := c.retryFirst; ; delay = min(2*delay, c.retryMax) {
 		lookup, cancel := context.WithTimeout(ctx, c.timeout)
-		defer cancel()
-		var err error
-		if owner, err = c.owner(lookup); err != nil {
-			logger.Error(err, "Owner of CSIStorageCapacity objects; retrying")
-			return false, nil
+		owner, segment, err := c.lookup(lookup)
+		cancel()
+		if err == nil {
+			return owner, segment, true
 		}
-		nodeLabels, err := c.p.CapacityTopology(lookup)
-		if err != nil {
-			logger.Error(err, "Capacity topology; retrying")
-			return false, nil
+		logger.Error(err, "Capacity publishing waits; retrying", "in", delay)
+		select {
+		case <-ctx.Done():
+			return nil, nil, false
+		case <-time.After(delay):
 		}
-		segment = nil
-		for k, v := range nodeLabels {
-			segment = append(segment, topology.SegmentEntry{Key: k, Value: v})
-		}
-		return true, nil
-	})
-	return owner, segment, err == nil
+	}
+}
+
+// lookup reads the objects' owner and the node's topology.
+func (c *capacityPublisher) lookup(ctx context.Context) (*metav1.OwnerReference, topology.Segment, error) {
+	owner, err := c.owner(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	nodeLabels, err := c.p.CapacityTopology(ctx)
+	if err != nil {
+		return nil, nil, fmt.Errorf("capacity topology: %w", err)
+	}
+	var segment topology.Segment
+	for k, v := range nodeLabels {
+		segment = append(segment, topology.SegmentEntry{Key: k, Value: v})
+	}
+	return owner, segment, nil
 }
 
 // watchOwner returns once the objects' owner is gone or another object (ctx done: at once).

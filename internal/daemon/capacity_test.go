@@ -14,6 +14,9 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes/fake"
+	"k8s.io/mount-utils"
+
+	"github.com/dirpv/dirpv/provisioner"
 )
 
 // Every node gets a managed-by label value of its own that the API accepts, however long its
@@ -100,5 +103,33 @@ func TestPodOwnerOnlyInItsNamespace(t *testing.T) {
 		if err != nil || (ref != nil) != tc.want {
 			t.Errorf("podOwner(%+v) = %v, %v; want an owner: %v", tc.cfg, ref, err, tc.want)
 		}
+	}
+}
+
+// A publisher whose owner is missing for longer than its back-off takes to reach its cap (a
+// controller that starts before its CSIDriver exists) keeps trying, and publishes once the
+// owner is there.
+func TestCapacityPublisherWaitsForItsOwner(t *testing.T) {
+	p, err := provisioner.New(provisioner.Config{DriverName: DriverName, Role: provisioner.RoleController, Client: fake.NewClientset(),
+		Classes: informers.NewSharedInformerFactory(fake.NewClientset(), 0).Storage().V1().StorageClasses().Lister(),
+		WorkDir: t.TempDir(), Mounter: mount.NewFakeMounter(nil)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	missing := 20
+	owner := &metav1.OwnerReference{Kind: "CSIDriver", Name: DriverName, UID: types.UID("uid-1")}
+	c := &capacityPublisher{p: p, timeout: time.Second, retryFirst: time.Millisecond, retryMax: 4 * time.Millisecond,
+		owner: func(context.Context) (*metav1.OwnerReference, error) {
+			if missing > 0 {
+				missing--
+				return nil, apierrors.NewNotFound(storagev1.Resource("csidrivers"), DriverName)
+			}
+			return owner, nil
+		}}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	got, _, ok := c.ready(ctx)
+	if !ok || got != owner {
+		t.Errorf("ready = %v, %t after the owner was missing for 20 lookups; want the owner (%d lookups left missing)", got, ok, missing)
 	}
 }
