@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"maps"
 	"os"
 	"path/filepath"
 	"strings"
@@ -29,15 +30,32 @@ func TestLocalPVFormat(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pv.Spec.CSI.VolumeAttributes["basePath"] = goldenBase
-	// Whether the test's base enforces sizes depends on the machine; volume's formats test
-	// holds the quota attribute.
-	delete(pv.Spec.CSI.VolumeAttributes, "quota")
-	got, err := json.MarshalIndent(pv, "", "  ")
+	file := filepath.Join("testdata", "formats", "pv-local-v1.json")
+	stored := checkPVFormat(t, pv, goldenBase, file)
+
+	// Delete of the stored form archives the volume that Provision made.
+	if err := f.node.Delete(context.Background(), stored); err != nil {
+		t.Fatalf("Delete of %s: %v", file, err)
+	}
+	names := listTree(t, f.base)
+	if len(names) != 1 || !strings.HasPrefix(names[0], "archived-") {
+		t.Errorf("base after Delete of %s (onDelete archive): %v, want only the archived volume", file, names)
+	}
+}
+
+// checkPVFormat compares pv with the stored form in file, where basePath is storedBase and
+// there is no quota attribute (whether the test's base enforces sizes depends on the machine;
+// volume's formats test holds the quota attribute), and returns the stored form with pv's
+// attributes back, for Delete to act on.
+func checkPVFormat(t *testing.T, pv *v1.PersistentVolume, storedBase, file string) *v1.PersistentVolume {
+	t.Helper()
+	golden := pv.DeepCopy()
+	golden.Spec.CSI.VolumeAttributes["basePath"] = storedBase
+	delete(golden.Spec.CSI.VolumeAttributes, "quota")
+	got, err := json.MarshalIndent(golden, "", "  ")
 	if err != nil {
 		t.Fatal(err)
 	}
-	file := filepath.Join("testdata", "formats", "pv-local-v1.json")
 	want, err := os.ReadFile(file)
 	if err != nil {
 		t.Fatal(err)
@@ -45,18 +63,10 @@ func TestLocalPVFormat(t *testing.T) {
 	if !bytes.Equal(append(got, '\n'), want) {
 		t.Errorf("today's PV differs from %s; a new format needs a file of its own:\n%s", file, got)
 	}
-
-	// Delete of the stored form archives the volume that Provision made.
 	var stored v1.PersistentVolume
 	if err := json.Unmarshal(want, &stored); err != nil {
 		t.Fatal(err)
 	}
-	stored.Spec.CSI.VolumeAttributes["basePath"] = f.base
-	if err := f.node.Delete(context.Background(), &stored); err != nil {
-		t.Fatalf("Delete of %s: %v", file, err)
-	}
-	names := listTree(t, f.base)
-	if len(names) != 1 || !strings.HasPrefix(names[0], "archived-") {
-		t.Errorf("base after Delete of %s (onDelete archive): %v, want only the archived volume", file, names)
-	}
+	stored.Spec.CSI.VolumeAttributes = maps.Clone(pv.Spec.CSI.VolumeAttributes)
+	return &stored
 }

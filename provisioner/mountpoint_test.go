@@ -1,11 +1,8 @@
 package provisioner
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
-	"maps"
 	"os"
 	"path/filepath"
 	"strings"
@@ -13,7 +10,6 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
-	v1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
 	"github.com/dirpv/dirpv/volume"
@@ -103,7 +99,7 @@ func TestBasePathThatMustBeAMountPoint(t *testing.T) {
 	}
 	// A form of PV of its own, held like the others (formats_test.go); the Delete below acts
 	// on the stored form.
-	pv = checkPVFormat(t, pv, mnt, filepath.Join("testdata", "formats", "pv-local-mount-point-v1.json"))
+	pv = checkPVFormat(t, pv, goldenBase+"/disk", filepath.Join("testdata", "formats", "pv-local-mount-point-v1.json"))
 	onDisk := filepath.Join(disk, pv.Spec.CSI.VolumeAttributes["path"])
 	if err := os.WriteFile(filepath.Join(onDisk, "data"), []byte("kept"), 0o644); err != nil {
 		t.Fatalf("volume on the disk: %v", err)
@@ -183,32 +179,4 @@ func TestBasePathMountPointRefusals(t *testing.T) {
 			t.Errorf("Provision with %s: Required = %s, %v; want the class refused as invalid, naming the value", ParamBasePathMountPoint, state, err)
 		}
 	})
-}
-
-// checkPVFormat compares pv, made under basePath, with the stored form in file (with basePath
-// as goldenBase/disk and no quota attribute, as TestLocalPVFormat's) and returns the stored
-// form, with pv's basePath and quota back, for Delete to act on.
-func checkPVFormat(t *testing.T, pv *v1.PersistentVolume, basePath, file string) *v1.PersistentVolume {
-	t.Helper()
-	attrs := maps.Clone(pv.Spec.CSI.VolumeAttributes)
-	golden := pv.DeepCopy()
-	golden.Spec.CSI.VolumeAttributes["basePath"] = goldenBase + "/disk"
-	delete(golden.Spec.CSI.VolumeAttributes, "quota")
-	got, err := json.MarshalIndent(golden, "", "  ")
-	if err != nil {
-		t.Fatal(err)
-	}
-	want, err := os.ReadFile(file)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(append(got, '\n'), want) {
-		t.Errorf("today's PV differs from %s; a new format needs a file of its own:\n%s", file, got)
-	}
-	var stored v1.PersistentVolume
-	if err := json.Unmarshal(want, &stored); err != nil {
-		t.Fatal(err)
-	}
-	stored.Spec.CSI.VolumeAttributes = attrs
-	return &stored
 }
