@@ -59,18 +59,7 @@ func TestBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 		t.Errorf("the directory underneath the disk holds %v, want nothing", got)
 	}
 
-	deleteClaim(t, ns, "first")
-	if _, err := framework.WaitForEvent(ctx, suite.Client, "", "PersistentVolume", pv.Name, provisioner.ReasonBaseFileSystemChanged, "not mounted", timeout); err != nil {
-		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
-	}
-	if got, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{}); err != nil {
-		t.Errorf("PV %s of the deleted claim while its disk is away: %v, want it kept until its volume is deleted", pv.Name, err)
-	} else if got.Status.Phase != v1.VolumeReleased {
-		t.Errorf("PV %s is %s, want Released", pv.Name, got.Status.Phase)
-	}
-	if b, err := os.ReadFile(filepath.Join(disk, rel, "data")); err != nil || string(b) != "kept" {
-		t.Errorf("the first claim's data on the disk: %q, %v", b, err)
-	}
+	deleteWaitsForDisk(t, ns, "first", pv.Name, provisioner.ReasonBaseFileSystemChanged, "not mounted", filepath.Join(disk, rel, "data"))
 	if c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "second", metav1.GetOptions{}); err != nil || c.Status.Phase != v1.ClaimPending {
 		t.Errorf("claim second while the disk is away: %v (%v), want Pending", c.Status.Phase, err)
 	}
@@ -163,18 +152,7 @@ func TestBaseThatMustBeAMountPointWaitsForItsDisk(t *testing.T) {
 	if err := unix.Unmount(base, unix.MNT_DETACH); err != nil {
 		t.Fatalf("unmount %s: %v", base, err)
 	}
-	deleteClaim(t, ns, "data")
-	if _, err := framework.WaitForEvent(ctx, suite.Client, "", "PersistentVolume", pv.Name, provisioner.ReasonBasePathNotMounted, "must be a mount point", timeout); err != nil {
-		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
-	}
-	if got, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{}); err != nil {
-		t.Errorf("PV %s of the deleted claim while its disk is away: %v, want it kept until its volume is deleted", pv.Name, err)
-	} else if got.Status.Phase != v1.VolumeReleased {
-		t.Errorf("PV %s is %s, want Released", pv.Name, got.Status.Phase)
-	}
-	if b, err := os.ReadFile(filepath.Join(disk, rel, "data")); err != nil || string(b) != "kept" {
-		t.Errorf("the claim's data on the disk: %q, %v", b, err)
-	}
+	deleteWaitsForDisk(t, ns, "data", pv.Name, provisioner.ReasonBasePathNotMounted, "must be a mount point", filepath.Join(disk, rel, "data"))
 	if got := entries(t, base); len(got) != 0 {
 		t.Errorf("the directory underneath the disk holds %v, want nothing", got)
 	}
@@ -185,5 +163,25 @@ func TestBaseThatMustBeAMountPointWaitsForItsDisk(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(disk, rel)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("the claim's volume on the disk after its PV went: %v, want it removed", err)
+	}
+}
+
+// deleteWaitsForDisk deletes the claim whose volume's disk is away and checks that its Delete
+// waits for the disk: the PV gets a Warning of reason mentioning msg and stays Released, and
+// the file the claim wrote ("kept") is still on the disk at data.
+func deleteWaitsForDisk(t *testing.T, ns, claim, pvName, reason, msg, data string) {
+	t.Helper()
+	ctx := context.Background()
+	deleteClaim(t, ns, claim)
+	if _, err := framework.WaitForEvent(ctx, suite.Client, "", "PersistentVolume", pvName, reason, msg, timeout); err != nil {
+		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
+	}
+	if got, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{}); err != nil {
+		t.Errorf("PV %s of the deleted claim while its disk is away: %v, want it kept until its volume is deleted", pvName, err)
+	} else if got.Status.Phase != v1.VolumeReleased {
+		t.Errorf("PV %s is %s, want Released", pvName, got.Status.Phase)
+	}
+	if b, err := os.ReadFile(data); err != nil || string(b) != "kept" {
+		t.Errorf("claim %s's data on the disk: %q, %v", claim, b, err)
 	}
 }
