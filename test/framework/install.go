@@ -44,8 +44,8 @@ type Installation struct {
 
 // Install builds the dirpv image, imports it into the cluster's containerd, renders
 // deploy/overlays/e2e-local for the cluster's apiserver port and applies it, then waits for
-// the node plugin to register with kubelet.
-func Install(ctx context.Context, c *cluster.Cluster, logf func(string, ...any)) (*Installation, error) {
+// the node plugin to register with kubelet. nodeArgs are added to the node plugin's command line.
+func Install(ctx context.Context, c *cluster.Cluster, logf func(string, ...any), nodeArgs ...string) (*Installation, error) {
 	start := time.Now()
 	tarPath, imageName, err := BuildDirpvImage(ctx)
 	if err != nil {
@@ -55,7 +55,7 @@ func Install(ctx context.Context, c *cluster.Cluster, logf func(string, ...any))
 		return nil, err
 	}
 	logf("image %s built and imported in %s", imageName, time.Since(start).Round(time.Millisecond))
-	return InstallImage(ctx, c, imageName, c.NodeName, 2*time.Minute, logf)
+	return InstallImage(ctx, c, imageName, c.NodeName, 2*time.Minute, logf, nodeArgs...)
 }
 
 // BuildDirpvImage builds dirpv's image from this checkout as users get it (test/image) and

@@ -100,7 +100,10 @@ func probeBtrfs(fd int) error {
 	return nil
 }
 
-func btrfsSubvolCreate(parentFd int, name string) error {
+// CreateSubvolume creates the btrfs subvolume name in the directory open at parentFd. The
+// kernel lets any user with write access to the directory do it, which is how a tenant makes
+// a subvolume its volume's qgroup does not count (see volume/escapes.go).
+func CreateSubvolume(parentFd int, name string) error {
 	if len(name) > btrfsPathNameMax {
 		return unix.ENAMETOOLONG
 	}

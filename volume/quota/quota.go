@@ -142,7 +142,7 @@ func (f *FS) Round(bytes uint64) uint64 {
 // limit can be set on: a subvolume on btrfs, a plain directory elsewhere.
 func (f *FS) Mkdir(parentFd int, name string, perm uint32) error {
 	if f.kind == Btrfs {
-		if err := btrfsSubvolCreate(parentFd, name); err != nil {
+		if err := CreateSubvolume(parentFd, name); err != nil {
 			return fmt.Errorf("create btrfs subvolume %s: %w", name, err)
 		}
 		// A subvolume is created 0755 whatever the umask; the caller sets the exact mode.

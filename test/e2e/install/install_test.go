@@ -45,7 +45,7 @@ func TestMain(m *testing.M) {
 	}, func(ctx context.Context, s *framework.Suite) error {
 		suite = s
 		var err error
-		if inst, err = framework.Install(ctx, suite.Cluster, klog.Infof); err != nil {
+		if inst, err = framework.Install(ctx, suite.Cluster, klog.Infof, "--quota-check-period="+quotaCheckPeriod.String()); err != nil {
 			return fmt.Errorf("install dirpv: %w", err)
 		}
 		return nil

@@ -3,9 +3,6 @@ package node_test
 import (
 	"context"
 	"fmt"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -256,46 +253,24 @@ func checkKubeletStats(ctx context.Context, t *testing.T, ns, claim string, size
 }
 
 var (
-	projidOnce sync.Once
-	projidDir  string
-	projidErr  error
+	tenantToolOnce sync.Once
+	tenantToolDir  string
+	tenantToolErr  error
 )
 
-// projidTool builds test/vm/node/projid static, so it runs in a busybox pod, into a directory
-// the guest sees, and returns that directory (for a hostPath volume).
-func projidTool(t *testing.T) string {
+// tenantTool builds the tenant tool (framework.BuildTenantTool) into a directory the guest
+// sees, and returns that directory (for framework.WithTenantTool).
+func tenantTool(t *testing.T) string {
 	t.Helper()
-	projidOnce.Do(func() {
-		if projidDir, projidErr = vm.SharedDir("projid-"); projidErr != nil {
-			return
-		}
-		// The directory is the test's own (0700); the tenant pods' UID runs the tool too.
-		if projidErr = os.Chmod(projidDir, 0o755); projidErr != nil {
-			return
-		}
-		cmd := exec.Command("go", "build", "-o", filepath.Join(projidDir, "projid"), "./projid")
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if out, err := cmd.CombinedOutput(); err != nil {
-			projidErr = fmt.Errorf("go build ./projid: %w\n%s", err, out)
+	tenantToolOnce.Do(func() {
+		if tenantToolDir, tenantToolErr = vm.SharedDir("tenant-"); tenantToolErr == nil {
+			tenantToolErr = framework.BuildTenantTool(context.Background(), tenantToolDir)
 		}
 	})
-	if projidErr != nil {
-		t.Fatal(projidErr)
+	if tenantToolErr != nil {
+		t.Fatal(tenantToolErr)
 	}
-	return projidDir
-}
-
-// withProjid mounts the projid tool's directory at /tools in each of the pod's containers.
-func withProjid(pod *corev1.Pod, dir string) *corev1.Pod {
-	dirType := corev1.HostPathDirectory
-	pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{Name: "tools", VolumeSource: corev1.VolumeSource{
-		HostPath: &corev1.HostPathVolumeSource{Path: dir, Type: &dirType}}})
-	for _, cs := range [][]corev1.Container{pod.Spec.InitContainers, pod.Spec.Containers} {
-		for i := range cs {
-			cs[i].VolumeMounts = append(cs[i].VolumeMounts, corev1.VolumeMount{Name: "tools", MountPath: "/tools", ReadOnly: true})
-		}
-	}
-	return pod
+	return tenantToolDir
 }
 
 // projectOf is the project number of the claim's volume, from its PV's quota attribute.
@@ -313,7 +288,7 @@ func projectOf(ctx context.Context, t *testing.T, ns, claim string) uint64 {
 }
 
 // TestQuotaEscapesOnGuestDisk measures what a pod can do to its volume's project quota on
-// XFS and ext4, with real pods and the kernel's FS_IOC_FSSETXATTR (test/vm/node/projid, what
+// XFS and ext4, with real pods and the kernel's FS_IOC_FSSETXATTR (test/internal/tenant, what
 // `chattr -p` does), so README and SECURITY.md say what holds against whom, and what dirpv's
 // periodic quota check (--quota-check-period) closes:
 //   - an ordinary pod (UID 1000, no capabilities) that owns its files CAN move them out of its
@@ -333,7 +308,7 @@ func projectOf(ctx context.Context, t *testing.T, ns, claim string) uint64 {
 // then makes sure no check moved its files back before it was done, and otherwise starts
 // again after the next check (the test does not depend on how fast the guest is).
 func TestQuotaEscapesOnGuestDisk(t *testing.T) {
-	tools := projidTool(t)
+	tools := tenantTool(t)
 	for _, d := range node.Disks {
 		t.Run(d.FSType, func(t *testing.T) {
 			t.Parallel()
@@ -352,19 +327,19 @@ func TestQuotaEscapesOnGuestDisk(t *testing.T) {
 
 			// Root with its default capabilities makes a file of its own and one of UID 1000's,
 			// and moves the latter out of the project; root without CAP_FOWNER cannot move it back.
-			root := suite.BusyboxPod(ns, "root", "mine", fmt.Sprintf(`P=/tools/projid
+			root := suite.BusyboxPod(ns, "root", "mine", fmt.Sprintf(`P=/tools/tenant
 echo "root-without-fowner: $($P set /data/by1000 %d)"`, mine), false)
 			root.Spec.Containers[0].Image = cluster.BusyboxImage
 			root.Spec.Containers[0].SecurityContext = &corev1.SecurityContext{
 				Capabilities: &corev1.Capabilities{Drop: []corev1.Capability{"FOWNER"}}}
 			root.Spec.InitContainers = []corev1.Container{{
 				Name: "owner", Image: cluster.BusyboxImage, ImagePullPolicy: corev1.PullNever,
-				Command: []string{"sh", "-c", `P=/tools/projid
+				Command: []string{"sh", "-c", `P=/tools/tenant
 echo root > /data/byroot; echo 1000 > /data/by1000; chown 1000:1000 /data/by1000
 echo "root-moves-others: $($P set /data/by1000 0)"`},
 				VolumeMounts: root.Spec.Containers[0].VolumeMounts,
 			}}
-			createPods(ctx, t, withProjid(root, tools))
+			createPods(ctx, t, framework.WithTenantTool(root, tools))
 			// A privileged pod on a claim of its own.
 			priv := suite.BusyboxPod(ns, "privileged", "priv",
 				`dd if=/dev/zero of=/data/big bs=1M count=24 conv=fsync 2>&1; echo "dd exit $?"; echo "size $(stat -c %s /data/big)"`, false)
@@ -388,7 +363,7 @@ echo "root-moves-others: $($P set /data/by1000 0)"`},
 				t.Errorf("root without CAP_FOWNER moving UID 1000's file: %q, want operation not permitted", v)
 			}
 
-			tenant := withProjid(tenantPod(ns, "tenant", "mine", fmt.Sprintf(`P=/tools/projid
+			tenant := framework.WithTenantTool(tenantPod(ns, "tenant", "mine", fmt.Sprintf(`P=/tools/tenant
 echo "others-file: $($P set /data/byroot 0)"
 dd if=/dev/zero of=/data/f bs=1M count=1 conv=fsync 2>/dev/null; echo "f-project $($P get /data/f)"
 echo c > /data/canary; try=0
@@ -521,7 +496,7 @@ func checkHostUsersFalse(ctx context.Context, t *testing.T, ns, tools string) {
 		t.Logf("hostUsers: false is not tested: node %s's runtime reports no user namespace support (%s)", n.Name, describeHandlers(n.Status.RuntimeHandlers))
 		return
 	}
-	pod := withProjid(tenantPod(ns, "userns-pod", "mine", `P=/tools/projid
+	pod := framework.WithTenantTool(tenantPod(ns, "userns-pod", "mine", `P=/tools/tenant
 echo u > /data/u; echo "userns-pod-own-to-0: $($P set /data/u 0)"`), tools)
 	pod.Spec.HostUsers = ptr.To(false)
 	createPods(ctx, t, pod)

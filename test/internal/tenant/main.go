@@ -1,19 +1,23 @@
-// Command projid reads and changes the project ID of a file on XFS or ext4 as a pod's process
-// would (`chattr -p` without e2fsprogs), for the VM node tier's quota escape tests
-// (TestQuotaEscapesOnGuestDisk). It is built static (CGO_ENABLED=0) to run in a busybox pod.
+// Command tenant does in a busybox pod what a tenant could do to escape its volume's quota
+// with tools busybox lacks: change a file's project ID on XFS or ext4 (`chattr -p`, for
+// TestQuotaEscapesOnGuestDisk) and create a btrfs subvolume (`btrfs subvolume create`, for
+// TestPodNestedSubvolumeIsReported). It is built static (framework.BuildTenantTool).
 //
-//	projid get FILE          print FILE's project ID
-//	projid set FILE ID       move FILE into project ID; print "ok" (read back at once through
+//	tenant get FILE          print FILE's project ID
+//	tenant set FILE ID       move FILE into project ID; print "ok" (read back at once through
 //	                         the same descriptor, before a quota check can move it back) or
 //	                         the error
-//	projid userns set FILE ID  the same from a new user namespace where the caller is root
+//	tenant userns set FILE ID  the same from a new user namespace where the caller is root
 //	                         (as `unshare -U -r` would do)
+//	tenant subvolume DIR/NAME  create the btrfs subvolume NAME in DIR; print "ok" or the error
 package main
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"syscall"
 
@@ -49,7 +53,10 @@ func run(args []string) error {
 		return nil
 	}
 	if len(args) < 2 {
-		return fmt.Errorf("usage: projid get FILE | projid [userns] set FILE ID")
+		return errUsage
+	}
+	if args[0] == "subvolume" && len(args) == 2 {
+		return subvolume(args[1])
 	}
 	fd, err := unix.Open(args[1], unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -78,5 +85,26 @@ func run(args []string) error {
 		fmt.Println("ok")
 		return nil
 	}
-	return fmt.Errorf("usage: projid get FILE | projid [userns] set FILE ID")
+	return errUsage
+}
+
+var errUsage = errors.New("usage: tenant get FILE | tenant [userns] set FILE ID | tenant subvolume DIR/NAME")
+
+// subvolume creates the subvolume at path as `btrfs subvolume create` does: the ioctl on its
+// parent directory.
+func subvolume(path string) error {
+	dir, name := filepath.Split(path)
+	if dir == "" {
+		dir = "."
+	}
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open %s: %w", dir, err)
+	}
+	defer unix.Close(fd)
+	if err := quota.CreateSubvolume(fd, name); err != nil {
+		return fmt.Errorf("create subvolume %s: %w", path, err)
+	}
+	fmt.Println("ok")
+	return nil
 }
