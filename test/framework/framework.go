@@ -322,7 +322,8 @@ func WaitForPodDeleted(ctx context.Context, c kubernetes.Interface, ns, name str
 	})
 }
 
-// WaitForPodPhase waits until the pod is in phase and returns it.
+// WaitForPodPhase waits until the pod is in phase and returns it. A pod that ended in the
+// other final phase (Succeeded or Failed) will not get there: it returns an error at once.
 func WaitForPodPhase(ctx context.Context, c kubernetes.Interface, ns, name string, phase v1.PodPhase, timeout time.Duration) (*v1.Pod, error) {
 	var pod *v1.Pod
 	err := Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
@@ -330,10 +331,17 @@ func WaitForPodPhase(ctx context.Context, c kubernetes.Interface, ns, name strin
 		if pod, err = c.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{}); err != nil {
 			return false, err
 		}
-		return pod.Status.Phase == phase, fmt.Errorf("pod %s/%s is %s: %+v", ns, name, pod.Status.Phase, pod.Status.ContainerStatuses)
+		return pod.Status.Phase == phase || podEnded(pod), fmt.Errorf("pod %s/%s is %s: %+v", ns, name, pod.Status.Phase, pod.Status.ContainerStatuses)
 	})
+	if err == nil && pod.Status.Phase != phase {
+		err = fmt.Errorf("it ended %s: %+v", pod.Status.Phase, pod.Status.ContainerStatuses)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("wait for pod %s/%s to be %s: %w", ns, name, phase, err)
 	}
 	return pod, nil
+}
+
+func podEnded(pod *v1.Pod) bool {
+	return pod.Status.Phase == v1.PodSucceeded || pod.Status.Phase == v1.PodFailed
 }

@@ -1,0 +1,32 @@
+package framework
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
+)
+
+// A test that waits for its pod to succeed learns that the pod failed as soon as it did, not
+// after the wait's whole timeout (minutes per failure in the pod tiers).
+func TestWaitForPodPhaseStopsAtTheOtherEnd(t *testing.T) {
+	for _, tc := range []struct{ have, want v1.PodPhase }{
+		{v1.PodFailed, v1.PodSucceeded},
+		{v1.PodSucceeded, v1.PodRunning},
+	} {
+		pod := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p"}, Status: v1.PodStatus{Phase: tc.have}}
+		// The deadline only bounds a broken wait; the error, not the time, is what is checked.
+		_, err := WaitForPodPhase(context.Background(), fake.NewClientset(pod), "ns", "p", tc.want, time.Minute)
+		if err == nil || !strings.Contains(err.Error(), "it ended "+string(tc.have)) {
+			t.Errorf("waiting for a %s pod to be %s: %v, want an error that says it ended %s", tc.have, tc.want, err, tc.have)
+		}
+	}
+	running := &v1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: "p"}, Status: v1.PodStatus{Phase: v1.PodRunning}}
+	if _, err := WaitForPodPhase(context.Background(), fake.NewClientset(running), "ns", "p", v1.PodRunning, time.Minute); err != nil {
+		t.Errorf("waiting for a Running pod to be Running: %v", err)
+	}
+}
