@@ -875,8 +875,12 @@ func TestHelmCustomValues(t *testing.T) {
 	if e, _ := envValue(container(t, d.Spec.Template.Spec), "KUBERNETES_SERVICE_HOST"); e.Value != "127.0.0.1" {
 		t.Errorf("extraEnv not applied: %+v", e)
 	}
+	if args := container(t, d.Spec.Template.Spec).Args; !slices.Contains(args, "--operation-timeout=1m") {
+		t.Errorf("controller args %v lack extraArgs' --operation-timeout=1m", args)
+	}
 	c := container(t, daemonSet(t, objs).Spec.Template.Spec)
-	if !slices.Contains(c.Args, "--kubelet-root-dir=/data/kubelet") || !slices.Contains(c.Args, "--allowed-base-paths=/srv/dirpv,/mnt/ssd/dirpv") {
+	if !slices.Contains(c.Args, "--kubelet-root-dir=/data/kubelet") || !slices.Contains(c.Args, "--allowed-base-paths=/srv/dirpv,/mnt/ssd/dirpv") ||
+		!slices.Contains(c.Args, "--quota-check-period=1m") {
 		t.Errorf("node args %v", c.Args)
 	}
 	var paths []string
@@ -911,6 +915,8 @@ func TestHelmRejects(t *testing.T) {
 		"no name":    {[]string{"storageClasses[0].backend=local"}, "needs a name"},
 		"latest tag": {[]string{"image.tag=latest"}, "latest refused"},
 		"bad tag":    {[]string{"image.tag=v1/x"}, "does not match pattern"},
+		// A flag's value without its name would be taken for a positional argument.
+		"bare arg": {[]string{"node.extraArgs[0]=1m"}, "does not match pattern"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
