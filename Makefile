@@ -149,7 +149,7 @@ down:
 	$(GO) run ./test/cluster/cmd/dirpv-cluster down
 
 ## bench: dirpv against the binding ceiling on a real control plane (root; ~15 min), ending
-## with issue 14's targets table. BENCH_N=500; BENCH_NODES: simulated cluster sizes.
+## with its targets table (docs/performance.md). BENCH_N=500; BENCH_NODES: simulated cluster sizes.
 BENCH_N ?= 500
 BENCH_NODES ?= 10,50,100
 bench: cluster-bins
