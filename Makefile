@@ -6,6 +6,8 @@ GO          ?= go
 VERSION     ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS     := -s -w -X github.com/dirpv/dirpv/internal/daemon.Version=$(VERSION)
 STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
+# Checks .github/workflows (which run on GitHub, not here); built by go run and cached as staticcheck is.
+ACTIONLINT  := github.com/rhysd/actionlint/cmd/actionlint@v1.7.12
 # Unit, conformance, harness and manifest tests: no cluster needed.
 UNIT_PKGS   := $(shell $(GO) list ./... | grep -v -e /test/integration -e /test/e2e -e /test/external-e2e -e /test/cluster -e /test/vm)
 FUZZTIME    ?= 10m
@@ -136,6 +138,7 @@ lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	$(GO) run $(STATICCHECK) ./...
+	$(GO) run $(ACTIONLINT) -color=false
 
 fmt:
 	gofmt -w $$(git ls-files '*.go')
@@ -149,7 +152,7 @@ down:
 	$(GO) run ./test/cluster/cmd/dirpv-cluster down
 
 ## bench: dirpv against the binding ceiling on a real control plane (root; ~15 min), ending
-## with issue 14's targets table. BENCH_N=500; BENCH_NODES: simulated cluster sizes.
+## with its targets table (docs/performance.md). BENCH_N=500; BENCH_NODES: simulated cluster sizes.
 BENCH_N ?= 500
 BENCH_NODES ?= 10,50,100
 bench: cluster-bins

@@ -74,7 +74,7 @@ func main() {
 
 // The API client and worker defaults come from `make bench`: client-go's own default of
 // 5 QPS caps any provisioner at a few claims per second, far below what the cluster's
-// controller-manager can bind. See README "Performance".
+// controller-manager can bind. See docs/performance.md.
 func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfig, *string, *bool) {
 	kube := &daemon.KubeConfig{}
 	prov := &daemon.ProvisionerConfig{}

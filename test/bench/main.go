@@ -75,7 +75,7 @@ type Row struct {
 	Note     string  `json:"note,omitempty"`
 }
 
-// Goal is one of the issue's targets.
+// Goal is one of the bench's targets.
 type Goal struct {
 	What   string  `json:"what"`
 	Target string  `json:"target"`
@@ -228,7 +228,7 @@ func run() (err error) {
 		b.report.Phases = append(b.report.Phases, s.name)
 	}
 	b.goals()
-	b.report.Targets = issue14Targets(b.ms, *flagRSSN, *flagN, *flagKCM)
+	b.report.Targets = buildTargets(b.ms, *flagRSSN, *flagN, *flagKCM)
 	b.print()
 	printTargets(b.report.Targets)
 	if *flagJSON != "" {
@@ -959,7 +959,7 @@ func (b *bench) publish() error {
 	return nil
 }
 
-// The memory targets (issue 14): peak RSS below the best peer's measured 38 MB (nfs-subdir),
+// The memory targets: peak RSS below the best peer's measured 38 MB (nfs-subdir),
 // and Go heap growth under 8 MiB per 1000 PVs.
 const (
 	peerRSSMiB        = 38e6 / (1 << 20)

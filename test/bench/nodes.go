@@ -474,7 +474,7 @@ func printNodesTable(rs []nodesResult) {
 }
 
 // nodesGrowth records how the per-node figures grow from the smallest N to the largest: the
-// issue's "flat in N" target.
+// "flat in N" target.
 func (b *bench) nodesGrowth(rs []nodesResult) {
 	if len(rs) < 2 {
 		return

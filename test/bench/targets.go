@@ -8,7 +8,7 @@ import (
 	"github.com/dirpv/dirpv/test/framework"
 )
 
-// Target is one row of issue 14's targets table: a figure of this run against its target.
+// Target is one row of the targets table: a figure of this run against its target.
 type Target struct {
 	Figure   string  `json:"figure"`
 	Target   string  `json:"target"`
@@ -41,11 +41,11 @@ const bestPeerMB = 38.0
 // instance seeing only its own work the figure should not grow at all.
 const flatInN = 1.1
 
-// issue14Targets builds issue 14's targets table from the run's named figures (b.ms): rss.*
+// buildTargets builds the targets table from the run's named figures (b.ms): rss.*
 // and heap.* of the rss phase at rssN PVs, ideal.* and local.* of the main run (with
 // kube-controller-manager kcm, "fast" or "stock"), stock.* of the stock phase, nodes.* of the
 // nodes phase. A figure the run did not measure gives a "not measured" row.
-func issue14Targets(ms map[string]float64, rssN, n int, kcm string) []Target {
+func buildTargets(ms map[string]float64, rssN, n int, kcm string) []Target {
 	var out []Target
 	maxOf := func(prefix string) (float64, bool) {
 		var v float64
@@ -118,7 +118,7 @@ func issue14Targets(ms map[string]float64, rssN, n int, kcm string) []Target {
 
 // printTargets prints the targets table.
 func printTargets(ts []Target) {
-	fmt.Println("\nissue 14 targets:")
+	fmt.Println("\ntargets:")
 	fmt.Printf("| %-62s | %-26s | %10s | %7s | %-12s |\n", "figure", "target", "measured", "ratio", "status")
 	fmt.Printf("|%s|%s|%s|%s|%s|\n", strings.Repeat("-", 64), strings.Repeat("-", 28), strings.Repeat("-", 12), strings.Repeat("-", 9), strings.Repeat("-", 14))
 	for _, t := range ts {

@@ -16,9 +16,9 @@ func targetByFigure(t *testing.T, ts []Target, figure string) Target {
 	return Target{}
 }
 
-// Every row of issue 14's table is there, whether measured or not, and each status follows
+// Every row of the targets table is there, whether measured or not, and each status follows
 // from the figures the phases recorded.
-func TestIssue14Targets(t *testing.T) {
+func TestTargets(t *testing.T) {
 	ms := map[string]float64{
 		"rss.node.provisioning 1000":        34, // MiB: 35.7 MB, met
 		"rss.node.restarted over 1000":      36, // MiB: 37.7 MB, the max, met
@@ -30,7 +30,7 @@ func TestIssue14Targets(t *testing.T) {
 		"ideal.p50": 50, "local.p50": 57,
 		"nodes.lo": 10, "nodes.hi": 100, "nodes.growth.peak": 1.02, "nodes.growth.heap": 1.4, "nodes.growth.watches": 1,
 	}
-	ts := issue14Targets(ms, 1000, 500, "fast")
+	ts := buildTargets(ms, 1000, 500, "fast")
 	if len(ts) != 11 {
 		t.Errorf("%d rows, want 11: %+v", len(ts), ts)
 	}
@@ -59,15 +59,15 @@ func TestIssue14Targets(t *testing.T) {
 	}
 }
 
-func TestIssue14TargetsNotMeasured(t *testing.T) {
-	ts := issue14Targets(map[string]float64{}, 1000, 500, "fast")
+func TestTargetsNotMeasured(t *testing.T) {
+	ts := buildTargets(map[string]float64{}, 1000, 500, "fast")
 	for _, x := range ts {
 		if x.Status() != "not measured" {
 			t.Errorf("%s: %s with no figures", x.Figure, x.Status())
 		}
 	}
 	// Run with -kcm stock, the main run is the stock case and the unthrottled rows are not.
-	ts = issue14Targets(map[string]float64{"ideal.bulk": 100, "local.bulk": 101}, 1000, 200, "stock")
+	ts = buildTargets(map[string]float64{"ideal.bulk": 100, "local.bulk": 101}, 1000, 200, "stock")
 	if got := targetByFigure(t, ts, "200 claims create->all Bound, stock KCM").Status(); got != "missed" {
 		t.Errorf("stock row with the main run's figures: %s, want missed (1.01x)", got)
 	}

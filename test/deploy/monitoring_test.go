@@ -135,7 +135,7 @@ func TestMonitoringOption(t *testing.T) {
 }
 
 // TestAlertsSayWhatToDo: every alert has a severity, a summary, a description and a
-// runbook_url that leads to a section of the README (or docs/) that exists.
+// runbook_url that leads to a heading of a page in docs/ that exists in this checkout.
 func TestAlertsSayWhatToDo(t *testing.T) {
 	rules, err := ReadRules(repoPath(t, "."))
 	if err != nil {
@@ -154,6 +154,10 @@ func TestAlertsSayWhatToDo(t *testing.T) {
 				t.Errorf("%s: runbook_url %q is not %s<file>#<section>", r.Alert, r.Annotations["runbook_url"], prefix)
 				continue
 			}
+			if !strings.HasPrefix(file, "docs/") || !strings.HasSuffix(file, ".md") || strings.Contains(file, "..") {
+				t.Errorf("%s: runbook_url names %s, not a page in docs/", r.Alert, file)
+				continue
+			}
 			data, err := os.ReadFile(repoPath(t, file))
 			if err != nil {
 				t.Errorf("%s: runbook_url names %s: %v", r.Alert, file, err)
@@ -167,33 +171,6 @@ func TestAlertsSayWhatToDo(t *testing.T) {
 	if n == 0 {
 		t.Fatal("no alerts")
 	}
-}
-
-// headingAnchors returns the anchors GitHub gives a Markdown file's headings: lower case,
-// punctuation dropped, spaces as dashes (headings in code blocks left out).
-func headingAnchors(md string) []string {
-	var anchors []string
-	inCode := false
-	for line := range strings.SplitSeq(md, "\n") {
-		if strings.HasPrefix(line, "```") {
-			inCode = !inCode
-		}
-		if inCode || !strings.HasPrefix(line, "#") {
-			continue
-		}
-		title := strings.ToLower(strings.TrimSpace(strings.TrimLeft(line, "#")))
-		var b strings.Builder
-		for _, r := range title {
-			switch {
-			case r == ' ':
-				b.WriteRune('-')
-			case r == '-' || r == '_' || r >= 'a' && r <= 'z' || r >= '0' && r <= '9':
-				b.WriteRune(r)
-			}
-		}
-		anchors = append(anchors, b.String())
-	}
-	return anchors
 }
 
 // TestRulesPromtool: the PrometheusRule's rules pass `promtool check rules` and the unit tests

@@ -246,7 +246,7 @@ func TestCapacitySteersScheduling(t *testing.T) {
 	})[room.name].UID
 	room.proc.Stop(10 * time.Second)
 	// The fresh tmpfs replaces a base that held a volume, on purpose: the admin removes the
-	// base's record, else the node refuses the base as a disk that did not mount (README).
+	// base's record, else the node refuses the base as a disk that did not mount (docs/capacity.md).
 	if err := os.RemoveAll(filepath.Join(room.work, "bases")); err != nil {
 		t.Fatal(err)
 	}

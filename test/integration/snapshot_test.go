@@ -386,7 +386,7 @@ func TestSnapshotWhileWritingBtrfsIsPointInTime(t *testing.T) {
 }
 
 // The same on a plain directory (the suite's base: no btrfs subvolume), where the snapshot is
-// a copy made entry by entry: what it holds is logged for README "Clones and snapshots"; the
+// a copy made entry by entry: what it holds is logged for docs/clones-and-snapshots.md; the
 // test only checks that the restore binds and holds files the writer wrote.
 func TestSnapshotWhileWritingPlainCopy(t *testing.T) {
 	ns := suite.NewNamespace(t)

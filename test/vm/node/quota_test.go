@@ -289,7 +289,7 @@ func projectOf(ctx context.Context, t *testing.T, ns, claim string) uint64 {
 
 // TestQuotaEscapesOnGuestDisk measures what a pod can do to its volume's project quota on
 // XFS and ext4, with real pods and the kernel's FS_IOC_FSSETXATTR (test/internal/tenant, what
-// `chattr -p` does), so README and SECURITY.md say what holds against whom, and what dirpv's
+// `chattr -p` does), so docs/capacity.md and SECURITY.md say what holds against whom, and what dirpv's
 // periodic quota check (--quota-check-period) closes:
 //   - an ordinary pod (UID 1000, no capabilities) that owns its files CAN move them out of its
 //     volume's project (into project 0, then write past its claim's size) or into a
