@@ -132,7 +132,7 @@ func (r *Root) openChild(parentFd int, name, where string) (int, error) {
 // limit) and filled from from (nil: empty), or adopts it if it is claim's.
 func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim Claim, limit uint64, from *copyFrom) (bool, quota.ID, error) {
 	tmp := tempName(claim, name)
-	if err := r.dropPlaceholder(parentFd, name, tmp, claim); err != nil {
+	if err := r.dropOwnPlaceholder(parentFd, name, tmp, claim); err != nil {
 		return false, quota.ID{}, fmt.Errorf("%s in %s: %w", rel, r.path, err)
 	}
 	// An existing volume is judged before anything is made, so a refusal changes nothing.
@@ -170,16 +170,11 @@ func (r *Root) createVolume(parentFd int, name, rel string, owner Owner, claim C
 	return false, quota.ID{}, fmt.Errorf("rename new volume into place as %s in %s: %w", rel, r.path, err)
 }
 
-// dropPlaceholder removes what a crash inside renameNoReplace's NFS path leaves at name: the
-// empty mode-0 directory that claimed the name, beside claim's own marked temporary directory
-// tmp, which was about to be renamed over it. Without this the claim's every retry found a
-// directory that is no volume and was refused for good (a leader killed at that instant,
-// TestControllerLeaderKilledMidway). Anything else at name is left for adopt to judge; rmdir
-// removes only an empty directory.
-func (r *Root) dropPlaceholder(parentFd int, name, tmp string, claim Claim) error {
-	var st unix.Stat_t
-	if err := unix.Fstatat(parentFd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil ||
-		st.Mode&unix.S_IFMT != unix.S_IFDIR || st.Mode&0o7777 != 0 {
+// dropOwnPlaceholder removes the placeholder (dropPlaceholder) a crash inside
+// renameNoReplace left at name, if claim's own marked temporary directory tmp is beside it, so
+// that adopt, which refuses a directory that is no volume, judges what is really there.
+func (r *Root) dropOwnPlaceholder(parentFd int, name, tmp string, claim Claim) error {
+	if !r.isPlaceholder(parentFd, name) {
 		return nil
 	}
 	fd, err := r.openChild(parentFd, tmp, tmp)
@@ -190,11 +185,7 @@ func (r *Root) dropPlaceholder(parentFd int, name, tmp string, claim Claim) erro
 	if m, err := r.readMarker(parentFd, fd); err != nil || !m.marked || m.owner.UID != claim.UID {
 		return nil
 	}
-	if err := unix.Unlinkat(parentFd, name, unix.AT_REMOVEDIR); err != nil &&
-		!errors.Is(err, unix.ENOTEMPTY) && !errors.Is(err, unix.EEXIST) && !errors.Is(err, unix.ENOENT) {
-		return fmt.Errorf("remove the placeholder a crash left at %s: %w", name, err)
-	}
-	return nil
+	return r.dropPlaceholder(parentFd, name)
 }
 
 // removeTemp removes the temporary directory tmp in parentFd, made or left by an attempt

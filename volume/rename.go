@@ -6,6 +6,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/dirpv/dirpv/internal/failpoint"
 	"github.com/dirpv/dirpv/internal/keyed"
 )
 
@@ -28,6 +29,9 @@ var renameat2 = unix.Renameat2
 // renameNoReplace renames name in parentFd to newName in dirFd, failing with EEXIST if newName
 // exists. The volume's marker goes with it when the directory stays in its parent: the
 // attribute is on the directory, a record file is named after its inode in the same parent.
+// It is the one place that renames into place without replacing, and it owns the recovery
+// from its own crash: every caller (new volumes, snapshots, archive, trash) retries the same
+// rename after a crash, and finds the name free again.
 func (r *Root) renameNoReplace(parentFd int, name string, dirFd int, newName string) error {
 	err := renameat2(parentFd, name, dirFd, newName, unix.RENAME_NOREPLACE)
 	if !errors.Is(err, unix.EINVAL) {
@@ -36,22 +40,27 @@ func (r *Root) renameNoReplace(parentFd int, name string, dirFd int, newName str
 	// NFS (the kernel client, and so the test helper) has no RENAME_NOREPLACE. Claim the name,
 	// then rename, one at a time per target in this process; dirpv's NFS volumes are all made
 	// by the one leader, so the race left is with a process outside dirpv writing the export.
-	// A crash between the two leaves the empty placeholder beside the complete temporary
-	// directory; the claim's retry removes the placeholder (dropPlaceholder) and starts again.
+	// A crash between the two leaves an empty placeholder at newName beside name, which is
+	// still whole; the retry drops the placeholder (dropPlaceholder) and renames.
 	var dir unix.Stat_t
 	if err := unix.Fstat(dirFd, &dir); err != nil {
 		return fmt.Errorf("stat target directory: %w", err)
 	}
 	defer renameLocks.MustLock(renameTarget{dirIno: dir.Ino, name: newName})()
+	// Under the lock, a placeholder is never one a live rename of this process made.
+	if err := r.dropPlaceholder(dirFd, newName); err != nil {
+		return err
+	}
 	// The check is the server's, not a stat: a mount's cached lookup can still miss a directory
 	// that another mount of the export (a class with other mount options, its own superblock
 	// and caches) renamed into place an instant ago, and the rename would then replace that
 	// empty new volume, handing one directory to two claims (TestSameNameClaimsAcrossMounts,
 	// 1 round in many). The server decides a mkdir, and the rename replaces the empty
 	// directory it made.
-	if err := unix.Mkdirat(dirFd, newName, 0); err != nil {
+	if err := unix.Mkdirat(dirFd, newName, placeholderMode); err != nil {
 		return err
 	}
+	failpoint.Hit(failpoint.RenameClaimed)
 	if err := unix.Renameat(parentFd, name, dirFd, newName); err != nil {
 		if rerr := unix.Unlinkat(dirFd, newName, unix.AT_REMOVEDIR); rerr != nil {
 			err = errors.Join(err, fmt.Errorf("remove the placeholder %s: %w", newName, rerr))
@@ -59,6 +68,44 @@ func (r *Root) renameNoReplace(parentFd int, name string, dirFd int, newName str
 		return err
 	}
 	return nil
+}
+
+// placeholderMode is the mode of the directory that claims a name on NFS: no volume, snapshot
+// or trash entry is an empty, unmarked directory of mode 0.
+const placeholderMode = 0
+
+// dropPlaceholder removes what a crash inside renameNoReplace's NFS path leaves at name in
+// dirFd: an empty directory of placeholderMode that carries no volume marker. Without this,
+// the retry of the rename found a directory that is no volume, snapshot or trash entry, and
+// failed on it for good (a leader killed at that instant, TestControllerLeaderKilledMidway;
+// an NFS snapshot copied again on every retry and thrown away, TestSnapshotRenameCrash).
+// Anything else at name is left alone; rmdir removes only an empty directory.
+func (r *Root) dropPlaceholder(dirFd int, name string) error {
+	if !r.isPlaceholder(dirFd, name) {
+		return nil
+	}
+	if err := unix.Unlinkat(dirFd, name, unix.AT_REMOVEDIR); err != nil &&
+		!errors.Is(err, unix.ENOTEMPTY) && !errors.Is(err, unix.EEXIST) && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("remove the placeholder a crash left at %s: %w", name, err)
+	}
+	return nil
+}
+
+// isPlaceholder reports whether name in dirFd looks like renameNoReplace's placeholder (its
+// emptiness is for rmdir to decide).
+func (r *Root) isPlaceholder(dirFd int, name string) bool {
+	var st unix.Stat_t
+	if err := unix.Fstatat(dirFd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil ||
+		st.Mode&unix.S_IFMT != unix.S_IFDIR || st.Mode&0o7777 != placeholderMode {
+		return false
+	}
+	fd, err := r.openChild(dirFd, name, name)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(fd)
+	m, err := r.readMarker(dirFd, fd)
+	return err == nil && !m.marked
 }
 
 // renameLocks serialises renameNoReplace's check-then-rename per target, for the whole

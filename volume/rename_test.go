@@ -1,17 +1,22 @@
 package volume
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/dirpv/dirpv/internal/failpoint"
 	"github.com/dirpv/dirpv/internal/keyed"
 )
 
@@ -231,5 +236,105 @@ func TestMoveStaysBeneathRoot(t *testing.T) {
 	}
 	if entries, _ := os.ReadDir(outside); len(entries) != 0 {
 		t.Errorf("directory behind the symlink got %v", entries)
+	}
+}
+
+// TestHelperRenameCrash is the process the rename crash tests start: it does, as on NFS, the
+// rename DIRPV_TEST_RENAME_OP names and dies inside it, at the failpoint.
+func TestHelperRenameCrash(t *testing.T) {
+	base := os.Getenv("DIRPV_TEST_RENAME_BASE")
+	if base == "" {
+		t.Skip("run by the rename crash tests")
+	}
+	withoutNoReplace(t)
+	r, err := OpenRoot(base)
+	must(t, err)
+	switch op := os.Getenv("DIRPV_TEST_RENAME_OP"); op {
+	case "snapshot":
+		_, err = r.Snapshot(context.Background(), "ns/src", "snap")
+	case "move":
+		must(t, r.Mkdir("trash", 0o700))
+		err = moveVolume(r, "ns/src", "trash", "pv-src")
+	default:
+		t.Fatalf("unknown DIRPV_TEST_RENAME_OP %q", op)
+	}
+	t.Fatalf("the rename returned (%v) instead of dying at its failpoint", err)
+}
+
+// crashInRename runs op in a process of its own, as on NFS, and checks that it died at the
+// failpoint inside the rename into place, after the placeholder claimed the name target
+// (relative to base), and nowhere else.
+func crashInRename(t *testing.T, base, op, target string) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperRenameCrash$", "-test.v")
+	cmd.Env = append(os.Environ(), "DIRPV_TEST_RENAME_BASE="+base, "DIRPV_TEST_RENAME_OP="+op,
+		failpoint.Env+"="+failpoint.RenameClaimed)
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+		t.Fatalf("%s armed to die: %v, want killed\n%s", op, err, out)
+	}
+	if !strings.Contains(string(out), "failpoint "+failpoint.RenameClaimed+" reached") {
+		t.Fatalf("the process was killed, but not at %s:\n%s", failpoint.RenameClaimed, out)
+	}
+	var st unix.Stat_t
+	must(t, unix.Lstat(filepath.Join(base, target), &st))
+	if names, err := os.ReadDir(filepath.Join(base, target)); err != nil || len(names) != 0 || st.Mode&0o7777 != placeholderMode {
+		t.Fatalf("the crash left at %s %v (mode %o, %v), want the empty placeholder", target, names, st.Mode&0o7777, err)
+	}
+}
+
+// TestSnapshotRenameCrash: a controller killed inside the NFS rename of a complete snapshot
+// into place (after the placeholder claimed its name) leaves the placeholder and the whole
+// copy; the retry renames that copy into place instead of copying again and then failing on
+// the placeholder for ever.
+func TestSnapshotRenameCrash(t *testing.T) {
+	b := newCopyBase(t, t.TempDir())
+	crashInRename(t, b.base, "snapshot", snapshotsDir+"/snap")
+	dir := filepath.Join(b.base, snapshotsDir)
+	var copied unix.Stat_t
+	tmp := filepath.Join(dir, snapshotTemp("snap"))
+	must(t, unix.Lstat(filepath.Join(tmp, snapshotTree), &copied))
+	if _, err := os.Stat(filepath.Join(tmp, snapshotInfoFile)); err != nil {
+		t.Fatalf("the crash left no complete copy: %v", err)
+	}
+
+	withoutNoReplace(t)
+	info, err := b.root.Snapshot(context.Background(), "ns/src", "snap")
+	if err != nil {
+		t.Fatalf("snapshot after the crash: %v", err)
+	}
+	if info.Name != "snap" || info.Source != "ns/src" {
+		t.Errorf("snapshot after the crash: %+v", info)
+	}
+	var tree unix.Stat_t
+	must(t, unix.Lstat(filepath.Join(dir, "snap", snapshotTree), &tree))
+	if tree.Ino != copied.Ino {
+		t.Errorf("the snapshot's tree is inode %d, want %d: the copy the crash left was thrown away and made again", tree.Ino, copied.Ino)
+	}
+	diffTrees(t, expectedCopy(t, filepath.Join(b.base, "ns/src")), treeHash(t, filepath.Join(dir, "snap", snapshotTree)))
+	if names, _ := os.ReadDir(dir); len(names) != 1 {
+		t.Errorf("snapshots directory holds %v, want the snapshot only", names)
+	}
+}
+
+// TestMoveRenameCrash: a controller killed inside the NFS rename of a volume to the trash (or
+// to its archive name) leaves the placeholder there and the volume where it was; the retry of
+// the same move puts the volume under the name it was to get, and no empty directory is left.
+func TestMoveRenameCrash(t *testing.T) {
+	b := newCopyBase(t, t.TempDir())
+	want := treeHash(t, filepath.Join(b.base, "ns/src"))
+	crashInRename(t, b.base, "move", "trash/pv-src")
+	withoutNoReplace(t)
+	// The retry is the same move: the trash entry is named after the PV.
+	if err := moveVolume(b.root, "ns/src", "trash", "pv-src"); err != nil {
+		t.Fatalf("move after the crash: %v", err)
+	}
+	diffTrees(t, want, treeHash(t, filepath.Join(b.base, "trash/pv-src")))
+	if owner, marked, err := b.root.VolumeOwner("trash/pv-src"); err != nil || !marked || owner.UID != "src-uid" {
+		t.Errorf("trash/pv-src is owned by %+v (marked %v, %v), want the moved volume, src-uid", owner, marked, err)
+	}
+	if _, err := os.Lstat(filepath.Join(b.base, "ns/src")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("ns/src after the move: %v, want it gone", err)
 	}
 }

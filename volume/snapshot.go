@@ -85,20 +85,17 @@ func (r *Root) Snapshot(ctx context.Context, rel, name string) (SnapshotInfo, er
 	if info, err := r.existingSnapshot(dirFd, name, rel); !errors.Is(err, os.ErrNotExist) {
 		return info, err
 	}
-	srcFd, err := openSourceDir(r, rel)
-	if err != nil {
-		return SnapshotInfo{}, fmt.Errorf("snapshot %s: %w", name, err)
-	}
-	defer unix.Close(srcFd)
 	mnt, err := mountID(dirFd)
 	if err != nil {
 		return SnapshotInfo{}, fmt.Errorf("%s in %s: %w", snapshotsDir, r.path, err)
 	}
 	tmp := snapshotTemp(name)
-	if err := r.removeSnapshotAt(dirFd, tmp, mnt); err != nil {
-		return SnapshotInfo{}, fmt.Errorf("remove what an earlier attempt left of snapshot %s: %w", name, err)
+	// A crash after the copy was complete (on NFS, inside the rename into place) left it whole
+	// under tmp, its info written last: it is renamed into place, not copied again.
+	info, err := r.readSnapshotInfo(dirFd, tmp)
+	if err != nil || info.Name != name || info.Source != rel {
+		info, err = r.copySnapshot(ctx, dirFd, tmp, mnt, rel, name)
 	}
-	info, err := r.makeSnapshot(ctx, dirFd, tmp, srcFd, rel, name)
 	if err == nil {
 		err = r.renameNoReplace(dirFd, tmp, dirFd, name)
 		if errors.Is(err, unix.EEXIST) || errors.Is(err, unix.ENOTEMPTY) {
@@ -118,6 +115,20 @@ func (r *Root) Snapshot(ctx context.Context, rel, name string) (SnapshotInfo, er
 	}
 	klog.FromContext(ctx).V(2).Info("Snapshot made", "snapshot", name, "volume", rel, "base", r.path, "method", info.Method, "size", info.Size)
 	return info, nil
+}
+
+// copySnapshot makes the snapshot name of the volume rel as tmp in dirFd, in place of what an
+// earlier attempt left there.
+func (r *Root) copySnapshot(ctx context.Context, dirFd int, tmp string, mnt uint64, rel, name string) (SnapshotInfo, error) {
+	srcFd, err := openSourceDir(r, rel)
+	if err != nil {
+		return SnapshotInfo{}, err
+	}
+	defer unix.Close(srcFd)
+	if err := r.removeSnapshotAt(dirFd, tmp, mnt); err != nil {
+		return SnapshotInfo{}, fmt.Errorf("remove what an earlier attempt left: %w", err)
+	}
+	return r.makeSnapshot(ctx, dirFd, tmp, srcFd, rel, name)
 }
 
 // makeSnapshot makes the snapshot name of the volume rel, open at srcFd, as tmp in dirFd.
@@ -284,6 +295,52 @@ func (r *Root) DeleteSnapshot(name string) error {
 		return fmt.Errorf("delete snapshot %s in %s: %w", name, r.path, err)
 	}
 	return nil
+}
+
+// MoveSnapshot moves the snapshot name into the directory dir (made if missing), for a
+// removal there that may take longer than one call should: an NFS export's trash. It takes the
+// few calls a rename does whatever the snapshot's size. The entry it gets in dir is the same
+// for every attempt, so a retry after the move finds it there: it returns the entry ("" if
+// neither the snapshot nor its entry exists) and whether this call moved it. What a
+// DeleteSnapshot cut short left under its private name goes too.
+func (r *Root) MoveSnapshot(name, dir string) (entry string, moved bool, err error) {
+	if err := checkSnapshotName(name); err != nil {
+		return "", false, err
+	}
+	if _, err := CleanRelPath(dir); err != nil {
+		return "", false, err
+	}
+	entry = snapshotGonePrefix + nameHash(name)
+	if err := r.Mkdir(dir, 0o700); err != nil {
+		return "", false, err
+	}
+	dirFd, err := r.openDir(dir, unix.O_PATH)
+	if err != nil {
+		return "", false, err
+	}
+	defer unix.Close(dirFd)
+	snapFd, err := r.openDir(snapshotsDir, unix.O_PATH)
+	if err != nil && !errors.Is(err, unix.ENOENT) {
+		return "", false, err
+	}
+	if err == nil {
+		defer unix.Close(snapFd)
+		for _, from := range []string{name, entry} {
+			err := r.renameNoReplace(snapFd, from, dirFd, entry)
+			if err == nil {
+				return entry, true, nil
+			}
+			if !errors.Is(err, unix.ENOENT) {
+				return "", false, fmt.Errorf("move snapshot %s in %s to %s: %w", name, r.path, dir, err)
+			}
+		}
+	}
+	if err := unix.Fstatat(dirFd, entry, new(unix.Stat_t), unix.AT_SYMLINK_NOFOLLOW); errors.Is(err, unix.ENOENT) {
+		return "", false, nil
+	} else if err != nil {
+		return "", false, fmt.Errorf("%s/%s in %s: %w", dir, entry, r.path, err)
+	}
+	return entry, false, nil
 }
 
 // SnapshotSource is the tree of the snapshot name, for MkdirAllFrom to restore it.

@@ -299,3 +299,42 @@ func TestSnapshotBtrfs(t *testing.T) {
 		t.Errorf("%d qgroups after the delete, want %d", got, groups+1)
 	}
 }
+
+// TestMoveSnapshot: a snapshot moved away for a removal elsewhere (an NFS export's trash)
+// leaves its name at once, gets the same entry on every attempt, so a retry finds it moved,
+// and takes with it what a DeleteSnapshot cut short left under its private name.
+func TestMoveSnapshot(t *testing.T) {
+	b := newCopyBase(t, t.TempDir())
+	ctx := context.Background()
+	if _, err := b.root.Snapshot(ctx, "ns/src", "s"); err != nil {
+		t.Fatal(err)
+	}
+	entry, moved, err := b.root.MoveSnapshot("s", "trash")
+	if err != nil || !moved || entry == "" {
+		t.Fatalf("MoveSnapshot = %q, %v, %v; want an entry, moved", entry, moved, err)
+	}
+	if _, err := b.root.SnapshotInfo("s"); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("SnapshotInfo after the move: %v, want ErrNotExist", err)
+	}
+	diffTrees(t, expectedCopy(t, filepath.Join(b.base, "ns/src")), treeHash(t, filepath.Join(b.base, "trash", entry, snapshotTree)))
+	if again, moved, err := b.root.MoveSnapshot("s", "trash"); err != nil || moved || again != entry {
+		t.Errorf("MoveSnapshot again = %q, %v, %v; want %q, not moved", again, moved, err, entry)
+	}
+	if none, moved, err := b.root.MoveSnapshot("never", "trash"); err != nil || moved || none != "" {
+		t.Errorf("MoveSnapshot of a missing snapshot = %q, %v, %v; want nothing", none, moved, err)
+	}
+
+	// A local-style delete cut short renamed the snapshot to its private name.
+	gone := filepath.Join(b.base, snapshotsDir, snapshotGonePrefix+nameHash("cut"))
+	must(t, os.MkdirAll(filepath.Join(gone, snapshotTree, "half"), 0o755))
+	entry, moved, err = b.root.MoveSnapshot("cut", "trash")
+	if err != nil || !moved {
+		t.Fatalf("MoveSnapshot of a delete cut short = %q, %v, %v; want moved", entry, moved, err)
+	}
+	if _, err := os.Stat(filepath.Join(b.base, "trash", entry, snapshotTree, "half")); err != nil {
+		t.Errorf("what the cut delete left is not in the trash: %v", err)
+	}
+	if n, _ := os.ReadDir(filepath.Join(b.base, snapshotsDir)); len(n) != 0 {
+		t.Errorf("snapshots directory holds %v, want nothing", n)
+	}
+}

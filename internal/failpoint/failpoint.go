@@ -41,6 +41,11 @@ const (
 	// BeforeRename is after the temporary directory got its limit and marker, before it is
 	// renamed into place.
 	BeforeRename = "before-rename"
+	// RenameClaimed is in a rename into place without replacing on NFS, which has no
+	// RENAME_NOREPLACE: after the empty placeholder claimed the new name and before the
+	// rename replaces it (volume.Root.renameNoReplace), for volumes, snapshots, archive and
+	// trash alike.
+	RenameClaimed = "rename-claimed"
 	// DuringCopy is in the copy of a tree into a new volume (volume.Root.MkdirAllFrom), once
 	// per entry copied, before the volume is renamed into place. Armed as "during-copy:N",
 	// the process dies after copying N entries, leaving a half-made copy under the volume's
