@@ -345,7 +345,13 @@ func (p *Provisioner) discardVolume(logger klog.Logger, attrs volume.Attributes,
 	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.CloneTimeout)
 	defer cancel()
 	unlock, err := p.lockVolume(ctx, attrs)
-	if err == nil {
+	switch {
+	case err == nil && attrs.Backend == volume.BackendNFS && p.exports != nil:
+		// A whole copy, removed in the background as Delete removes a volume: removing it in
+		// one call would outlast the operation timeout and have the export taken for dead.
+		err = p.exports.Trash(ctx, attrs.Server, attrs.Share, mountOptions, attrs.Path, owner)
+		unlock()
+	case err == nil:
 		err = p.onStore(ctx, attrs, mountOptions, func(root *volume.Root) error {
 			vol, err := root.OpenVolumeOf(attrs.Path, owner)
 			if err != nil {
@@ -362,7 +368,7 @@ func (p *Provisioner) discardVolume(logger klog.Logger, attrs volume.Attributes,
 		logger.Error(err, "Removing a copied volume nobody will use", "path", attrs.Path)
 		return
 	}
-	logger.Info("Removed a copied volume nobody will use", "path", attrs.Path)
+	logger.Info("Discarded a copied volume nobody will use", "path", attrs.Path)
 }
 
 // noteCopied records on the claim that its background copy ended, which makes the lib call

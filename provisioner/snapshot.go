@@ -257,9 +257,15 @@ func (s *Snapshotter) DeleteSnapshot(ctx context.Context, snapshotID string, _ m
 			return fmt.Errorf("snapshot %s: waiting for its copy to stop: %w", h.Name, ctx.Err())
 		}
 	}
-	err = s.p.onStore(ctx, h.Store(h.Name), h.MountOptions, func(root *volume.Root) error {
-		return root.DeleteSnapshot(h.Name)
-	})
+	if h.Backend == volume.BackendNFS && s.p.exports != nil {
+		// As for a volume's Delete: only the move to the trash is bounded by the operation
+		// timeout, the removal of the tree goes on in the background.
+		err = s.p.exports.TrashSnapshot(ctx, h.Server, h.Share, h.MountOptions, h.Name)
+	} else {
+		err = s.p.onStore(ctx, h.Store(h.Name), h.MountOptions, func(root *volume.Root) error {
+			return root.DeleteSnapshot(h.Name)
+		})
+	}
 	if err != nil && !isNotExist(err) {
 		return fmt.Errorf("delete snapshot %s in %s: %w", h.Name, storeName(h.Store(h.Name)), err)
 	}

@@ -15,9 +15,12 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
+	corelisters "k8s.io/client-go/listers/core/v1"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/klog/v2"
 
+	"github.com/dirpv/dirpv/volume"
 	"github.com/dirpv/dirpv/volume/export"
 	"github.com/dirpv/dirpv/volume/export/exporttest"
 )
@@ -223,5 +226,105 @@ func TestPatternCannotProduceTrash(t *testing.T) {
 		if err == nil {
 			t.Errorf("pattern %q expands to %q, want it refused", pat, got)
 		}
+	}
+}
+
+// Deleting an NFS snapshot of a big volume returns within the operation timeout whatever the
+// size of its tree: the snapshot leaves its name at once, the tree goes to the export's trash
+// and is removed in the background (held here beyond the timeout), a retried delete starts
+// no second walk, and the export is never taken for dead (mounted once throughout).
+func TestLargeNFSSnapshotDeleteReturnsAtOnce(t *testing.T) {
+	const timeout, files = 2 * time.Second, 20_000
+	f := newTrashFixture(t, timeout)
+	p := f.start(t)
+	pv := f.provision(t, p, "big")
+	fill(t, filepath.Join(f.src, pv.Spec.CSI.VolumeAttributes["path"]), files)
+	pvs := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
+	pvs.Add(pv)
+	s := p.Snapshotter(corelisters.NewPersistentVolumeLister(pvs))
+	ctx, cancel := context.WithCancel(context.Background())
+	wait := s.Start(ctx)
+	t.Cleanup(func() {
+		cancel()
+		wait()
+	})
+	id, _ := createUntilReady(t, s, "snapshot-big", pv.Spec.CSI.VolumeHandle)
+
+	release := make(chan struct{})
+	p.exports.HoldSteps(func() { <-release })
+	start := time.Now()
+	if err := s.DeleteSnapshot(context.Background(), id, nil); err != nil {
+		t.Fatalf("DeleteSnapshot: %v", err)
+	}
+	if d := time.Since(start); d >= timeout {
+		t.Errorf("DeleteSnapshot took %v, operation timeout %v", d, timeout)
+	}
+	if ready, _, _, _, err := s.GetSnapshotStatus(context.Background(), id, nil); err == nil || ready {
+		t.Errorf("snapshot status after DeleteSnapshot: ready %v, err %v; want it gone", ready, err)
+	}
+	trash := f.trashEntries(t)
+	if len(trash) != 1 {
+		t.Fatalf("trash = %v, want the snapshot's tree, removed in the background", trash)
+	}
+	if n := p.PendingDeletes(); n != 1 {
+		t.Errorf("PendingDeletes = %d, want 1", n)
+	}
+	eventually(t, 30*time.Second, func() (bool, string) {
+		n := p.exports.RemovalsStarted()
+		return n == 1, fmt.Sprintf("%d removals started, want 1", n)
+	})
+	// The sidecar retries a delete whose answer it did not see: no second walk.
+	if err := s.DeleteSnapshot(context.Background(), id, nil); err != nil {
+		t.Fatalf("second DeleteSnapshot: %v", err)
+	}
+	if n := p.exports.RemovalsStarted(); n != 1 || p.PendingDeletes() != 1 {
+		t.Errorf("after a second DeleteSnapshot: %d removals started and %d pending, want 1 and 1", n, p.PendingDeletes())
+	}
+	// The held step outlasts the operation timeout; the export still serves claims.
+	<-time.After(time.Until(start.Add(timeout + timeout/2)))
+	f.provision(t, p, "while-paused")
+	close(release)
+	eventually(t, 2*time.Minute, func() (bool, string) {
+		got := f.trashEntries(t)
+		return len(got) == 0 && p.PendingDeletes() == 0, fmt.Sprintf("trash %v, %d pending", got, p.PendingDeletes())
+	})
+	if n := f.m.Mounts.Load(); n != 1 {
+		t.Errorf("export mounted %d times, want once: the delete must not make it look dead", n)
+	}
+}
+
+// A big NFS copy made for a claim that was deleted meanwhile is discarded through the trash,
+// as a deleted volume is: the call returns within the operation timeout and the tree is
+// removed in the background.
+func TestNFSDiscardedCopyGoesToTheTrash(t *testing.T) {
+	const timeout, files = 2 * time.Second, 20_000
+	f := newTrashFixture(t, timeout)
+	p := f.start(t)
+	pv := f.provision(t, p, "copy")
+	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fill(t, filepath.Join(f.src, attrs.Path), files)
+	release := make(chan struct{})
+	p.exports.HoldSteps(func() { <-release })
+	start := time.Now()
+	p.discardVolume(klog.Background(), attrs, nil, claimOf(pv), made{created: true})
+	if d := time.Since(start); d >= timeout {
+		t.Errorf("discarding the copy took %v, operation timeout %v", d, timeout)
+	}
+	if _, err := os.Lstat(filepath.Join(f.src, attrs.Path)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the discarded copy after the call: %v, want it gone from its name", err)
+	}
+	if got := f.trashEntries(t); len(got) != 1 || got[0] != pv.Name {
+		t.Errorf("trash = %v, want [%s], removed in the background", got, pv.Name)
+	}
+	close(release)
+	eventually(t, 2*time.Minute, func() (bool, string) {
+		got := f.trashEntries(t)
+		return len(got) == 0 && p.PendingDeletes() == 0, fmt.Sprintf("trash %v, %d pending", got, p.PendingDeletes())
+	})
+	if n := f.m.Mounts.Load(); n != 1 {
+		t.Errorf("export mounted %d times, want once", n)
 	}
 }

@@ -80,6 +80,37 @@ func (e *Exports) Trash(ctx context.Context, server, share string, options []str
 	return nil
 }
 
+// TrashSnapshot moves the snapshot name to the export's trash within the operation timeout
+// and starts removing it in the background, as Trash does for a volume: a snapshot is as big
+// as its volume, and removing it in one call would outlast the timeout and have the export
+// taken for dead, force-unmounted under every other claim's calls.
+func (e *Exports) TrashSnapshot(ctx context.Context, server, share string, options []string, name string) error {
+	ex := e.get(server, share, options)
+	var (
+		entry string
+		moved bool
+	)
+	err := e.run(ctx, ex, func(root *volume.Root) error {
+		var err error
+		entry, moved, err = root.MoveSnapshot(name, TrashDir)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	logger := klog.FromContext(ctx)
+	switch {
+	case moved:
+		logger.Info("Moved snapshot to the trash; removing it in the background", "snapshot", name, "trash", TrashDir+"/"+entry)
+	case entry != "":
+		logger.Info("Snapshot is in the trash already; removing it in the background", "snapshot", name, "trash", TrashDir+"/"+entry)
+	}
+	if entry != "" {
+		e.enqueue(e.logger, ex, entry)
+	}
+	return nil
+}
+
 // moveToTrash moves rel into TrashDir as owner's PV name, unless rel is another claim's volume.
 // It returns the trash entry to remove ("" if there is none) and whether this call moved it
 // there. It moves the directory it checked or nothing: another that took rel's name after the
