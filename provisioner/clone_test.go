@@ -227,9 +227,11 @@ func TestCloneOfDeletedClaimLeavesNothing(t *testing.T) {
 	f.onlySource(t, src, o.PVC.UID)
 }
 
-// A source holding more than its capacity fails the copy every time, each after a full copy:
-// the claim is refused for good, with an event saying how much the source holds.
-func TestCloneOverLimitIsFinal(t *testing.T) {
+// A copy the base has not the free space for is not started: it would fill the base for every
+// volume on it, and the retry would fill it again. The claim is told why with an event of its
+// own, nothing is written, the claim is not refused for good, and once space is freed the
+// next retry makes the copy.
+func TestCloneWithoutRoomWaits(t *testing.T) {
 	if os.Getuid() != 0 {
 		t.Skip("mounts a small tmpfs: needs root")
 	}
@@ -240,26 +242,53 @@ func TestCloneOverLimitIsFinal(t *testing.T) {
 	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })
 	f := newFixtureOn(t, base)
 	class := f.localClass(nil)
+	var srcDir string
 	src := f.sourceClaim(t, class, "src", "1Mi", func(dir string) {
+		srcDir = dir
 		if err := os.WriteFile(filepath.Join(dir, "big"), make([]byte, 8<<20), 0o600); err != nil {
 			t.Fatal(err)
 		}
 	})
 	o := f.cloneOf(t, class, "clone", src)
 	o.PVC.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("1Mi")
-	var state controller.ProvisioningState
-	var err error
-	eventually(t, 30*time.Second, func() (bool, string) {
-		_, state, err = f.node.Provision(context.Background(), o)
-		return state != controller.ProvisioningInBackground, "the copy is still running"
-	})
-	if state != controller.ProvisioningFinished || status.Code(err) != codes.InvalidArgument {
-		t.Fatalf("Provision = %s, %v; want a final InvalidArgument refusal", state, err)
+	provision := func() (*v1.PersistentVolume, controller.ProvisioningState, error) {
+		var (
+			pv    *v1.PersistentVolume
+			state controller.ProvisioningState
+			err   error
+		)
+		eventually(t, 30*time.Second, func() (bool, string) {
+			pv, state, err = f.node.Provision(context.Background(), o)
+			return state != controller.ProvisioningInBackground, "the copy is still running"
+		})
+		return pv, state, err
 	}
-	for _, want := range []string{"PersistentVolumeClaim ns/src does not fit in the 1Mi this claim asks for", "it holds at least", "request more"} {
-		if !strings.Contains(err.Error(), want) {
-			t.Errorf("error %q does not say %q", err, want)
+	_, state, err := provision()
+	if state != controller.ProvisioningFinished || err == nil || status.Code(err) == codes.InvalidArgument ||
+		!errors.Is(err, volume.ErrNoRoomForCopy) {
+		t.Fatalf("Provision = %s, %v; want an error saying there is no room for the copy, to be retried", state, err)
+	}
+	wantEvent := "Warning " + ReasonNoRoomForCopy + " "
+	eventually(t, 10*time.Second, func() (bool, string) {
+		for {
+			select {
+			case e := <-f.events.Events:
+				if strings.HasPrefix(e, wantEvent) {
+					return true, ""
+				}
+			default:
+				return false, "no " + ReasonNoRoomForCopy + " event on the claim"
+			}
 		}
-	}
+	})
 	f.onlySource(t, src, o.PVC.UID)
+
+	// Space is freed: the next retry copies.
+	if err := os.Truncate(filepath.Join(srcDir, "big"), 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	pv, state, err := provision()
+	if err != nil || pv == nil || state != controller.ProvisioningFinished {
+		t.Fatalf("Provision once there is room = %v, %s, %v; want the clone's PV", pv, state, err)
+	}
 }

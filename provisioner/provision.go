@@ -107,6 +107,14 @@ func (p *Provisioner) Provision(ctx context.Context, opts controller.ProvisionOp
 	case errors.Is(err, export.ErrUnresponsive):
 		// An NFS server that did not answer may still create the directory; retrying adopts it.
 		return nil, controller.ProvisioningInBackground, fmt.Errorf("create directory %s: %w", rel, err)
+	case errors.Is(err, volume.ErrNoRoomForCopy):
+		// Nothing was copied. The lib retries with its back-off, each retry checking again:
+		// the copy starts once space is freed, and never fills the base meanwhile.
+		err = fmt.Errorf("%w, in %s", err, storeName(attrs))
+		if p.cfg.Events != nil {
+			p.cfg.Events.Event(claim, v1.EventTypeWarning, ReasonNoRoomForCopy, err.Error()+"; trying again with back-off")
+		}
+		return nil, controller.ProvisioningFinished, err
 	case src != nil && (errors.Is(err, unix.EDQUOT) || errors.Is(err, unix.ENOSPC)):
 		// The source holds more than its capacity says (written past a limit that was not
 		// enforced, say): every retry would fail the same way, each after a full copy.
@@ -201,6 +209,12 @@ func (p *Provisioner) makeVolume(ctx context.Context, attrs volume.Attributes, m
 			if err := checkSourceOwner(from, src); err != nil {
 				return err
 			}
+			if _, err := root.Stat(rel); isNotExist(err) {
+				// A retry adopting an earlier attempt's copy needs no room.
+				if err := root.CheckRoomForCopy(ctx, src.in(from), p.cfg.CopySpaceMargin); err != nil {
+					return err
+				}
+			}
 			m.created, id, m.stats, err = root.MkdirAllFrom(ctx, rel, owner, limit, src.in(from))
 		case limit > 0:
 			m.created, id, err = root.MkdirAllLimited(rel, params.owner, owner, limit)
@@ -230,6 +244,11 @@ func (p *Provisioner) makeVolume(ctx context.Context, attrs volume.Attributes, m
 	}
 	return m, err
 }
+
+// ReasonNoRoomForCopy is the event reason on a claim whose copy (a clone, a restore), or on
+// the source claim of a snapshot whose copy, was not started: its base has not the free space
+// for it (volume.ErrNoRoomForCopy).
+const ReasonNoRoomForCopy = "NotEnoughSpaceForCopy"
 
 // ReasonBaseFileSystemChanged is the event reason on a claim or PV whose local base is not
 // the file system it was (volume.ErrBaseChanged).

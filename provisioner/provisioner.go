@@ -83,6 +83,10 @@ type Config struct {
 	// CloneTimeout bounds each copy that starts a volume from a data source, and each
 	// snapshot's copy; 0 means DefaultCloneTimeout. The copy runs in the background meanwhile.
 	CloneTimeout time.Duration
+	// CopySpaceMargin is the free space, in bytes, that a copy (a clone, a restore, a
+	// snapshot) must leave on its base beyond the space its source occupies; a copy that would
+	// not is not started (volume.ErrNoRoomForCopy) and is tried again later.
+	CopySpaceMargin uint64
 	// Snapshots reads VolumeSnapshots and their contents, to restore claims from them; nil
 	// refuses such claims.
 	Snapshots snapclientset.Interface

@@ -2,6 +2,7 @@ package provisioner
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sort"
 	"strings"
@@ -34,13 +35,28 @@ type Snapshotter struct {
 	// ctx is the parent of the background copies; nil but between Start and its end.
 	ctx     context.Context
 	running sync.WaitGroup
+	// noRoomRetryMin and noRoomRetryMax bound the back-off of a copy that was not started
+	// for lack of space.
+	noRoomRetryMin, noRoomRetryMax time.Duration
 }
+
+// The back-off of a snapshot whose copy the base has no room for: the sidecar asks again
+// within seconds (it polls copies under way), and each answer that started the check again
+// would walk the source again.
+const (
+	noRoomRetryMin = 15 * time.Second
+	noRoomRetryMax = 5 * time.Minute
+)
 
 // snapshotJob is one background copy.
 type snapshotJob struct {
 	done   chan struct{}
 	cancel context.CancelFunc
 	err    error // once done
+	// noRoom counts the copies of this snapshot in a row not started for lack of space, this
+	// one included if it was not; retryAt is when the next may start (zero: at once).
+	noRoom  int
+	retryAt time.Time
 }
 
 var _ snapshotter.Snapshotter = (*Snapshotter)(nil)
@@ -48,7 +64,7 @@ var _ snapshotter.Snapshotter = (*Snapshotter)(nil)
 // Snapshotter returns the Provisioner's Snapshotter. It reads source volumes from pvs; each
 // copy is bounded by Config.CloneTimeout. Start it, then hand it to the sidecar controller.
 func (p *Provisioner) Snapshotter(pvs corelisters.PersistentVolumeLister) *Snapshotter {
-	return &Snapshotter{p: p, pvs: pvs, jobs: map[string]*snapshotJob{}}
+	return &Snapshotter{p: p, pvs: pvs, jobs: map[string]*snapshotJob{}, noRoomRetryMin: noRoomRetryMin, noRoomRetryMax: noRoomRetryMax}
 }
 
 // Start lets copies start until ctx is done. The function it returns waits for that, then
@@ -110,7 +126,7 @@ func (s *Snapshotter) CreateSnapshot(ctx context.Context, snapshotName, volumeHa
 	if err != nil || ready {
 		return s.p.cfg.DriverName, id, created, h.Size, ready, err
 	}
-	if err := s.start(ctx, id, h, attrs.Path); err != nil {
+	if err := s.start(ctx, id, h, attrs.Path, pv.Spec.ClaimRef); err != nil {
 		return fail(err)
 	}
 	return s.p.cfg.DriverName, id, time.Now(), h.Size, false, nil
@@ -150,19 +166,28 @@ func (s *Snapshotter) source(ctx context.Context, volumeHandle string) (*v1.Pers
 }
 
 // start starts the copy of rel into h unless it is running already, and returns the error
-// of the last copy of h if that one failed (once: the next call starts it again).
-func (s *Snapshotter) start(ctx context.Context, id string, h volume.SnapshotHandle, rel string) error {
+// of the last copy of h if that one failed (once: the next call starts it again). A copy the
+// base had no room for is not started again before its back-off has passed; the source's
+// claim, claimRef, is told.
+func (s *Snapshotter) start(ctx context.Context, id string, h volume.SnapshotHandle, rel string, claimRef *v1.ObjectReference) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	noRoom := 0
 	if job, ok := s.jobs[id]; ok {
 		select {
 		case <-job.done:
-			delete(s.jobs, id)
-			if job.err != nil {
+			if time.Now().Before(job.retryAt) {
 				return job.err
 			}
-			// Done since status looked: the next call reports it ready.
-			return nil
+			delete(s.jobs, id)
+			if job.noRoom == 0 && job.err != nil {
+				return job.err
+			}
+			if job.err == nil {
+				// Done since status looked: the next call reports it ready.
+				return nil
+			}
+			noRoom = job.noRoom
 		default:
 			return nil
 		}
@@ -185,9 +210,22 @@ func (s *Snapshotter) start(ctx context.Context, id string, h volume.SnapshotHan
 		store := h.Store(rel)
 		err := s.p.onStores(copyCtx, store, h.MountOptions, &sourceTree{attrs: store, mountOptions: h.MountOptions},
 			func(ctx context.Context, root, _ *volume.Root) error {
-				_, err := root.Snapshot(ctx, rel, h.Name)
+				_, err := root.Snapshot(ctx, rel, h.Name, volume.SnapshotOptions{Margin: s.p.cfg.CopySpaceMargin})
 				return err
 			})
+		if errors.Is(err, volume.ErrNoRoomForCopy) {
+			job.noRoom = noRoom + 1
+			wait := min(s.noRoomRetryMin<<min(job.noRoom-1, 20), s.noRoomRetryMax)
+			job.retryAt = time.Now().Add(wait)
+			job.err = fmt.Errorf("snapshot %s of %s in %s not started: %w; trying again in %v", h.Name, rel, storeName(h.Store(rel)), err, wait)
+			klog.FromContext(copyCtx).Info("Snapshot not started: no room for its copy", "reason", err.Error(), "retryIn", wait)
+			if s.p.cfg.Events != nil && claimRef != nil {
+				s.p.cfg.Events.Event(&v1.ObjectReference{Kind: "PersistentVolumeClaim", APIVersion: "v1",
+					Namespace: claimRef.Namespace, Name: claimRef.Name, UID: claimRef.UID},
+					v1.EventTypeWarning, ReasonNoRoomForCopy, job.err.Error())
+			}
+			return
+		}
 		if err != nil {
 			job.err = fmt.Errorf("snapshot of %s in %s: %w", rel, storeName(h.Store(rel)), err)
 			klog.FromContext(copyCtx).Error(err, "Snapshot failed")

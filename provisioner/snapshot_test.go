@@ -3,15 +3,18 @@ package provisioner
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/util/wait"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
@@ -176,4 +179,87 @@ func TestSnapshotStatusOfVanishedSnapshot(t *testing.T) {
 		t.Fatalf("GetSnapshotStatus of a vanished snapshot: ready %v, no error", ready)
 	}
 	t.Logf("GetSnapshotStatus: %v", err)
+}
+
+// A snapshot whose copy the base has not the room for is not started: the sidecar gets an
+// error saying so, the source's claim an event of its own, nothing is written, and it is not
+// tried again, however often the sidecar asks, before its back-off has passed; then, once
+// there is room, the copy is made.
+func TestSnapshotWithoutRoomBacksOff(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("mounts a small tmpfs: needs root")
+	}
+	base := t.TempDir()
+	if err := unix.Mount("tmpfs", base, "tmpfs", 0, "size=12m"); err != nil {
+		t.Skipf("mount tmpfs: %v", err)
+	}
+	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })
+	f := newFixtureOn(t, base)
+	c := claim("src")
+	c.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("1Mi")
+	pv, _, err := f.node.Provision(context.Background(), opts(f.localClass(nil), c))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: c.Namespace, Name: c.Name, UID: c.UID}
+	big := filepath.Join(f.base, pv.Spec.CSI.VolumeAttributes["path"], "big")
+	if err := os.WriteFile(big, make([]byte, 8<<20), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	pvs := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
+	pvs.Add(pv)
+	s := f.node.Snapshotter(corelisters.NewPersistentVolumeLister(pvs))
+	const backoff = 3 * time.Second
+	s.noRoomRetryMin, s.noRoomRetryMax = backoff, backoff
+	ctx, cancel := context.WithCancel(context.Background())
+	wait := s.Start(ctx)
+	t.Cleanup(func() {
+		cancel()
+		wait()
+	})
+	create := func() (bool, error) {
+		_, _, _, _, ready, err := s.CreateSnapshot(context.Background(), "snapshot-full", pv.Spec.CSI.VolumeHandle, nil, nil)
+		return ready, err
+	}
+	var refused error
+	eventually(t, 30*time.Second, func() (bool, string) {
+		_, refused = create()
+		return refused != nil, "no error yet"
+	})
+	refusedAt := time.Now()
+	if !errors.Is(refused, volume.ErrNoRoomForCopy) {
+		t.Fatalf("CreateSnapshot = %v, want an error saying there is no room for the copy", refused)
+	}
+	// Other events (the source's size not enforced on tmpfs) come first.
+	timeout := time.After(10 * time.Second)
+	for got := false; !got; {
+		select {
+		case e := <-f.events.Events:
+			got = strings.HasPrefix(e, "Warning "+ReasonNoRoomForCopy+" ") && strings.Contains(e, "snapshot-full")
+		case <-timeout:
+			t.Fatalf("no %s event naming the snapshot", ReasonNoRoomForCopy)
+		}
+	}
+	snapshots := filepath.Join(f.base, ".dirpv-snapshots")
+	if names, _ := os.ReadDir(snapshots); len(names) != 0 {
+		t.Errorf("the refused snapshot left %v", names)
+	}
+	// Room now, but within the back-off the sidecar's calls start nothing.
+	if err := os.Truncate(big, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	for time.Since(refusedAt) < backoff/2 {
+		if ready, err := create(); ready || !errors.Is(err, volume.ErrNoRoomForCopy) {
+			t.Fatalf("CreateSnapshot within the back-off = %v, %v; want the same refusal", ready, err)
+		}
+		time.Sleep(50 * time.Millisecond) // the sidecar's calls, as often as it would make them
+	}
+	var ready bool
+	eventually(t, 30*time.Second, func() (bool, string) {
+		ready, err = create()
+		return ready, fmt.Sprintf("not ready: %v", err)
+	})
+	if d := time.Since(refusedAt); d < backoff {
+		t.Errorf("copy made %v after the refusal, back-off %v", d, backoff)
+	}
 }

@@ -251,7 +251,7 @@ func TestHelperRenameCrash(t *testing.T) {
 	must(t, err)
 	switch op := os.Getenv("DIRPV_TEST_RENAME_OP"); op {
 	case "snapshot":
-		_, err = r.Snapshot(context.Background(), "ns/src", "snap")
+		_, err = r.Snapshot(context.Background(), "ns/src", "snap", SnapshotOptions{})
 	case "move":
 		must(t, r.Mkdir("trash", 0o700))
 		err = moveVolume(r, "ns/src", "trash", "pv-src")
@@ -300,7 +300,7 @@ func TestSnapshotRenameCrash(t *testing.T) {
 	}
 
 	withoutNoReplace(t)
-	info, err := b.root.Snapshot(context.Background(), "ns/src", "snap")
+	info, err := b.root.Snapshot(context.Background(), "ns/src", "snap", SnapshotOptions{})
 	if err != nil {
 		t.Fatalf("snapshot after the crash: %v", err)
 	}

@@ -32,6 +32,12 @@ const (
 	maxSnapshotName    = 200
 )
 
+// SnapshotOptions are how a snapshot is made.
+type SnapshotOptions struct {
+	// Margin is the free space, in bytes, a copy must leave on the base (CheckRoomForCopy).
+	Margin uint64
+}
+
 // SnapshotInfo describes a snapshot.
 type SnapshotInfo struct {
 	Name string `json:"name"`
@@ -58,7 +64,10 @@ type SnapshotInfo struct {
 // volume is refused. It is made under a temporary name and renamed once complete; what a
 // crash leaves is removed by the next attempt. name is one path component not starting with
 // ReservedPrefix. It works on a handle of its own: r may be closed once it has started.
-func (r *Root) Snapshot(ctx context.Context, rel, name string) (SnapshotInfo, error) {
+//
+// A copy is started only if the base has room for it (CheckRoomForCopy with opts.Margin):
+// one that cannot complete would fill the base for every volume on it.
+func (r *Root) Snapshot(ctx context.Context, rel, name string, opts SnapshotOptions) (SnapshotInfo, error) {
 	if err := checkSnapshotName(name); err != nil {
 		return SnapshotInfo{}, err
 	}
@@ -94,7 +103,7 @@ func (r *Root) Snapshot(ctx context.Context, rel, name string) (SnapshotInfo, er
 	// under tmp, its info written last: it is renamed into place, not copied again.
 	info, err := r.readSnapshotInfo(dirFd, tmp)
 	if err != nil || info.Name != name || info.Source != rel {
-		info, err = r.copySnapshot(ctx, dirFd, tmp, mnt, rel, name)
+		info, err = r.copySnapshot(ctx, dirFd, tmp, mnt, rel, name, opts)
 	}
 	if err == nil {
 		err = r.renameNoReplace(dirFd, tmp, dirFd, name)
@@ -119,14 +128,18 @@ func (r *Root) Snapshot(ctx context.Context, rel, name string) (SnapshotInfo, er
 
 // copySnapshot makes the snapshot name of the volume rel as tmp in dirFd, in place of what an
 // earlier attempt left there.
-func (r *Root) copySnapshot(ctx context.Context, dirFd int, tmp string, mnt uint64, rel, name string) (SnapshotInfo, error) {
+func (r *Root) copySnapshot(ctx context.Context, dirFd int, tmp string, mnt uint64, rel, name string, opts SnapshotOptions) (SnapshotInfo, error) {
 	srcFd, err := openSourceDir(r, rel)
 	if err != nil {
 		return SnapshotInfo{}, err
 	}
 	defer unix.Close(srcFd)
+	// What an earlier attempt left goes first: the check counts the space it held as free.
 	if err := r.removeSnapshotAt(dirFd, tmp, mnt); err != nil {
 		return SnapshotInfo{}, fmt.Errorf("remove what an earlier attempt left: %w", err)
+	}
+	if err := r.CheckRoomForCopy(ctx, Source{Root: r, Rel: rel}, opts.Margin); err != nil {
+		return SnapshotInfo{}, err
 	}
 	return r.makeSnapshot(ctx, dirFd, tmp, srcFd, rel, name)
 }

@@ -130,7 +130,7 @@ func TestBtrfsNestedSubvolumesAreCopied(t *testing.T) {
 		t.Fatalf("clone: %v", err)
 	}
 	check("clone", stats.Method, filepath.Join(b.base, "ns/clone"))
-	info, err := b.root.Snapshot(ctx, "ns/src", "snap")
+	info, err := b.root.Snapshot(ctx, "ns/src", "snap", SnapshotOptions{})
 	if err != nil {
 		t.Fatalf("snapshot: %v", err)
 	}
@@ -174,7 +174,7 @@ func TestSnapshotCopy(t *testing.T) {
 	want := expectedCopy(t, src)
 	start := time.Now().Add(-time.Second)
 	ctx := context.Background()
-	info, err := b.root.Snapshot(ctx, "ns/src", "snap-1")
+	info, err := b.root.Snapshot(ctx, "ns/src", "snap-1", SnapshotOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -184,18 +184,18 @@ func TestSnapshotCopy(t *testing.T) {
 	must(t, os.WriteFile(filepath.Join(src, "later"), []byte("after the snapshot"), 0o644))
 	must(t, os.Remove(filepath.Join(src, "a/b/c/file")))
 
-	again, err := b.root.Snapshot(ctx, "ns/src", "snap-1")
+	again, err := b.root.Snapshot(ctx, "ns/src", "snap-1", SnapshotOptions{})
 	if err != nil || again != info {
 		t.Errorf("second Snapshot = %+v, %v; want the first one, %+v", again, err, info)
 	}
 	if got, err := b.root.SnapshotInfo("snap-1"); err != nil || got != info {
 		t.Errorf("SnapshotInfo = %+v, %v; want %+v", got, err, info)
 	}
-	if _, err := b.root.Snapshot(ctx, "ns/other", "snap-1"); err == nil {
+	if _, err := b.root.Snapshot(ctx, "ns/other", "snap-1", SnapshotOptions{}); err == nil {
 		t.Error("a snapshot of another volume under the same name: no error")
 	}
 	for _, bad := range []string{"", ".", "..", "a/b", ReservedPrefix + "x"} {
-		if _, err := b.root.Snapshot(ctx, "ns/src", bad); err == nil {
+		if _, err := b.root.Snapshot(ctx, "ns/src", bad, SnapshotOptions{}); err == nil {
 			t.Errorf("snapshot named %q: no error", bad)
 		}
 	}
@@ -233,7 +233,7 @@ func TestSnapshotLeftovers(t *testing.T) {
 	dir := filepath.Join(b.base, snapshotsDir)
 	must(t, os.MkdirAll(filepath.Join(dir, snapshotTemp("s"), snapshotTree, "half"), 0o755))
 	must(t, os.MkdirAll(filepath.Join(dir, snapshotGonePrefix+nameHash("s"), snapshotTree, "half"), 0o755))
-	if _, err := b.root.Snapshot(context.Background(), "ns/src", "s"); err != nil {
+	if _, err := b.root.Snapshot(context.Background(), "ns/src", "s", SnapshotOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := os.Stat(filepath.Join(dir, snapshotTemp("s"))); !errors.Is(err, os.ErrNotExist) {
@@ -256,7 +256,7 @@ func TestSnapshotBtrfs(t *testing.T) {
 	want := treeHash(t, src)
 	ctx := context.Background()
 	groups := len(quotatest.Qgroups(t, b.base))
-	info, err := b.root.Snapshot(ctx, "ns/src", "snap")
+	info, err := b.root.Snapshot(ctx, "ns/src", "snap", SnapshotOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -271,7 +271,7 @@ func TestSnapshotBtrfs(t *testing.T) {
 		t.Errorf("removing from the snapshot: %v, want EROFS", err)
 	}
 	must(t, os.WriteFile(filepath.Join(src, "later"), []byte("after"), 0o644))
-	if again, err := b.root.Snapshot(ctx, "ns/src", "snap"); err != nil || again != info {
+	if again, err := b.root.Snapshot(ctx, "ns/src", "snap", SnapshotOptions{}); err != nil || again != info {
 		t.Errorf("second Snapshot = %+v, %v; want %+v", again, err, info)
 	}
 
@@ -306,7 +306,7 @@ func TestSnapshotBtrfs(t *testing.T) {
 func TestMoveSnapshot(t *testing.T) {
 	b := newCopyBase(t, t.TempDir())
 	ctx := context.Background()
-	if _, err := b.root.Snapshot(ctx, "ns/src", "s"); err != nil {
+	if _, err := b.root.Snapshot(ctx, "ns/src", "s", SnapshotOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	entry, moved, err := b.root.MoveSnapshot("s", "trash")

@@ -12,6 +12,7 @@ import (
 	"syscall"
 	"time"
 
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/klog/v2"
 
 	"github.com/dirpv/dirpv/internal/daemon"
@@ -88,6 +89,9 @@ func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfi
 	fs.DurationVar(&prov.Resync, "resync-period", 15*time.Minute, "Informer resync period.")
 	fs.DurationVar(&prov.CloneTimeout, "clone-timeout", provisioner.DefaultCloneTimeout,
 		"Deadline of each copy that starts a volume from a data source (a clone, a restore) or makes a VolumeSnapshot; the copy runs in the background meanwhile, and starts again after it.")
+	fs.Func("copy-space-margin", "Free space a copy (a clone, a restore, a snapshot) must leave on its base beyond what its source occupies, "+
+		"as a quantity (e.g. 1Gi; default 0). A copy that would leave less is not started: its claim or snapshot gets a "+
+		provisioner.ReasonNoRoomForCopy+" event and is tried again later.", quantityFlag(&prov.CopySpaceMargin))
 	fs.DurationVar(&prov.RetryIntervalStart, "retry-interval-start", daemon.DefaultRetryIntervalStart,
 		"Delay before the first retry of a failed provision or delete; it doubles with each failure, up to --retry-interval-max. Retries never stop.")
 	fs.DurationVar(&prov.RetryIntervalMax, "retry-interval-max", daemon.DefaultRetryIntervalMax,
@@ -109,6 +113,17 @@ func capacityFlags(fs *flag.FlagSet) *daemon.CapacityConfig {
 	}
 	fs.StringVar(&c.Namespace, "capacity-namespace", ns, "Namespace of the CSIStorageCapacity objects. Default: $POD_NAMESPACE, else "+daemon.DefaultNamespace+".")
 	return c
+}
+
+func quantityFlag(p *uint64) func(string) error {
+	return func(s string) error {
+		q, err := resource.ParseQuantity(s)
+		if err != nil || q.Sign() < 0 {
+			return fmt.Errorf("want a non-negative quantity such as 512Mi or 2Gi")
+		}
+		*p = uint64(q.Value())
+		return nil
+	}
 }
 
 func float32Flag(p *float32) func(string) error {

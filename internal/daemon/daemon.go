@@ -103,6 +103,9 @@ type ProvisionerConfig struct {
 	// CloneTimeout bounds each copy that starts a volume from a data source or makes a
 	// VolumeSnapshot.
 	CloneTimeout time.Duration
+	// CopySpaceMargin is the free space, in bytes, a copy must leave on its base beyond its
+	// source's usage (provisioner.Config.CopySpaceMargin).
+	CopySpaceMargin uint64
 	// RetryIntervalStart and RetryIntervalMax bound the back-off between retries of a failed
 	// Provision or Delete: it starts at the one and doubles up to the other; zero means
 	// DefaultRetryIntervalStart and DefaultRetryIntervalMax. Retries never stop (retryLimiter).
@@ -207,6 +210,7 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 		WorkDir:          cfg.WorkDir,
 		OperationTimeout: cfg.Provisioner.OperationTimeout,
 		CloneTimeout:     cfg.Provisioner.CloneTimeout,
+		CopySpaceMargin:  cfg.Provisioner.CopySpaceMargin,
 		IdleUnmount:      cfg.IdleUnmount,
 	})
 	if err != nil {

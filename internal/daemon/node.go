@@ -118,6 +118,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			Classes:          factory.Storage().V1().StorageClasses().Lister(),
 			OperationTimeout: cfg.Provisioner.OperationTimeout,
 			CloneTimeout:     cfg.Provisioner.CloneTimeout,
+			CopySpaceMargin:  cfg.Provisioner.CopySpaceMargin,
 			Volumes:          factory.Core().V1().PersistentVolumes().Lister(),
 			QuotaCheckPeriod: cfg.QuotaCheckPeriod,
 		})

@@ -121,7 +121,7 @@ func TestCloneOnXFSReflink(t *testing.T) {
 		t.Errorf("the refused clone is in place: %v", err)
 	}
 
-	info, err := r.Snapshot(ctx, "ns/src", "snap")
+	info, err := r.Snapshot(ctx, "ns/src", "snap", volume.SnapshotOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}

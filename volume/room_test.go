@@ -1,0 +1,129 @@
+package volume
+
+import (
+	"context"
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dirpv/dirpv/volume/quota/quotatest"
+)
+
+// smallBase mounts a tmpfs of size bytes and returns its path and a Root on it.
+func smallBase(t *testing.T, size string) (string, *Root) {
+	t.Helper()
+	dir := t.TempDir()
+	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size="+size); err != nil {
+		t.Skipf("mount tmpfs: %v", err)
+	}
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	r, err := OpenRoot(dir)
+	must(t, err)
+	t.Cleanup(func() { r.Close() })
+	return dir, r
+}
+
+// duBlocks is what du counts for dir: the blocks of every entry, links not followed.
+func duBlocks(t *testing.T, dir string) uint64 {
+	t.Helper()
+	var sum uint64
+	must(t, filepath.WalkDir(dir, func(p string, _ fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		var st unix.Stat_t
+		if err := unix.Lstat(p, &st); err != nil {
+			return err
+		}
+		sum += uint64(st.Blocks) * 512
+		return nil
+	}))
+	return sum
+}
+
+// TestCheckRoomForCopy: a copy is allowed while the base's free space holds the source's
+// usage and the margin, refused with the figures once it does not; the walk that sizes the
+// source counts what du counts, in directories of more names than one read returns.
+func TestCheckRoomForCopy(t *testing.T) {
+	dir, r := smallBase(t, "48m")
+	src := filepath.Join(dir, "src")
+	must(t, os.MkdirAll(filepath.Join(src, "a/b/c"), 0o755))
+	must(t, os.WriteFile(filepath.Join(src, "a/b/c/big"), make([]byte, 5<<20), 0o644))
+	many := filepath.Join(src, "many")
+	must(t, os.Mkdir(many, 0o755))
+	for i := range 3000 {
+		must(t, os.WriteFile(filepath.Join(many, "file-with-a-long-name-"+strconv.Itoa(i)), []byte("x"), 0o644))
+	}
+	must(t, os.Symlink("/etc/passwd", filepath.Join(src, "link")))
+
+	fd, err := unix.Open(src, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+	must(t, err)
+	used, err := walkUsage(context.Background(), fd)
+	unix.Close(fd)
+	must(t, err)
+	if want := duBlocks(t, src); used != want {
+		t.Errorf("walkUsage = %d, du counts %d", used, want)
+	}
+
+	source := Source{Root: r, Rel: "src"}
+	if err := r.CheckRoomForCopy(context.Background(), source, 0); err != nil {
+		t.Errorf("a copy of %d bytes with room for it: %v", used, err)
+	}
+	free, err := r.Available()
+	must(t, err)
+	err = r.CheckRoomForCopy(context.Background(), source, free-used+1)
+	var noRoom *NoRoomError
+	if !errors.As(err, &noRoom) || !errors.Is(err, ErrNoRoomForCopy) || errors.Is(err, unix.ENOSPC) {
+		t.Fatalf("a copy that leaves less than its margin: %v, want a *NoRoomError", err)
+	}
+	if noRoom.Need != free+1 || noRoom.Free != free {
+		t.Errorf("NoRoomError %+v, want need %d, free %d", noRoom, free+1, free)
+	}
+	// A second copy's worth of data: no margin lets the copy start.
+	must(t, os.WriteFile(filepath.Join(src, "more"), make([]byte, 16<<20), 0o644))
+	if err := r.CheckRoomForCopy(context.Background(), source, 0); !errors.Is(err, ErrNoRoomForCopy) {
+		t.Errorf("a copy bigger than the free space: %v, want ErrNoRoomForCopy", err)
+	}
+}
+
+// TestCheckRoomForCopyReflinks: a copy on a file system that clones files shares its source's
+// data and needs no room for it, however big the source.
+func TestCheckRoomForCopyReflinks(t *testing.T) {
+	mnt := quotatest.Btrfs(t, false)
+	r, err := OpenRoot(mnt)
+	must(t, err)
+	defer r.Close()
+	free, err := r.Available()
+	must(t, err)
+	must(t, os.Mkdir(filepath.Join(mnt, "src"), 0o755))
+	must(t, os.WriteFile(filepath.Join(mnt, "src/big"), make([]byte, 8<<20), 0o644))
+	if err := r.CheckRoomForCopy(context.Background(), Source{Root: r, Rel: "src"}, free); err != nil {
+		t.Errorf("a reflink copy on btrfs: %v, want no check", err)
+	}
+}
+
+// TestSnapshotWithoutRoom: a snapshot the base has no room for is not started, leaves
+// nothing, and is made once there is room.
+func TestSnapshotWithoutRoom(t *testing.T) {
+	dir, r := smallBase(t, "12m")
+	_, err := r.MkdirAll("ns/src", Owner{Mode: 0o755, UID: -1, GID: -1}, Claim{UID: "src"})
+	must(t, err)
+	big := filepath.Join(dir, "ns/src/big")
+	must(t, os.WriteFile(big, make([]byte, 8<<20), 0o644))
+	_, err = r.Snapshot(context.Background(), "ns/src", "s", SnapshotOptions{})
+	if !errors.Is(err, ErrNoRoomForCopy) {
+		t.Fatalf("a snapshot of 8 MiB with 4 MiB free: %v, want ErrNoRoomForCopy", err)
+	}
+	if names, _ := os.ReadDir(filepath.Join(dir, snapshotsDir)); len(names) != 0 {
+		t.Errorf("the refused snapshot left %v", names)
+	}
+	must(t, os.Truncate(big, 1<<20))
+	if _, err := r.Snapshot(context.Background(), "ns/src", "s", SnapshotOptions{Margin: 1 << 20}); err != nil {
+		t.Errorf("snapshot with room: %v", err)
+	}
+}
