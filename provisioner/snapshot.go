@@ -210,7 +210,8 @@ func (s *Snapshotter) start(ctx context.Context, id string, h volume.SnapshotHan
 		store := h.Store(rel)
 		err := s.p.onStores(copyCtx, store, h.MountOptions, &sourceTree{attrs: store, mountOptions: h.MountOptions},
 			func(ctx context.Context, root, _ *volume.Root) error {
-				_, err := root.Snapshot(ctx, rel, h.Name, volume.SnapshotOptions{Margin: s.p.cfg.CopySpaceMargin})
+				// A copy is held under the source's size where the base enforces limits.
+				_, err := root.Snapshot(ctx, rel, h.Name, volume.SnapshotOptions{Margin: s.p.cfg.CopySpaceMargin, Limit: uint64(max(h.Size, 0))})
 				return err
 			})
 		if errors.Is(err, volume.ErrNoRoomForCopy) {

@@ -36,6 +36,10 @@ const (
 type SnapshotOptions struct {
 	// Margin is the free space, in bytes, a copy must leave on the base (CheckRoomForCopy).
 	Margin uint64
+	// Limit, if not 0, is the most a copy may hold, in bytes, where the base enforces limits
+	// (a project quota, a btrfs qgroup): the source's size, so that a snapshot takes no more
+	// of the base than its source may. A btrfs snapshot needs none: it is read-only.
+	Limit uint64
 }
 
 // SnapshotInfo describes a snapshot.
@@ -141,11 +145,11 @@ func (r *Root) copySnapshot(ctx context.Context, dirFd int, tmp string, mnt uint
 	if err := r.CheckRoomForCopy(ctx, Source{Root: r, Rel: rel}, opts.Margin); err != nil {
 		return SnapshotInfo{}, err
 	}
-	return r.makeSnapshot(ctx, dirFd, tmp, srcFd, rel, name)
+	return r.makeSnapshot(ctx, dirFd, tmp, srcFd, rel, name, opts.Limit)
 }
 
 // makeSnapshot makes the snapshot name of the volume rel, open at srcFd, as tmp in dirFd.
-func (r *Root) makeSnapshot(ctx context.Context, dirFd int, tmp string, srcFd int, rel, name string) (SnapshotInfo, error) {
+func (r *Root) makeSnapshot(ctx context.Context, dirFd int, tmp string, srcFd int, rel, name string, limit uint64) (SnapshotInfo, error) {
 	info := SnapshotInfo{Name: name, Source: rel, CreatedAt: time.Now().UTC().Truncate(time.Second)}
 	if err := unix.Mkdirat(dirFd, tmp, 0o700); err != nil {
 		return info, fmt.Errorf("mkdir %s: %w", tmp, err)
@@ -164,7 +168,7 @@ func (r *Root) makeSnapshot(ctx context.Context, dirFd int, tmp string, srcFd in
 		}
 	case errors.Is(err, quota.ErrNoSnapshot):
 		var stats CopyStats
-		if err := copyInto(ctx, srcFd, tfd, snapshotTree, r.xattr, &stats); err != nil {
+		if err := r.copyInto(ctx, srcFd, tfd, snapshotTree, limit, &stats); err != nil {
 			return info, err
 		}
 		info.Method, info.Size = stats.Method, uint64(stats.Allocated)
@@ -179,13 +183,28 @@ func (r *Root) makeSnapshot(ctx context.Context, dirFd int, tmp string, srcFd in
 }
 
 // copyInto makes name in parentFd a copy of the tree open at srcFd, its root with the source
-// root's mode and owner.
-func copyInto(ctx context.Context, srcFd, parentFd int, name, skipXattr string, stats *CopyStats) error {
+// root's mode and owner, held under a limit of limit bytes where the base enforces limits (0:
+// none). The limit is found again by removeSnapshotAt, from the directory, not a record.
+func (r *Root) copyInto(ctx context.Context, srcFd, parentFd int, name string, limit uint64, stats *CopyStats) error {
 	var st unix.Stat_t
 	if err := unix.Fstat(srcFd, &st); err != nil {
 		return fmt.Errorf("stat the source: %w", err)
 	}
-	if err := unix.Mkdirat(parentFd, name, 0o700); err != nil {
+	var fs *quota.FS
+	if limit > 0 {
+		var err error
+		if fs, err = r.Quota(); err != nil {
+			return err
+		}
+		if fs.Enforces() != nil {
+			fs = nil
+		}
+	}
+	if fs != nil {
+		if err := fs.Mkdir(parentFd, name, 0o700); err != nil {
+			return err
+		}
+	} else if err := unix.Mkdirat(parentFd, name, 0o700); err != nil {
 		return fmt.Errorf("mkdir %s: %w", name, err)
 	}
 	fd, err := openBeneath(parentFd, name, unix.O_RDONLY|unix.O_DIRECTORY)
@@ -196,7 +215,26 @@ func copyInto(ctx context.Context, srcFd, parentFd int, name, skipXattr string, 
 	if err := setOwnerMode(fd, &st); err != nil {
 		return err
 	}
-	return (&copyFrom{ctx: ctx, fd: srcFd, stats: stats}).fill(fd, skipXattr)
+	var id quota.ID
+	if fs != nil {
+		if id, err = fs.SetLimit(fd, limit); err != nil {
+			return fmt.Errorf("set size limit: %w", err)
+		}
+	}
+	err = (&copyFrom{ctx: ctx, fd: srcFd, stats: stats}).fill(fd, r.xattr)
+	if err == nil && fs != nil {
+		// Reflinked data is charged without being held back by the limit; the charge shows
+		// once the file system has committed it (btrfs accounts at commit).
+		if err = unix.Syncfs(fd); err != nil {
+			err = fmt.Errorf("sync the snapshot: %w", err)
+		} else {
+			err = checkFits(fs, fd, id)
+		}
+	}
+	if fs != nil && (errors.Is(err, unix.EDQUOT) || errors.Is(err, unix.ENOSPC)) {
+		err = fmt.Errorf("the source holds more than its size, %d bytes, the snapshot's limit: %w", limit, err)
+	}
+	return err
 }
 
 // snapshotSize is the referenced bytes of the btrfs snapshot snapshotTree in dirFd, 0 where
@@ -368,12 +406,17 @@ func (r *Root) removeSnapshotAt(dirFd int, name string, mnt uint64) error {
 	if errors.Is(err, unix.ENOENT) {
 		return nil
 	}
+	var (
+		fs  *quota.FS
+		lim quota.ID
+	)
 	if err == nil {
 		tree, terr := openBeneath(fd, snapshotTree, unix.O_RDONLY|unix.O_DIRECTORY)
 		if terr == nil {
+			fs, lim, terr = r.unlimitSnapshot(fd, tree)
 			sub := quota.IsSubvolume(tree)
 			unix.Close(tree)
-			if sub {
+			if sub && terr == nil {
 				terr = quota.DeleteSubvolume(fd, snapshotTree)
 			}
 		}
@@ -384,7 +427,34 @@ func (r *Root) removeSnapshotAt(dirFd int, name string, mnt uint64) error {
 	} else if !errors.Is(err, ErrNotDirectory) {
 		return err
 	}
-	return removeVolumeAt(dirFd, name, mnt)
+	if err := removeVolumeAt(dirFd, name, mnt); err != nil {
+		return err
+	}
+	if lim.Kind == "" {
+		return nil
+	}
+	if err := fs.Release(dirFd, lim); err != nil {
+		return fmt.Errorf("%s: release its size limit: %w", name, err)
+	}
+	return nil
+}
+
+// unlimitSnapshot lifts the limit of the snapshot tree open at treeFd in the snapshot
+// directory open at fd, if it has one of its own (a limited copy, a btrfs snapshot's qgroup),
+// and returns it for Release once the tree is gone, as removeTemp does for a volume.
+func (r *Root) unlimitSnapshot(fd, treeFd int) (*quota.FS, quota.ID, error) {
+	fs, err := r.Quota()
+	if err != nil || fs.Enforces() != nil {
+		return nil, quota.ID{}, nil
+	}
+	id, ok, err := fs.IDOf(fd, treeFd)
+	if err != nil || !ok {
+		return nil, quota.ID{}, err
+	}
+	if err := fs.Unlimit(treeFd, id); err != nil {
+		return nil, quota.ID{}, fmt.Errorf("size limit: %w", err)
+	}
+	return fs, id, nil
 }
 
 func checkSnapshotName(name string) error {

@@ -338,3 +338,59 @@ func TestMoveSnapshot(t *testing.T) {
 		t.Errorf("snapshots directory holds %v, want nothing", n)
 	}
 }
+
+// TestSnapshotCopyLimited: where the base enforces limits, a snapshot made by copying (its
+// source is no btrfs subvolume) is held under a limit of the source's size: a source that
+// holds more is refused and leaves nothing, limit included; one that fits gets a limit of its
+// own, which its deletion gives back.
+func TestSnapshotCopyLimited(t *testing.T) {
+	mnt := quotatest.Btrfs(t, true)
+	r, err := OpenRoot(mnt)
+	must(t, err)
+	defer r.Close()
+	_, err = r.MkdirAll("ns/src", Owner{Mode: 0o755, UID: -1, GID: -1}, Claim{UID: "src"})
+	must(t, err)
+	must(t, os.WriteFile(filepath.Join(mnt, "ns/src/big"), make([]byte, 4<<20), 0o644))
+	before := quotatest.Qgroups(t, mnt)
+	ctx := context.Background()
+
+	_, err = r.Snapshot(ctx, "ns/src", "small", SnapshotOptions{Limit: 1 << 20})
+	if !errors.Is(err, unix.EDQUOT) && !errors.Is(err, unix.ENOSPC) {
+		t.Fatalf("snapshot of 4 MiB under a limit of 1 MiB: %v, want EDQUOT", err)
+	}
+	if names, _ := os.ReadDir(filepath.Join(mnt, snapshotsDir)); len(names) != 0 {
+		t.Errorf("the refused snapshot left %v", names)
+	}
+	if after := quotatest.Qgroups(t, mnt); len(after) != len(before) {
+		t.Errorf("qgroups %v after the refused snapshot, want %v", after, before)
+	}
+
+	info, err := r.Snapshot(ctx, "ns/src", "fits", SnapshotOptions{Limit: 16 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Method == MethodBtrfsSnapshot {
+		t.Fatalf("snapshot method %q, want a copy", info.Method)
+	}
+	tree, err := os.Open(filepath.Join(mnt, snapshotsDir, "fits", snapshotTree))
+	must(t, err)
+	dir, err := os.Open(filepath.Join(mnt, snapshotsDir, "fits"))
+	must(t, err)
+	fs, err := r.Quota()
+	must(t, err)
+	id, ok, err := fs.IDOf(int(dir.Fd()), int(tree.Fd()))
+	if err != nil || !ok {
+		t.Fatalf("the snapshot's tree has no limit of its own (%v)", err)
+	}
+	u, err := fs.Usage(int(tree.Fd()), id)
+	must(t, err)
+	tree.Close()
+	dir.Close()
+	if u.LimitBytes != 16<<20 {
+		t.Errorf("the snapshot's limit is %d, want 16 MiB", u.LimitBytes)
+	}
+	must(t, r.DeleteSnapshot("fits"))
+	if after := quotatest.Qgroups(t, mnt); len(after) != len(before) {
+		t.Errorf("qgroups %v after the delete, want %v", after, before)
+	}
+}

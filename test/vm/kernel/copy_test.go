@@ -74,7 +74,8 @@ func sameTree(t *testing.T, what string, want, got map[string]string) {
 // limited clone of a limited volume clones every file's extents, has its own project and
 // limit, and holds the same tree; a clone whose limit is smaller than what the source holds
 // fails with ENOSPC (XFS's EDQUOT for projects; it charges shared extents to every project using them) and leaves
-// nothing. A snapshot there is a reflinked copy and restores the same tree.
+// nothing. A snapshot there is a reflinked copy, held under a limit of its own, and restores
+// the same tree.
 func TestCloneOnXFSReflink(t *testing.T) {
 	mnt := quotaFS(t, "xfs")
 	r, err := volume.OpenRoot(mnt)
@@ -121,12 +122,28 @@ func TestCloneOnXFSReflink(t *testing.T) {
 		t.Errorf("the refused clone is in place: %v", err)
 	}
 
-	info, err := r.Snapshot(ctx, "ns/src", "snap", volume.SnapshotOptions{})
+	// A snapshot is held under a limit of its source's size: one the source does not fit is
+	// refused and leaves nothing; one it fits gets a project of its own, released with it.
+	_, err = r.Snapshot(ctx, "ns/src", "small", volume.SnapshotOptions{Limit: 256 << 10})
+	if !errors.Is(err, unix.EDQUOT) && !errors.Is(err, unix.ENOSPC) {
+		t.Errorf("snapshot of a 1 MiB source under 256 KiB: %v, want EDQUOT or ENOSPC", err)
+	}
+	if names, _ := os.ReadDir(filepath.Join(mnt, ".dirpv-snapshots")); len(names) != 0 {
+		t.Errorf("the refused snapshot left %v", names)
+	}
+	info, err := r.Snapshot(ctx, "ns/src", "snap", volume.SnapshotOptions{Limit: 32 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if info.Method != volume.MethodReflink {
 		t.Errorf("snapshot Method %q, want %q", info.Method, volume.MethodReflink)
+	}
+	snapDir := filepath.Join(mnt, ".dirpv-snapshots/snap")
+	snapID, ok, err := fs.IDOf(dirFd(t, snapDir), dirFd(t, filepath.Join(snapDir, "tree")))
+	if err != nil || !ok || snapID.Kind != quota.Project || snapID == srcID || snapID == id {
+		t.Errorf("snapshot's quota %v (%v, %v), want a project of its own", snapID, ok, err)
+	} else if u, err := fs.Usage(dirFd(t, snapDir), snapID); err != nil || u.LimitBytes != 32<<20 {
+		t.Errorf("snapshot's usage %+v, %v; want a 32 MiB limit", u, err)
 	}
 	if _, _, _, err := r.MkdirAllFrom(ctx, "ns/restored", volume.Claim{UID: "restored"}, 32<<20, r.SnapshotSource("snap")); err != nil {
 		t.Fatal(err)
@@ -134,6 +151,9 @@ func TestCloneOnXFSReflink(t *testing.T) {
 	sameTree(t, "restored snapshot", want, treeHash(t, filepath.Join(mnt, "ns/restored")))
 	if err := r.DeleteSnapshot("snap"); err != nil {
 		t.Fatal(err)
+	}
+	if u, err := fs.Usage(dirFd(t, mnt), snapID); err != nil || u.LimitBytes != 0 {
+		t.Errorf("deleted snapshot's project: %+v, %v; want its limit released", u, err)
 	}
 }
 
