@@ -210,8 +210,10 @@ func (s *Snapshotter) start(ctx context.Context, id string, h volume.SnapshotHan
 		store := h.Store(rel)
 		err := s.p.onStores(copyCtx, store, h.MountOptions, &sourceTree{attrs: store, mountOptions: h.MountOptions},
 			func(ctx context.Context, root, _ *volume.Root) error {
-				// A copy is held under the source's size where the base enforces limits.
-				_, err := root.Snapshot(ctx, rel, h.Name, volume.SnapshotOptions{Margin: s.p.cfg.CopySpaceMargin, Limit: uint64(max(h.Size, 0))})
+				// A copy is held under the source's size where the base enforces limits. On NFS a
+				// failed copy is left for the next attempt, or the delete's trash, to remove.
+				_, err := root.Snapshot(ctx, rel, h.Name, volume.SnapshotOptions{Margin: s.p.cfg.CopySpaceMargin,
+					Limit: uint64(max(h.Size, 0)), KeepFailed: h.Backend == volume.BackendNFS})
 				return err
 			})
 		if errors.Is(err, volume.ErrNoRoomForCopy) {

@@ -40,6 +40,11 @@ type SnapshotOptions struct {
 	// (a project quota, a btrfs qgroup): the source's size, so that a snapshot takes no more
 	// of the base than its source may. A btrfs snapshot needs none: it is read-only.
 	Limit uint64
+	// KeepFailed leaves what a failed copy made under its temporary name, for the next
+	// attempt or MoveSnapshot to take away, instead of removing it at once: on NFS a copy
+	// that was stopped gets only the operation timeout to return before its server counts as
+	// dead, and a big half-made tree takes longer to remove.
+	KeepFailed bool
 }
 
 // SnapshotInfo describes a snapshot.
@@ -121,6 +126,9 @@ func (r *Root) Snapshot(ctx context.Context, rel, name string, opts SnapshotOpti
 	}
 	if err != nil {
 		err = fmt.Errorf("snapshot %s of %s in %s: %w", name, rel, r.path, err)
+		if opts.KeepFailed {
+			return SnapshotInfo{}, err
+		}
 		if rerr := r.removeSnapshotAt(dirFd, tmp, mnt); rerr != nil {
 			err = errors.Join(err, fmt.Errorf("remove the half-made snapshot: %w", rerr))
 		}
@@ -350,48 +358,55 @@ func (r *Root) DeleteSnapshot(name string) error {
 
 // MoveSnapshot moves the snapshot name into the directory dir (made if missing), for a
 // removal there that may take longer than one call should: an NFS export's trash. It takes the
-// few calls a rename does whatever the snapshot's size. The entry it gets in dir is the same
-// for every attempt, so a retry after the move finds it there: it returns the entry ("" if
-// neither the snapshot nor its entry exists) and whether this call moved it. What a
-// DeleteSnapshot cut short left under its private name goes too.
-func (r *Root) MoveSnapshot(name, dir string) (entry string, moved bool, err error) {
+// few calls a rename does whatever the snapshot's size. What a DeleteSnapshot cut short left
+// under its private name goes too, and so does a copy left unfinished (KeepFailed). Each gets
+// the same entry in dir on every attempt, so a retry after the move finds it there: it returns
+// the entries in dir ("" if neither the snapshot nor its entry exists) and whether this call
+// moved anything.
+func (r *Root) MoveSnapshot(name, dir string) (entries []string, moved bool, err error) {
 	if err := checkSnapshotName(name); err != nil {
-		return "", false, err
+		return nil, false, err
 	}
 	if _, err := CleanRelPath(dir); err != nil {
-		return "", false, err
+		return nil, false, err
 	}
-	entry = snapshotGonePrefix + nameHash(name)
 	if err := r.Mkdir(dir, 0o700); err != nil {
-		return "", false, err
+		return nil, false, err
 	}
 	dirFd, err := r.openDir(dir, unix.O_PATH)
 	if err != nil {
-		return "", false, err
+		return nil, false, err
 	}
 	defer unix.Close(dirFd)
 	snapFd, err := r.openDir(snapshotsDir, unix.O_PATH)
 	if err != nil && !errors.Is(err, unix.ENOENT) {
-		return "", false, err
+		return nil, false, err
 	}
 	if err == nil {
 		defer unix.Close(snapFd)
-		for _, from := range []string{name, entry} {
-			err := r.renameNoReplace(snapFd, from, dirFd, entry)
-			if err == nil {
-				return entry, true, nil
-			}
-			if !errors.Is(err, unix.ENOENT) {
-				return "", false, fmt.Errorf("move snapshot %s in %s to %s: %w", name, r.path, dir, err)
-			}
+	}
+	gone, unfinished := snapshotGonePrefix+nameHash(name), snapshotTemp(name)
+	// The snapshot, or what a cut-short delete left of it, as gone; an unfinished copy under
+	// its own name.
+	for _, m := range []struct{ from, to string }{{name, gone}, {gone, gone}, {unfinished, unfinished}} {
+		if snapFd < 0 {
+			break
+		}
+		switch err := r.renameNoReplace(snapFd, m.from, dirFd, m.to); {
+		case err == nil:
+			moved = true
+		case !errors.Is(err, unix.ENOENT) && !(m.from == gone && errors.Is(err, unix.EEXIST)):
+			return nil, false, fmt.Errorf("move snapshot %s in %s to %s: %w", name, r.path, dir, err)
 		}
 	}
-	if err := unix.Fstatat(dirFd, entry, new(unix.Stat_t), unix.AT_SYMLINK_NOFOLLOW); errors.Is(err, unix.ENOENT) {
-		return "", false, nil
-	} else if err != nil {
-		return "", false, fmt.Errorf("%s/%s in %s: %w", dir, entry, r.path, err)
+	for _, entry := range []string{gone, unfinished} {
+		if err := unix.Fstatat(dirFd, entry, new(unix.Stat_t), unix.AT_SYMLINK_NOFOLLOW); err == nil {
+			entries = append(entries, entry)
+		} else if !errors.Is(err, unix.ENOENT) {
+			return nil, false, fmt.Errorf("%s/%s in %s: %w", dir, entry, r.path, err)
+		}
 	}
-	return entry, false, nil
+	return entries, moved, nil
 }
 
 // SnapshotSource is the tree of the snapshot name, for MkdirAllFrom to restore it.

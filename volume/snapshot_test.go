@@ -302,40 +302,65 @@ func TestSnapshotBtrfs(t *testing.T) {
 
 // TestMoveSnapshot: a snapshot moved away for a removal elsewhere (an NFS export's trash)
 // leaves its name at once, gets the same entry on every attempt, so a retry finds it moved,
-// and takes with it what a DeleteSnapshot cut short left under its private name.
+// and takes with it what a DeleteSnapshot cut short left under its private name and a copy
+// left unfinished.
 func TestMoveSnapshot(t *testing.T) {
 	b := newCopyBase(t, t.TempDir())
 	ctx := context.Background()
 	if _, err := b.root.Snapshot(ctx, "ns/src", "s", SnapshotOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	entry, moved, err := b.root.MoveSnapshot("s", "trash")
-	if err != nil || !moved || entry == "" {
-		t.Fatalf("MoveSnapshot = %q, %v, %v; want an entry, moved", entry, moved, err)
+	entries, moved, err := b.root.MoveSnapshot("s", "trash")
+	if err != nil || !moved || len(entries) != 1 {
+		t.Fatalf("MoveSnapshot = %q, %v, %v; want one entry, moved", entries, moved, err)
 	}
 	if _, err := b.root.SnapshotInfo("s"); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("SnapshotInfo after the move: %v, want ErrNotExist", err)
 	}
-	diffTrees(t, expectedCopy(t, filepath.Join(b.base, "ns/src")), treeHash(t, filepath.Join(b.base, "trash", entry, snapshotTree)))
-	if again, moved, err := b.root.MoveSnapshot("s", "trash"); err != nil || moved || again != entry {
-		t.Errorf("MoveSnapshot again = %q, %v, %v; want %q, not moved", again, moved, err, entry)
+	diffTrees(t, expectedCopy(t, filepath.Join(b.base, "ns/src")), treeHash(t, filepath.Join(b.base, "trash", entries[0], snapshotTree)))
+	if again, moved, err := b.root.MoveSnapshot("s", "trash"); err != nil || moved || len(again) != 1 || again[0] != entries[0] {
+		t.Errorf("MoveSnapshot again = %q, %v, %v; want %q, not moved", again, moved, err, entries)
 	}
-	if none, moved, err := b.root.MoveSnapshot("never", "trash"); err != nil || moved || none != "" {
+	if none, moved, err := b.root.MoveSnapshot("never", "trash"); err != nil || moved || len(none) != 0 {
 		t.Errorf("MoveSnapshot of a missing snapshot = %q, %v, %v; want nothing", none, moved, err)
 	}
 
-	// A local-style delete cut short renamed the snapshot to its private name.
-	gone := filepath.Join(b.base, snapshotsDir, snapshotGonePrefix+nameHash("cut"))
-	must(t, os.MkdirAll(filepath.Join(gone, snapshotTree, "half"), 0o755))
-	entry, moved, err = b.root.MoveSnapshot("cut", "trash")
-	if err != nil || !moved {
-		t.Fatalf("MoveSnapshot of a delete cut short = %q, %v, %v; want moved", entry, moved, err)
+	// A local-style delete cut short renamed the snapshot to its private name; a copy was
+	// stopped half-way and kept (KeepFailed).
+	snaps := filepath.Join(b.base, snapshotsDir)
+	must(t, os.MkdirAll(filepath.Join(snaps, snapshotGonePrefix+nameHash("cut"), snapshotTree, "half"), 0o755))
+	must(t, os.MkdirAll(filepath.Join(snaps, snapshotTemp("cut"), snapshotTree, "half"), 0o755))
+	entries, moved, err = b.root.MoveSnapshot("cut", "trash")
+	if err != nil || !moved || len(entries) != 2 {
+		t.Fatalf("MoveSnapshot of a delete cut short = %q, %v, %v; want two entries, moved", entries, moved, err)
 	}
-	if _, err := os.Stat(filepath.Join(b.base, "trash", entry, snapshotTree, "half")); err != nil {
-		t.Errorf("what the cut delete left is not in the trash: %v", err)
+	for _, e := range entries {
+		if _, err := os.Stat(filepath.Join(b.base, "trash", e, snapshotTree, "half")); err != nil {
+			t.Errorf("trash entry %s: %v", e, err)
+		}
 	}
-	if n, _ := os.ReadDir(filepath.Join(b.base, snapshotsDir)); len(n) != 0 {
+	if n, _ := os.ReadDir(snaps); len(n) != 0 {
 		t.Errorf("snapshots directory holds %v, want nothing", n)
+	}
+}
+
+// TestSnapshotKeepFailed: a copy that failed is left for the next attempt (KeepFailed), which
+// removes it and copies again.
+func TestSnapshotKeepFailed(t *testing.T) {
+	b := newCopyBase(t, t.TempDir())
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := b.root.Snapshot(ctx, "ns/src", "s", SnapshotOptions{KeepFailed: true}); !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled snapshot: %v, want context.Canceled", err)
+	}
+	if _, err := os.Stat(filepath.Join(b.base, snapshotsDir, snapshotTemp("s"))); err != nil {
+		t.Errorf("the failed copy was not kept: %v", err)
+	}
+	if _, err := b.root.Snapshot(context.Background(), "ns/src", "s", SnapshotOptions{KeepFailed: true}); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := os.ReadDir(filepath.Join(b.base, snapshotsDir)); len(n) != 1 {
+		t.Errorf("snapshots directory holds %v, want the snapshot only", n)
 	}
 }
 

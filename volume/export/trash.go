@@ -87,12 +87,12 @@ func (e *Exports) Trash(ctx context.Context, server, share string, options []str
 func (e *Exports) TrashSnapshot(ctx context.Context, server, share string, options []string, name string) error {
 	ex := e.get(server, share, options)
 	var (
-		entry string
-		moved bool
+		entries []string
+		moved   bool
 	)
 	err := e.run(ctx, ex, func(root *volume.Root) error {
 		var err error
-		entry, moved, err = root.MoveSnapshot(name, TrashDir)
+		entries, moved, err = root.MoveSnapshot(name, TrashDir)
 		return err
 	})
 	if err != nil {
@@ -101,11 +101,11 @@ func (e *Exports) TrashSnapshot(ctx context.Context, server, share string, optio
 	logger := klog.FromContext(ctx)
 	switch {
 	case moved:
-		logger.Info("Moved snapshot to the trash; removing it in the background", "snapshot", name, "trash", TrashDir+"/"+entry)
-	case entry != "":
-		logger.Info("Snapshot is in the trash already; removing it in the background", "snapshot", name, "trash", TrashDir+"/"+entry)
+		logger.Info("Moved snapshot to the trash; removing it in the background", "snapshot", name, "trash", TrashDir, "entries", entries)
+	case len(entries) > 0:
+		logger.Info("Snapshot is in the trash already; removing it in the background", "snapshot", name, "trash", TrashDir, "entries", entries)
 	}
-	if entry != "" {
+	for _, entry := range entries {
 		e.enqueue(e.logger, ex, entry)
 	}
 	return nil
