@@ -8,6 +8,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/dirpv/dirpv/internal/failpoint"
 	"github.com/dirpv/dirpv/volume/quota"
 )
 
@@ -245,6 +246,7 @@ func (f *copyFrom) fill(fd int, skipXattr string) error {
 		return err
 	}
 	defer c.close()
+	failpoint.Reach(failpoint.CopyStarted)
 	if err := c.copyTree(); err != nil {
 		return err
 	}
