@@ -29,6 +29,10 @@ type dirent struct {
 // open. Only a read from the start works there.
 var errOffsetLost = errors.New("the directory offset is not valid on this descriptor")
 
+// refuseOffset, set by tests, is asked before each read whether to refuse reading fd from
+// off, as FUSE does (errOffsetLost).
+var refuseOffset func(fd int, off int64) bool
+
 // dirReader reads a directory a batch of names at a time, from an offset, into a buffer it
 // keeps: one reader serves a whole walk.
 type dirReader struct{ buf []byte }
@@ -39,6 +43,9 @@ type dirReader struct{ buf []byte }
 func (d *dirReader) read(fd int, off int64, out []dirent, max int) ([]dirent, error) {
 	if d.buf == nil {
 		d.buf = make([]byte, 32<<10)
+	}
+	if refuseOffset != nil && refuseOffset(fd, off) {
+		return nil, errOffsetLost
 	}
 	if _, err := unix.Seek(fd, off, io.SeekStart); err != nil {
 		if off != 0 && errors.Is(err, unix.EINVAL) {

@@ -125,3 +125,45 @@ func TestCopyMemoryBounded(t *testing.T) {
 		t.Errorf("%d pairs share an inode in the copy, want %d (HardLinks)", linked, stats.HardLinks)
 	}
 }
+
+// TestCopyWhereOffsetsAreLost: where a directory offset is valid only on the descriptor that
+// read it (FUSE, the test NFS client among them), the copier, back up from a subdirectory on
+// a new descriptor, reads the directory again from its start and skips what it copied: the
+// copy is whole, each name once.
+func TestCopyWhereOffsetsAreLost(t *testing.T) {
+	b := newCopyBase(t, t.TempDir())
+	src := filepath.Join(b.base, "ns/src")
+	for d := range 4 {
+		sub := filepath.Join(src, fmt.Sprintf("d%d", d))
+		must(t, os.Mkdir(sub, 0o755))
+		for i := range dirBatch + 200 {
+			must(t, os.WriteFile(filepath.Join(src, fmt.Sprintf("f%d-%d", d, i)), nil, 0o644))
+			if i%3 == 0 {
+				must(t, os.WriteFile(filepath.Join(sub, fmt.Sprintf("g%d", i)), []byte("x"), 0o644))
+			}
+		}
+	}
+	want := expectedCopy(t, src)
+	last, refused := -1, 0
+	refuseOffset = func(fd int, off int64) bool {
+		// Reads come from one goroutine: the copy's.
+		lost := off != 0 && fd != last
+		last = fd
+		if lost {
+			refused++
+		}
+		return lost
+	}
+	defer func() { refuseOffset = nil }()
+	_, _, stats, err := b.root.MkdirAllFrom(context.Background(), "ns/clone", Claim{UID: "clone"}, 0, Source{Root: b.root, Rel: "ns/src"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if refused == 0 {
+		t.Fatal("no offset was refused: the test did not test anything")
+	}
+	diffTrees(t, want, treeHash(t, filepath.Join(b.base, "ns/clone")))
+	if n := int64(len(want)) - 1; stats.Dirs+stats.Files+stats.Symlinks+stats.HardLinks+stats.Special != n {
+		t.Errorf("stats %+v: want %d entries made, each once", stats, n)
+	}
+}
