@@ -196,6 +196,7 @@ func run() (err error) {
 		{"nodes", "simulated nodes", b.nodes},
 		{"rss", "rss", b.rss},
 		{"copy", "dirpv clone of 1M names + 200k hard links (memory)", b.copyMemory},
+		{"copy", "dirpv clone against cp -a (ext4)", b.copyPlain},
 		{"stock", "stock kube-controller-manager", b.stock},
 	}
 	only := b.only
@@ -1179,6 +1180,7 @@ func (b *bench) goals() {
 		{"single local claim p50 vs ceiling", "local.p50", "ceil.p50", 1.2},
 		{"publish+unpublish p50 vs bare bind mount (mount-utils)", "pub.p50", "mu.p50", 3},
 		{"publish+unpublish p50 vs bare bind mount (mount(2))", "pub.p50", "sys.p50", 3},
+		{"clone of 1 GiB + 110k files create->Bound vs cp -a (ext4)", "copy.plain.clone", "copy.plain.cp", plainCopyGoal},
 	} {
 		ratio := b.ms[r.num] / b.ms[r.den]
 		g(r.what, fmt.Sprintf("<= %gx", r.limit), ratio, ratio <= r.limit)
