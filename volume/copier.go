@@ -66,8 +66,9 @@ type linkGroup struct {
 }
 
 // linkTableBytes bounds the memory of a copy's hard-link table, which a tenant could grow
-// with a name per file: a file met once the table is full is copied on its own, and its
-// other names become files of their own too (CopyStats.LinksNotKept). A variable for tests.
+// with a name per file: a name of a file with several names that finds the table full is
+// copied as a file of its own (CopyStats.LinksNotKept), and the file's names met later are
+// linked to the first of them the table had room for. A variable for tests.
 var linkTableBytes = 4 << 20
 
 // linkEntryBytes is roughly what one entry of the table costs besides its path: the map's

@@ -48,8 +48,9 @@ type CopyStats struct {
 	// that went, or changed kind, while the copy ran, XattrsSkipped the extended attributes the
 	// target's file system does not support.
 	SkippedDevices, Vanished, XattrsSkipped int64
-	// LinksNotKept counts the files with several names met once the copy's hard-link table
-	// was full (linkTableBytes): each of their names is a file of its own in the copy.
+	// LinksNotKept counts the names of files with several names that found the copy's
+	// hard-link table full (linkTableBytes): each was copied as a file of its own, not
+	// linked to the file's other names.
 	LinksNotKept int64
 	// Method is how the files' data was copied: one of the Method constants.
 	Method string
