@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -413,11 +414,15 @@ func describeCopy(st volume.CopyStats, took time.Duration) string {
 	return d
 }
 
-// onStores runs fn on the root of the volume's store and the root of the source's, which may
-// be the same, with ctx bounded by the caller.
+// onStores runs fn, a copy, on the root of the volume's store and the root of the source's,
+// which may be the same, with ctx bounded by the caller. A local copy first waits for one
+// of the node's copy slots (Config.MaxLocalCopies), an NFS copy for one of the export's;
+// either counts as waiting until fn starts, then as running until fn returns.
 func (p *Provisioner) onStores(ctx context.Context, attrs volume.Attributes, mountOptions []string, src *sourceTree,
 	fn func(ctx context.Context, root, from *volume.Root) error,
 ) error {
+	fn, done := p.copying.track(fn)
+	defer done()
 	switch attrs.Backend {
 	case volume.BackendNFS:
 		if p.exports == nil {
@@ -427,9 +432,37 @@ func (p *Provisioner) onStores(ctx context.Context, attrs volume.Attributes, mou
 			export.Ref{Server: attrs.Server, Share: attrs.Share, Options: mountOptions},
 			export.Ref{Server: src.attrs.Server, Share: src.attrs.Share, Options: src.mountOptions}, fn)
 	case volume.BackendLocal:
+		slot, err := p.localCopies.Acquire(ctx)
+		if err != nil {
+			return fmt.Errorf("waiting for one of the node's %d copy slots (--max-local-copies): %w", p.localCopies.Size(), err)
+		}
+		defer slot.Release()
 		return p.onStore(ctx, src.attrs, nil, func(from *volume.Root) error {
 			return p.onStore(ctx, attrs, nil, func(root *volume.Root) error { return fn(ctx, root, from) })
 		})
 	}
 	return fmt.Errorf("unknown backend %q", attrs.Backend)
+}
+
+// copyGauge counts the copies running and those waiting to run, for metrics.
+type copyGauge struct{ running, waiting atomic.Int64 }
+
+// track counts a copy as waiting until the fn it returns is called, then as running until
+// that returns. done ends a copy whose fn never started; an NFS copy abandoned by its caller
+// still runs after done, and counts as running until it returns.
+func (g *copyGauge) track(fn func(context.Context, *volume.Root, *volume.Root) error) (func(context.Context, *volume.Root, *volume.Root) error, func()) {
+	g.waiting.Add(1)
+	var waiting atomic.Bool
+	waiting.Store(true)
+	stopWaiting := func() {
+		if waiting.CompareAndSwap(true, false) {
+			g.waiting.Add(-1)
+		}
+	}
+	return func(ctx context.Context, root, from *volume.Root) error {
+		stopWaiting()
+		g.running.Add(1)
+		defer g.running.Add(-1)
+		return fn(ctx, root, from)
+	}, stopWaiting
 }

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	v1 "k8s.io/api/core/v1"
@@ -34,9 +33,6 @@ type copyJobs struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 	closed bool
-	// active counts the copies whose fn has not returned, abandoned ones included: what
-	// still holds the storage's time and, on NFS, a copy slot (dirpv_copies_running).
-	active atomic.Int64
 }
 
 // copyJob is one claim's copy.
@@ -84,12 +80,10 @@ func (j *copyJobs) run(ctx context.Context, uid types.UID, what string, timeout 
 		job = &copyJob{what: what, started: time.Now(), done: make(chan struct{}), cancel: cancel, discard: discard}
 		j.byUID[uid] = job
 		j.wg.Add(1)
-		j.active.Add(1)
 		go func() {
 			defer j.wg.Done()
 			defer cancel()
 			res, err := fn(jctx)
-			j.active.Add(-1)
 			if errors.Is(err, context.DeadlineExceeded) && jctx.Err() != nil {
 				err = fmt.Errorf("the copy did not finish within %s (dirpv's --clone-timeout); it starts again: %w", timeout, err)
 			}

@@ -122,7 +122,16 @@ var (
 		"Passes of this node's quota checks (--quota-check-period) that checked every limited local volume of the node.",
 		nil, nil)
 	descCopiesRunning = prometheus.NewDesc("dirpv_copies_running",
-		"Copies that start new volumes from data sources (clones, restores) running now, cancelled ones included until they have stopped and removed what they copied.",
+		"Copies (clones, restores, snapshots) running now, cancelled ones included until they have stopped and removed what they copied.",
+		nil, nil)
+	descCopiesWaiting = prometheus.NewDesc("dirpv_copies_waiting",
+		"Copies (clones, restores, snapshots) waiting for a copy slot: one of the node's --max-local-copies, or of an NFS export's.",
+		nil, nil)
+	descCopiedFiles = prometheus.NewDesc("dirpv_copied_files_total",
+		"Files of every kind (directories, symlinks and hard links included) that copies made, counted as they go.",
+		nil, nil)
+	descCopiedBytes = prometheus.NewDesc("dirpv_copied_bytes_total",
+		"Bytes of file data that copies cloned or copied (holes left out), counted as they go.",
 		nil, nil)
 )
 
@@ -160,13 +169,23 @@ func (c *exportsCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 }
 
-// copiesCollector reads the number of copies under way at scrape time, in either role.
+// copiesCollector reads the copies under way and what the process's copies made at scrape
+// time, in either role.
 type copiesCollector struct{ p *Provisioner }
 
-func (c *copiesCollector) Describe(ch chan<- *prometheus.Desc) { ch <- descCopiesRunning }
+func (c *copiesCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descCopiesRunning
+	ch <- descCopiesWaiting
+	ch <- descCopiedFiles
+	ch <- descCopiedBytes
+}
 
 func (c *copiesCollector) Collect(ch chan<- prometheus.Metric) {
-	ch <- prometheus.MustNewConstMetric(descCopiesRunning, prometheus.GaugeValue, float64(c.p.copies.active.Load()))
+	ch <- prometheus.MustNewConstMetric(descCopiesRunning, prometheus.GaugeValue, float64(c.p.copying.running.Load()))
+	ch <- prometheus.MustNewConstMetric(descCopiesWaiting, prometheus.GaugeValue, float64(c.p.copying.waiting.Load()))
+	files, bytes := volume.CopyProgress()
+	ch <- prometheus.MustNewConstMetric(descCopiedFiles, prometheus.CounterValue, float64(files))
+	ch <- prometheus.MustNewConstMetric(descCopiedBytes, prometheus.CounterValue, float64(bytes))
 }
 
 // escapesCollector reads the node's quota check findings at scrape time.

@@ -27,6 +27,7 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
+	"github.com/dirpv/dirpv/internal/blocking"
 	"github.com/dirpv/dirpv/internal/keyed"
 	"github.com/dirpv/dirpv/volume"
 	"github.com/dirpv/dirpv/volume/export"
@@ -87,6 +88,10 @@ type Config struct {
 	// snapshot) must leave on its base beyond the space its source occupies; a copy that would
 	// not is not started (volume.ErrNoRoomForCopy) and is tried again later.
 	CopySpaceMargin uint64
+	// MaxLocalCopies caps the copies of local volumes (clones, restores, snapshots) running
+	// at once on the node (role node); 0 means DefaultMaxLocalCopies. The others wait for a
+	// slot, within their CloneTimeout. NFS copies have a cap per export instead (export).
+	MaxLocalCopies int
 	// Snapshots reads VolumeSnapshots and their contents, to restore claims from them; nil
 	// refuses such claims.
 	Snapshots snapclientset.Interface
@@ -113,6 +118,10 @@ type Provisioner struct {
 	unplaced claimChecks
 	// copies are the copies under way that start volumes from data sources.
 	copies *copyJobs
+	// localCopies caps the local copies running at once (Config.MaxLocalCopies); copying
+	// counts the copies running and waiting, of either backend (onStores).
+	localCopies *blocking.Slots
+	copying     copyGauge
 	// volumeLocks serialise the creation, resize and deletion of each volume (lockVolume).
 	volumeLocks keyed.Locks[string]
 	// escapes are the node's quota checks' findings (runQuotaChecks).
@@ -156,7 +165,10 @@ func New(cfg Config) (*Provisioner, error) {
 	if cfg.CloneTimeout <= 0 {
 		cfg.CloneTimeout = DefaultCloneTimeout
 	}
-	p := &Provisioner{cfg: cfg, copies: newCopyJobs()}
+	if cfg.MaxLocalCopies <= 0 {
+		cfg.MaxLocalCopies = DefaultMaxLocalCopies
+	}
+	p := &Provisioner{cfg: cfg, copies: newCopyJobs(), localCopies: blocking.NewSlots(cfg.MaxLocalCopies)}
 	if cfg.Role == RoleController {
 		p.exports = export.New(cfg.Mounter, cfg.WorkDir, cfg.OperationTimeout)
 	} else {
@@ -167,6 +179,10 @@ func New(cfg Config) (*Provisioner, error) {
 
 // DefaultCloneTimeout is the default of Config.CloneTimeout.
 const DefaultCloneTimeout = 6 * time.Hour
+
+// DefaultMaxLocalCopies is the default of Config.MaxLocalCopies: a copy holds a few MiB at
+// most (volume.MkdirAllFrom), and a few at once keep a disk busy.
+const DefaultMaxLocalCopies = 4
 
 // Run unmounts idle NFS exports (role controller) or checks local volumes for quota escapes
 // (role node) until ctx is done, then stops the copies under way and releases every mount and

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
@@ -28,9 +29,12 @@ type copier struct {
 	// source that is not a volume), the walk must not copy the copy into itself.
 	dstDir devIno
 	stack  []copyLevel
+	dirs   dirReader
 	// links maps the inodes of files with more than one name, first copied at path (from
-	// the target's root), to their path and the number of names not met yet.
+	// the target's root), to their path and the number of names not met yet. linkBytes is
+	// what it holds, at most linkTableBytes.
 	links     map[devIno]*linkGroup
+	linkBytes int
 	skipXattr map[string]bool
 	// noReflink is set once the target refuses a clone as such (another file system, or
 	// none offered), so that the other files go straight to copy_file_range.
@@ -42,10 +46,16 @@ type copier struct {
 }
 
 type copyLevel struct {
-	// name is the directory's name in its parent ("" for the root); names are its entries
-	// not copied yet.
-	name     string
-	names    []string
+	// name is the directory's name in its parent ("" for the root).
+	name string
+	// children are names read and not copied yet, at most a batch and only for the deepest
+	// level: a level's batch is dropped when the walk descends from it, and read again from
+	// off, just past the last name taken, when the walk comes back.
+	children []dirent
+	off      int64
+	// rescan says that off was lost when the walk came back (errOffsetLost): the directory
+	// is read again from its start, and a name the target has already is one copied.
+	rescan   bool
 	src, dst devIno
 	times    [2]unix.Timespec
 }
@@ -53,6 +63,26 @@ type copyLevel struct {
 type linkGroup struct {
 	path string
 	left uint64
+}
+
+// linkTableBytes bounds the memory of a copy's hard-link table, which a tenant could grow
+// with a name per file: a name of a file with several names that finds the table full is
+// copied as a file of its own (CopyStats.LinksNotKept), and the file's names met later are
+// linked to the first of them the table had room for. A variable for tests.
+var linkTableBytes = 4 << 20
+
+// linkEntryBytes is roughly what one entry of the table costs besides its path: the map's
+// slot, the group and the string's header.
+const linkEntryBytes = 96
+
+// copyProgress counts what the process's copies made, as they go (CopyProgress).
+var copyProgress struct{ files, bytes atomic.Int64 }
+
+// CopyProgress returns how many files (of every kind, directories and hard links included)
+// and bytes of file data (holes left out; a cloned file's size) the process's copies have
+// made so far, counted as they go: those of copies that failed or were cancelled included.
+func CopyProgress() (files, bytes int64) {
+	return copyProgress.files.Load(), copyProgress.bytes.Load()
 }
 
 func newCopier(ctx context.Context, stats *CopyStats, srcFd, dstFd int, skipXattr string) (*copier, error) {
@@ -70,10 +100,16 @@ func newCopier(ctx context.Context, stats *CopyStats, srcFd, dstFd int, skipXatt
 		d, err = unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 		return d
 	}
-	c.srcCur, c.dstCur, c.dstRoot = dup(srcFd), dup(dstFd), dup(dstFd)
+	c.dstCur, c.dstRoot = dup(dstFd), dup(dstFd)
 	if err != nil {
 		c.close()
 		return nil, fmt.Errorf("duplicate directory handle: %w", err)
+	}
+	// A descriptor of its own, not a duplicate: the walk reads directories through srcCur,
+	// moving its offset.
+	if c.srcCur, err = openNoAtime(srcFd, "."); err != nil {
+		c.close()
+		return nil, fmt.Errorf("open copy source: %w", err)
 	}
 	var sst, dst unix.Stat_t
 	if err := unix.Fstat(srcFd, &sst); err != nil {
@@ -90,12 +126,7 @@ func newCopier(ctx context.Context, stats *CopyStats, srcFd, dstFd int, skipXatt
 		return nil, err
 	}
 	c.stats.Allocated += sst.Blocks * 512
-	names, err := listNames(c.srcCur)
-	if err != nil {
-		c.close()
-		return nil, fmt.Errorf("list copy source: %w", err)
-	}
-	c.stack = []copyLevel{{names: names, src: devIno{sst.Dev, sst.Ino}, dst: c.dstDir, times: statTimes(&sst)}}
+	c.stack = []copyLevel{{src: devIno{sst.Dev, sst.Ino}, dst: c.dstDir, times: statTimes(&sst)}}
 	return c, nil
 }
 
@@ -132,23 +163,37 @@ func (c *copier) where(child string) string {
 func (c *copier) copyTree() error {
 	for {
 		top := &c.stack[len(c.stack)-1]
-		if len(top.names) == 0 {
-			// A directory's times are set once its entries are made, which changed them.
-			if err := futimens(c.dstCur, &top.times); err != nil {
-				return fmt.Errorf("copy %s: set times: %w", c.where(""), err)
-			}
-			if len(c.stack) == 1 {
-				return nil
-			}
-			if err := c.up(); err != nil {
+		if len(top.children) == 0 {
+			more, err := c.readBatch(top)
+			if err != nil {
 				return err
 			}
-			continue
+			if !more {
+				// A directory's times are set once its entries are made, which changed them.
+				if err := futimens(c.dstCur, &top.times); err != nil {
+					return fmt.Errorf("copy %s: set times: %w", c.where(""), err)
+				}
+				if len(c.stack) == 1 {
+					return nil
+				}
+				if err := c.up(); err != nil {
+					return err
+				}
+				continue
+			}
 		}
-		name := top.names[0]
-		top.names = top.names[1:]
+		child := top.children[0]
+		top.children = top.children[1:]
+		top.off = child.off
+		name := child.name
 		if err := c.ctx.Err(); err != nil {
 			return fmt.Errorf("copy %s: %w", c.where(name), err)
+		}
+		if top.rescan {
+			var st unix.Stat_t
+			if err := unix.Fstatat(c.dstCur, name, &st, unix.AT_SYMLINK_NOFOLLOW); err == nil {
+				continue // copied before the walk went down and lost its place here
+			}
 		}
 		c.entries++
 		failpoint.HitAfter(failpoint.DuringCopy, c.entries)
@@ -160,6 +205,28 @@ func (c *copier) copyTree() error {
 			return fmt.Errorf("copy %s: %w", c.where(name), err)
 		}
 	}
+}
+
+// readBatch reads up to dirBatch names of the current source directory from top.off on into
+// top.children, and reports false at its end. The source is read in one pass: names made
+// behind the walk are not copied, as they would not be had they been made after the copy.
+// Where the offset is lost (errOffsetLost: the walk came back up on a new descriptor), the
+// directory is read again from its start, skipping the names the target already has.
+func (c *copier) readBatch(top *copyLevel) (bool, error) {
+	children, err := c.dirs.read(c.srcCur, top.off, top.children, dirBatch)
+	if errors.Is(err, errOffsetLost) {
+		top.off, top.rescan = 0, true
+		children, err = c.dirs.read(c.srcCur, 0, top.children, dirBatch)
+	}
+	if errors.Is(err, unix.ENOENT) {
+		c.stats.Vanished++ // the directory was removed while it was copied
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("copy %s: read directory: %w", c.where(""), err)
+	}
+	top.children = children
+	return len(children) > 0, nil
 }
 
 // up goes back to the parent directory on both sides, checking that each is the one the
@@ -186,7 +253,7 @@ func (c *copier) up() error {
 // openParent opens ".." of fd, which must be the directory want: ".." is the one lookup that
 // cannot be made beneath where it starts, so its result is checked instead.
 func openParent(fd int, want devIno) (int, error) {
-	pfd, err := unix.Openat(fd, "..", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	pfd, err := openNoAtime(fd, "..")
 	if err != nil {
 		return -1, fmt.Errorf("open parent: %w", err)
 	}
@@ -200,6 +267,17 @@ func openParent(fd int, want devIno) (int, error) {
 		return -1, ErrSourceMoved
 	}
 	return pfd, nil
+}
+
+// openNoAtime opens the directory name ("." or "..") of fd to be read, without updating its
+// access time where the kernel lets dirpv (it does for root): the walks read tenants' trees.
+func openNoAtime(fd int, name string) (int, error) {
+	const flags = unix.O_RDONLY | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC
+	dfd, err := unix.Openat(fd, name, flags|unix.O_NOATIME, 0)
+	if errors.Is(err, unix.EPERM) {
+		dfd, err = unix.Openat(fd, name, flags, 0)
+	}
+	return dfd, err
 }
 
 // copyEntry copies the entry name of the current source directory into the current target
@@ -233,8 +311,10 @@ func (c *copier) copyEntry(name string) error {
 				return fmt.Errorf("link to %s: %w", g.path, err)
 			}
 			c.stats.HardLinks++
+			copyProgress.files.Add(1)
 			if g.left--; g.left == 0 {
 				delete(c.links, key)
+				c.linkBytes -= linkEntryBytes + len(g.path)
 			}
 			return nil
 		}
@@ -253,10 +333,29 @@ func (c *copier) copyEntry(name string) error {
 		return err
 	}
 	c.stats.Allocated += st.Blocks * 512
+	copyProgress.files.Add(1)
 	if st.Nlink > 1 {
-		c.links[key] = &linkGroup{path: c.where(name), left: uint64(st.Nlink) - 1}
+		c.keepLink(key, name, uint64(st.Nlink)-1)
 	}
 	return nil
+}
+
+// keepLink records the file key just copied as name in the current directory, for its left
+// other names to be made as links to it, if the table has room, and the path is one Linkat
+// takes (shorter than PATH_MAX).
+func (c *copier) keepLink(key devIno, name string, left uint64) {
+	path := c.where(name)
+	cost := linkEntryBytes + len(path)
+	if c.linkBytes+cost > linkTableBytes || len(path) >= unix.PathMax {
+		if c.stats.LinksNotKept == 0 {
+			klog.FromContext(c.ctx).Info("Hard-link table of the copy is full: files with several names met from now on are copied once per name",
+				"path", path, "limitBytes", linkTableBytes)
+		}
+		c.stats.LinksNotKept++
+		return
+	}
+	c.links[key] = &linkGroup{path: path, left: left}
+	c.linkBytes += cost
 }
 
 // openBeneath opens name in dirFd without following symlinks or leaving dirFd. A file it
@@ -314,14 +413,6 @@ func (c *copier) enterDir(name string) error {
 	if err := c.checkMount(sfd, name); err != nil {
 		return err
 	}
-	names, err := listNames(sfd)
-	if errors.Is(err, unix.ENOENT) {
-		c.stats.Vanished++ // removed since it was opened
-		return nil
-	}
-	if err != nil {
-		return fmt.Errorf("list: %w", err)
-	}
 	if err := unix.Mkdirat(c.dstCur, name, 0o700); err != nil {
 		return fmt.Errorf("mkdir: %w", err)
 	}
@@ -345,10 +436,14 @@ func (c *copier) enterDir(name string) error {
 	}
 	c.stats.Dirs++
 	c.stats.Allocated += st.Blocks * 512
+	copyProgress.files.Add(1)
 	unix.Close(c.srcCur)
 	unix.Close(c.dstCur)
 	c.srcCur, c.dstCur, keep = sfd, dfd, true
-	c.stack = append(c.stack, copyLevel{name: name, names: names,
+	// Into the directory at once; what is left of the parent's batch is read again on the
+	// way back, so that only one batch of names is held whatever the depth.
+	c.stack[len(c.stack)-1].children = nil
+	c.stack = append(c.stack, copyLevel{name: name,
 		src: devIno{st.Dev, st.Ino}, dst: devIno{dst.Dev, dst.Ino}, times: statTimes(&st)})
 	return nil
 }

@@ -8,6 +8,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/dirpv/dirpv/internal/failpoint"
 	"github.com/dirpv/dirpv/volume/quota"
 )
 
@@ -47,6 +48,10 @@ type CopyStats struct {
 	// that went, or changed kind, while the copy ran, XattrsSkipped the extended attributes the
 	// target's file system does not support.
 	SkippedDevices, Vanished, XattrsSkipped int64
+	// LinksNotKept counts the names of files with several names that found the copy's
+	// hard-link table full (linkTableBytes): each was copied as a file of its own, not
+	// linked to the file's other names.
+	LinksNotKept int64
 	// Method is how the files' data was copied: one of the Method constants.
 	Method string
 }
@@ -80,9 +85,13 @@ var ErrSourceMoved = errors.New("was moved while it was being copied")
 // The walk never follows a symlink, never leaves either tree (every lookup is openat2 beneath
 // the directory it starts from, without symlinks; going back up checks the directory is the
 // one it left) and never crosses a mount (ErrMountInSource). It holds a constant number of
-// descriptors whatever the tree's size or depth, and lists one directory at a time. The source
-// may be written meanwhile: an entry that goes or changes kind before it is copied is left
-// out (Vanished); a file written meanwhile is copied as it is read; a directory moved away
+// descriptors whatever the tree's size or depth, and memory that does not grow with the
+// tree's size: it reads dirBatch names of a directory at a time (a level's batch is dropped
+// when it descends, and read on from where it stopped when it comes back), and its hard-link
+// table holds at most linkTableBytes (LinksNotKept); what grows with depth is one small record
+// per level, as in RemoveAll. The source may be written meanwhile: an entry that goes or
+// changes kind before it is copied is left out (Vanished); a name made in a directory behind
+// where the walk has read may be left out too; a file written meanwhile is copied as it is read; a directory moved away
 // while its children are copied stops the copy (ErrSourceMoved). ctx is checked between
 // entries and between chunks of a file.
 //
@@ -90,9 +99,9 @@ var ErrSourceMoved = errors.New("was moved while it was being copied")
 // system (a limited volume, or a snapshot of one) holding no nested subvolume (which a
 // snapshot would leave empty, so such a source is walked), the new volume is a snapshot of it
 // (MethodBtrfsSnapshot) given its own qgroup limit, which fails if the source already uses
-// more. A snapshot keeps the subvolume as it is, device nodes included: leaving them out would
-// mean walking the tree the snapshot spares; the clone is in the source's namespace, and the
-// node was already as exposed in the source. Elsewhere each file is cloned (FICLONE) where
+// more. Its device nodes are then removed, as a copy leaves them out: that walk reads every
+// directory of the snapshot but stats only the names their directory says may be devices
+// (or does not say). Elsewhere each file is cloned (FICLONE) where
 // the file system can, copied otherwise. A copy that does not fit the limit fails with an
 // error wrapping unix.EDQUOT or ENOSPC.
 //
@@ -193,6 +202,20 @@ func (f *copyFrom) snapshot(fs *quota.FS, parentFd int, name string) (bool, erro
 	return true, nil
 }
 
+// dropDevices removes from the btrfs snapshot open at fd the device nodes a copy would have
+// left out: a clone made the fast way keeps MkdirAllFrom's promise too.
+func (f *copyFrom) dropDevices(fd int) error {
+	n, err := dropDeviceNodes(f.ctx, fd)
+	f.stats.SkippedDevices += n
+	if err != nil {
+		return fmt.Errorf("leave device nodes out of the snapshot of %s: %w", f.src.Rel, err)
+	}
+	if n > 0 {
+		klog.FromContext(f.ctx).Info("Device nodes left out of a copy", "count", n, "source", f.src.Rel)
+	}
+	return nil
+}
+
 // checkFits fails, wrapping EDQUOT, if the volume open at fd, limited by id, already holds
 // more than its limit: a snapshot of a source bigger than the new volume may hold.
 func checkFits(fs *quota.FS, fd int, id quota.ID) error {
@@ -224,6 +247,7 @@ func (f *copyFrom) fill(fd int, skipXattr string) error {
 		return err
 	}
 	defer c.close()
+	failpoint.Reach(failpoint.CopyStarted)
 	if err := c.copyTree(); err != nil {
 		return err
 	}

@@ -319,6 +319,11 @@ func (r *Root) makeMarked(parentFd int, name string, owner Owner, claim Claim, l
 			return quota.ID{}, err
 		}
 	}
+	if snapshot {
+		if err := from.dropDevices(fd); err != nil {
+			return quota.ID{}, err
+		}
+	}
 	return id, nil
 }
 

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -39,7 +38,7 @@ type Escapes struct {
 // The walk makes the removal walker's promises: it never follows a symlink nor leaves the
 // volume (every lookup is openat2 beneath the directory it starts from, going back up is
 // checked against the directory it came down from), never crosses a mount, holds one directory
-// open at a time whatever the depth and reads removalBatch names at a time. Other kinds of
+// open at a time whatever the depth and reads dirBatch names at a time. Other kinds of
 // file (symlinks, devices, FIFOs, sockets) are not opened: the kernel changes a project ID
 // only through an open file, and they hold no blocks a tenant could grow. ctx is checked
 // between entries; a check it stops returns what it found so far with ctx's error.
@@ -80,9 +79,13 @@ type scan struct {
 	// cur is the directory being read, the last of stack.
 	cur   int
 	stack []scanLevel
-	buf   []byte
+	dirs  dirReader
 	// failed is the first repair that failed, reported once the walk is done.
 	failed error
+	// dropDevices makes the walk remove the character and block device nodes it meets,
+	// counting them in dropped, instead of checking projects (dropDeviceNodes).
+	dropDevices bool
+	dropped     int64
 }
 
 type scanLevel struct {
@@ -95,7 +98,21 @@ type scanLevel struct {
 }
 
 func newScan(ctx context.Context, fd int, id uint32, repair bool, e *Escapes) (*scan, error) {
-	s := &scan{ctx: ctx, id: id, repair: repair, e: e, cur: -1}
+	s, err := openScan(ctx, fd)
+	if err != nil {
+		return nil, err
+	}
+	s.id, s.repair, s.e = id, repair, e
+	if err := s.check(s.cur, ".", true); err != nil {
+		s.close()
+		return nil, err
+	}
+	return s, nil
+}
+
+// openScan starts a walk of the tree open at fd.
+func openScan(ctx context.Context, fd int) (*scan, error) {
+	s := &scan{ctx: ctx, cur: -1}
 	var err error
 	if s.mnt, err = mountID(fd); err != nil {
 		return nil, err
@@ -109,11 +126,22 @@ func newScan(ctx context.Context, fd int, id uint32, repair bool, e *Escapes) (*
 		return nil, fmt.Errorf("stat: %w", err)
 	}
 	s.stack = []scanLevel{{at: devIno{st.Dev, st.Ino}}}
-	if err := s.check(s.cur, ".", true); err != nil {
-		s.close()
-		return nil, err
-	}
 	return s, nil
+}
+
+// dropDeviceNodes removes the character and block device nodes of the tree open at fd, a
+// new volume no one else writes yet, and returns how many it removed. It walks as
+// FindEscapes does, stat-ing only the names whose directory entry does not say they are
+// something else.
+func dropDeviceNodes(ctx context.Context, fd int) (int64, error) {
+	s, err := openScan(ctx, fd)
+	if err != nil {
+		return 0, err
+	}
+	defer s.close()
+	s.dropDevices = true
+	err = s.run()
+	return s.dropped, err
 }
 
 func (s *scan) close() {
@@ -158,13 +186,17 @@ func (s *scan) run() error {
 		child := top.children[0]
 		top.children = top.children[1:]
 		top.off = child.off
+		if s.dropDevices && child.typ != unix.DT_UNKNOWN && child.typ != unix.DT_DIR &&
+			child.typ != unix.DT_CHR && child.typ != unix.DT_BLK {
+			continue
+		}
 		if err := s.entry(child.name); err != nil {
 			return err
 		}
 	}
 }
 
-// readBatch reads up to removalBatch names of the current directory from top.off on, and
+// readBatch reads up to dirBatch names of the current directory from top.off on, and
 // reports false at its end. One pass: a directory offset stays valid on XFS and ext4 while
 // the directory is only read, and names made behind it are left for the next check.
 func (s *scan) readBatch(top *scanLevel) (bool, error) {
@@ -173,26 +205,12 @@ func (s *scan) readBatch(top *scanLevel) (bool, error) {
 		return false, fmt.Errorf("open %s: %w", s.where(""), err)
 	}
 	defer unix.Close(fd)
-	if s.buf == nil {
-		s.buf = make([]byte, 32<<10)
+	children, err := s.dirs.read(fd, top.off, top.children, dirBatch)
+	if err != nil {
+		return false, fmt.Errorf("read directory %s: %w", s.where(""), err)
 	}
-	for {
-		if _, err := unix.Seek(fd, top.off, io.SeekStart); err != nil {
-			return false, fmt.Errorf("read directory %s: seek: %w", s.where(""), err)
-		}
-		n, err := unix.Getdents(fd, s.buf)
-		if err != nil {
-			return false, fmt.Errorf("read directory %s: %w", s.where(""), err)
-		}
-		if n == 0 {
-			return false, nil
-		}
-		top.children = parseDirents(s.buf[:n], top.children[:0], removalBatch)
-		if len(top.children) > 0 {
-			return true, nil
-		}
-		top.off = lastDirentOff(s.buf[:n]) // only "." and ".."
-	}
+	top.children = children
+	return len(children) > 0, nil
 }
 
 // entry checks the entry name of the current directory, and descends into it if it is a
@@ -206,7 +224,23 @@ func (s *scan) entry(name string) error {
 		return fmt.Errorf("stat %s: %w", s.where(name), err)
 	}
 	kind := st.Mode & unix.S_IFMT
-	if kind != unix.S_IFREG && kind != unix.S_IFDIR {
+	if s.dropDevices && (kind == unix.S_IFCHR || kind == unix.S_IFBLK) {
+		// The directory keeps the times it had in the source, as in a copy.
+		var dst unix.Stat_t
+		if err := unix.Fstat(s.cur, &dst); err != nil {
+			return fmt.Errorf("stat %s: %w", s.where(""), err)
+		}
+		if err := unix.Unlinkat(s.cur, name, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+			return fmt.Errorf("remove device node %s: %w", s.where(name), err)
+		}
+		times := statTimes(&dst)
+		if err := futimens(s.cur, &times); err != nil {
+			return fmt.Errorf("set times of %s: %w", s.where(""), err)
+		}
+		s.dropped++
+		return nil
+	}
+	if kind != unix.S_IFDIR && (s.dropDevices || kind != unix.S_IFREG) {
 		return nil
 	}
 	flags := unix.O_RDONLY | unix.O_NONBLOCK | unix.O_NOATIME
@@ -235,7 +269,9 @@ func (s *scan) entry(name string) error {
 			return err
 		}
 	}
-	if err := s.check(fd, name, kind == unix.S_IFDIR); err != nil {
+	if s.dropDevices {
+		// Only directories get here: nothing to check.
+	} else if err := s.check(fd, name, kind == unix.S_IFDIR); err != nil {
 		unix.Close(fd)
 		return err
 	}

@@ -1,11 +1,8 @@
 package volume
 
 import (
-	"bytes"
-	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
 	"math"
 	"os"
 	"strings"
@@ -36,7 +33,7 @@ func (r *Root) RemoveAll(rel string) error {
 // Step does a bounded amount of work and the next one carries on where it stopped. It makes
 // RemoveAll's promises (no symlink followed, no mount crossed, one directory open at a time
 // whatever the depth) and holds its two descriptors between steps. Its memory is bounded too:
-// a directory is read removalBatch names at a time, never listed whole, since a tenant decides
+// a directory is read dirBatch names at a time, never listed whole, since a tenant decides
 // how many names its volume's directories hold. It is not safe for concurrent use.
 type Removal struct {
 	// what names the tree in errors: rel in the root's path.
@@ -49,14 +46,10 @@ type Removal struct {
 	// cur is the directory being emptied, the last of stack; -1 before the walk descends.
 	cur   int
 	stack []removalLevel
-	// batch is how many names are read from a directory at a time; buf holds what one read
-	// returns.
+	// batch is how many names are read from a directory at a time (dirBatch).
 	batch int
-	buf   []byte
+	dirs  dirReader
 }
-
-// removalBatch is how many names a Removal reads from a directory at a time.
-const removalBatch = 1000
 
 type removalLevel struct {
 	name     string
@@ -72,12 +65,6 @@ type removalLevel struct {
 	seen bool
 }
 
-// dirent is one name read from a directory and the offset of the entry after it.
-type dirent struct {
-	name string
-	off  int64
-}
-
 // StartRemoval prepares the removal of rel; nothing is removed until Step. A missing parent of
 // rel gives a Removal that is done at once. Close it when done.
 func (r *Root) StartRemoval(rel string) (*Removal, error) {
@@ -85,7 +72,7 @@ func (r *Root) StartRemoval(rel string) (*Removal, error) {
 		return nil, err
 	}
 	parent, name := split(rel)
-	rm := &Removal{what: rel + " in " + r.path, parentFd: -1, name: name, cur: -1, batch: removalBatch}
+	rm := &Removal{what: rel + " in " + r.path, parentFd: -1, name: name, cur: -1, batch: dirBatch}
 	parentFd, err := r.openDir(parent, unix.O_RDONLY)
 	if errors.Is(err, os.ErrNotExist) {
 		rm.started, rm.done = true, true
@@ -183,31 +170,17 @@ func (rm *Removal) readBatch(top *removalLevel) (bool, error) {
 		return false, fmt.Errorf("open %s: %w", rm.where(""), err)
 	}
 	defer unix.Close(fd)
-	if rm.buf == nil {
-		rm.buf = make([]byte, 32<<10)
-	}
 	for {
-		if _, err := unix.Seek(fd, top.off, io.SeekStart); err != nil {
-			if top.off != 0 && errors.Is(err, unix.EINVAL) {
-				// The offset is no longer valid on a new descriptor (overlayfs numbers a
-				// merged directory's entries per open, and the directory has shrunk): a
-				// pass from the start finds whatever is left.
-				top.off, top.seen = 0, false
-				continue
-			}
-			return false, fmt.Errorf("read directory %s: seek: %w", rm.where(""), err)
-		}
-		n, err := unix.Getdents(fd, rm.buf)
-		if err != nil && top.off != 0 && errors.Is(err, unix.EINVAL) {
-			// Reading on from the offset is refused (FUSE file systems, the test NFS client
-			// among them, know an offset only on the descriptor that returned it).
+		children, err := rm.dirs.read(fd, top.off, top.children, rm.batch)
+		if errors.Is(err, errOffsetLost) {
+			// A pass from the start finds whatever is left.
 			top.off, top.seen = 0, false
 			continue
 		}
 		if err != nil {
 			return false, fmt.Errorf("read directory %s: %w", rm.where(""), err)
 		}
-		if n == 0 {
+		if len(children) == 0 {
 			// seen is false only while a pass that began at the start has found nothing.
 			if !top.seen {
 				return false, nil
@@ -215,54 +188,10 @@ func (rm *Removal) readBatch(top *removalLevel) (bool, error) {
 			top.off, top.seen = 0, false
 			continue
 		}
-		top.children = parseDirents(rm.buf[:n], top.children[:0], rm.batch)
-		if len(top.children) > 0 {
-			top.seen = true
-			return true, nil
-		}
-		// Only "." and "..": carry on past them.
-		top.off = lastDirentOff(rm.buf[:n])
+		top.children, top.seen = children, true
+		return true, nil
 	}
 }
-
-// parseDirents appends up to max names, "." and ".." left out, from buf as getdents64(2) fills
-// it.
-func parseDirents(buf []byte, out []dirent, max int) []dirent {
-	for len(buf) >= direntNameOff && len(out) < max {
-		off := int64(binary.NativeEndian.Uint64(buf[8:16]))
-		reclen := int(binary.NativeEndian.Uint16(buf[16:18]))
-		if reclen < direntNameOff || reclen > len(buf) {
-			break
-		}
-		name := buf[direntNameOff:reclen]
-		if i := bytes.IndexByte(name, 0); i >= 0 {
-			name = name[:i]
-		}
-		if s := string(name); s != "." && s != ".." {
-			out = append(out, dirent{name: s, off: off})
-		}
-		buf = buf[reclen:]
-	}
-	return out
-}
-
-// lastDirentOff is the offset past the last entry in buf as getdents64(2) fills it.
-func lastDirentOff(buf []byte) int64 {
-	var off int64
-	for len(buf) >= direntNameOff {
-		reclen := int(binary.NativeEndian.Uint16(buf[16:18]))
-		if reclen < direntNameOff || reclen > len(buf) {
-			break
-		}
-		off = int64(binary.NativeEndian.Uint64(buf[8:16]))
-		buf = buf[reclen:]
-	}
-	return off
-}
-
-// direntNameOff is where the name starts in a linux_dirent64: after d_ino, d_off, d_reclen
-// and d_type.
-const direntNameOff = 19
 
 // step walks the tree holding one directory open at a time, whatever its depth: a tenant
 // decides how deep its volume is, and one descriptor per level would let it exhaust the
@@ -377,7 +306,7 @@ func removeVolumeAt(parentFd int, name string, mnt uint64) error {
 	if err != nil {
 		return fmt.Errorf("duplicate directory handle: %w", err)
 	}
-	rm := &Removal{what: name, parentFd: fd, name: name, mnt: mnt, cur: -1, batch: removalBatch}
+	rm := &Removal{what: name, parentFd: fd, name: name, mnt: mnt, cur: -1, batch: dirBatch}
 	defer rm.Close()
 	for {
 		_, done, err := rm.Step(math.MaxInt)

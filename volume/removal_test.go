@@ -71,7 +71,7 @@ func TestRemovalInSteps(t *testing.T) {
 // descent included.
 func TestRemovalHoldsAtMostOneBatchOfNames(t *testing.T) {
 	r, base := newRoot(t)
-	const files, dirs, perDir = 3*removalBatch + 7, 6, removalBatch + 300
+	const files, dirs, perDir = 3*dirBatch + 7, 6, dirBatch + 300
 	mkfiles := func(dir string, n int) {
 		t.Helper()
 		if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -104,8 +104,8 @@ func TestRemovalHoldsAtMostOneBatchOfNames(t *testing.T) {
 			held += len(l.children)
 		}
 		most = max(most, held)
-		if held > removalBatch {
-			t.Fatalf("after %d entries removed the walk holds %d names, more than a batch of %d", total, held, removalBatch)
+		if held > dirBatch {
+			t.Fatalf("after %d entries removed the walk holds %d names, more than a batch of %d", total, held, dirBatch)
 		}
 		if done {
 			break

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 
 	"golang.org/x/sys/unix"
 )
@@ -122,26 +121,23 @@ func walkUsage(ctx context.Context, fd int) (uint64, error) {
 		}
 	}()
 	used := uint64(top.Blocks) * 512
-	buf := make([]byte, 32<<10)
+	var rd dirReader
 	var batch []dirent
 	entries := 0
 	for len(stack) > 0 {
 		cur := &stack[len(stack)-1]
-		if _, err := unix.Seek(cur.fd, cur.off, io.SeekStart); err != nil {
-			return 0, fmt.Errorf("read directory: seek: %w", err)
-		}
-		n, err := unix.Getdents(cur.fd, buf)
+		batch, err = rd.read(cur.fd, cur.off, batch, dirBatch)
 		if err != nil {
 			return 0, fmt.Errorf("read directory: %w", err)
 		}
-		if n == 0 {
+		if len(batch) == 0 {
 			unix.Close(cur.fd)
 			stack = stack[:len(stack)-1]
 			continue
 		}
-		batch = parseDirents(buf[:n], batch[:0], len(buf))
-		cur.off = lastDirentOff(buf[:n])
 		for _, e := range batch {
+			// Read on from just past this entry next time, a child's tree done.
+			cur.off = e.off
 			if entries++; entries%1000 == 0 {
 				if err := ctx.Err(); err != nil {
 					return 0, err
@@ -166,8 +162,6 @@ func walkUsage(ctx context.Context, fd int) (uint64, error) {
 			} else if err != nil {
 				return 0, fmt.Errorf("open %s: %w", e.name, err)
 			}
-			// Read on from just past this child when its tree is done.
-			cur.off = e.off
 			stack = append(stack, level{fd: child})
 			break
 		}

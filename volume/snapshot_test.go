@@ -55,15 +55,17 @@ func limitOf(t *testing.T, r *Root, rel string) (quota.ID, quota.Usage) {
 // the clone's limit is refused and leaves nothing.
 func TestMkdirAllFromBtrfsSnapshot(t *testing.T) {
 	b, srcID := btrfsCopyBase(t)
-	// A snapshot keeps the subvolume as it is, device nodes included (see MkdirAllFrom).
+	// The snapshot is the source as it is but for its device nodes, left out as a copy
+	// leaves them out.
 	want := treeHash(t, filepath.Join(b.base, "ns/src"))
+	delete(want, "null")
 	claim := Claim{UID: "clone-uid", PVName: "pv-clone"}
 	created, id, stats, err := b.root.MkdirAllFrom(context.Background(), "ns/clone", claim, 32<<20, Source{Root: b.root, Rel: "ns/src"})
 	if err != nil || !created {
 		t.Fatalf("MkdirAllFrom = %v, %v", created, err)
 	}
-	if stats.Method != MethodBtrfsSnapshot {
-		t.Errorf("Method %q, want %q", stats.Method, MethodBtrfsSnapshot)
+	if stats.Method != MethodBtrfsSnapshot || stats.SkippedDevices != 1 {
+		t.Errorf("Method %q, %d device nodes left out; want %q, 1", stats.Method, stats.SkippedDevices, MethodBtrfsSnapshot)
 	}
 	if id.Kind != quota.Btrfs || id == srcID {
 		t.Errorf("clone's quota %v, want a btrfs qgroup of its own (the source's is %v)", id, srcID)
@@ -207,6 +209,7 @@ func TestSnapshotCopy(t *testing.T) {
 	if err != nil {
 		t.Fatalf("restore: %v", err)
 	}
+	delete(want, "null") // the snapshot keeps it, a volume restored from it does not
 	diffTrees(t, want, treeHash(t, filepath.Join(b.base, "ns/restored")))
 
 	if err := b.root.DeleteSnapshot("snap-1"); err != nil {
@@ -279,12 +282,13 @@ func TestSnapshotBtrfs(t *testing.T) {
 	if err != nil {
 		t.Fatalf("restore: %v", err)
 	}
-	if stats.Method != MethodBtrfsSnapshot {
-		t.Errorf("restore Method %q, want %q", stats.Method, MethodBtrfsSnapshot)
+	if stats.Method != MethodBtrfsSnapshot || stats.SkippedDevices != 1 {
+		t.Errorf("restore Method %q, %d device nodes left out; want %q, 1", stats.Method, stats.SkippedDevices, MethodBtrfsSnapshot)
 	}
 	if got, u := limitOf(t, b.root, "ns/restored"); got != id || u.LimitBytes != 16<<20 {
 		t.Errorf("restored volume's quota %v limit %d, want %v limited to 16 MiB", got, u.LimitBytes, id)
 	}
+	delete(want, "null") // the snapshot keeps it, a volume restored from it does not
 	diffTrees(t, want, treeHash(t, filepath.Join(b.base, "ns/restored")))
 	must(t, os.WriteFile(filepath.Join(b.base, "ns/restored/writable"), nil, 0o644))
 

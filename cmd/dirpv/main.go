@@ -201,6 +201,9 @@ func nodeFlags(fs *flag.FlagSet) func(context.Context) error {
 	fs.DurationVar(&cfg.QuotaCheckPeriod, "quota-check-period", daemon.DefaultQuotaCheckPeriod,
 		"How often the node walks its limited local volumes for data outside their limits: files a tenant moved out of its volume's XFS or ext4 "+
 			"project quota are moved back, nested btrfs subvolumes are reported; either gets a QuotaEscape event on the claim. 0 disables the checks.")
+	fs.IntVar(&cfg.MaxLocalCopies, "max-local-copies", provisioner.DefaultMaxLocalCopies,
+		"Copies of local volumes (clones, restores, snapshots) that may run at once on this node; the others wait for one to end "+
+			"(dirpv_copies_waiting). Each holds a few MiB of memory at most, whatever the tree.")
 	capacity := capacityFlags(fs)
 	fs.StringVar(&capacity.PodName, "pod-name", os.Getenv("POD_NAME"),
 		"Name of the pod this runs in, the owner of the node's CSIStorageCapacity objects (they go with it). Default: $POD_NAME; empty: no owner.")

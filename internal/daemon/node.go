@@ -51,6 +51,9 @@ type NodeConfig struct {
 	// StateDir is the node's own directory for what the node's provisioner remembers across
 	// restarts: which file system each local base is (provisioner.Config.StateDir).
 	StateDir string
+	// MaxLocalCopies caps the copies of local volumes running at once on the node
+	// (provisioner.Config.MaxLocalCopies).
+	MaxLocalCopies int
 }
 
 // DefaultQuotaCheckPeriod is the default of NodeConfig.QuotaCheckPeriod.
@@ -121,6 +124,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			CopySpaceMargin:  cfg.Provisioner.CopySpaceMargin,
 			Volumes:          factory.Core().V1().PersistentVolumes().Lister(),
 			QuotaCheckPeriod: cfg.QuotaCheckPeriod,
+			MaxLocalCopies:   cfg.MaxLocalCopies,
 		})
 		if err != nil {
 			return err

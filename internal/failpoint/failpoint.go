@@ -138,6 +138,10 @@ const (
 	// ResizeChecked is in Resize, after the volume's marker named its quota ID and before the
 	// limit of that ID is raised.
 	ResizeChecked = "resize-checked"
+	// CopyStarted is in a copy of a tree (a clone's, a restore's, a snapshot's) that is not a
+	// btrfs snapshot, once its target is made and before its first entry is copied: where
+	// it holds whatever caps how many copies run at once.
+	CopyStarted = "copy-started"
 )
 
 var onReach atomic.Pointer[func(string)]

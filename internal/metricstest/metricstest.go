@@ -29,6 +29,30 @@ func HistogramCount(t testing.TB, g prometheus.Gatherer, name string, labels map
 	return 0
 }
 
+// Value returns the value of the gauge or counter name with exactly the given labels, 0 if
+// there is none.
+func Value(t testing.TB, g prometheus.Gatherer, name string, labels map[string]string) float64 {
+	t.Helper()
+	mfs, err := g.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			if labelsEqual(m.GetLabel(), labels) {
+				if m.GetGauge() != nil {
+					return m.GetGauge().GetValue()
+				}
+				return m.GetCounter().GetValue()
+			}
+		}
+	}
+	return 0
+}
+
 func labelsEqual(got []*dto.LabelPair, want map[string]string) bool {
 	if len(got) != len(want) {
 		return false

@@ -61,7 +61,7 @@ var (
 	flagBin      = flag.String("dirpv-bin", "", "run this dirpv binary instead of building ./cmd/dirpv (e.g. to compare two builds)")
 	flagPlace    = flag.String("place", "create", `how a claim gets its node: "create" (made with the scheduler's selected-node annotation) or "scheduler" (made unplaced, then updated with it as the scheduler does)`)
 	flagPolicy   = flag.Bool("node-label-policy", true, "install deploy/'s MutatingAdmissionPolicy that labels placed local claims with their node, as deploy/ does; false: dirpv controller labels them (clusters before Kubernetes 1.36)")
-	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,limits,nfs,publish,nodes,rss,stock); empty: all. ceiling is always run, but for -only nodes")
+	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,limits,nfs,publish,nodes,rss,copy,stock); empty: all. ceiling is always run, but for -only nodes")
 )
 
 // Row is one measured figure with its reference.
@@ -195,6 +195,8 @@ func run() (err error) {
 		{"publish", "publish", b.publish},
 		{"nodes", "simulated nodes", b.nodes},
 		{"rss", "rss", b.rss},
+		{"copy", "dirpv clone of 1M names + 200k hard links (memory)", b.copyMemory},
+		{"copy", "dirpv clone against cp -a (ext4)", b.copyPlain},
 		{"stock", "stock kube-controller-manager", b.stock},
 	}
 	only := b.only
@@ -1178,9 +1180,14 @@ func (b *bench) goals() {
 		{"single local claim p50 vs ceiling", "local.p50", "ceil.p50", 1.2},
 		{"publish+unpublish p50 vs bare bind mount (mount-utils)", "pub.p50", "mu.p50", 3},
 		{"publish+unpublish p50 vs bare bind mount (mount(2))", "pub.p50", "sys.p50", 3},
+		{"clone of 1 GiB + 110k files create->Bound vs cp -a (ext4)", "copy.plain.clone", "copy.plain.cp", plainCopyGoal},
 	} {
 		ratio := b.ms[r.num] / b.ms[r.den]
 		g(r.what, fmt.Sprintf("<= %gx", r.limit), ratio, ratio <= r.limit)
+	}
+	if idle, ok := b.ms["copy.rss.idle"]; ok {
+		above := b.ms["copy.rss.peak"] - idle
+		g(fmt.Sprintf("node RSS above idle cloning %d names + %d links (MiB)", copyNames, copyLinks), fmt.Sprintf("<= %g", copyRSSGoalMiB), above, above <= copyRSSGoalMiB)
 	}
 	if mem := b.report.Memory; mem != nil {
 		for _, proc := range []string{"controller", "node"} {

@@ -1,0 +1,169 @@
+package volume
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"runtime/debug"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// TestCopyMemoryBounded: a clone of a directory holding 200,000 names, 50,000 files of them
+// with two names each, grows the heap by no more than a fixed bound: the copier reads the
+// directory a batch at a time, and its hard-link table, full, makes further names files of
+// their own rather than grow. It is `make bench`'s memory row (1,000,000 names, 200,000 hard
+// links, 32 MiB above idle) at a fifth of the names, a quarter of the links and a quarter of
+// the table, with a heap bound of 6 MiB.
+func TestCopyMemoryBounded(t *testing.T) {
+	if os.Getuid() != 0 {
+		t.Skip("mounts a tmpfs: needs root")
+	}
+	const (
+		plain, pairs = 100_000, 50_000
+		bound        = 6 << 20
+	)
+	dir := t.TempDir()
+	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=512m,nr_inodes=1m"); err != nil {
+		t.Skipf("mount tmpfs: %v", err)
+	}
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	base := filepath.Join(dir, "base")
+	must(t, os.Mkdir(base, 0o755))
+	r, err := OpenRoot(base)
+	must(t, err)
+	defer r.Close()
+	if _, err := r.MkdirAll("src", Owner{Mode: 0o755}, Claim{UID: "src"}); err != nil {
+		t.Fatal(err)
+	}
+	big := filepath.Join(base, "src", "big")
+	must(t, os.Mkdir(big, 0o755))
+	dfd, err := unix.Open(big, unix.O_RDONLY|unix.O_DIRECTORY, 0)
+	must(t, err)
+	for i := range plain + pairs {
+		fd, err := unix.Openat(dfd, fmt.Sprintf("f%06d", i), unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
+		must(t, err)
+		unix.Close(fd)
+	}
+	// The second names after all the first ones (tmpfs lists a directory in the order its
+	// names were made): the table must hold every pair at once.
+	for i := plain; i < plain+pairs; i++ {
+		must(t, unix.Linkat(dfd, fmt.Sprintf("f%06d", i), dfd, fmt.Sprintf("l%06d", i), 0))
+	}
+	unix.Close(dfd)
+
+	defer func(n int) { linkTableBytes = n }(linkTableBytes)
+	linkTableBytes = 1 << 20
+	// A small GC target, so that the heap follows what is live rather than the garbage
+	// between two collections.
+	defer debug.SetGCPercent(debug.SetGCPercent(10))
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	idle := ms.HeapInuse
+	peak := idle
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		tick := time.NewTicker(2 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			var ms runtime.MemStats
+			runtime.ReadMemStats(&ms)
+			peak = max(peak, ms.HeapInuse)
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	start := time.Now()
+	_, _, stats, err := r.MkdirAllFrom(context.Background(), "clone", Claim{UID: "clone"}, 0, Source{Root: r, Rel: "src"})
+	close(stop)
+	wg.Wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("copied %d names in %v: heap in use %.1f MiB idle, %.1f MiB at its peak; stats %+v",
+		plain+2*pairs, time.Since(start).Round(time.Millisecond), float64(idle)/(1<<20), float64(peak)/(1<<20), stats)
+	if grew := peak - idle; grew > bound {
+		t.Errorf("the copy grew the heap by %.1f MiB, want at most %.1f MiB", float64(grew)/(1<<20), float64(bound)/(1<<20))
+	}
+	if stats.Files+stats.HardLinks != plain+2*pairs {
+		t.Errorf("stats %+v: want %d files and links", stats, plain+2*pairs)
+	}
+	if stats.LinksNotKept == 0 {
+		t.Errorf("every link was kept: the test did not fill the %d-byte link table", linkTableBytes)
+	}
+	// Every name is there, and a pair kept as a link is one inode.
+	f, err := os.Open(filepath.Join(base, "clone", "big"))
+	must(t, err)
+	defer f.Close()
+	names, err := f.Readdirnames(-1)
+	must(t, err)
+	if len(names) != plain+2*pairs {
+		t.Errorf("the copy holds %d names, want %d", len(names), plain+2*pairs)
+	}
+	linked := 0
+	for i := plain; i < plain+pairs; i++ {
+		var a, b unix.Stat_t
+		must(t, unix.Fstatat(int(f.Fd()), fmt.Sprintf("f%06d", i), &a, unix.AT_SYMLINK_NOFOLLOW))
+		must(t, unix.Fstatat(int(f.Fd()), fmt.Sprintf("l%06d", i), &b, unix.AT_SYMLINK_NOFOLLOW))
+		if a.Ino == b.Ino {
+			linked++
+		}
+	}
+	if int64(linked) != stats.HardLinks {
+		t.Errorf("%d pairs share an inode in the copy, want %d (HardLinks)", linked, stats.HardLinks)
+	}
+}
+
+// TestCopyWhereOffsetsAreLost: where a directory offset is valid only on the descriptor that
+// read it (FUSE, the test NFS client among them), the copier, back up from a subdirectory on
+// a new descriptor, reads the directory again from its start and skips what it copied: the
+// copy is whole, each name once.
+func TestCopyWhereOffsetsAreLost(t *testing.T) {
+	b := newCopyBase(t, t.TempDir())
+	src := filepath.Join(b.base, "ns/src")
+	for d := range 4 {
+		sub := filepath.Join(src, fmt.Sprintf("d%d", d))
+		must(t, os.Mkdir(sub, 0o755))
+		for i := range dirBatch + 200 {
+			must(t, os.WriteFile(filepath.Join(src, fmt.Sprintf("f%d-%d", d, i)), nil, 0o644))
+			if i%3 == 0 {
+				must(t, os.WriteFile(filepath.Join(sub, fmt.Sprintf("g%d", i)), []byte("x"), 0o644))
+			}
+		}
+	}
+	want := expectedCopy(t, src)
+	last, refused := -1, 0
+	refuseOffset = func(fd int, off int64) bool {
+		// Reads come from one goroutine: the copy's.
+		lost := off != 0 && fd != last
+		last = fd
+		if lost {
+			refused++
+		}
+		return lost
+	}
+	defer func() { refuseOffset = nil }()
+	_, _, stats, err := b.root.MkdirAllFrom(context.Background(), "ns/clone", Claim{UID: "clone"}, 0, Source{Root: b.root, Rel: "ns/src"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if refused == 0 {
+		t.Fatal("no offset was refused: the test did not test anything")
+	}
+	diffTrees(t, want, treeHash(t, filepath.Join(b.base, "ns/clone")))
+	if n := int64(len(want)) - 1; stats.Dirs+stats.Files+stats.Symlinks+stats.HardLinks+stats.Special != n {
+		t.Errorf("stats %+v: want %d entries made, each once", stats, n)
+	}
+}
