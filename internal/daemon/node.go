@@ -120,6 +120,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			CloneTimeout:     cfg.Provisioner.CloneTimeout,
 			Volumes:          factory.Core().V1().PersistentVolumes().Lister(),
 			QuotaCheckPeriod: cfg.QuotaCheckPeriod,
+			Adopt:            cfg.Provisioner.Adopt,
 		})
 		if err != nil {
 			return err
