@@ -16,31 +16,29 @@ import (
 	"github.com/dirpv/dirpv/volume"
 )
 
-// The provisioners whose classes ConvertClass translates.
-const (
-	NFSSubdirProvisioner = "cluster.local/nfs-subdir-external-provisioner"
-	LocalPathProvisioner = "rancher.io/local-path"
-)
-
-// Where the converted class's volumes are: what the old provisioner's deployment, not its
-// class, says (nfs-subdir's NFS_SERVER and NFS_PATH, local-path's nodePathMap).
+// ConvertTarget says which provisioner's class ConvertClass translates, and where its volumes
+// are: what that provisioner's deployment, not its class, says. Server and Share (its
+// NFS_SERVER and NFS_PATH) for nfs-subdir-external-provisioner, BasePath (its nodePathMap) for
+// local-path-provisioner. Both are often installed under provisioner names of their own, so
+// the name does not tell.
 type ConvertTarget struct {
 	Server, Share string
 	BasePath      string
 }
 
-// ConvertClass returns the StorageClass of driver (dirpv's) that replaces old under the same name, so that
-// claims naming the class keep working and dirpv reclaims old's PVs as old's provisioner
-// would have (see adopt.go): nfs-subdir-external-provisioner's (provisioner name
-// NFSSubdirProvisioner, or another name given to it: any class with its parameters and no
-// other) or local-path-provisioner's. New volumes get directories named as the old
+// ConvertClass returns the StorageClass of driver (dirpv's) that replaces old under the same
+// name, so that claims naming the class keep working and dirpv reclaims old's PVs as old's
+// provisioner would have (see adopt.go). New volumes get directories named as the old
 // provisioner named them, beside the old ones.
 func ConvertClass(old *storagev1.StorageClass, to ConvertTarget, driver string) (*storagev1.StorageClass, error) {
 	var params map[string]string
 	var err error
-	if old.Provisioner == LocalPathProvisioner {
+	switch {
+	case to.BasePath != "" && (to.Server != "" || to.Share != ""):
+		err = fmt.Errorf("a local-path-provisioner class (base path) or an nfs-subdir-external-provisioner one (server and share), not both")
+	case to.BasePath != "":
 		params, err = localPathParams(old, to)
-	} else {
+	default:
 		params, err = nfsSubdirParams(old, to)
 	}
 	if err != nil {
@@ -97,7 +95,7 @@ var nfsSubdirRef = regexp.MustCompile(`\$\{\.PVC\.(namespace|name|labels\.([^}]+
 
 func nfsSubdirParams(old *storagev1.StorageClass, to ConvertTarget) (map[string]string, error) {
 	if to.Server == "" || to.Share == "" {
-		return nil, fmt.Errorf("nfs-subdir-external-provisioner's server and path (its NFS_SERVER and NFS_PATH) are needed")
+		return nil, fmt.Errorf("nfs-subdir-external-provisioner's server and path (its NFS_SERVER and NFS_PATH), or local-path-provisioner's base path, are needed")
 	}
 	if err := onlyParams(old, "archiveOnDelete", "onDelete", "pathPattern"); err != nil {
 		return nil, err

@@ -24,9 +24,9 @@ Usage:
   dirpv controller [flags]   provision NFS volumes (Deployment, leader-elected)
   dirpv node [flags]         CSI node plugin + local-volume provisioner for this node (DaemonSet)
   dirpv snapshot-controller  the common VolumeSnapshot controller, for clusters without one
-  dirpv convert-class [flags]  read an nfs-subdir-external-provisioner or local-path-provisioner
-                             StorageClass (YAML or JSON) on stdin, write the dirpv class that
-                             replaces it under the same name (docs/migrating.md)
+  dirpv convert-class [flags]  read an nfs-subdir-external-provisioner (--nfs-server, --nfs-share)
+                             or local-path-provisioner (--base-path) StorageClass on stdin, write
+                             the dirpv class that replaces it under the same name (docs/migrating.md)
   dirpv version              print the version
 
 Run "dirpv <command> -h" for the command's flags.
@@ -106,7 +106,7 @@ func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfi
 		"Longest delay between retries of a failed provision or delete.")
 	fs.Func("adopt-provisioners", "Comma-separated names of other provisioners (e.g. cluster.local/nfs-subdir-external-provisioner, rancher.io/local-path) "+
 		"whose PVs dirpv deletes, retains or archives in their place, as the dirpv StorageClass that replaced theirs under the same name says. "+
-		"Give the controller and the nodes the same list. See docs/migrating.md.", func(s string) error {
+		"Give the controller and the nodes the same list, and only once those provisioners are stopped. See docs/migrating.md.", func(s string) error {
 		prov.Adopt = nil
 		for _, name := range strings.Split(s, ",") {
 			if name = strings.TrimSpace(name); name != "" {

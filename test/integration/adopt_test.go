@@ -23,10 +23,12 @@ import (
 	"github.com/dirpv/dirpv/test/framework"
 )
 
-// The provisioners the suite's controller and node-a adopt (--adopt-provisioners).
+// The provisioners the suite's controller and node-a adopt (--adopt-provisioners): nfs-subdir
+// under its chart's default name, local-path under a name of its own (its --provisioner-name),
+// since TestOtherProvisionersObjectsUntouched plays kind's rancher.io/local-path still running.
 const (
 	nfsSubdir = "cluster.local/nfs-subdir-external-provisioner"
-	localPath = "rancher.io/local-path"
+	localPath = "example.com/local-path"
 )
 
 // adoptWait bounds a wait for the lib's retry of a Delete that failed before the class was
