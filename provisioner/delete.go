@@ -25,11 +25,10 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 	}
 	logger := klog.FromContext(ctx).WithValues("pv", pv.Name)
 	ctx = klog.NewContext(ctx, logger)
-	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
+	attrs, policy, err := p.deletion(pv)
 	if err != nil {
-		return fmt.Errorf("PV %s: %w", pv.Name, err)
+		return err
 	}
-	attrs.BaseMountPoint = mountPointRequired(pv)
 	if p.cfg.Role == RoleController && attrs.Backend == volume.BackendLocal {
 		// Only a lost node's volumes get here: nobody can reach the directory any more.
 		msg := fmt.Sprintf("node %s no longer exists: the PV is deleted, its data (if any) stays in %s/%s on that machine",
@@ -39,12 +38,6 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 			p.cfg.Events.Event(pv, v1.EventTypeWarning, "VolumeDataOnLostNode", msg)
 		}
 		return nil
-	}
-	policy := OnDeleteDelete
-	if s, ok := pv.Annotations[AnnOnDelete]; ok {
-		if policy, err = parseOnDelete(s); err != nil {
-			return fmt.Errorf("PV %s annotation %s: %w", pv.Name, AnnOnDelete, err)
-		}
 	}
 	if policy == OnDeleteRetain {
 		logger.Info("Kept volume directory (onDelete retain)", "path", attrs.Path)
@@ -106,6 +99,26 @@ func (p *Provisioner) Delete(ctx context.Context, pv *v1.PersistentVolume) error
 	}
 	logger.Info("Deleted volume directory", "path", attrs.Path, "onDelete", policy)
 	return nil
+}
+
+// deletion returns where pv's directory is and its onDelete policy: from the PV alone for
+// dirpv's own, from the class for an adopted one (adoptedVolume).
+func (p *Provisioner) deletion(pv *v1.PersistentVolume) (volume.Attributes, OnDelete, error) {
+	if p.adopts(pv) {
+		return p.adoptedVolume(pv)
+	}
+	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
+	if err != nil {
+		return volume.Attributes{}, "", fmt.Errorf("PV %s: %w", pv.Name, err)
+	}
+	attrs.BaseMountPoint = mountPointRequired(pv)
+	policy := OnDeleteDelete
+	if s, ok := pv.Annotations[AnnOnDelete]; ok {
+		if policy, err = parseOnDelete(s); err != nil {
+			return volume.Attributes{}, "", fmt.Errorf("PV %s annotation %s: %w", pv.Name, AnnOnDelete, err)
+		}
+	}
+	return attrs, policy, nil
 }
 
 // removeVolume removes vol, the volume directory of owner that Root.OpenVolumeOf found at attrs'

@@ -92,7 +92,8 @@ func (p *Provisioner) checkQuotas(ctx context.Context) {
 	}
 	var mine []*v1.PersistentVolume
 	for _, pv := range pvs {
-		if p.responsibleFor(ctx, pv) == "" && pv.Spec.ClaimRef != nil && pv.Status.Phase == v1.VolumeBound &&
+		// Adopted PVs (no CSI source) have no limit to check.
+		if p.responsibleFor(ctx, pv) == "" && pv.Spec.CSI != nil && pv.Spec.ClaimRef != nil && pv.Status.Phase == v1.VolumeBound &&
 			pv.Spec.CSI.VolumeAttributes[volume.AttrQuota] != "" {
 			mine = append(mine, pv)
 		}

@@ -80,8 +80,13 @@ func (in *instrumented) Delete(ctx context.Context, pv *v1.PersistentVolume) err
 	start := time.Now()
 	err := in.Provisioner.Delete(ctx, pv)
 	backend := "unknown"
-	if pv.Spec.CSI != nil {
-		backend = volume.BackendLabel(volume.Backend(pv.Spec.CSI.VolumeAttributes[volume.AttrBackend]))
+	switch src := pv.Spec.PersistentVolumeSource; {
+	case src.CSI != nil:
+		backend = volume.BackendLabel(volume.Backend(src.CSI.VolumeAttributes[volume.AttrBackend]))
+	case src.NFS != nil: // adopted
+		backend = volume.BackendLabel(volume.BackendNFS)
+	case src.HostPath != nil || src.Local != nil:
+		backend = volume.BackendLabel(volume.BackendLocal)
 	}
 	result := "success"
 	var ignored *controller.IgnoredError

@@ -52,7 +52,7 @@ func parsePattern(s string) (*pattern, error) {
 		return nil, fmt.Errorf("pathPattern %s is absolute: it is relative to the share or base path", volume.Quote(s))
 	}
 	p := &pattern{}
-	for _, comp := range strings.Split(s, "/") {
+	for _, comp := range splitComponents(s) {
 		if comp == "" || comp == "." || comp == ".." {
 			return nil, fmt.Errorf("pathPattern %s has an empty, \".\" or \"..\" component", volume.Quote(s))
 		}
@@ -63,6 +63,25 @@ func parsePattern(s string) (*pattern, error) {
 		p.components = append(p.components, toks)
 	}
 	return p, nil
+}
+
+// splitComponents splits s at each slash outside ${...}: a label or annotation key may hold
+// one (nfs.io/storage-path).
+func splitComponents(s string) []string {
+	var comps []string
+	start, inVar := 0, false
+	for i := 0; i < len(s); i++ {
+		switch {
+		case !inVar && strings.HasPrefix(s[i:], "${"):
+			inVar = true
+		case inVar && s[i] == '}':
+			inVar = false
+		case !inVar && s[i] == '/':
+			comps = append(comps, s[start:i])
+			start = i + 1
+		}
+	}
+	return append(comps, s[start:])
 }
 
 func parseComponent(comp string) ([]token, error) {

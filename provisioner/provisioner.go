@@ -105,6 +105,9 @@ type Config struct {
 	// outside their limits, repairs what it can and tells their claims (role node, with
 	// Volumes); 0 disables the checks.
 	QuotaCheckPeriod time.Duration
+	// Adopt names other provisioners whose PVs dirpv deletes, retains or archives in their
+	// place (adopt.go); the lib must be given the same names.
+	Adopt []string
 }
 
 // Provisioner implements controller.Provisioner, Qualifier and DeletionGuard.
@@ -276,15 +279,29 @@ func (p *Provisioner) ShouldProvision(ctx context.Context, claim *v1.PersistentV
 // controller, local volumes on their own node, and in the controller also local volumes whose
 // node is gone, so that their claims' deletion completes instead of waiting forever.
 func (p *Provisioner) ShouldDelete(ctx context.Context, pv *v1.PersistentVolume) bool {
+	// The lib asks this of every PV it syncs, released or not: an adopted local PV reaches
+	// its node long before it is deleted.
+	p.placeAdopted(ctx, pv)
 	return p.responsibleFor(ctx, pv) == ""
 }
 
 // responsibleFor returns why this instance does not handle the PV, or "" if it does.
 func (p *Provisioner) responsibleFor(ctx context.Context, pv *v1.PersistentVolume) string {
-	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != p.cfg.DriverName {
+	var backend volume.Backend
+	switch {
+	case p.adopts(pv) && pv.Spec.NFS != nil:
+		backend = volume.BackendNFS
+	case p.adopts(pv):
+		// Only the node it was handed to (placeAdopted) deletes an adopted local PV.
+		if p.cfg.Role == RoleController {
+			return fmt.Sprintf("PV %s is a local volume of %s, deleted on its node", pv.Name, pv.Annotations[AnnProvisionedBy])
+		}
+		backend = volume.BackendLocal
+	case pv.Spec.CSI == nil || pv.Spec.CSI.Driver != p.cfg.DriverName:
 		return fmt.Sprintf("PV %s is not a %s volume", pv.Name, p.cfg.DriverName)
+	default:
+		backend = volume.Backend(pv.Spec.CSI.VolumeAttributes[volume.AttrBackend])
 	}
-	backend := volume.Backend(pv.Spec.CSI.VolumeAttributes[volume.AttrBackend])
 	switch {
 	case p.cfg.Role == RoleController && backend == volume.BackendLocal:
 		if p.nodeLost(ctx, pv) {

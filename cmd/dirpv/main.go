@@ -25,6 +25,9 @@ Usage:
   dirpv controller [flags]   provision NFS volumes (Deployment, leader-elected)
   dirpv node [flags]         CSI node plugin + local-volume provisioner for this node (DaemonSet)
   dirpv snapshot-controller  the common VolumeSnapshot controller, for clusters without one
+  dirpv convert-class [flags]  read an nfs-subdir-external-provisioner (--nfs-server, --nfs-share)
+                             or local-path-provisioner (--base-path) StorageClass on stdin, write
+                             the dirpv class that replaces it under the same name (docs/migrating.md)
   dirpv version              print the version
 
 Run "dirpv <command> -h" for the command's flags.
@@ -46,6 +49,8 @@ func main() {
 		run = nodeFlags(fs)
 	case "snapshot-controller":
 		run = snapshotControllerFlags(fs)
+	case "convert-class":
+		run = convertClassFlags(fs)
 	case "version":
 		fmt.Println(daemon.Version)
 		return
@@ -63,6 +68,13 @@ func main() {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
+	if cmd == "convert-class" {
+		if err := run(ctx); err != nil {
+			fmt.Fprintf(os.Stderr, "dirpv convert-class: %v\n", err)
+			os.Exit(1)
+		}
+		return
+	}
 	logger := klog.Background().WithValues("command", cmd)
 	ctx = klog.NewContext(ctx, logger)
 	logger.Info("Starting dirpv", "version", daemon.Version)
@@ -96,6 +108,17 @@ func commonFlags(fs *flag.FlagSet) (*daemon.KubeConfig, *daemon.ProvisionerConfi
 		"Delay before the first retry of a failed provision or delete; it doubles with each failure, up to --retry-interval-max. Retries never stop.")
 	fs.DurationVar(&prov.RetryIntervalMax, "retry-interval-max", daemon.DefaultRetryIntervalMax,
 		"Longest delay between retries of a failed provision or delete.")
+	fs.Func("adopt-provisioners", "Comma-separated names of other provisioners (e.g. cluster.local/nfs-subdir-external-provisioner, rancher.io/local-path) "+
+		"whose PVs dirpv deletes, retains or archives in their place, as the dirpv StorageClass that replaced theirs under the same name says. "+
+		"Give the controller and the nodes the same list, and only once those provisioners are stopped. See docs/migrating.md.", func(s string) error {
+		prov.Adopt = nil
+		for _, name := range strings.Split(s, ",") {
+			if name = strings.TrimSpace(name); name != "" {
+				prov.Adopt = append(prov.Adopt, name)
+			}
+		}
+		return nil
+	})
 	httpAddr := fs.String("http-address", ":9809", "Address for /healthz and /metrics. Empty disables them.")
 	profiling := fs.Bool("profiling", false, "Also serve Go's /debug/pprof/ on --http-address (heap and CPU profiles).")
 	return kube, prov, httpAddr, profiling
@@ -170,6 +193,16 @@ func snapshotControllerFlags(fs *flag.FlagSet) func(context.Context) error {
 	return func(ctx context.Context) error {
 		cfg.Kube, cfg.Workers, cfg.Resync, cfg.HTTPAddress = *kube, prov.Workers, prov.Resync, *httpAddr
 		return daemon.RunSnapshotController(ctx, cfg)
+	}
+}
+
+func convertClassFlags(fs *flag.FlagSet) func(context.Context) error {
+	var to provisioner.ConvertTarget
+	fs.StringVar(&to.Server, "nfs-server", "", "nfs-subdir-external-provisioner's NFS server (its NFS_SERVER).")
+	fs.StringVar(&to.Share, "nfs-share", "", "nfs-subdir-external-provisioner's exported path (its NFS_PATH).")
+	fs.StringVar(&to.BasePath, "base-path", "", "local-path-provisioner's node path (its nodePathMap; kind's is /var/local-path-provisioner).")
+	return func(context.Context) error {
+		return provisioner.ConvertClassManifest(os.Stdin, os.Stdout, to, daemon.DriverName)
 	}
 }
 

@@ -110,6 +110,8 @@ type ProvisionerConfig struct {
 	// Provision or Delete: it starts at the one and doubles up to the other; zero means
 	// DefaultRetryIntervalStart and DefaultRetryIntervalMax. Retries never stop (retryLimiter).
 	RetryIntervalStart, RetryIntervalMax time.Duration
+	// Adopt names other provisioners whose PVs dirpv applies reclaim to (provisioner.Config.Adopt).
+	Adopt []string
 }
 
 // The back-off defaults. The start is the lib's own: a refused claim's first retry comes no
@@ -212,6 +214,7 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 		CloneTimeout:     cfg.Provisioner.CloneTimeout,
 		CopySpaceMargin:  cfg.Provisioner.CopySpaceMargin,
 		IdleUnmount:      cfg.IdleUnmount,
+		Adopt:            cfg.Provisioner.Adopt,
 	})
 	if err != nil {
 		return err
@@ -294,6 +297,7 @@ func provisioning(ctx context.Context, client kubernetes.Interface, factory info
 		controller.VolumesInformer(factory.Core().V1().PersistentVolumes().Informer()),
 		controller.ClassesInformer(factory.Storage().V1().StorageClasses().Informer()),
 		controller.MetricsInstance(m),
+		controller.AdditionalProvisionerNames(cfg.Adopt),
 		// The lib's own metrics server would listen on the default mux; ours serves them.
 		controller.MetricsPort(0),
 		// Without the finalizer, a PV deleted before its claim (or a Released PV deleted by

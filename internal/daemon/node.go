@@ -125,6 +125,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 			Volumes:          factory.Core().V1().PersistentVolumes().Lister(),
 			QuotaCheckPeriod: cfg.QuotaCheckPeriod,
 			MaxLocalCopies:   cfg.MaxLocalCopies,
+			Adopt:            cfg.Provisioner.Adopt,
 		})
 		if err != nil {
 			return err

@@ -215,8 +215,9 @@ var wantRules = map[string][]rbacv1.PolicyRule{
 		// external-resizer's controller: a resize's conditions, allocatedResources, capacity.
 		{APIGroups: []string{""}, Resources: []string{"persistentvolumeclaims/status"}, Verbs: []string{"patch"}},
 		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"storageclasses"}, Verbs: []string{"get", "list", "watch"}},
-		// Provisioner.nodeLost: is a released local PV's node gone?
-		{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get"}},
+		// Provisioner.nodeLost: is a released local PV's node gone? placeAdopted: which node has
+		// an adopted local PV's hostname?
+		{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get", "list"}},
 		// Provisioner.checkNodePlugin: does a local claim's node run dirpv's node plugin?
 		{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"csinodes"}, Verbs: []string{"get"}},
 		// driverOwner: the CSIDriver owns the controller's CSIStorageCapacity objects.
@@ -875,12 +876,13 @@ func TestHelmCustomValues(t *testing.T) {
 	if e, _ := envValue(container(t, d.Spec.Template.Spec), "KUBERNETES_SERVICE_HOST"); e.Value != "127.0.0.1" {
 		t.Errorf("extraEnv not applied: %+v", e)
 	}
-	if args := container(t, d.Spec.Template.Spec).Args; !slices.Contains(args, "--operation-timeout=1m") {
-		t.Errorf("controller args %v lack extraArgs' --operation-timeout=1m", args)
+	const adopt = "--adopt-provisioners=cluster.local/nfs-subdir-external-provisioner,rancher.io/local-path"
+	if args := container(t, d.Spec.Template.Spec).Args; !slices.Contains(args, "--operation-timeout=1m") || !slices.Contains(args, adopt) {
+		t.Errorf("controller args %v lack extraArgs' --operation-timeout=1m or adoptProvisioners' %s", args, adopt)
 	}
 	c := container(t, daemonSet(t, objs).Spec.Template.Spec)
 	if !slices.Contains(c.Args, "--kubelet-root-dir=/data/kubelet") || !slices.Contains(c.Args, "--allowed-base-paths=/srv/dirpv,/mnt/ssd/dirpv") ||
-		!slices.Contains(c.Args, "--quota-check-period=1m") {
+		!slices.Contains(c.Args, "--quota-check-period=1m") || !slices.Contains(c.Args, adopt) {
 		t.Errorf("node args %v", c.Args)
 	}
 	var paths []string

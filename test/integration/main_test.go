@@ -72,7 +72,8 @@ func setup(ctx context.Context, s *framework.Suite) error {
 		return fmt.Errorf("start snapshot-controller: %w", err)
 	}
 	s.Daemons = append(s.Daemons, snapCtrl)
-	common := []string{"--v=2", "--operation-timeout=10s"}
+	// TestTakeOverFrom* make PVs as these provisioners do.
+	common := []string{"--v=2", "--operation-timeout=10s", "--adopt-provisioners=" + nfsSubdir + "," + localPath}
 	ctrlProc, err = s.StartDirpv(ctx, "controller", "controller", append(common,
 		"--work-dir", filepath.Join(s.Work.Dir, "controller"),
 		"--leader-election=true", "--leader-election-namespace=kube-system")...)
