@@ -232,15 +232,7 @@ func TestCloneOfDeletedClaimLeavesNothing(t *testing.T) {
 // own, nothing is written, the claim is not refused for good, and once space is freed the
 // next retry makes the copy.
 func TestCloneWithoutRoomWaits(t *testing.T) {
-	if os.Getuid() != 0 {
-		t.Skip("mounts a small tmpfs: needs root")
-	}
-	base := t.TempDir()
-	if err := unix.Mount("tmpfs", base, "tmpfs", 0, "size=12m"); err != nil {
-		t.Skipf("mount tmpfs: %v", err)
-	}
-	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })
-	f := newFixtureOn(t, base)
+	f := newFixtureOn(t, smallTmpfs(t))
 	class := f.localClass(nil)
 	var srcDir string
 	src := f.sourceClaim(t, class, "src", "1Mi", func(dir string) {
@@ -291,4 +283,15 @@ func TestCloneWithoutRoomWaits(t *testing.T) {
 	if err != nil || pv == nil || state != controller.ProvisioningFinished {
 		t.Fatalf("Provision once there is room = %v, %s, %v; want the clone's PV", pv, state, err)
 	}
+}
+
+// smallTmpfs mounts a 12 MiB tmpfs, for the test's lifetime, as a base that a few MiB fill.
+func smallTmpfs(t *testing.T) string {
+	t.Helper()
+	base := t.TempDir()
+	if err := unix.Mount("tmpfs", base, "tmpfs", 0, "size=12m"); err != nil {
+		t.Fatalf("mount tmpfs: %v", err)
+	}
+	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })
+	return base
 }

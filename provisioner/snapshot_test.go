@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	v1 "k8s.io/api/core/v1"
@@ -186,15 +185,7 @@ func TestSnapshotStatusOfVanishedSnapshot(t *testing.T) {
 // tried again, however often the sidecar asks, before its back-off has passed; then, once
 // there is room, the copy is made.
 func TestSnapshotWithoutRoomBacksOff(t *testing.T) {
-	if os.Getuid() != 0 {
-		t.Skip("mounts a small tmpfs: needs root")
-	}
-	base := t.TempDir()
-	if err := unix.Mount("tmpfs", base, "tmpfs", 0, "size=12m"); err != nil {
-		t.Skipf("mount tmpfs: %v", err)
-	}
-	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })
-	f := newFixtureOn(t, base)
+	f := newFixtureOn(t, smallTmpfs(t))
 	c := claim("src")
 	c.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("1Mi")
 	pv, _, err := f.node.Provision(context.Background(), opts(f.localClass(nil), c))

@@ -21,18 +21,11 @@ import (
 // links, 32 MiB above idle) at a fifth of the names, a quarter of the links and a quarter of
 // the table, with a heap bound of 6 MiB.
 func TestCopyMemoryBounded(t *testing.T) {
-	if os.Getuid() != 0 {
-		t.Skip("mounts a tmpfs: needs root")
-	}
 	const (
 		plain, pairs = 100_000, 50_000
 		bound        = 6 << 20
 	)
-	dir := t.TempDir()
-	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=512m,nr_inodes=1m"); err != nil {
-		t.Skipf("mount tmpfs: %v", err)
-	}
-	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	dir := mountTmpfs(t, "size=512m,nr_inodes=1m")
 	base := filepath.Join(dir, "base")
 	must(t, os.Mkdir(base, 0o755))
 	r, err := OpenRoot(base)

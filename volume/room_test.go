@@ -14,14 +14,20 @@ import (
 	"github.com/dirpv/dirpv/volume/quota/quotatest"
 )
 
+// mountTmpfs mounts a tmpfs with options (size=..., nr_inodes=...) on a new directory, for
+// the test's lifetime, and returns the directory.
+func mountTmpfs(t *testing.T, options string) string {
+	t.Helper()
+	dir := t.TempDir()
+	must(t, unix.Mount("tmpfs", dir, "tmpfs", 0, options))
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	return dir
+}
+
 // smallBase mounts a tmpfs of size bytes and returns its path and a Root on it.
 func smallBase(t *testing.T, size string) (string, *Root) {
 	t.Helper()
-	dir := t.TempDir()
-	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size="+size); err != nil {
-		t.Skipf("mount tmpfs: %v", err)
-	}
-	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	dir := mountTmpfs(t, "size="+size)
 	r, err := OpenRoot(dir)
 	must(t, err)
 	t.Cleanup(func() { r.Close() })

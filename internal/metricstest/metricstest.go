@@ -12,26 +12,23 @@ import (
 // given labels, 0 if there is none.
 func HistogramCount(t testing.TB, g prometheus.Gatherer, name string, labels map[string]string) uint64 {
 	t.Helper()
-	mfs, err := g.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if labelsEqual(m.GetLabel(), labels) {
-				return m.GetHistogram().GetSampleCount()
-			}
-		}
-	}
-	return 0
+	return find(t, g, name, labels).GetHistogram().GetSampleCount()
 }
 
 // Value returns the value of the gauge or counter name with exactly the given labels, 0 if
 // there is none.
 func Value(t testing.TB, g prometheus.Gatherer, name string, labels map[string]string) float64 {
+	t.Helper()
+	m := find(t, g, name, labels)
+	if m.GetGauge() != nil {
+		return m.GetGauge().GetValue()
+	}
+	return m.GetCounter().GetValue()
+}
+
+// find returns the metric name with exactly the given labels, nil if there is none (whose
+// getters return zeros).
+func find(t testing.TB, g prometheus.Gatherer, name string, labels map[string]string) *dto.Metric {
 	t.Helper()
 	mfs, err := g.Gather()
 	if err != nil {
@@ -43,14 +40,11 @@ func Value(t testing.TB, g prometheus.Gatherer, name string, labels map[string]s
 		}
 		for _, m := range mf.GetMetric() {
 			if labelsEqual(m.GetLabel(), labels) {
-				if m.GetGauge() != nil {
-					return m.GetGauge().GetValue()
-				}
-				return m.GetCounter().GetValue()
+				return m
 			}
 		}
 	}
-	return 0
+	return nil
 }
 
 func labelsEqual(got []*dto.LabelPair, want map[string]string) bool {

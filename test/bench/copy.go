@@ -37,28 +37,12 @@ func (b *bench) copyMemory() error {
 	}
 	b.s.Cleanups.Add(func() { unix.Unmount(base, unix.MNT_DETACH) })
 	const ns, class = "copy", "bench-copy"
-	if err := b.localClass(class, base); err != nil {
-		return err
-	}
-	if err := createNamespace(b.ctx, b.client, ns); err != nil {
-		return err
-	}
-	w, err := watchClaims(b.ctx, b.client, ns)
+	w, src, err := b.copySource(ns, class, base)
 	if err != nil {
 		return err
 	}
 	defer w.Stop()
 	claims := b.client.CoreV1().PersistentVolumeClaims(ns)
-	if _, err := claims.Create(b.ctx, newClaim(ns, "src", class, nodeName), metav1.CreateOptions{}); err != nil {
-		return err
-	}
-	if _, err := w.waitOne(b.ctx, "src", *flagTimeout); err != nil {
-		return err
-	}
-	src, err := b.volumeDir(ns, "src")
-	if err != nil {
-		return err
-	}
 	t0 := time.Now()
 	if err := fillNames(filepath.Join(src, "big"), copyNames-copyLinks, copyLinks); err != nil {
 		return err
@@ -118,28 +102,12 @@ const plainCopyGoal = 1.1
 func (b *bench) copyPlain() error {
 	base := filepath.Join(b.s.Work.Dir, "base-plain")
 	const ns, class = "copy-plain", "bench-plain"
-	if err := b.localClass(class, base); err != nil {
-		return err
-	}
-	if err := createNamespace(b.ctx, b.client, ns); err != nil {
-		return err
-	}
-	w, err := watchClaims(b.ctx, b.client, ns)
+	w, src, err := b.copySource(ns, class, base)
 	if err != nil {
 		return err
 	}
 	defer w.Stop()
 	claims := b.client.CoreV1().PersistentVolumeClaims(ns)
-	if _, err := claims.Create(b.ctx, newClaim(ns, "src", class, nodeName), metav1.CreateOptions{}); err != nil {
-		return err
-	}
-	if _, err := w.waitOne(b.ctx, "src", *flagTimeout); err != nil {
-		return err
-	}
-	src, err := b.volumeDir(ns, "src")
-	if err != nil {
-		return err
-	}
 	if err := fillPlain(src); err != nil {
 		return err
 	}
@@ -276,4 +244,34 @@ func countNames(dir string) (int, error) {
 			return n, err
 		}
 	}
+}
+
+// copySource makes a local class on base and a namespace ns whose claims it watches, binds the
+// copy's source claim "src" there and returns the watch (for the clone's claim; the caller
+// stops it) and the source's directory.
+func (b *bench) copySource(ns, class, base string) (*claimWatch, string, error) {
+	if err := b.localClass(class, base); err != nil {
+		return nil, "", err
+	}
+	if err := createNamespace(b.ctx, b.client, ns); err != nil {
+		return nil, "", err
+	}
+	w, err := watchClaims(b.ctx, b.client, ns)
+	if err != nil {
+		return nil, "", err
+	}
+	if _, err := b.client.CoreV1().PersistentVolumeClaims(ns).Create(b.ctx, newClaim(ns, "src", class, nodeName), metav1.CreateOptions{}); err != nil {
+		w.Stop()
+		return nil, "", err
+	}
+	if _, err := w.waitOne(b.ctx, "src", *flagTimeout); err != nil {
+		w.Stop()
+		return nil, "", err
+	}
+	src, err := b.volumeDir(ns, "src")
+	if err != nil {
+		w.Stop()
+		return nil, "", err
+	}
+	return w, src, nil
 }
