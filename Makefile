@@ -85,8 +85,9 @@ conformance: cluster-bins deploy-tools image-debs
 cluster-bins:
 	bash test/cluster/build.sh >/dev/null
 
-## deploy-tools: pinned helm v3.22.0 + kustomize v5.8.2 from the Go module proxy, cached. Built after
-## cluster-bins they share its compiled k8s.io packages: cold, under a minute (alone, ~10 min).
+## deploy-tools: pinned helm v3.22.0 + kustomize v5.8.2 from the Go module proxy, cached, and
+## local-path-provisioner v0.0.30, which the e2e tier runs as the provisioner dirpv takes over
+## from. Built after cluster-bins they share its compiled k8s.io packages: cold, about a minute.
 deploy-tools:
 	bash test/deploy/tools.sh all >/dev/null
 

@@ -41,7 +41,8 @@ func RepoDir() (string, error) {
 	return root, nil
 }
 
-// Tool returns the path of the pinned "helm" or "kustomize", building it with tools.sh when it
+// Tool returns the path of the pinned "helm", "kustomize" or "local-path-provisioner" (which
+// the e2e tier runs as a neighbour), building it with tools.sh when it
 // is missing and build is true (minutes when cold). With build false a missing tool gives
 // ErrToolMissing.
 func Tool(ctx context.Context, name string, build bool) (string, error) {

@@ -4,17 +4,21 @@
 # its own scratch module so that neither lands in the project's go.mod (helm alone drags in most of
 # k8s.io). A cold build takes minutes on 2 cores, a warm one prints the path at once.
 #
-# Usage: tools.sh helm|kustomize           -> builds when missing, prints the binary's path
-#        tools.sh --check helm|kustomize   -> builds nothing: prints the path, or exits 2 when missing
-#        tools.sh all                      -> builds both, prints both paths
+# Usage: tools.sh helm|kustomize|local-path-provisioner  -> builds when missing, prints the binary's path
+#        tools.sh --check NAME             -> builds nothing: prints the path, or exits 2 when missing
+#        tools.sh all                      -> builds all three, prints their paths
+# local-path-provisioner is not a deploy tool: the e2e tier runs it, as a neighbour dirpv
+# takes over from (test/e2e/install/localpath_test.go).
 # Env:   DIRPV_CACHE (default ${XDG_CACHE_HOME:-$HOME/.cache}/dirpv)
-#        HELM_VERSION (default v3.22.0), KUSTOMIZE_VERSION (default v5.8.2: v5.8.3 needs Go 1.27)
+#        HELM_VERSION (default v3.22.0), KUSTOMIZE_VERSION (default v5.8.2: v5.8.3 needs Go 1.27),
+#        LOCAL_PATH_VERSION (default v0.0.30)
 #        K8S_VERSION (default v1.37.2): the cluster build (test/cluster/build.sh) whose module
 #        versions the tools are raised to when it is there, see align
 set -euo pipefail
 
 HELM_VERSION=${HELM_VERSION:-v3.22.0}
 KUSTOMIZE_VERSION=${KUSTOMIZE_VERSION:-v5.8.2}
+LOCAL_PATH_VERSION=${LOCAL_PATH_VERSION:-v0.0.30}
 K8S_VERSION=${K8S_VERSION:-v1.37.2}
 CACHE=${DIRPV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dirpv}
 # The Go toolchain on the machine is the one pinned by go.mod; never download another.
@@ -112,9 +116,15 @@ kustomize() {
     "-X sigs.k8s.io/kustomize/api/provenance.version=kustomize/$KUSTOMIZE_VERSION"
 }
 
+local_path_provisioner() {
+  build local-path-provisioner "$LOCAL_PATH_VERSION" github.com/rancher/local-path-provisioner \
+    github.com/rancher/local-path-provisioner "-X main.VERSION=$LOCAL_PATH_VERSION"
+}
+
 case "${1:-}" in
   helm) helm ;;
   kustomize) kustomize ;;
-  all) helm && kustomize ;;
-  *) echo "usage: $0 [--check] helm|kustomize|all" >&2; exit 2 ;;
+  local-path-provisioner) local_path_provisioner ;;
+  all) helm && kustomize && local_path_provisioner ;;
+  *) echo "usage: $0 [--check] helm|kustomize|local-path-provisioner|all" >&2; exit 2 ;;
 esac

@@ -1,16 +1,20 @@
 package framework
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
+	"time"
 
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/yaml"
 )
@@ -190,4 +194,43 @@ func CSIDriverFromDeploy() (*storagev1.CSIDriver, error) {
 		return nil, fmt.Errorf("deploy/base/csidriver.yaml: %w", err)
 	}
 	return &d, nil
+}
+
+// ReplaceClass replaces the class name, another provisioner's, by the dirpv class that the
+// dirpv binary's convert-class with flags makes of it, as docs/migrating.md tells users to:
+//
+//	kubectl get storageclass NAME -o yaml | dirpv convert-class FLAGS | kubectl replace --force -f -
+func ReplaceClass(ctx context.Context, c kubernetes.Interface, dirpv, name string, flags ...string) (*storagev1.StorageClass, error) {
+	old, err := c.StorageV1().StorageClasses().Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		return nil, err
+	}
+	old.APIVersion, old.Kind = "storage.k8s.io/v1", "StorageClass" // as kubectl prints it
+	in, err := yaml.Marshal(old)
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.CommandContext(ctx, dirpv, append([]string{"convert-class"}, flags...)...)
+	cmd.Stdin = bytes.NewReader(in)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("dirpv convert-class %v: %w\n%s", flags, err, stderr.String())
+	}
+	var class storagev1.StorageClass
+	if err := yaml.UnmarshalStrict(out, &class); err != nil {
+		return nil, fmt.Errorf("dirpv convert-class wrote %w:\n%s", err, out)
+	}
+	// kubectl replace --force: delete, wait until gone, create.
+	if err := c.StorageV1().StorageClasses().Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+		return nil, err
+	}
+	if err := WaitForDeleted(ctx, time.Minute, "StorageClass "+name, func(ctx context.Context) (string, error) {
+		_, err := c.StorageV1().StorageClasses().Get(ctx, name, metav1.GetOptions{})
+		return "", err
+	}); err != nil {
+		return nil, err
+	}
+	return c.StorageV1().StorageClasses().Create(ctx, &class, metav1.CreateOptions{})
 }

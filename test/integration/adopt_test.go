@@ -1,11 +1,9 @@
 package integration
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -17,7 +15,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
-	"sigs.k8s.io/yaml"
 
 	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/framework"
@@ -99,47 +96,14 @@ func waitDeleteRefused(t *testing.T, pv, why string) {
 }
 
 // replaceClass replaces the class name, still the old provisioner's, by the dirpv class that
-// `dirpv convert-class` with flags makes of it, as docs/migrating.md tells users to:
-// kubectl get storageclass NAME -o yaml | dirpv convert-class FLAGS | kubectl replace --force -f -
+// `dirpv convert-class` with flags makes of it (framework.ReplaceClass).
 func replaceClass(t *testing.T, name string, flags ...string) *storagev1.StorageClass {
 	t.Helper()
-	ctx := context.Background()
-	old, err := suite.Client.StorageV1().StorageClasses().Get(ctx, name, metav1.GetOptions{})
+	c, err := framework.ReplaceClass(context.Background(), suite.Client, suite.Dirpv, name, flags...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	old.APIVersion, old.Kind = "storage.k8s.io/v1", "StorageClass" // as kubectl prints it
-	in, err := yaml.Marshal(old)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.CommandContext(ctx, suite.Dirpv, append([]string{"convert-class"}, flags...)...)
-	cmd.Stdin = bytes.NewReader(in)
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("dirpv convert-class %v: %v\n%s", flags, err, stderr.String())
-	}
-	var class storagev1.StorageClass
-	if err := yaml.UnmarshalStrict(out, &class); err != nil {
-		t.Fatalf("dirpv convert-class wrote %v:\n%s", err, out)
-	}
-	// kubectl replace --force: delete, wait until gone, create.
-	if err := suite.Client.StorageV1().StorageClasses().Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if err := framework.WaitForDeleted(ctx, timeout, "StorageClass "+name, func(ctx context.Context) (string, error) {
-		_, err := suite.Client.StorageV1().StorageClasses().Get(ctx, name, metav1.GetOptions{})
-		return "", err
-	}); err != nil {
-		t.Fatal(err)
-	}
-	created, err := suite.Client.StorageV1().StorageClasses().Create(ctx, &class, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return created
+	return c
 }
 
 // Moving from nfs-subdir-external-provisioner without copying data: its PVs (in-tree nfs, the
