@@ -12,7 +12,7 @@ ACTIONLINT  := github.com/rhysd/actionlint/cmd/actionlint@v1.7.12
 UNIT_PKGS   := $(shell $(GO) list ./... | grep -v -e /test/integration -e /test/e2e -e /test/external-e2e -e /test/cluster -e /test/vm)
 FUZZTIME    ?= 10m
 
-.PHONY: all build test test-unit test-integration test-e2e test-vm conformance cluster-bins deploy-tools lint fmt up down bench fuzz image-tar clean
+.PHONY: all build test test-unit test-integration test-e2e test-vm conformance cluster-bins deploy-tools lint fmt up down bench fuzz image-tar release clean
 
 all: build
 
@@ -103,6 +103,26 @@ image-debs:
 	  DEBIAN_FRONTEND=noninteractive apt-get -qq -oDPkg::Lock::Timeout=600 install -y --no-install-recommends $(IMAGE_DEBS); \
 	fi
 
+## image-debs-arm64: the arm64 image's mount tools, their libraries and data files: Debian's
+## arm64 packages of the host's release (those of IMAGE_DEBS and the libraries they load),
+## downloaded with a private apt state (the host's dpkg gets no foreign architecture) and
+## unpacked into $(ARM64_ROOT), which test/image takes them from. Cached: done once per list.
+ARM64_DEBS := mount nfs-common netbase libtirpc-common libc6 libmount1 libblkid1 libselinux1 \
+  libpcre2-8-0 libtirpc3 libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libcom-err2 libkeyutils1
+ARM64_CACHE := $(HOME)/.cache/dirpv/image-debs/arm64
+ARM64_ROOT  := $(ARM64_CACHE)/root
+.PHONY: image-debs-arm64
+test-unit test-e2e: image-debs-arm64
+image-debs-arm64:
+	@if [ "$$(cat $(ARM64_ROOT)/.debs 2>/dev/null)" != "$(ARM64_DEBS)" ]; then \
+	  set -e; c=$(ARM64_CACHE); rm -rf $$c; mkdir -p $$c/lists/partial $$c/cache/archives/partial $$c/debs $$c/root.tmp; \
+	  apt="apt-get -qq -o Dir::State::Lists=$$c/lists -o Dir::Cache=$$c/cache -o APT::Architecture=arm64 -o APT::Architectures::=arm64 -o APT::Sandbox::User=root -o Debug::NoLocking=1"; \
+	  $$apt update; (cd $$c/debs && $$apt download $(ARM64_DEBS)); \
+	  [ $$(ls $$c/debs | wc -l) -eq $(words $(ARM64_DEBS)) ] || { echo "image-debs-arm64: not every package downloaded: $$(ls $$c/debs)"; exit 1; }; \
+	  for d in $$c/debs/*.deb; do dpkg-deb -x $$d $$c/root.tmp; done; \
+	  echo "$(ARM64_DEBS)" > $$c/root.tmp/.debs; mv $$c/root.tmp $(ARM64_ROOT); rm -rf $$c/lists $$c/cache $$c/debs; \
+	fi
+
 ## quota-debs: btrfs-progs, for the tests and the bench that make btrfs file systems with quota
 ## on loop devices (volume/quota/quotatest; losetup comes with `mount`, above).
 QUOTA_DEBS := btrfs-progs
@@ -134,6 +154,13 @@ monitoring-tools:
 image-tar:
 	$(GO) run ./test/image/cmd/image-tar -version $(VERSION)
 
+## release: the release into dist/, without a Docker engine: dirpv-image.oci.tar (an OCI layout
+## holding the image index ghcr.io/dirpv/dirpv:$(VERSION), linux/amd64 and linux/arm64),
+## dirpv-kind.yaml and dirpv-nfs.yaml (deploy/overlays rendered, the image pinned by the index's
+## digest), the Helm chart packaged (dirpv-<version>.tgz) and SHA256SUMS. VERSION=v0.2.0 on a tag.
+release: deploy-tools image-debs image-debs-arm64
+	$(GO) run ./test/release/cmd/release -version $(VERSION) -o dist -arm64-root $(ARM64_ROOT)
+
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
@@ -164,4 +191,4 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzPathStaysBeneathBase -fuzztime $(FUZZTIME) ./provisioner/
 
 clean:
-	rm -rf bin
+	rm -rf bin dist
