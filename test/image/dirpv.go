@@ -216,7 +216,7 @@ func (opts *DirpvOptions) complete(ctx context.Context) error {
 		opts.ModuleDir = filepath.Dir(gomod)
 	}
 	if opts.Version == "" {
-		opts.Version = gitVersion(ctx, opts.ModuleDir)
+		opts.Version = GitVersion(ctx, opts.ModuleDir)
 	}
 	if opts.Tag == "" {
 		opts.Tag = opts.Version
@@ -328,7 +328,9 @@ func buildDirpv(ctx context.Context, moduleDir, version, arch, out string) error
 	return nil
 }
 
-func gitVersion(ctx context.Context, dir string) string {
+// GitVersion is the version of the checkout in dir as make names it: `git describe --tags
+// --always --dirty`, or "dev" without git.
+func GitVersion(ctx context.Context, dir string) string {
 	cmd := exec.CommandContext(ctx, "git", "describe", "--tags", "--always", "--dirty")
 	cmd.Dir = dir
 	out, err := cmd.Output()
