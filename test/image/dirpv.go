@@ -39,20 +39,22 @@ type DirpvOptions struct {
 	// Version is linked into the binary as internal/daemon.Version; empty means
 	// `git describe --tags --always --dirty` in ModuleDir, or "dev" without git.
 	Version string
-	// Binary, when set, is a prebuilt static dirpv used instead of building one.
+	// Binary, when set, is a prebuilt static linux/amd64 dirpv used instead of building one
+	// for HostPlatform (other platforms' are always built).
 	Binary string
 	// Output is the tar's path; empty means <ModuleDir>/bin/dirpv-image.tar.
 	Output string
-	// HostTools are host programs copied into the image with the shared libraries they load;
-	// nil means DefaultHostTools.
+	// HostTools are the programs copied into the image, from each platform's Root, with the
+	// shared libraries they load; nil means DefaultHostTools.
 	HostTools []HostTool
 }
 
 // HostTool is a host program to carry into the image. Every one is required: an image without
 // one of them would start and then fail its first mount.
 type HostTool struct {
-	// Path on the host, which is also its path in the image (symlinks on the way, such as a
-	// merged /usr's /bin -> usr/bin, are reproduced as symlinks).
+	// Path beneath the platform's Root (the host's own for HostPlatform), which is also its
+	// path in the image (symlinks on the way, such as a merged /usr's /bin -> usr/bin, are
+	// reproduced as symlinks).
 	Path string
 	// Package is the Debian package that installs Path, named when the host lacks it.
 	Package string
