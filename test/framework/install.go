@@ -77,7 +77,7 @@ func BuildDirpvImage(ctx context.Context) (tarPath, imageName string, err error)
 // register with kubelet. nodeArgs are added to the node plugin's command line.
 func InstallRelease(ctx context.Context, c *cluster.Cluster, dir string, logf func(string, ...any), nodeArgs ...string) (*Installation, *release.Release, error) {
 	start := time.Now()
-	rel, err := release.BuildLocal(ctx, dir, image.GitVersion(ctx, RepoRoot()), release.DefaultArm64Root())
+	rel, err := release.BuildLocal(ctx, dir, image.GitVersion(ctx, RepoRoot()), release.DefaultImageRoots())
 	if err != nil {
 		return nil, nil, err
 	}

@@ -40,7 +40,7 @@ type DirpvOptions struct {
 	// `git describe --tags --always --dirty` in ModuleDir, or "dev" without git.
 	Version string
 	// Binary, when set, is a prebuilt static linux/amd64 dirpv used instead of building one
-	// for HostPlatform (other platforms' are always built).
+	// for hostPlatform (other platforms' are always built).
 	Binary string
 	// Output is the tar's path; empty means <ModuleDir>/bin/dirpv-image.tar.
 	Output string
@@ -52,7 +52,7 @@ type DirpvOptions struct {
 // HostTool is a host program to carry into the image. Every one is required: an image without
 // one of them would start and then fail its first mount.
 type HostTool struct {
-	// Path beneath the platform's Root (the host's own for HostPlatform), which is also its
+	// Path beneath the platform's Root (the host's own for hostPlatform), which is also its
 	// path in the image (symlinks on the way, such as a merged /usr's /bin -> usr/bin, are
 	// reproduced as symlinks).
 	Path string
@@ -131,8 +131,8 @@ type Platform struct {
 	Root string
 }
 
-// HostPlatform is linux/amd64 with the mount tools of this host, what WriteDirpvTar builds.
-var HostPlatform = Platform{Arch: "amd64", Root: "/"}
+// hostPlatform is linux/amd64 with the mount tools of this host: what WriteDirpvTar builds.
+var hostPlatform = Platform{Arch: "amd64", Root: "/"}
 
 // WriteDirpvTar builds the dirpv binary with the Dockerfile's flags and writes an OCI image tar
 // of ghcr.io/dirpv/dirpv:<tag> whose content mirrors the Dockerfile's runtime stage: the static
@@ -149,7 +149,7 @@ func WriteDirpvTar(ctx context.Context, opts DirpvOptions) (tarPath, imageName s
 		return "", "", fmt.Errorf("dirpv image: %w", err)
 	}
 	defer os.RemoveAll(tmp)
-	files, err := dirpvFiles(ctx, opts, HostPlatform, tmp)
+	files, err := dirpvFiles(ctx, opts, hostPlatform, tmp)
 	if err != nil {
 		return "", "", err
 	}
@@ -254,7 +254,7 @@ func dirpvFiles(ctx context.Context, opts DirpvOptions, p Platform, tmp string) 
 		return nil, err
 	}
 	bin := opts.Binary
-	if bin == "" || p != HostPlatform {
+	if bin == "" || p != hostPlatform {
 		bin = filepath.Join(tmp, "dirpv")
 		if err := buildDirpv(ctx, opts.ModuleDir, opts.Version, p.Arch, bin); err != nil {
 			return nil, err

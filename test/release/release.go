@@ -44,9 +44,10 @@ type Options struct {
 	// Dir receives the release. An existing Dir is replaced only if it holds a release (a
 	// SHA256SUMS) or nothing, so that a mistyped -o removes no one's files.
 	Dir string
-	// Arm64Root is Debian's arm64 packages unpacked (make image-debs-arm64), which the arm64
-	// image takes its mount tools and their libraries from.
-	Arm64Root string
+	// ImageRoots holds, in <arch>/root, Debian's packages of each architecture unpacked (make
+	// image-debs-<arch>), which that architecture's image takes its mount tools and their
+	// libraries from.
+	ImageRoots string
 	// Kustomize and Helm are the pinned tools' paths (test/deploy/tools.sh).
 	Kustomize, Helm string
 }
@@ -62,20 +63,17 @@ type Release struct {
 	Chart string
 }
 
-// DefaultArm64Root is where make image-debs-arm64 unpacks Debian's arm64 packages (the
-// Makefile's ARM64_ROOT).
-func DefaultArm64Root() string {
+// DefaultImageRoots is where make image-debs-<arch> unpacks Debian's packages of each
+// architecture, in <arch>/root (the Makefile's IMAGE_ROOTS).
+func DefaultImageRoots() string {
 	home, _ := os.UserHomeDir()
-	return filepath.Join(home, ".cache", "dirpv", "image-debs", "arm64", "root")
+	return filepath.Join(home, ".cache", "dirpv", "image-debs")
 }
 
 // BuildLocal is Build of this checkout with the pinned kustomize and helm (built when
 // missing): what make release runs, and the tests that check or install a release.
-func BuildLocal(ctx context.Context, dir, version, arm64Root string) (*Release, error) {
-	if _, err := os.Stat(arm64Root); err != nil {
-		return nil, fmt.Errorf("release: the arm64 packages (make image-debs-arm64 unpacks them): %w", err)
-	}
-	opts := Options{Dir: dir, Version: version, Arm64Root: arm64Root}
+func BuildLocal(ctx context.Context, dir, version, imageRoots string) (*Release, error) {
+	opts := Options{Dir: dir, Version: version, ImageRoots: imageRoots}
 	var err error
 	if opts.ModuleDir, err = deploy.RepoDir(); err != nil {
 		return nil, err
@@ -89,16 +87,27 @@ func BuildLocal(ctx context.Context, dir, version, arm64Root string) (*Release, 
 	return Build(ctx, opts)
 }
 
-// Platforms are the release's image platforms: this host's mount tools for amd64, Debian's
-// arm64 packages for arm64.
-func Platforms(arm64Root string) []image.Platform {
-	return []image.Platform{image.HostPlatform, {Arch: "arm64", Root: arm64Root}}
+// Arches are the release's image platforms' architectures (linux/<arch>).
+var Arches = []string{"amd64", "arm64"}
+
+// Platforms are the release's image platforms, each with its tree of Debian packages in
+// imageRoots; a missing tree is an error naming the make target that unpacks it.
+func Platforms(imageRoots string) ([]image.Platform, error) {
+	var ps []image.Platform
+	for _, arch := range Arches {
+		root := filepath.Join(imageRoots, arch, "root")
+		if _, err := os.Stat(root); err != nil {
+			return nil, fmt.Errorf("release: the %s packages (make image-debs-%s unpacks them): %w", arch, arch, err)
+		}
+		ps = append(ps, image.Platform{Arch: arch, Root: root})
+	}
+	return ps, nil
 }
 
 // Build writes the release into opts.Dir, all of it or nothing: the files are made in a
 // directory beside it, which then takes its place.
 func Build(ctx context.Context, opts Options) (*Release, error) {
-	if opts.Version == "" || opts.Dir == "" || opts.ModuleDir == "" || opts.Arm64Root == "" || opts.Kustomize == "" || opts.Helm == "" {
+	if opts.Version == "" || opts.Dir == "" || opts.ModuleDir == "" || opts.ImageRoots == "" || opts.Kustomize == "" || opts.Helm == "" {
 		return nil, fmt.Errorf("release: incomplete options %+v", opts)
 	}
 	chartVersion := ChartVersion(opts.Version)
@@ -115,8 +124,12 @@ func Build(ctx context.Context, opts Options) (*Release, error) {
 	}
 	defer os.RemoveAll(tmp)
 
+	platforms, err := Platforms(opts.ImageRoots)
+	if err != nil {
+		return nil, err
+	}
 	idx, err := image.WriteDirpvIndex(ctx, image.DirpvOptions{ModuleDir: opts.ModuleDir, Version: opts.Version,
-		Output: filepath.Join(tmp, ImageFile)}, Platforms(opts.Arm64Root))
+		Output: filepath.Join(tmp, ImageFile)}, platforms)
 	if err != nil {
 		return nil, fmt.Errorf("release: %w", err)
 	}

@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"path"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -31,9 +32,9 @@ func TestRelease(t *testing.T) {
 		t.Skip("-short: builds dirpv for two architectures")
 	}
 	const version = "v0.0.0-releasetest"
-	rel, err := BuildLocal(t.Context(), filepath.Join(t.TempDir(), "dist"), version, DefaultArm64Root())
+	rel, err := BuildLocal(t.Context(), filepath.Join(t.TempDir(), "dist"), version, DefaultImageRoots())
 	if err != nil {
-		t.Fatal(err) // make test-unit runs image-debs-arm64 and deploy-tools first
+		t.Fatal(err) // make test-unit runs image-debs-<arch> and deploy-tools first
 	}
 
 	t.Run("SHA256SUMS", func(t *testing.T) {
@@ -153,6 +154,9 @@ func TestRelease(t *testing.T) {
 			if want := rel.Image.Manifests[arch].String(); v.digest != want {
 				t.Errorf("manifest %s, Build reported %s", v.digest, want)
 			}
+			if arch == runtime.GOARCH && os.Geteuid() == 0 {
+				runInChroot(t, v.layer, version)
+			}
 		})
 	}
 
@@ -207,6 +211,40 @@ func TestChartVersion(t *testing.T) {
 	} {
 		if got := ChartVersion(version); got != want {
 			t.Errorf("ChartVersion(%q) = %q, want %q", version, got, want)
+		}
+	}
+}
+
+// runInChroot unpacks the layer and runs dirpv and the mount tools in it, as the container
+// does: the host's architecture's image starts its programs with what it holds.
+func runInChroot(t *testing.T, l layer, version string) {
+	t.Helper()
+	root := t.TempDir()
+	for name, h := range l.hdr {
+		dst := filepath.Join(root, name)
+		var err error
+		switch h.Typeflag {
+		case tar.TypeDir:
+			err = os.MkdirAll(dst, 0o755)
+		case tar.TypeSymlink:
+			if err = os.MkdirAll(filepath.Dir(dst), 0o755); err == nil {
+				err = os.Symlink(h.Linkname, dst)
+			}
+		case tar.TypeReg:
+			if err = os.MkdirAll(filepath.Dir(dst), 0o755); err == nil {
+				err = os.WriteFile(dst, l.data[name], os.FileMode(h.Mode).Perm())
+			}
+		}
+		if err != nil && !errors.Is(err, os.ErrExist) {
+			t.Fatal(err)
+		}
+	}
+	for _, argv := range [][]string{{"/usr/local/bin/dirpv", "version"}, {"/bin/mount", "--version"}, {"/bin/umount", "--version"}, {"/sbin/mount.nfs", "-V"}} {
+		out, err := exec.CommandContext(t.Context(), "chroot", append([]string{root}, argv...)...).CombinedOutput()
+		if err != nil {
+			t.Errorf("chroot %s: %v: %s", strings.Join(argv, " "), err, out)
+		} else if argv[1] == "version" && strings.TrimSpace(string(out)) != version {
+			t.Errorf("dirpv version %q, want %s", out, version)
 		}
 	}
 }

@@ -3,7 +3,7 @@
 // NFS manifests pinned to its digest, the packaged Helm chart and SHA256SUMS. It prints the
 // image's reference by digest on stdout.
 //
-//	go run ./test/release/cmd/release -version v0.2.0 -o dist -arm64-root ~/.cache/dirpv/image-debs/arm64/root
+//	go run ./test/release/cmd/release -version v0.2.0 -o dist -image-roots ~/.cache/dirpv/image-debs
 package main
 
 import (
@@ -21,7 +21,7 @@ func main() {
 	opts := release.Options{}
 	flag.StringVar(&opts.Version, "version", "", "Release version (required): the image tag, the chart's appVersion, linked into dirpv.")
 	flag.StringVar(&opts.Dir, "o", "dist", "Output directory, replaced whole.")
-	flag.StringVar(&opts.Arm64Root, "arm64-root", "", "Debian's arm64 packages unpacked (make image-debs-arm64). Default: its cache.")
+	flag.StringVar(&opts.ImageRoots, "image-roots", release.DefaultImageRoots(), "Debian's packages of each architecture unpacked in <arch>/root (make image-debs-<arch>).")
 	flag.Parse()
 	if flag.NArg() > 0 {
 		fmt.Fprintf(os.Stderr, "release: unexpected arguments %q\n", flag.Args())
@@ -36,10 +36,7 @@ func main() {
 }
 
 func run(ctx context.Context, opts release.Options) error {
-	if opts.Arm64Root == "" {
-		opts.Arm64Root = release.DefaultArm64Root()
-	}
-	rel, err := release.BuildLocal(ctx, opts.Dir, opts.Version, opts.Arm64Root)
+	rel, err := release.BuildLocal(ctx, opts.Dir, opts.Version, opts.ImageRoots)
 	if err != nil {
 		return err
 	}
