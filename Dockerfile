@@ -9,7 +9,7 @@
 #
 # Without a Docker engine (tests, kind): `go run ./test/image/cmd/image-tar` writes an OCI tar
 # with the same binary (same build flags) and the same mount tools, taken from the host;
-# `make release` writes both platforms' images that way (arm64's tools from Debian's arm64 packages).
+# `make release` writes both platforms' images that way, their tools from Debian bookworm's packages.
 
 ARG GO_VERSION=1.26
 
