@@ -8,7 +8,8 @@
 # Tag with the version, never latest: deploy/ names the release's tag (deploy/README.md).
 #
 # Without a Docker engine (tests, kind): `go run ./test/image/cmd/image-tar` writes an OCI tar
-# with the same binary (same build flags) and the same mount tools, taken from the host.
+# with the same binary (same build flags) and the same mount tools, taken from the host;
+# `make release` writes both platforms' images that way, their tools from Debian bookworm's packages.
 
 ARG GO_VERSION=1.26
 

@@ -12,7 +12,7 @@ ACTIONLINT  := github.com/rhysd/actionlint/cmd/actionlint@v1.7.12
 UNIT_PKGS   := $(shell $(GO) list ./... | grep -v -e /test/integration -e /test/e2e -e /test/external-e2e -e /test/cluster -e /test/vm)
 FUZZTIME    ?= 10m
 
-.PHONY: all build test test-unit test-integration test-e2e test-vm conformance cluster-bins deploy-tools lint fmt up down bench fuzz image-tar clean
+.PHONY: all build test test-unit test-integration test-e2e test-vm conformance cluster-bins deploy-tools lint fmt up down bench fuzz image-tar release clean
 
 all: build
 
@@ -104,6 +104,36 @@ image-debs:
 	  DEBIAN_FRONTEND=noninteractive apt-get -qq -oDPkg::Lock::Timeout=600 install -y --no-install-recommends $(IMAGE_DEBS); \
 	fi
 
+## image-debs-amd64, image-debs-arm64: the release image's mount tools, their libraries and data
+## files for each architecture: Debian $(IMAGE_SUITE)'s packages (the Dockerfile's base; those of
+## IMAGE_DEBS and the libraries they load) from deb.debian.org, whatever the host's distribution,
+## downloaded with a private apt state and sources (the host's dpkg gets no foreign
+## architecture) and unpacked into $(IMAGE_ROOTS)/<arch>/root, which test/image takes them
+## from. Cached: done once per list.
+IMAGE_SUITE := bookworm
+IMAGE_ROOT_DEBS := mount nfs-common netbase libtirpc-common libc6 libmount1 libblkid1 libselinux1 \
+  libpcre2-8-0 libtirpc3 libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libcom-err2 libkeyutils1
+IMAGE_ROOTS := $(HOME)/.cache/dirpv/image-debs
+DEBIAN_KEYRING := /usr/share/keyrings/debian-archive-keyring.gpg
+.PHONY: image-debs-amd64 image-debs-arm64
+test-unit test-e2e: image-debs-amd64 image-debs-arm64
+image-debs-amd64 image-debs-arm64: image-debs-%:
+	@c=$(IMAGE_ROOTS)/$*; if [ "$$(cat $$c/root/.debs 2>/dev/null)" != "$(IMAGE_SUITE) $(IMAGE_ROOT_DEBS)" ]; then \
+	  set -e; rm -rf $$c; mkdir -p $$c/lists/partial $$c/cache/archives/partial $$c/debs $$c/root.tmp $$c/sources.d; \
+	  if [ ! -e $(DEBIAN_KEYRING) ]; then apt-get -qq -oDPkg::Lock::Timeout=600 update && \
+	    DEBIAN_FRONTEND=noninteractive apt-get -qq -oDPkg::Lock::Timeout=600 install -y --no-install-recommends debian-archive-keyring; fi; \
+	  for s in "debian $(IMAGE_SUITE)" "debian $(IMAGE_SUITE)-updates" "debian-security $(IMAGE_SUITE)-security"; do \
+	    set -- $$s; echo "deb [arch=$* signed-by=$(DEBIAN_KEYRING)] http://deb.debian.org/$$1 $$2 main"; done > $$c/sources.list; \
+	  apt="apt-get -qq -o Dir::Etc::SourceList=$$c/sources.list -o Dir::Etc::SourceParts=$$c/sources.d \
+	    -o Dir::State::Lists=$$c/lists -o Dir::Cache=$$c/cache -o APT::Architecture=$* -o APT::Architectures::=$* \
+	    -o APT::Sandbox::User=root -o Debug::NoLocking=1"; \
+	  $$apt update; (cd $$c/debs && $$apt download $(IMAGE_ROOT_DEBS)); \
+	  [ $$(ls $$c/debs | wc -l) -eq $(words $(IMAGE_ROOT_DEBS)) ] || { echo "image-debs-$*: not every package downloaded: $$(ls $$c/debs)"; exit 1; }; \
+	  for d in $$c/debs/*.deb; do dpkg-deb -x $$d $$c/root.tmp; done; \
+	  echo "$(IMAGE_SUITE) $(IMAGE_ROOT_DEBS)" > $$c/root.tmp/.debs; mv $$c/root.tmp $$c/root; \
+	  rm -rf $$c/lists $$c/cache $$c/debs $$c/sources.list $$c/sources.d; \
+	fi
+
 ## quota-debs: btrfs-progs, for the tests and the bench that make btrfs file systems with quota
 ## on loop devices (volume/quota/quotatest; losetup comes with `mount`, above).
 QUOTA_DEBS := btrfs-progs
@@ -135,6 +165,15 @@ monitoring-tools:
 image-tar:
 	$(GO) run ./test/image/cmd/image-tar -version $(VERSION)
 
+## release: the release into dist/, without a Docker engine: dirpv-image.oci.tar (an OCI layout
+## holding the image index ghcr.io/dirpv/dirpv:$(VERSION), linux/amd64 and linux/arm64),
+## dirpv-kind.yaml and dirpv-nfs.yaml (deploy/overlays rendered, the image pinned by the index's
+## digest), the Helm chart packaged (dirpv-<version>.tgz) and SHA256SUMS. VERSION=v0.2.0 on a tag.
+## Both images carry Debian's mount tools (image-debs-<arch>), not the host's, so that the release
+## is the same whichever machine builds it.
+release: deploy-tools image-debs-amd64 image-debs-arm64
+	$(GO) run ./test/release/cmd/release -version $(VERSION) -o dist -image-roots $(IMAGE_ROOTS)
+
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
@@ -165,4 +204,4 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzPathStaysBeneathBase -fuzztime $(FUZZTIME) ./provisioner/
 
 clean:
-	rm -rf bin
+	rm -rf bin dist

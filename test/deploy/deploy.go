@@ -23,6 +23,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	sigsyaml "sigs.k8s.io/yaml"
 )
 
 // ErrToolMissing is returned by Tool when building is off and the tool is not cached yet.
@@ -107,8 +108,13 @@ func HelmTemplateFor(ctx context.Context, helmBin, namespace string, apiVersions
 	for _, s := range set {
 		args = append(args, "--set", s)
 	}
-	// helm writes its cache and config under $HOME unless told otherwise; keep the user's
-	// helm setup out of the render and the render out of it.
+	return Helm(ctx, helmBin, args...)
+}
+
+// Helm runs the pinned helm at helmBin with args and returns its output. helm writes its cache
+// and config under $HOME unless told otherwise; keep the user's helm setup out of the run and
+// the run out of it.
+func Helm(ctx context.Context, helmBin string, args ...string) ([]byte, error) {
 	tmp, err := os.MkdirTemp("", "dirpv-helm-")
 	if err != nil {
 		return nil, fmt.Errorf("deploy: %w", err)
@@ -134,6 +140,9 @@ type E2ELocalOptions struct {
 	Image string
 	// NodeArgs are added to the node plugin's command line (a test's --quota-check-period).
 	NodeArgs []string
+	// Kind, when set, is a rendered deploy/overlays/kind (a release's manifest, RenderOverlay's
+	// output) that the overlay's adaptations are applied to instead of the tree's overlay.
+	Kind []byte
 }
 
 // RenderE2ELocal renders deploy/overlays/e2e-local for a cluster whose apiserver listens on
@@ -166,18 +175,24 @@ func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptio
 		env += "            - name: KUBERNETES_SERVICE_HOST\n              value: " + strconv.Quote(opts.APIServerHost) + "\n"
 	}
 	var k strings.Builder
+	e2eLocal := filepath.Join(root, "deploy", "overlays", "e2e-local")
+	if opts.Kind != nil {
+		if e2eLocal, err = rebaseOnRendered(e2eLocal, "../kind", opts.Kind, filepath.Join(dir, "e2e-local")); err != nil {
+			return nil, err
+		}
+	}
 	// kustomize refuses an absolute path to another kustomization; a relative one may climb.
-	overlay, err := filepath.Rel(dir, filepath.Join(root, "deploy", "overlays", "e2e-local"))
+	overlay, err := filepath.Rel(dir, e2eLocal)
 	if err != nil {
 		return nil, fmt.Errorf("deploy: %w", err)
 	}
 	fmt.Fprintf(&k, "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - %s\n", overlay)
 	if opts.Image != "" {
-		name, field, ref, err := splitImage(opts.Image)
+		images, err := imagesField(opts.Image)
 		if err != nil {
 			return nil, err
 		}
-		fmt.Fprintf(&k, "images:\n  - name: ghcr.io/dirpv/dirpv\n    newName: %s\n    %s: %q\n", name, field, ref)
+		k.WriteString(images)
 	}
 	k.WriteString("patches:\n")
 	for _, w := range []struct{ kind, name string }{{"Deployment", "dirpv-controller"}, {"DaemonSet", "dirpv-node"}, {"Deployment", "dirpv-snapshot-controller"}} {
@@ -207,6 +222,95 @@ func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptio
 		return nil, fmt.Errorf("deploy: %w", err)
 	}
 	return Kustomize(ctx, kustomizeBin, dir)
+}
+
+// RenderOverlay renders deploy/overlays/<overlay> with image (repository:tag or
+// repository@digest) in place of the tree's ghcr.io/dirpv/dirpv:<release>, as a user's
+// kustomization with an images: entry would: a release's single-file manifests.
+func RenderOverlay(ctx context.Context, kustomizeBin, overlay, image string) ([]byte, error) {
+	root, err := RepoDir()
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "dirpv-overlay-")
+	if err != nil {
+		return nil, fmt.Errorf("deploy: %w", err)
+	}
+	defer os.RemoveAll(dir)
+	rel, err := filepath.Rel(dir, filepath.Join(root, "deploy", "overlays", overlay))
+	if err != nil {
+		return nil, fmt.Errorf("deploy: %w", err)
+	}
+	images, err := imagesField(image)
+	if err != nil {
+		return nil, err
+	}
+	k := fmt.Sprintf("apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - %s\n%s", rel, images)
+	if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(k), 0o644); err != nil {
+		return nil, fmt.Errorf("deploy: %w", err)
+	}
+	return Kustomize(ctx, kustomizeBin, dir)
+}
+
+// imagesField is the kustomization's images: entry that replaces ghcr.io/dirpv/dirpv with image.
+func imagesField(image string) (string, error) {
+	name, field, ref, err := splitImage(image)
+	if err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("images:\n  - name: ghcr.io/dirpv/dirpv\n    newName: %s\n    %s: %q\n", name, field, ref), nil
+}
+
+// rebaseOnRendered copies the kustomization in dir to dst with its resource base (a directory
+// such as ../kind) replaced by rendered, that directory's rendered output, and its other
+// relative references pointing back at where they are: the same overlay, on top of a release's
+// manifest instead of the tree. It returns dst.
+func rebaseOnRendered(dir, base string, rendered []byte, dst string) (string, error) {
+	b, err := os.ReadFile(filepath.Join(dir, "kustomization.yaml"))
+	if err != nil {
+		return "", fmt.Errorf("deploy: %w", err)
+	}
+	var k map[string]any
+	if err := sigsyaml.Unmarshal(b, &k); err != nil {
+		return "", fmt.Errorf("deploy: %s: %w", dir, err)
+	}
+	if res, _ := k["resources"].([]any); len(res) != 1 || res[0] != base {
+		return "", fmt.Errorf("deploy: %s: resources %v, want only %s to replace", dir, k["resources"], base)
+	}
+	if err := os.MkdirAll(dst, 0o755); err != nil {
+		return "", fmt.Errorf("deploy: %w", err)
+	}
+	k["resources"] = []any{"rendered.yaml"}
+	if err := os.WriteFile(filepath.Join(dst, "rendered.yaml"), rendered, 0o644); err != nil {
+		return "", fmt.Errorf("deploy: %w", err)
+	}
+	components, _ := k["components"].([]any)
+	for i, c := range components {
+		if components[i], err = filepath.Rel(dst, filepath.Join(dir, fmt.Sprint(c))); err != nil {
+			return "", fmt.Errorf("deploy: %w", err)
+		}
+	}
+	// Patches are files of the overlay, which kustomize loads only from beneath its own root.
+	patches, _ := k["patches"].([]any)
+	for _, p := range patches {
+		m, _ := p.(map[string]any)
+		file, ok := m["path"].(string)
+		if !ok {
+			continue
+		}
+		data, err := os.ReadFile(filepath.Join(dir, file))
+		if err != nil {
+			return "", fmt.Errorf("deploy: %w", err)
+		}
+		if err := os.WriteFile(filepath.Join(dst, file), data, 0o644); err != nil {
+			return "", fmt.Errorf("deploy: %w", err)
+		}
+	}
+	out, err := sigsyaml.Marshal(k)
+	if err != nil {
+		return "", fmt.Errorf("deploy: %w", err)
+	}
+	return dst, os.WriteFile(filepath.Join(dst, "kustomization.yaml"), out, 0o644)
 }
 
 // splitImage splits "repo:tag" or "repo@digest" (the registry may have a port) into the repo

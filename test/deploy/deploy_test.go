@@ -758,6 +758,62 @@ func TestRenderE2ELocal(t *testing.T) {
 	}
 }
 
+// TestRenderE2ELocalOnRelease: the e2e install of a release (E2ELocalOptions.Kind: the
+// release's rendered kind overlay, RenderOverlay) installs the same objects as the e2e install
+// of the tree with the release's image, so that what the install suite checks on a release is
+// the release's manifest with nothing but e2e-local's adaptations.
+func TestRenderE2ELocalOnRelease(t *testing.T) {
+	kustomize, _ := tools(t)
+	const image = "ghcr.io/dirpv/dirpv@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+	kind, err := RenderOverlay(t.Context(), kustomize, "kind", image)
+	if err != nil {
+		t.Fatal(err)
+	}
+	onRelease, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: image, Kind: kind})
+	if err != nil {
+		t.Fatal(err)
+	}
+	onTree, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: image})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(onRelease) != string(onTree) {
+		t.Errorf("e2e-local on the rendered kind overlay differs from e2e-local on the tree:\n%s", lineDiff(string(onTree), string(onRelease)))
+	}
+	if c := container(t, deployment(t, decode(t, onRelease)).Spec.Template.Spec); c.Image != image {
+		t.Errorf("controller image %s, want %s", c.Image, image)
+	}
+	// An overlay whose base is not the one replaced is refused rather than half rebased.
+	if _, err := rebaseOnRendered(repoPath(t, "deploy/overlays/e2e-local"), "../nfs", kind, t.TempDir()); err == nil {
+		t.Error("rebaseOnRendered replaced ../nfs in an overlay of ../kind")
+	}
+}
+
+// lineDiff returns the lines of b that a lacks, and those of a that b lacks, for a failure
+// message.
+func lineDiff(a, b string) string {
+	count := func(s string) map[string]int {
+		m := map[string]int{}
+		for l := range strings.Lines(s) {
+			m[l]++
+		}
+		return m
+	}
+	ca, cb := count(a), count(b)
+	var out strings.Builder
+	for l, n := range cb {
+		if ca[l] < n {
+			out.WriteString("+ " + l)
+		}
+	}
+	for l, n := range ca {
+		if cb[l] < n {
+			out.WriteString("- " + l)
+		}
+	}
+	return out.String()
+}
+
 // TestImagesArePinned: no variant a user installs, nor the e2e install, runs an image by
 // "latest" or without a tag (which means latest): a node that already has an image under such
 // a name keeps running it, whatever was released since.

@@ -30,6 +30,7 @@ import (
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/deploy"
 	"github.com/dirpv/dirpv/test/image"
+	"github.com/dirpv/dirpv/test/release"
 )
 
 // Installation is dirpv installed into a test/cluster node cluster from deploy/, as a user
@@ -68,18 +69,52 @@ func BuildDirpvImage(ctx context.Context) (tarPath, imageName string, err error)
 	return tarPath, imageName, nil
 }
 
+// InstallRelease builds dirpv's release into dir as make release does (test/release: the
+// linux/amd64 + linux/arm64 image index, the manifests pinned to its digest), imports the
+// image into the cluster's containerd under the name the manifests give it, and applies the
+// release's kind manifest with deploy/overlays/e2e-local's adaptations to this cluster: what
+// a user of the release gets, on the cluster the tests have. It waits for the node plugin to
+// register with kubelet. nodeArgs are added to the node plugin's command line.
+func InstallRelease(ctx context.Context, c *cluster.Cluster, dir string, logf func(string, ...any), nodeArgs ...string) (*Installation, *release.Release, error) {
+	start := time.Now()
+	rel, err := release.BuildLocal(ctx, dir, image.GitVersion(ctx, RepoRoot()), release.DefaultImageRoots())
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := c.ImportImage(ctx, rel.Image.Tar); err != nil {
+		return nil, nil, err
+	}
+	// No registry to pull from: the image, imported as ghcr.io/dirpv/dirpv:<version>, also
+	// gets the name by digest that the manifests use.
+	if err := c.TagImage(ctx, rel.Image.Name, rel.ImageRef); err != nil {
+		return nil, nil, err
+	}
+	logf("release %s (%s) built and imported in %s", rel.Version, rel.ImageRef, time.Since(start).Round(time.Millisecond))
+	kind, err := os.ReadFile(filepath.Join(rel.Dir, release.KindManifest))
+	if err != nil {
+		return nil, nil, err
+	}
+	inst, err := install(ctx, c, deploy.E2ELocalOptions{Image: rel.ImageRef, Kind: kind, NodeArgs: nodeArgs}, c.NodeName, 2*time.Minute, logf)
+	return inst, rel, err
+}
+
 // InstallImage renders deploy/overlays/e2e-local for the cluster's apiserver (its address and
 // port) with imageName, which the node has already (BuildDirpvImage, imported), applies it
 // and waits up to timeout for the node plugin to register with node's kubelet.
 // nodeArgs are added to the node plugin's command line.
 func InstallImage(ctx context.Context, c *cluster.Cluster, imageName, node string, timeout time.Duration, logf func(string, ...any), nodeArgs ...string) (*Installation, error) {
+	return install(ctx, c, deploy.E2ELocalOptions{Image: imageName, NodeArgs: nodeArgs}, node, timeout, logf)
+}
+
+// install is InstallImage with the e2e-local overlay's options (the apiserver's are set here).
+func install(ctx context.Context, c *cluster.Cluster, opts deploy.E2ELocalOptions, node string, timeout time.Duration, logf func(string, ...any)) (*Installation, error) {
 	start := time.Now()
 	kustomize, err := deploy.Tool(ctx, "kustomize", true)
 	if err != nil {
 		return nil, err
 	}
-	manifests, err := deploy.RenderE2ELocal(ctx, kustomize, deploy.E2ELocalOptions{
-		APIServerPort: c.APIServerPort, APIServerHost: c.APIServerHost, Image: imageName, NodeArgs: nodeArgs})
+	opts.APIServerPort, opts.APIServerHost = c.APIServerPort, c.APIServerHost
+	manifests, err := deploy.RenderE2ELocal(ctx, kustomize, opts)
 	if err != nil {
 		return nil, err
 	}

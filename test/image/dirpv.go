@@ -1,11 +1,12 @@
 package image
 
 import (
-	"bufio"
 	"bytes"
 	"context"
+	"debug/elf"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path"
@@ -14,6 +15,8 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+
+	v1 "github.com/google/go-containerregistry/pkg/v1"
 )
 
 // validTag is the OCI distribution spec's grammar of a tag.
@@ -36,20 +39,22 @@ type DirpvOptions struct {
 	// Version is linked into the binary as internal/daemon.Version; empty means
 	// `git describe --tags --always --dirty` in ModuleDir, or "dev" without git.
 	Version string
-	// Binary, when set, is a prebuilt static dirpv used instead of building one.
+	// Binary, when set, is a prebuilt static linux/amd64 dirpv used instead of building one
+	// for hostPlatform (other platforms' are always built).
 	Binary string
 	// Output is the tar's path; empty means <ModuleDir>/bin/dirpv-image.tar.
 	Output string
-	// HostTools are host programs copied into the image with the shared libraries they load;
-	// nil means DefaultHostTools.
+	// HostTools are the programs copied into the image, from each platform's Root, with the
+	// shared libraries they load; nil means DefaultHostTools.
 	HostTools []HostTool
 }
 
 // HostTool is a host program to carry into the image. Every one is required: an image without
 // one of them would start and then fail its first mount.
 type HostTool struct {
-	// Path on the host, which is also its path in the image (symlinks on the way, such as a
-	// merged /usr's /bin -> usr/bin, are reproduced as symlinks).
+	// Path beneath the platform's Root (the host's own for hostPlatform), which is also its
+	// path in the image (symlinks on the way, such as a merged /usr's /bin -> usr/bin, are
+	// reproduced as symlinks).
 	Path string
 	// Package is the Debian package that installs Path, named when the host lacks it.
 	Package string
@@ -115,38 +120,114 @@ func checkHost(tools []HostTool, exists func(string) error) error {
 	return errors.New(err)
 }
 
+// Platform is an architecture the dirpv image is built for.
+type Platform struct {
+	// Arch is the GOARCH dirpv is cross-compiled for ("amd64", "arm64"); every ELF file of the
+	// variant must be of it.
+	Arch string
+	// Root is the file tree the variant's mount tools, their shared libraries and hostFiles
+	// are taken from, at their usual paths beneath it: "/" (this host) for the host's own
+	// architecture, or the architecture's Debian packages unpacked (make image-debs-arm64).
+	Root string
+}
+
+// hostPlatform is linux/amd64 with the mount tools of this host: what WriteDirpvTar builds.
+var hostPlatform = Platform{Arch: "amd64", Root: "/"}
+
 // WriteDirpvTar builds the dirpv binary with the Dockerfile's flags and writes an OCI image tar
 // of ghcr.io/dirpv/dirpv:<tag> whose content mirrors the Dockerfile's runtime stage: the static
 // binary at /usr/local/bin/dirpv plus the host's mount tools with their shared libraries and
 // dynamic loader. It returns the tar's path and the image name. The result is imported with
 // `ctr -n k8s.io images import` (or `kind load image-archive`), no engine or registry needed.
 func WriteDirpvTar(ctx context.Context, opts DirpvOptions) (tarPath, imageName string, err error) {
-	// WriteOCITar writes a linux/amd64 image, and the mount tools come from this host.
-	if runtime.GOOS != "linux" || runtime.GOARCH != "amd64" {
-		return "", "", fmt.Errorf("dirpv image: host is %s/%s, the image is linux/amd64 and borrows the host's mount tools", runtime.GOOS, runtime.GOARCH)
+	if err := opts.complete(ctx); err != nil {
+		return "", "", err
+	}
+	imageName = DirpvRepository + ":" + opts.Tag
+	tmp, err := os.MkdirTemp(filepath.Dir(opts.Output), ".dirpv-image-")
+	if err != nil {
+		return "", "", fmt.Errorf("dirpv image: %w", err)
+	}
+	defer os.RemoveAll(tmp)
+	files, err := dirpvFiles(ctx, opts, hostPlatform, tmp)
+	if err != nil {
+		return "", "", err
+	}
+	if err := WriteOCITar(opts.Output, imageName, files, dirpvConfig(opts.Version)); err != nil {
+		return "", "", err
+	}
+	return opts.Output, imageName, nil
+}
+
+// DirpvIndex is a multi-platform dirpv image that WriteDirpvIndex wrote.
+type DirpvIndex struct {
+	// Tar is the OCI layout tar, Name the image's name (ghcr.io/dirpv/dirpv:<tag>).
+	Tar, Name string
+	// Digest is the index's: ghcr.io/dirpv/dirpv@<Digest> names the image on every platform.
+	Digest v1.Hash
+	// Manifests are the digests of each platform's image by Arch.
+	Manifests map[string]v1.Hash
+}
+
+// WriteDirpvIndex is WriteDirpvTar for several platforms at once: an OCI layout tar holding an
+// image index with one image per platform, each with dirpv built for its Arch and the mount
+// tools of its Root. opts.Binary, when set, is used for the host platform only.
+func WriteDirpvIndex(ctx context.Context, opts DirpvOptions, platforms []Platform) (*DirpvIndex, error) {
+	if err := opts.complete(ctx); err != nil {
+		return nil, err
+	}
+	tmp, err := os.MkdirTemp(filepath.Dir(opts.Output), ".dirpv-image-")
+	if err != nil {
+		return nil, fmt.Errorf("dirpv image: %w", err)
+	}
+	defer os.RemoveAll(tmp)
+	var variants []Variant
+	for _, p := range platforms {
+		dir := filepath.Join(tmp, p.Arch)
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			return nil, fmt.Errorf("dirpv image: %w", err)
+		}
+		files, err := dirpvFiles(ctx, opts, p, dir)
+		if err != nil {
+			return nil, err
+		}
+		variants = append(variants, Variant{Arch: p.Arch, Files: files, Config: dirpvConfig(opts.Version)})
+	}
+	name := DirpvRepository + ":" + opts.Tag
+	digest, manifests, err := WriteOCIIndexTar(opts.Output, name, variants)
+	if err != nil {
+		return nil, err
+	}
+	return &DirpvIndex{Tar: opts.Output, Name: name, Digest: digest, Manifests: manifests}, nil
+}
+
+// complete fills in opts' defaults and checks them.
+func (opts *DirpvOptions) complete(ctx context.Context) error {
+	if runtime.GOOS != "linux" {
+		return fmt.Errorf("dirpv image: host is %s, the image borrows a linux host's mount tools", runtime.GOOS)
 	}
 	if opts.ModuleDir == "" {
 		out, err := exec.CommandContext(ctx, "go", "env", "GOMOD").Output()
 		if err != nil {
-			return "", "", fmt.Errorf("dirpv image: find module root: go env GOMOD: %w", err)
+			return fmt.Errorf("dirpv image: find module root: go env GOMOD: %w", err)
 		}
 		gomod := strings.TrimSpace(string(out))
 		if gomod == "" || gomod == os.DevNull {
-			return "", "", errors.New("dirpv image: not inside the dirpv module: set ModuleDir")
+			return errors.New("dirpv image: not inside the dirpv module: set ModuleDir")
 		}
 		opts.ModuleDir = filepath.Dir(gomod)
 	}
 	if opts.Version == "" {
-		opts.Version = gitVersion(ctx, opts.ModuleDir)
+		opts.Version = GitVersion(ctx, opts.ModuleDir)
 	}
 	if opts.Tag == "" {
 		opts.Tag = opts.Version
 	}
 	if !validTag.MatchString(opts.Tag) {
-		return "", "", fmt.Errorf("dirpv image: %q is not a valid image tag ([A-Za-z0-9_][A-Za-z0-9_.-]{0,127})", opts.Tag)
+		return fmt.Errorf("dirpv image: %q is not a valid image tag ([A-Za-z0-9_][A-Za-z0-9_.-]{0,127})", opts.Tag)
 	}
 	if opts.Tag == "latest" {
-		return "", "", errors.New(`dirpv image: tag "latest" refused: deploy/ references versions, and a node keeps running whatever it has under a reused name`)
+		return errors.New(`dirpv image: tag "latest" refused: deploy/ references versions, and a node keeps running whatever it has under a reused name`)
 	}
 	if opts.Output == "" {
 		opts.Output = filepath.Join(opts.ModuleDir, "bin", "dirpv-image.tar")
@@ -154,24 +235,29 @@ func WriteDirpvTar(ctx context.Context, opts DirpvOptions) (tarPath, imageName s
 	if opts.HostTools == nil {
 		opts.HostTools = DefaultHostTools
 	}
-	if err := checkHost(opts.HostTools, func(p string) error { _, err := os.Stat(p); return err }); err != nil {
-		return "", "", err
-	}
-	imageName = DirpvRepository + ":" + opts.Tag
 	if err := os.MkdirAll(filepath.Dir(opts.Output), 0o755); err != nil {
-		return "", "", fmt.Errorf("dirpv image: %w", err)
+		return fmt.Errorf("dirpv image: %w", err)
 	}
-	tmp, err := os.MkdirTemp(filepath.Dir(opts.Output), ".dirpv-image-")
-	if err != nil {
-		return "", "", fmt.Errorf("dirpv image: %w", err)
-	}
-	defer os.RemoveAll(tmp)
+	return nil
+}
 
+// dirpvFiles returns the files of platform p's image: dirpv built for p.Arch into tmp (or
+// opts.Binary on the host platform), and the mount tools with their libraries and data files
+// from p.Root.
+func dirpvFiles(ctx context.Context, opts DirpvOptions, p Platform, tmp string) ([]File, error) {
+	root := filepath.Clean(p.Root)
+	exists := func(f string) error { _, err := os.Stat(filepath.Join(root, f)); return err }
+	if err := checkHost(opts.HostTools, exists); err != nil {
+		if root != "/" {
+			return nil, fmt.Errorf("linux/%s tree %s is incomplete (make image-debs-%s unpacks it): %w", p.Arch, root, p.Arch, err)
+		}
+		return nil, err
+	}
 	bin := opts.Binary
-	if bin == "" {
+	if bin == "" || p != hostPlatform {
 		bin = filepath.Join(tmp, "dirpv")
-		if err := buildDirpv(ctx, opts.ModuleDir, opts.Version, bin); err != nil {
-			return "", "", err
+		if err := buildDirpv(ctx, opts.ModuleDir, opts.Version, p.Arch, bin); err != nil {
+			return nil, err
 		}
 	}
 	files := []File{
@@ -180,36 +266,38 @@ func WriteDirpvTar(ctx context.Context, opts DirpvOptions) (tarPath, imageName s
 		// As in Debian: mount(8) and mount.nfs consult the kernel's table, never a file.
 		{ImagePath: "/etc/mtab", Symlink: "../proc/self/mounts"},
 	}
-	c := newCollector()
+	c, err := newCollector(root, p.Arch)
+	if err != nil {
+		return nil, fmt.Errorf("dirpv image: %w", err)
+	}
 	for _, t := range opts.HostTools {
-		if err := c.addBinary(ctx, t.Path); err != nil {
-			return "", "", fmt.Errorf("dirpv image: %w", err)
+		if err := c.addBinary(t.Path); err != nil {
+			return nil, fmt.Errorf("dirpv image: linux/%s: %w", p.Arch, err)
 		}
 		for _, a := range t.Aliases {
 			alias := path.Join(path.Dir(t.Path), a)
 			if err := c.addSymlink(alias, path.Base(t.Path)); err != nil {
-				return "", "", fmt.Errorf("dirpv image: %w", err)
+				return nil, fmt.Errorf("dirpv image: %w", err)
 			}
 		}
 	}
 	for _, f := range hostFiles {
 		if err := c.addPath(f.path); err != nil {
-			return "", "", fmt.Errorf("dirpv image: %w", err)
+			return nil, fmt.Errorf("dirpv image: %w", err)
 		}
 	}
-	files = append(files, c.files()...)
-	cfg := Config{
+	return append(files, c.files()...), nil
+}
+
+func dirpvConfig(version string) Config {
+	return Config{
 		Entrypoint: []string{DirpvBinaryPath},
 		Labels: map[string]string{
 			"org.opencontainers.image.title":   "dirpv",
-			"org.opencontainers.image.version": opts.Version,
+			"org.opencontainers.image.version": version,
 			"org.opencontainers.image.source":  "https://github.com/dirpv/dirpv",
 		},
 	}
-	if err := WriteOCITar(opts.Output, imageName, files, cfg); err != nil {
-		return "", "", err
-	}
-	return opts.Output, imageName, nil
 }
 
 // DirpvLDFlags are the linker flags of the Dockerfile and the Makefile's build target.
@@ -230,19 +318,21 @@ func DirpvBuildArgs(version string) []string {
 	return []string{"build", "-trimpath", "-tags", DirpvTags, "-ldflags", DirpvLDFlags(version)}
 }
 
-func buildDirpv(ctx context.Context, moduleDir, version, out string) error {
+func buildDirpv(ctx context.Context, moduleDir, version, arch, out string) error {
 	cmd := exec.CommandContext(ctx, "go", append(DirpvBuildArgs(version), "-o", out, "./cmd/dirpv")...)
 	cmd.Dir = moduleDir
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH=amd64")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH="+arch)
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	if err := cmd.Run(); err != nil {
-		return fmt.Errorf("dirpv image: go build ./cmd/dirpv: %w: %s", err, strings.TrimSpace(stderr.String()))
+		return fmt.Errorf("dirpv image: GOARCH=%s go build ./cmd/dirpv: %w: %s", arch, err, strings.TrimSpace(stderr.String()))
 	}
 	return nil
 }
 
-func gitVersion(ctx context.Context, dir string) string {
+// GitVersion is the version of the checkout in dir as make names it: `git describe --tags
+// --always --dirty`, or "dev" without git.
+func GitVersion(ctx context.Context, dir string) string {
 	cmd := exec.CommandContext(ctx, "git", "describe", "--tags", "--always", "--dirty")
 	cmd.Dir = dir
 	out, err := cmd.Output()
@@ -252,15 +342,48 @@ func gitVersion(ctx context.Context, dir string) string {
 	return "dev"
 }
 
-// collector gathers host files at their host paths. Symlinks met on the way (a merged /usr's
-// /lib64 -> usr/lib64, libfoo.so.1 -> libfoo.so.1.2.3) become the same symlinks in the image,
-// so the dynamic loader and mount(8) find everything where they would on the host.
-type collector struct {
-	entries map[string]File
-	order   []string
+// ELF machines and Debian multiarch triplets by GOARCH.
+var (
+	elfMachine = map[string]elf.Machine{"amd64": elf.EM_X86_64, "arm64": elf.EM_AARCH64}
+	multiarch  = map[string]string{"amd64": "x86_64-linux-gnu", "arm64": "aarch64-linux-gnu"}
+)
+
+// LibraryDirs are the directories where a Debian system's dynamic loader finds the shared
+// libraries of arch (its ld.so.conf and default paths, in order).
+func LibraryDirs(arch string) []string {
+	t := multiarch[arch]
+	return []string{"/lib/" + t, "/usr/lib/" + t, "/lib", "/usr/lib"}
 }
 
-func newCollector() *collector { return &collector{entries: map[string]File{}} }
+// ELFMachine is the ELF header's e_machine of arch's programs and libraries.
+func ELFMachine(arch string) (elf.Machine, bool) {
+	m, ok := elfMachine[arch]
+	return m, ok
+}
+
+// collector gathers files of a tree (root) at their paths beneath it. Symlinks met on the way
+// (a merged /usr's /lib64 -> usr/lib64, libfoo.so.1 -> libfoo.so.1.2.3) become the same
+// symlinks in the image, so the dynamic loader and mount(8) find everything where they would
+// on a system installed from that tree.
+type collector struct {
+	root    string
+	arch    string
+	machine elf.Machine
+	entries map[string]File
+	order   []string
+	elfDone map[string]bool
+}
+
+func newCollector(root, arch string) (*collector, error) {
+	m, ok := elfMachine[arch]
+	if !ok {
+		return nil, fmt.Errorf("architecture %q: not one of amd64, arm64", arch)
+	}
+	return &collector{root: root, arch: arch, machine: m, entries: map[string]File{}, elfDone: map[string]bool{}}, nil
+}
+
+// host returns the path of image path p in the tree.
+func (c *collector) host(p string) string { return filepath.Join(c.root, p) }
 
 func (c *collector) add(f File) {
 	if _, ok := c.entries[f.ImagePath]; !ok {
@@ -287,25 +410,64 @@ func (c *collector) addSymlink(link, target string) error {
 	return nil
 }
 
-// addBinary adds a dynamically linked (or static) program with every library ldd lists for it.
-func (c *collector) addBinary(ctx context.Context, bin string) error {
-	if err := c.addPath(bin); err != nil {
-		return err
-	}
-	libs, err := lddPaths(ctx, bin)
+// addBinary adds a dynamically linked (or static) program with its dynamic loader and every
+// library it loads, found as the loader would: each DT_NEEDED in LibraryDirs, transitively.
+// Read from the ELF files rather than asked of ldd, which runs the loader and so only works
+// for the host's own architecture. A file of another architecture, or a library that is not
+// there, is an error: the program would not start in the image either.
+func (c *collector) addBinary(p string) error {
+	real, err := c.resolve(p, 0)
 	if err != nil {
 		return err
 	}
-	for _, l := range libs {
-		if err := c.addPath(l); err != nil {
+	if c.elfDone[real] {
+		return nil
+	}
+	c.elfDone[real] = true
+	f, err := elf.Open(c.host(real))
+	if err != nil {
+		return fmt.Errorf("%s: %w", p, err)
+	}
+	defer f.Close()
+	if f.Machine != c.machine {
+		return fmt.Errorf("%s is %s, not %s (%s)", p, f.Machine, c.machine, c.arch)
+	}
+	for _, prog := range f.Progs {
+		if prog.Type != elf.PT_INTERP {
+			continue
+		}
+		b, err := io.ReadAll(prog.Open())
+		if err != nil {
+			return fmt.Errorf("%s: interpreter: %w", p, err)
+		}
+		if err := c.addBinary(strings.TrimRight(string(b), "\x00")); err != nil {
+			return fmt.Errorf("%s: interpreter: %w", p, err)
+		}
+	}
+	needed, err := f.DynString(elf.DT_NEEDED)
+	if err != nil {
+		return fmt.Errorf("%s: %w", p, err)
+	}
+	for _, lib := range needed {
+		found := ""
+		for _, d := range LibraryDirs(c.arch) {
+			if _, err := os.Stat(c.host(path.Join(d, lib))); err == nil {
+				found = path.Join(d, lib)
+				break
+			}
+		}
+		if found == "" {
+			return fmt.Errorf("%s needs %s, which is in none of %s beneath %s", p, lib, strings.Join(LibraryDirs(c.arch), ", "), c.root)
+		}
+		if err := c.addBinary(found); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// addPath adds the host file p at the same path in the image, reproducing every symlink on
-// the way (including p itself being one).
+// addPath adds the file p of the tree at the same path in the image, reproducing every
+// symlink on the way (including p itself being one).
 func (c *collector) addPath(p string) error {
 	_, err := c.resolve(p, 0)
 	return err
@@ -314,7 +476,7 @@ func (c *collector) addPath(p string) error {
 const maxSymlinks = 40
 
 // resolve walks p one component at a time like the kernel does, adding each symlink it meets
-// and finally the regular file, and returns p's real path.
+// and finally the regular file, and returns p's real path. Absolute symlinks stay in the tree.
 func (c *collector) resolve(p string, depth int) (string, error) {
 	if depth > maxSymlinks {
 		return "", fmt.Errorf("%s: too many levels of symbolic links", p)
@@ -324,13 +486,13 @@ func (c *collector) resolve(p string, depth int) (string, error) {
 		return "", err
 	}
 	full := path.Join(dir, path.Base(p))
-	st, err := os.Lstat(full)
+	st, err := os.Lstat(c.host(full))
 	if err != nil {
 		return "", err
 	}
 	switch {
 	case st.Mode()&os.ModeSymlink != 0:
-		target, err := os.Readlink(full)
+		target, err := os.Readlink(c.host(full))
 		if err != nil {
 			return "", err
 		}
@@ -340,10 +502,10 @@ func (c *collector) resolve(p string, depth int) (string, error) {
 		}
 		return c.resolve(target, depth+1)
 	case st.Mode().IsRegular():
-		c.add(File{HostPath: full, ImagePath: full})
+		c.add(File{HostPath: c.host(full), ImagePath: full})
 		return full, nil
 	default:
-		return "", fmt.Errorf("%s: not a regular file or symlink", full)
+		return "", fmt.Errorf("%s: not a regular file or symlink", c.host(full))
 	}
 }
 
@@ -355,7 +517,7 @@ func (c *collector) resolveDir(d string, depth int) (string, error) {
 			continue
 		}
 		next := path.Join(real, comp)
-		st, err := os.Lstat(next)
+		st, err := os.Lstat(c.host(next))
 		if err != nil {
 			return "", err
 		}
@@ -366,7 +528,7 @@ func (c *collector) resolveDir(d string, depth int) (string, error) {
 		if depth > maxSymlinks {
 			return "", fmt.Errorf("%s: too many levels of symbolic links", d)
 		}
-		target, err := os.Readlink(next)
+		target, err := os.Readlink(c.host(next))
 		if err != nil {
 			return "", err
 		}
@@ -379,50 +541,4 @@ func (c *collector) resolveDir(d string, depth int) (string, error) {
 		}
 	}
 	return real, nil
-}
-
-// lddPaths returns the absolute paths of the shared libraries and the dynamic loader that ldd
-// lists for bin (none for a static binary). A library ldd cannot find is an error: the program
-// would not start in the image either.
-func lddPaths(ctx context.Context, bin string) ([]string, error) {
-	out, err := exec.CommandContext(ctx, "ldd", bin).CombinedOutput()
-	if err != nil {
-		// ldd exits 1 for static binaries ("not a dynamic executable").
-		if strings.Contains(string(out), "not a dynamic executable") || strings.Contains(string(out), "statically linked") {
-			return nil, nil
-		}
-		return nil, fmt.Errorf("ldd %s: %w: %s", bin, err, strings.TrimSpace(string(out)))
-	}
-	return parseLdd(string(out), bin)
-}
-
-// parseLdd reads lines such as
-//
-//	libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)
-//	/lib64/ld-linux-x86-64.so.2 (0x...)
-//	linux-vdso.so.1 (0x...)
-func parseLdd(out, bin string) ([]string, error) {
-	var paths []string
-	sc := bufio.NewScanner(strings.NewReader(out))
-	for sc.Scan() {
-		line := strings.TrimSpace(sc.Text())
-		if line == "" || strings.Contains(line, "statically linked") {
-			continue
-		}
-		name, found, hasArrow := strings.Cut(line, "=>")
-		if hasArrow {
-			found = strings.TrimSpace(found)
-			if strings.HasPrefix(found, "not found") {
-				return nil, fmt.Errorf("ldd %s: %s not found", bin, strings.TrimSpace(name))
-			}
-		} else {
-			found = name
-		}
-		p, _, _ := strings.Cut(strings.TrimSpace(found), " ")
-		if path.IsAbs(p) {
-			paths = append(paths, p)
-		}
-		// Anything else (linux-vdso.so.1) is provided by the kernel.
-	}
-	return paths, sc.Err()
 }

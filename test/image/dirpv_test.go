@@ -2,10 +2,13 @@ package image
 
 import (
 	"archive/tar"
+	"bufio"
 	"bytes"
 	"compress/gzip"
+	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -17,6 +20,52 @@ import (
 	"syscall"
 	"testing"
 )
+
+// lddPaths returns the absolute paths of the shared libraries and the dynamic loader that ldd
+// lists for bin (none for a static binary): what the image must hold for bin on this host,
+// asked of the host's loader rather than of the ELF reading the image builder does.
+func lddPaths(ctx context.Context, bin string) ([]string, error) {
+	out, err := exec.CommandContext(ctx, "ldd", bin).CombinedOutput()
+	if err != nil {
+		// ldd exits 1 for static binaries ("not a dynamic executable").
+		if strings.Contains(string(out), "not a dynamic executable") || strings.Contains(string(out), "statically linked") {
+			return nil, nil
+		}
+		return nil, fmt.Errorf("ldd %s: %w: %s", bin, err, strings.TrimSpace(string(out)))
+	}
+	return parseLdd(string(out), bin)
+}
+
+// parseLdd reads lines such as
+//
+//	libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)
+//	/lib64/ld-linux-x86-64.so.2 (0x...)
+//	linux-vdso.so.1 (0x...)
+func parseLdd(out, bin string) ([]string, error) {
+	var paths []string
+	sc := bufio.NewScanner(strings.NewReader(out))
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		if line == "" || strings.Contains(line, "statically linked") {
+			continue
+		}
+		name, found, hasArrow := strings.Cut(line, "=>")
+		if hasArrow {
+			found = strings.TrimSpace(found)
+			if strings.HasPrefix(found, "not found") {
+				return nil, fmt.Errorf("ldd %s: %s not found", bin, strings.TrimSpace(name))
+			}
+		} else {
+			found = name
+		}
+		p, _, _ := strings.Cut(strings.TrimSpace(found), " ")
+		if path.IsAbs(p) {
+			paths = append(paths, p)
+		}
+		// Anything else (linux-vdso.so.1) is provided by the kernel.
+	}
+	return paths, sc.Err()
+}
 
 func TestParseLdd(t *testing.T) {
 	out := `	linux-vdso.so.1 (0x00007ffd5b9f2000)

@@ -56,28 +56,74 @@ var fixedTime = time.Unix(0, 0).UTC()
 // tar. imageName should be fully qualified (e.g. "dirpv.local/busybox:1.35") because containerd's
 // CRI looks images up by their normalised reference.
 func WriteOCITar(tarPath, imageName string, files []File, cfg Config) error {
+	img, err := buildImage("amd64", files, cfg)
+	if err != nil {
+		return fmt.Errorf("image %s: %w", imageName, err)
+	}
+	return writeLayout(tarPath, imageName, func(lp layout.Path, opts ...layout.Option) error {
+		return lp.AppendImage(img, append(opts, layout.WithPlatform(v1.Platform{OS: "linux", Architecture: "amd64"}))...)
+	})
+}
+
+// Variant is one platform's image of a multi-platform index.
+type Variant struct {
+	// Arch is the GOARCH of the variant's binaries ("amd64", "arm64"); the OS is linux.
+	Arch   string
+	Files  []File
+	Config Config
+}
+
+// WriteOCIIndexTar writes an OCI layout tar whose one entry is an image index of variants, one
+// single-layer image per platform, named imageName as WriteOCITar names its image. It returns
+// the index's digest, which names the whole multi-platform image in a registry
+// (repository@digest), and each variant's manifest digest by Arch.
+func WriteOCIIndexTar(tarPath, imageName string, variants []Variant) (index v1.Hash, manifests map[string]v1.Hash, err error) {
+	idx := mutate.IndexMediaType(empty.Index, types.OCIImageIndex)
+	manifests = map[string]v1.Hash{}
+	for _, v := range variants {
+		img, err := buildImage(v.Arch, v.Files, v.Config)
+		if err != nil {
+			return v1.Hash{}, nil, fmt.Errorf("image %s (%s): %w", imageName, v.Arch, err)
+		}
+		if manifests[v.Arch], err = img.Digest(); err != nil {
+			return v1.Hash{}, nil, fmt.Errorf("image %s (%s): %w", imageName, v.Arch, err)
+		}
+		idx = mutate.AppendManifests(idx, mutate.IndexAddendum{Add: img,
+			Descriptor: v1.Descriptor{Platform: &v1.Platform{OS: "linux", Architecture: v.Arch}}})
+	}
+	if index, err = idx.Digest(); err != nil {
+		return v1.Hash{}, nil, fmt.Errorf("image %s: index: %w", imageName, err)
+	}
+	err = writeLayout(tarPath, imageName, func(lp layout.Path, opts ...layout.Option) error {
+		return lp.AppendIndex(idx, opts...)
+	})
+	return index, manifests, err
+}
+
+// buildImage returns the single-layer linux/arch image of files with cfg.
+func buildImage(arch string, files []File, cfg Config) (v1.Image, error) {
 	layerBytes, err := layerTar(files)
 	if err != nil {
-		return fmt.Errorf("image %s: build layer: %w", imageName, err)
+		return nil, fmt.Errorf("build layer: %w", err)
 	}
 	layer, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) {
 		return io.NopCloser(bytes.NewReader(layerBytes)), nil
 	}, tarball.WithMediaType(types.OCILayer))
 	if err != nil {
-		return fmt.Errorf("image %s: layer: %w", imageName, err)
+		return nil, fmt.Errorf("layer: %w", err)
 	}
 	base := mutate.MediaType(empty.Image, types.OCIManifestSchema1)
 	base = mutate.ConfigMediaType(base, types.OCIConfigJSON)
 	img, err := mutate.AppendLayers(base, layer)
 	if err != nil {
-		return fmt.Errorf("image %s: append layer: %w", imageName, err)
+		return nil, fmt.Errorf("append layer: %w", err)
 	}
 	cf, err := img.ConfigFile()
 	if err != nil {
-		return fmt.Errorf("image %s: config: %w", imageName, err)
+		return nil, fmt.Errorf("config: %w", err)
 	}
 	cf = cf.DeepCopy()
-	cf.Architecture = "amd64"
+	cf.Architecture = arch
 	cf.OS = "linux"
 	cf.Created = v1.Time{Time: fixedTime}
 	cf.Config.Entrypoint = cfg.Entrypoint
@@ -91,9 +137,14 @@ func WriteOCITar(tarPath, imageName string, files []File, cfg Config) error {
 	cf.Config.Labels = cfg.Labels
 	img, err = mutate.ConfigFile(img, cf)
 	if err != nil {
-		return fmt.Errorf("image %s: set config: %w", imageName, err)
+		return nil, fmt.Errorf("set config: %w", err)
 	}
+	return img, nil
+}
 
+// writeLayout writes an OCI layout whose index.json has the one entry that add appends (with
+// the layout options it is given, which name it imageName), packed into tarPath.
+func writeLayout(tarPath, imageName string, add func(layout.Path, ...layout.Option) error) error {
 	dir, err := os.MkdirTemp(filepath.Dir(tarPath), ".oci-layout-")
 	if err != nil {
 		return fmt.Errorf("image %s: temp layout dir: %w", imageName, err)
@@ -103,14 +154,12 @@ func WriteOCITar(tarPath, imageName string, files []File, cfg Config) error {
 	if err != nil {
 		return fmt.Errorf("image %s: init layout: %w", imageName, err)
 	}
-	err = lp.AppendImage(img,
-		layout.WithPlatform(v1.Platform{OS: "linux", Architecture: "amd64"}),
-		layout.WithAnnotations(map[string]string{
-			// containerd's importer names the image after this annotation; the OCI one is
-			// kept for other tools (skopeo, crane) reading the same tar.
-			"io.containerd.image.name":          imageName,
-			"org.opencontainers.image.ref.name": refName(imageName),
-		}))
+	err = add(lp, layout.WithAnnotations(map[string]string{
+		// containerd's importer names the image after this annotation; the OCI one is
+		// kept for other tools (skopeo, crane) reading the same tar.
+		"io.containerd.image.name":          imageName,
+		"org.opencontainers.image.ref.name": refName(imageName),
+	}))
 	if err != nil {
 		return fmt.Errorf("image %s: write layout: %w", imageName, err)
 	}

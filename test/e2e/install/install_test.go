@@ -22,6 +22,7 @@ import (
 
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/test/release"
 )
 
 const (
@@ -35,6 +36,8 @@ var (
 	auditLog string
 	suite    *framework.Suite
 	inst     *framework.Installation
+	// rel is the release (make release's artifacts) that inst installed.
+	rel *release.Release
 )
 
 func TestMain(m *testing.M) {
@@ -45,8 +48,9 @@ func TestMain(m *testing.M) {
 	}, func(ctx context.Context, s *framework.Suite) error {
 		suite = s
 		var err error
-		if inst, err = framework.Install(ctx, suite.Cluster, klog.Infof, "--quota-check-period="+quotaCheckPeriod.String()); err != nil {
-			return fmt.Errorf("install dirpv: %w", err)
+		if inst, rel, err = framework.InstallRelease(ctx, suite.Cluster, filepath.Join(s.Work.Dir, "dist"), klog.Infof,
+			"--quota-check-period="+quotaCheckPeriod.String()); err != nil {
+			return fmt.Errorf("install dirpv's release: %w", err)
 		}
 		return nil
 	}))
@@ -152,6 +156,45 @@ func TestDefaultClassIsDirpvLocal(t *testing.T) {
 	})
 	if err != nil {
 		t.Fatalf("the pod's file is not on the host: %v", err)
+	}
+}
+
+// TestInstalledIsTheRelease: this suite runs what a user of the release runs, the release's
+// kind manifest and image: every dirpv container names the image by the release index's
+// digest and runs it (kubelet reports the image it started by that digest), on this amd64
+// node the index's linux/amd64 image.
+func TestInstalledIsTheRelease(t *testing.T) {
+	ctx := context.Background()
+	node, err := suite.Client.CoreV1().Nodes().Get(ctx, suite.Cluster.NodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a := node.Status.NodeInfo.Architecture; a != "amd64" {
+		t.Errorf("node architecture %s", a)
+	}
+	if _, ok := rel.Image.Manifests["amd64"]; !ok {
+		t.Errorf("the release's index has no linux/amd64 image: %v", rel.Image.Manifests)
+	}
+	pods, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	containers := 0
+	for _, p := range pods.Items {
+		for _, c := range p.Spec.Containers {
+			if c.Image != rel.ImageRef {
+				t.Errorf("pod %s container %s: image %s, want the release's %s", p.Name, c.Name, c.Image, rel.ImageRef)
+			}
+		}
+		for _, st := range p.Status.ContainerStatuses {
+			containers++
+			if st.ImageID != rel.ImageRef {
+				t.Errorf("pod %s container %s runs %s (%s), want the release's %s", p.Name, st.Name, st.ImageID, st.Image, rel.ImageRef)
+			}
+		}
+	}
+	if containers < 2 {
+		t.Errorf("%d dirpv containers with a status, want the controller's and the node plugin's at least", containers)
 	}
 }
 
