@@ -1115,7 +1115,8 @@ func (b *bench) goals() {
 		limit          float64
 	}{
 		{fmt.Sprintf("%d local claims create->Bound vs ceiling", *flagN), "local.bulk", "ceil.bulk", 1.2},
-		{fmt.Sprintf("%d NFS claims (kernel, VM) create->Bound vs that cluster's ceiling", *flagN), "nfs.vm.nfs.bulk", "nfs.vm.ceil.bulk", 1.2},
+		// In the guest dirpv runs under emulation: its reference is the ideal provisioner there.
+		{fmt.Sprintf("%d NFS claims (kernel, VM) create->Bound vs the ideal there", *flagN), "nfs.vm.nfs.bulk", "nfs.vm.ideal.bulk", 1.2},
 		{fmt.Sprintf("%d local claims with size limits vs without (btrfs)", *flagN), "limits.bulk.limit", "limits.bulk.nolimit", 1.1},
 		{"single local claim p50 with size limits vs without (btrfs)", "limits.p50.limit", "limits.p50.nolimit", 1.1},
 		{"single local claim p50 vs ceiling", "local.p50", "ceil.p50", 1.2},

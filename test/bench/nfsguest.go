@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"flag"
 	"fmt"
 	"os"
 	"os/exec"
@@ -11,6 +12,8 @@ import (
 
 	"github.com/dirpv/dirpv/test/framework"
 )
+
+var flagNFSPubN = flag.Int("nfs-publish-n", 100, "NFS NodePublish+NodeUnpublish iterations in the VM (and as many bare NFS mounts); each takes ~0.5 s under emulation")
 
 // nfsVMReport is what test/vm/node's TestBenchNFS writes (its benchReport).
 type nfsVMReport struct {
@@ -39,7 +42,7 @@ func (b *bench) nfsKernel() error {
 	cmd := exec.CommandContext(b.ctx, "go", "test", "-count=1", "-timeout", "45m", "-v", "-run", "^TestBenchNFS$", "./test/vm/node/")
 	cmd.Dir = framework.RepoRoot()
 	cmd.Env = append(os.Environ(), "DIRPV_BENCH_NFS="+out,
-		fmt.Sprintf("DIRPV_BENCH_N=%d", *flagN), fmt.Sprintf("DIRPV_BENCH_PUBLISH_N=%d", *flagPubN))
+		fmt.Sprintf("DIRPV_BENCH_N=%d", *flagN), fmt.Sprintf("DIRPV_BENCH_PUBLISH_N=%d", *flagNFSPubN))
 	cmd.Stdout, cmd.Stderr = logf, logf
 	fmt.Printf("   (VM node tier: go test -run TestBenchNFS ./test/vm/node/, log %s)\n", logPath)
 	t0 := time.Now()

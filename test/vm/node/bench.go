@@ -45,10 +45,23 @@ type BenchRequest struct {
 	Publish  int    `json:"publish,omitempty"`
 	Rounds   int    `json:"rounds,omitempty"`
 	VolumeID string `json:"volumeID,omitempty"`
+	// Ideal, if set, runs the ideal external provisioner (StartIdeal) instead.
+	Ideal *BenchIdeal `json:"ideal,omitempty"`
 	// PodUID is a running pod's on the node: the targets go in its directory below kubelet's
 	// pods directory, where the node plugin sees them and kubelet leaves them alone.
 	PodUID string            `json:"podUID,omitempty"`
 	Attrs  map[string]string `json:"attrs,omitempty"`
+}
+
+// BenchIdeal is the ideal external NFS provisioner in the guest: what any external provisioner
+// on this export, dirpv included, can at best reach under the guest's emulation.
+type BenchIdeal struct {
+	// Provisioner is the name of the classes whose claims it serves.
+	Provisioner string `json:"provisioner"`
+	// Kubeconfig is an admin kubeconfig, in the guest (the VM's share).
+	Kubeconfig string `json:"kubeconfig"`
+	// Parallel is how many claims or volumes it serves at a time.
+	Parallel int `json:"parallel"`
 }
 
 // BenchResult is what the guest measured.
@@ -91,6 +104,97 @@ func (n *Node) Bench(ctx context.Context, timeout time.Duration, req BenchReques
 	return &res, nil
 }
 
+// StartIdeal starts the ideal external provisioner of req.Ideal.Provisioner in the guest, with
+// Source mounted by mount-utils as its export, and returns once it serves. Each claim it is
+// handed gets a directory on the export, made through the kernel client, and a PV pre-bound to
+// it; each of its PVs that is Released gets its directory removed, then is deleted. stop ends
+// it. While it runs, the node serves no other request (Exec, Bench, ...).
+func (n *Node) StartIdeal(ctx context.Context, req BenchRequest, adminKubeconfig string) (stop func() error, err error) {
+	id := strconv.FormatInt(controlSeq.Add(1), 10)
+	kc := "ideal-" + id + ".kubeconfig"
+	if err := copyFile(adminKubeconfig, filepath.Join(n.Machine.Share(), kc), 0o600); err != nil {
+		return nil, err
+	}
+	req.Ideal.Kubeconfig = filepath.Join(vm.GuestShareDir, kc)
+	name := "bench-" + id + ".json"
+	reqPath := filepath.Join(n.Machine.Share(), name)
+	cleanup := func() {
+		for _, p := range []string{kc, name, name + ".out", name + ".ready", name + ".stop"} {
+			os.Remove(filepath.Join(n.Machine.Share(), p))
+		}
+	}
+	b, err := json.Marshal(req)
+	if err == nil {
+		err = writeRenamed(reqPath, b)
+	}
+	if err != nil {
+		cleanup()
+		return nil, err
+	}
+	done := make(chan error, 1)
+	go func() {
+		out, err := n.Exec(ctx, time.Hour, "env", benchEnv+"="+filepath.Join(vm.GuestShareDir, name), filepath.Join(n.dir, "agent"))
+		if err != nil {
+			err = fmt.Errorf("%w: %s", err, out)
+		}
+		done <- err
+	}()
+	result := func() error {
+		var res BenchResult
+		b, err := os.ReadFile(reqPath + ".out")
+		if err == nil {
+			err = json.Unmarshal(b, &res)
+		}
+		if err == nil && res.Error != "" {
+			err = errors.New(res.Error)
+		}
+		if err != nil {
+			return fmt.Errorf("node: ideal provisioner in the guest: %w", err)
+		}
+		return nil
+	}
+	err = waitReady(ctx, reqPath+".ready", done)
+	if err != nil {
+		_ = writeRenamed(reqPath+".stop", nil)
+		<-done
+		err = errors.Join(err, result())
+		cleanup()
+		return nil, fmt.Errorf("node: ideal provisioner in the guest: %w", err)
+	}
+	return func() error {
+		defer cleanup()
+		if err := writeRenamed(reqPath+".stop", nil); err != nil {
+			return err
+		}
+		if err := <-done; err != nil {
+			return err
+		}
+		return result()
+	}, nil
+}
+
+// waitReady waits, up to 5 minutes, until file exists, or until done says the guest's
+// side has ended (it puts the error back for the caller).
+func waitReady(ctx context.Context, file string, done chan error) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+	defer cancel()
+	tick := time.NewTicker(controlPoll)
+	defer tick.Stop()
+	for {
+		if _, err := os.Stat(file); err == nil {
+			return nil
+		}
+		select {
+		case err := <-done:
+			done <- err
+			return fmt.Errorf("ended before it served: %v", err)
+		case <-ctx.Done():
+			return fmt.Errorf("not serving: %w", ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
 // benchMain is the guest's side of Bench: it runs the request in file reqPath and writes the
 // result next to it.
 func benchMain(reqPath string) int {
@@ -101,7 +205,7 @@ func benchMain(reqPath string) int {
 	}
 	res := &BenchResult{}
 	if err == nil {
-		err = runBench(context.Background(), req, res)
+		err = runBench(context.Background(), req, res, reqPath)
 	}
 	if err != nil {
 		res.Error = err.Error()
@@ -116,7 +220,7 @@ func benchMain(reqPath string) int {
 	return 0
 }
 
-func runBench(ctx context.Context, req BenchRequest, res *BenchResult) error {
+func runBench(ctx context.Context, req BenchRequest, res *BenchResult, reqPath string) error {
 	// The floor's mount point can be anywhere; the publish targets must be where the node
 	// plugin's container sees them.
 	parent := os.TempDir()
@@ -128,8 +232,11 @@ func runBench(ctx context.Context, req BenchRequest, res *BenchResult) error {
 		return err
 	}
 	// Not RemoveAll: a mount left below would have its files removed.
-	defer removeEmpty(work, filepath.Join(work, "dirs"), filepath.Join(work, "bare"), filepath.Join(work, "csi", "mount"), filepath.Join(work, "csi"))
+	defer removeEmpty(work, filepath.Join(work, "ideal"), filepath.Join(work, "dirs"), filepath.Join(work, "bare"), filepath.Join(work, "csi", "mount"), filepath.Join(work, "csi"))
 	mounter := mount.New("")
+	if req.Ideal != nil {
+		return runIdeal(ctx, mounter, req, filepath.Join(work, "ideal"), reqPath)
+	}
 	if req.Dirs > 0 {
 		if res.Mkdir, res.Rmdir, err = dirsFloor(mounter, req, filepath.Join(work, "dirs")); err != nil {
 			return err

@@ -69,9 +69,12 @@ type benchReport struct {
 // TestBenchNFS measures, through the guest's kernel NFS client and server, what make bench's
 // NFS rows say: N claims of an NFS class create->all Bound, their deletion until PVs and
 // directories are gone, and NodePublish+NodeUnpublish of an NFS volume. Each row has its
-// reference measured in the same run: the binding ceiling of this cluster (N pre-made PVs,
-// an ideal deleter), and in the guest, through the same export and mount options, the storage
-// floor (mkdir and rmdir of N directories, 16 at a time) and a bare mount+umount.
+// references measured in the same run: the binding ceiling of this cluster (N pre-made PVs,
+// an ideal deleter), and in the guest, through the same export and mount options, an ideal
+// external provisioner and deleter (as test/bench's for local claims, plus the directory),
+// the storage floor (mkdir and rmdir of N directories, 16 at a time) and a bare
+// mount+umount. dirpv runs in the guest under emulation, so its figures compare with those
+// of the guest, not with the host's.
 func TestBenchNFS(t *testing.T) {
 	out := os.Getenv(benchEnv)
 	if out == "" {
@@ -104,23 +107,31 @@ func TestBenchNFS(t *testing.T) {
 	}
 	b.figure("floor.mkdir", res.Mkdir.Seconds())
 	b.figure("floor.rmdir", res.Rmdir.Seconds())
+	b.ideal(n, floor)
 	class := suite.CreateClass(t, "bench-nfs", map[string]string{"backend": "nfs", "server": node.NFSAddr, "share": share},
 		framework.Immediate, framework.MountOptions(options...))
 	bulk := b.bind("nfs-bulk", class.Name, n)
 	b.figure("nfs.bulk", bulk.Seconds())
-	b.add(benchRow{Name: fmt.Sprintf("ceiling (VM node's cluster): %d pre-made PVs, all Bound", n), Value: b.report.Figures["ceil.bulk"], Unit: "s"})
+	fig := b.report.Figures
+	b.add(benchRow{Name: fmt.Sprintf("ceiling (VM node's cluster): %d pre-made PVs, all Bound", n), Value: fig["ceil.bulk"], Unit: "s"})
 	b.add(benchRow{Name: fmt.Sprintf("floor: mkdir %d dirs, kernel NFS client (VM)", n), Value: res.Mkdir.Seconds(), Unit: "s",
 		Note: fmt.Sprintf("%d at a time, through a mount of %s with %v", benchParallel, floor.Source, options)})
+	b.add(benchRow{Name: fmt.Sprintf("ideal external NFS provisioner in the VM: %d claims", n), Value: fig["ideal.bulk"], Unit: "s",
+		Ref: "ceiling (VM)", RefValue: fig["ceil.bulk"], Note: "a directory through the kernel client and a PV per claim, in the guest"})
 	b.add(benchRow{Name: fmt.Sprintf("dirpv nfs (kernel, VM): %d claims create->all Bound", n), Value: bulk.Seconds(), Unit: "s",
-		Ref: "ceiling (VM)", RefValue: b.report.Figures["ceil.bulk"],
-		Note: fmt.Sprintf("%.1fx the mkdir floor; dirpv's controller runs in the guest, under emulation", bulk.Seconds()/res.Mkdir.Seconds())})
+		Ref: "ceiling (VM)", RefValue: fig["ceil.bulk"],
+		Note: fmt.Sprintf("%.2fx the ideal external provisioner in the guest; %.1fx the mkdir floor", bulk.Seconds()/fig["ideal.bulk"], bulk.Seconds()/res.Mkdir.Seconds())})
+	b.t.Logf("(%.2fx the ideal external NFS provisioner in the guest)", bulk.Seconds()/fig["ideal.bulk"])
 	del := b.deleteNFS("nfs-bulk", class.Name)
 	b.figure("nfs.delete", del.Seconds())
-	b.add(benchRow{Name: fmt.Sprintf("ceiling (VM node's cluster): delete %d, ideal deleter", n), Value: b.report.Figures["ceil.delete"], Unit: "s"})
+	b.add(benchRow{Name: fmt.Sprintf("ceiling (VM node's cluster): delete %d, ideal deleter", n), Value: fig["ceil.delete"], Unit: "s"})
 	b.add(benchRow{Name: fmt.Sprintf("floor: rmdir %d dirs, kernel NFS client (VM)", n), Value: res.Rmdir.Seconds(), Unit: "s"})
+	b.add(benchRow{Name: fmt.Sprintf("ideal NFS deleter in the VM: delete %d", n), Value: fig["ideal.delete"], Unit: "s",
+		Ref: "ceiling (VM)", RefValue: fig["ceil.delete"], Note: "rmdir through the kernel client, then the PV, in the guest"})
 	b.add(benchRow{Name: fmt.Sprintf("dirpv nfs (kernel, VM): delete %d, PVs+dirs gone", n), Value: del.Seconds(), Unit: "s",
-		Ref: "ceiling (VM)", RefValue: b.report.Figures["ceil.delete"],
-		Note: fmt.Sprintf("%.1fx the rmdir floor", del.Seconds()/res.Rmdir.Seconds())})
+		Ref: "ceiling (VM)", RefValue: fig["ceil.delete"],
+		Note: fmt.Sprintf("%.2fx the ideal deleter in the guest; %.1fx the rmdir floor", del.Seconds()/fig["ideal.delete"], del.Seconds()/res.Rmdir.Seconds())})
+	b.t.Logf("(%.2fx the ideal NFS deleter in the guest)", del.Seconds()/fig["ideal.delete"])
 
 	// NodePublish of one of the class's volumes, against a bare mount of the same export.
 	b.bind("nfs-publish", class.Name, 1)
@@ -201,6 +212,30 @@ func (b *nfsBench) ceiling(n int) {
 	b.figure("ceil.bulk", b.bind(ns, class.Name, n).Seconds())
 	pvs.deleteReleased(b.cs)
 	b.figure("ceil.delete", b.deleteClaims(ns, pvs, nil).Seconds())
+}
+
+// idealProvisioner is the provisioner name of the ideal external NFS provisioner's class.
+const idealProvisioner = "bench.invalid/ideal-nfs"
+
+// ideal binds and deletes n claims through the ideal external NFS provisioner in the guest
+// (node.StartIdeal): what any external provisioner on this export reaches at best under the
+// guest's emulation, the same ideal that test/bench measures for local claims, plus the
+// directory through the kernel client.
+func (b *nfsBench) ideal(n int, floor node.BenchRequest) {
+	class := suite.CreateClass(b.t, "bench-ideal-nfs", nil, framework.Provisioner(idealProvisioner), framework.Immediate)
+	req := floor
+	req.Ideal = &node.BenchIdeal{Provisioner: idealProvisioner, Parallel: benchParallel}
+	stop, err := guestNode.StartIdeal(b.ctx, req, suite.Cluster.Kubeconfig)
+	if err != nil {
+		b.t.Fatal(err)
+	}
+	b.figure("ideal.bulk", b.bind("ideal-bulk", class.Name, n).Seconds())
+	pvs := b.watchPVs(class.Name)
+	b.figure("ideal.delete", b.deleteClaims("ideal-bulk", pvs, nil).Seconds())
+	pvs.stop()
+	if err := stop(); err != nil {
+		b.t.Fatal(err)
+	}
 }
 
 // bind creates n claims of class in a new namespace ns, benchParallel at a time, and returns
