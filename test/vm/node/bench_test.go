@@ -3,7 +3,10 @@ package node_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"path"
 	"slices"
@@ -110,8 +113,10 @@ func TestBenchNFS(t *testing.T) {
 	b.ideal(n, floor)
 	class := suite.CreateClass(t, "bench-nfs", map[string]string{"backend": "nfs", "server": node.NFSAddr, "share": share},
 		framework.Immediate, framework.MountOptions(options...))
+	m0 := b.controllerMetrics()
 	bulk := b.bind("nfs-bulk", class.Name, n)
 	b.figure("nfs.bulk", bulk.Seconds())
+	bulkNote := m0.since(b.controllerMetrics(), bulk)
 	fig := b.report.Figures
 	b.add(benchRow{Name: fmt.Sprintf("ceiling (VM node's cluster): %d pre-made PVs, all Bound", n), Value: fig["ceil.bulk"], Unit: "s"})
 	b.add(benchRow{Name: fmt.Sprintf("floor: mkdir %d dirs, kernel NFS client (VM)", n), Value: res.Mkdir.Seconds(), Unit: "s",
@@ -120,9 +125,11 @@ func TestBenchNFS(t *testing.T) {
 		Ref: "ceiling (VM)", RefValue: fig["ceil.bulk"], Note: "a directory through the kernel client and a PV per claim, in the guest"})
 	b.add(benchRow{Name: fmt.Sprintf("dirpv nfs (kernel, VM): %d claims create->all Bound", n), Value: bulk.Seconds(), Unit: "s",
 		Ref: "ceiling (VM)", RefValue: fig["ceil.bulk"],
-		Note: fmt.Sprintf("%.2fx the ideal external provisioner in the guest; %.1fx the mkdir floor", bulk.Seconds()/fig["ideal.bulk"], bulk.Seconds()/res.Mkdir.Seconds())})
-	b.t.Logf("(%.2fx the ideal external NFS provisioner in the guest)", bulk.Seconds()/fig["ideal.bulk"])
+		Note: fmt.Sprintf("%.2fx the ideal external provisioner in the guest; %.1fx the mkdir floor; %s", bulk.Seconds()/fig["ideal.bulk"], bulk.Seconds()/res.Mkdir.Seconds(), bulkNote)})
+	b.t.Logf("(%.2fx the ideal external NFS provisioner in the guest; %s)", bulk.Seconds()/fig["ideal.bulk"], bulkNote)
+	m0 = b.controllerMetrics()
 	del := b.deleteNFS("nfs-bulk", class.Name)
+	delNote := m0.since(b.controllerMetrics(), del)
 	b.figure("nfs.delete", del.Seconds())
 	b.add(benchRow{Name: fmt.Sprintf("ceiling (VM node's cluster): delete %d, ideal deleter", n), Value: fig["ceil.delete"], Unit: "s"})
 	b.add(benchRow{Name: fmt.Sprintf("floor: rmdir %d dirs, kernel NFS client (VM)", n), Value: res.Rmdir.Seconds(), Unit: "s"})
@@ -130,8 +137,8 @@ func TestBenchNFS(t *testing.T) {
 		Ref: "ceiling (VM)", RefValue: fig["ceil.delete"], Note: "rmdir through the kernel client, then the PV, in the guest"})
 	b.add(benchRow{Name: fmt.Sprintf("dirpv nfs (kernel, VM): delete %d, PVs+dirs gone", n), Value: del.Seconds(), Unit: "s",
 		Ref: "ceiling (VM)", RefValue: fig["ceil.delete"],
-		Note: fmt.Sprintf("%.2fx the ideal deleter in the guest; %.1fx the rmdir floor", del.Seconds()/fig["ideal.delete"], del.Seconds()/res.Rmdir.Seconds())})
-	b.t.Logf("(%.2fx the ideal NFS deleter in the guest)", del.Seconds()/fig["ideal.delete"])
+		Note: fmt.Sprintf("%.2fx the ideal deleter in the guest; %.1fx the rmdir floor; %s", del.Seconds()/fig["ideal.delete"], del.Seconds()/res.Rmdir.Seconds(), delNote)})
+	b.t.Logf("(%.2fx the ideal NFS deleter in the guest; %s)", del.Seconds()/fig["ideal.delete"], delNote)
 
 	// NodePublish of one of the class's volumes, against a bare mount of the same export.
 	b.bind("nfs-publish", class.Name, 1)
@@ -212,6 +219,70 @@ func (b *nfsBench) ceiling(n int) {
 	b.figure("ceil.bulk", b.bind(ns, class.Name, n).Seconds())
 	pvs.deleteReleased(b.cs)
 	b.figure("ceil.delete", b.deleteClaims(ns, pvs, nil).Seconds())
+}
+
+// The controller's figures that say where its time goes: its CPU, the provisioning
+// library's operation (event, dirpv's Provision, PV create) and dirpv's Provision alone.
+const (
+	metricCPU       = "process_cpu_seconds_total"
+	metricLibOp     = "dirpv_persistentvolumeclaim_provision_duration_seconds"
+	metricProvision = "dirpv_provision_duration_seconds"
+)
+
+// controllerSample is a scrape of dirpv's controller in the guest, summed by metric name
+// over its labels; err says why there is none.
+type controllerSample struct {
+	m   map[string]float64
+	err error
+}
+
+// controllerMetrics scrapes dirpv's controller, which runs on the guest's host network
+// (deploy/'s --http-address=:9809).
+func (b *nfsBench) controllerMetrics() controllerSample {
+	ctx, cancel := context.WithTimeout(b.ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+node.GuestAddr+":9809/metrics", nil)
+	if err != nil {
+		return controllerSample{err: err}
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return controllerSample{err: err}
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return controllerSample{err: err}
+	}
+	m := map[string]float64{}
+	for _, line := range strings.Split(string(body), "\n") {
+		f := strings.Fields(line)
+		if len(f) != 2 || strings.HasPrefix(line, "#") {
+			continue
+		}
+		name, _, _ := strings.Cut(f[0], "{")
+		if v, err := strconv.ParseFloat(f[1], 64); err == nil {
+			m[name] += v
+		}
+	}
+	return controllerSample{m: m}
+}
+
+// since says what the controller did between s and later, a span of d: its CPU, and the mean
+// library operation and dirpv Provision of the claims provisioned meanwhile.
+func (s controllerSample) since(later controllerSample, d time.Duration) string {
+	if err := errors.Join(s.err, later.err); err != nil {
+		return fmt.Sprintf("controller metrics: %v", err)
+	}
+	delta := func(name string) float64 { return later.m[name] - s.m[name] }
+	out := fmt.Sprintf("controller CPU %.1f s (%.0f%% of one CPU)", delta(metricCPU), 100*delta(metricCPU)/d.Seconds())
+	if c := delta(metricLibOp + "_count"); c > 0 {
+		out += fmt.Sprintf(", mean library op %.0f ms", 1000*delta(metricLibOp+"_sum")/c)
+	}
+	if c := delta(metricProvision + "_count"); c > 0 {
+		out += fmt.Sprintf(", of it dirpv's Provision %.0f ms", 1000*delta(metricProvision+"_sum")/c)
+	}
+	return out
 }
 
 // idealProvisioner is the provisioner name of the ideal external NFS provisioner's class.
