@@ -133,6 +133,9 @@ type E2ELocalOptions struct {
 	Image string
 	// NodeArgs are added to the node plugin's command line (a test's --quota-check-period).
 	NodeArgs []string
+	// Root is the checkout whose deploy/ is rendered (another commit's, for the upgrade
+	// test); empty means this one.
+	Root string
 }
 
 // RenderE2ELocal renders deploy/overlays/e2e-local for a cluster whose apiserver listens on
@@ -148,9 +151,12 @@ func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptio
 	if opts.APIServerPort <= 0 || opts.APIServerPort > 65535 {
 		return nil, fmt.Errorf("deploy: e2e-local: APIServerPort %d out of range", opts.APIServerPort)
 	}
-	root, err := RepoDir()
-	if err != nil {
-		return nil, err
+	root := opts.Root
+	if root == "" {
+		var err error
+		if root, err = RepoDir(); err != nil {
+			return nil, err
+		}
 	}
 	dir, err := os.MkdirTemp("", "dirpv-e2e-overlay-")
 	if err != nil {

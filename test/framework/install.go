@@ -74,16 +74,7 @@ func BuildDirpvImage(ctx context.Context) (tarPath, imageName string, err error)
 // nodeArgs are added to the node plugin's command line.
 func InstallImage(ctx context.Context, c *cluster.Cluster, imageName, node string, timeout time.Duration, logf func(string, ...any), nodeArgs ...string) (*Installation, error) {
 	start := time.Now()
-	kustomize, err := deploy.Tool(ctx, "kustomize", true)
-	if err != nil {
-		return nil, err
-	}
-	manifests, err := deploy.RenderE2ELocal(ctx, kustomize, deploy.E2ELocalOptions{
-		APIServerPort: c.APIServerPort, APIServerHost: c.APIServerHost, Image: imageName, NodeArgs: nodeArgs})
-	if err != nil {
-		return nil, err
-	}
-	objs, err := deploy.Decode(manifests)
+	objs, err := RenderInstall(ctx, c, "", imageName, nodeArgs...)
 	if err != nil {
 		return nil, err
 	}
