@@ -191,8 +191,10 @@ up: cluster-bins
 down:
 	$(GO) run ./test/cluster/cmd/dirpv-cluster down
 
-## bench: dirpv against the binding ceiling on a real control plane (root; ~15 min), ending
-## with its targets table (docs/performance.md). BENCH_N=500; BENCH_NODES: simulated cluster sizes.
+## bench: dirpv against the binding ceiling on a real control plane (root; ~20 min), ending
+## with its targets table (docs/performance.md); its NFS phase runs through the kernel NFS
+## client and server of the VM node tier (test/vm/node TestBenchNFS, ~5 min of it).
+## BENCH_N=500; BENCH_NODES: simulated cluster sizes.
 BENCH_N ?= 500
 BENCH_NODES ?= 10,50,100
 bench: cluster-bins

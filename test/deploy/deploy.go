@@ -143,6 +143,9 @@ type E2ELocalOptions struct {
 	// Kind, when set, is a rendered deploy/overlays/kind (a release's manifest, RenderOverlay's
 	// output) that the overlay's adaptations are applied to instead of the tree's overlay.
 	Kind []byte
+	// Root is the checkout whose deploy/ is rendered (another commit's, for the upgrade
+	// test); empty means this one.
+	Root string
 }
 
 // RenderE2ELocal renders deploy/overlays/e2e-local for a cluster whose apiserver listens on
@@ -158,9 +161,12 @@ func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptio
 	if opts.APIServerPort <= 0 || opts.APIServerPort > 65535 {
 		return nil, fmt.Errorf("deploy: e2e-local: APIServerPort %d out of range", opts.APIServerPort)
 	}
-	root, err := RepoDir()
-	if err != nil {
-		return nil, err
+	root := opts.Root
+	if root == "" {
+		var err error
+		if root, err = RepoDir(); err != nil {
+			return nil, err
+		}
 	}
 	dir, err := os.MkdirTemp("", "dirpv-e2e-overlay-")
 	if err != nil {

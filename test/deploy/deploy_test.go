@@ -155,8 +155,11 @@ func TestControllerHostNetwork(t *testing.T) {
 	if c, n := httpPort(container(t, spec)), httpPort(container(t, daemonSet(t, withComponent).Spec.Template.Spec)); c == 0 || c == n {
 		t.Errorf("controller's http port %d, node plugin's %d: want two ports on the host network", c, n)
 	}
-	// Only the two fields differ from the kind overlay.
+	// Only the network and the rollout differ from the kind overlay: a new replica wants the
+	// host port of the one it replaces, so a surge pod would stay Pending on a cluster with no
+	// node free of a controller, and the rollout with it (TestUpgradeFromRelease, one node).
 	if d := diff("", kind["Deployment dirpv/dirpv-controller"].Object, withComponent["Deployment dirpv/dirpv-controller"].Object); !reflect.DeepEqual(d, []string{
+		".spec.strategy: <nil> != map[rollingUpdate:map[maxSurge:0 maxUnavailable:1] type:RollingUpdate]",
 		".spec.template.spec.dnsPolicy: <nil> != ClusterFirstWithHostNet", ".spec.template.spec.hostNetwork: <nil> != true"}) {
 		t.Errorf("component changes:\n  %s", strings.Join(d, "\n  "))
 	}

@@ -109,16 +109,7 @@ func InstallImage(ctx context.Context, c *cluster.Cluster, imageName, node strin
 // install is InstallImage with the e2e-local overlay's options (the apiserver's are set here).
 func install(ctx context.Context, c *cluster.Cluster, opts deploy.E2ELocalOptions, node string, timeout time.Duration, logf func(string, ...any)) (*Installation, error) {
 	start := time.Now()
-	kustomize, err := deploy.Tool(ctx, "kustomize", true)
-	if err != nil {
-		return nil, err
-	}
-	opts.APIServerPort, opts.APIServerHost = c.APIServerPort, c.APIServerHost
-	manifests, err := deploy.RenderE2ELocal(ctx, kustomize, opts)
-	if err != nil {
-		return nil, err
-	}
-	objs, err := deploy.Decode(manifests)
+	objs, err := RenderInstall(ctx, c, opts)
 	if err != nil {
 		return nil, err
 	}

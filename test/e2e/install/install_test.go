@@ -65,6 +65,10 @@ func beforeCluster(s *framework.Suite, opts *cluster.Options) error {
 	_, baseErr := os.Stat(basePath)
 	s.Cleanups.Add(func() {
 		leftovers, _ := filepath.Glob(filepath.Join(basePath, "install-*"))
+		// Archives of claims of a class with onDelete archive (TestUpgradeFromRelease) that
+		// went with their namespace after the test.
+		archives, _ := filepath.Glob(filepath.Join(basePath, "archived-install-*"))
+		leftovers = append(leftovers, archives...)
 		for _, d := range leftovers {
 			os.RemoveAll(d)
 		}

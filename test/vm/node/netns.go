@@ -48,9 +48,14 @@ const (
 //     any process left in that namespace;
 //   - in that namespace: it makes the tap device the guest attaches to, then runs run;
 //   - in the guest (Start boots it with a copy of this binary): the node agent, which starts
-//     containerd and kubelet and stops them when the host asks.
+//     containerd and kubelet and stops them when the host asks; and, run by the agent for
+//     Node.Bench, the bench's guest-side measurements.
 func Main(m *testing.M, run func() int) int {
 	if guest.InVM() {
+		// Before agentEnv: the agent runs the bench with its own environment.
+		if req := os.Getenv(benchEnv); req != "" {
+			return benchMain(req)
+		}
 		if cfg := os.Getenv(agentEnv); cfg != "" {
 			return agentMain(cfg)
 		}

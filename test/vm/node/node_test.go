@@ -39,7 +39,7 @@ func TestMain(m *testing.M) {
 	os.Exit(node.Main(m, func() int {
 		code := framework.RunSuite(m, framework.SuiteOptions{
 			Name:    "vmnode",
-			Cluster: cluster.Options{Address: node.HostAddr, Logf: klog.Infof},
+			Cluster: cluster.Options{Address: node.HostAddr, Logf: klog.Infof, ControllerManagerArgs: kcmArgs()},
 		}, setup)
 		if stopErr != nil {
 			fmt.Fprintf(os.Stderr, "FAIL: %v\n", stopErr)
@@ -47,6 +47,15 @@ func TestMain(m *testing.M) {
 		}
 		return code
 	}))
+}
+
+// kcmArgs are kube-controller-manager's extra flags: test/bench's client limits when the run is
+// make bench's NFS phase (TestBenchNFS), else none.
+func kcmArgs() []string {
+	if os.Getenv(benchEnv) != "" {
+		return benchKCMArgs
+	}
+	return nil
 }
 
 // setup boots the guest and waits for its node, the control plane being the suite's.
