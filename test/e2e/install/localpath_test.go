@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	appsv1 "k8s.io/api/apps/v1"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -27,8 +26,10 @@ import (
 const localPathBase = basePath + "/install-local-path"
 
 // localPathConfig is what local-path-provisioner's deploy/local-path-storage.yaml (v0.0.30)
-// puts in its ConfigMap, with its node path and the helper pod's image made local.
-func localPathConfig(ns string) *v1.ConfigMap {
+// puts in its ConfigMap, with its node path and the helper pod's image made local (its
+// --helper-image does not apply to a helper pod file), and without
+// the helper pod's priority class system-node-critical, which only kube-system may use here.
+func localPathConfig(ns, image string) *v1.ConfigMap {
 	return &v1.ConfigMap{ObjectMeta: metav1.ObjectMeta{Name: "local-path-config", Namespace: ns}, Data: map[string]string{
 		"config.json": `{"nodePathMap":[{"node":"DEFAULT_PATH_FOR_NON_LISTED_NODES","paths":["` + localPathBase + `"]}]}`,
 		"setup":       "#!/bin/sh\nset -eu\nmkdir -m 0777 -p \"$VOL_DIR\"",
@@ -38,10 +39,9 @@ kind: Pod
 metadata:
   name: helper-pod
 spec:
-  priorityClassName: system-node-critical
   containers:
   - name: helper-pod
-    image: busybox
+    image: ` + image + `
     imagePullPolicy: Never`,
 	}}
 }
@@ -56,7 +56,7 @@ func startLocalPath(t *testing.T, ns string) (stop func()) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cm := localPathConfig(ns)
+	cm := localPathConfig(ns, suite.Cluster.BusyboxImage)
 	if _, err := suite.Client.CoreV1().ConfigMaps(ns).Create(ctx, cm, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -109,30 +109,13 @@ func adopt(t *testing.T, name string) {
 	if _, err := apps.DaemonSets("dirpv").Patch(ctx, "dirpv-node", types.JSONPatchType, patch, metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	err = framework.Poll(ctx, 3*time.Minute, func(ctx context.Context) (bool, error) {
-		d, err := apps.Deployments("dirpv").Get(ctx, "dirpv-controller", metav1.GetOptions{})
-		if err != nil {
-			return false, err
-		}
-		ds, err := apps.DaemonSets("dirpv").Get(ctx, "dirpv-node", metav1.GetOptions{})
-		if err != nil {
-			return false, err
-		}
-		return deploymentDone(d) && daemonSetDone(ds), fmt.Errorf("controller %+v, node %+v", d.Status, ds.Status)
-	})
+	ds, err := apps.DaemonSets("dirpv").Get(ctx, "dirpv-node", metav1.GetOptions{})
 	if err != nil {
+		t.Fatal(err)
+	}
+	if err := framework.WaitRolledOut(ctx, suite.Client, "dirpv", ds.Spec.Template.Spec.Containers[0].Image, 3*time.Minute); err != nil {
 		t.Fatalf("rollout with --adopt-provisioners: %v", err)
 	}
-}
-
-func deploymentDone(d *appsv1.Deployment) bool {
-	s := d.Status
-	return s.ObservedGeneration >= d.Generation && s.UpdatedReplicas == *d.Spec.Replicas && s.Replicas == *d.Spec.Replicas && s.AvailableReplicas == *d.Spec.Replicas
-}
-
-func daemonSetDone(ds *appsv1.DaemonSet) bool {
-	s := ds.Status
-	return s.ObservedGeneration >= ds.Generation && s.DesiredNumberScheduled > 0 && s.UpdatedNumberScheduled == s.DesiredNumberScheduled && s.NumberAvailable == s.DesiredNumberScheduled
 }
 
 // Moving from a running local-path-provisioner (kind's) as docs/migrating.md says, with a pod
@@ -151,7 +134,15 @@ func TestTakeOverFromRunningLocalPath(t *testing.T) {
 
 	suite.CreateClaim(t, ns, "old", class)
 	suite.CreatePod(t, suite.BusyboxPod(ns, "writer", "old", `i=0; while :; do i=$((i+1)); echo $i >> /data/log; sleep 0.2; done`, false))
-	waitRunning(t, ns, "writer")
+	if _, err := framework.WaitForPodPhase(ctx, suite.Client, ns, "writer", v1.PodRunning, timeout); err != nil {
+		var pods []string
+		if list, err := suite.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{}); err == nil {
+			for _, p := range list.Items {
+				pods = append(pods, fmt.Sprintf("%s %s%s", p.Name, p.Status.Phase, framework.EventsOf(ctx, suite.Client, ns, "Pod", p.Name)))
+			}
+		}
+		t.Fatalf("%v\nclaim:%s\npods: %s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "old"), strings.Join(pods, "\n  "))
+	}
 	pv, err := framework.WaitForBoundPV(ctx, suite.Client, ns, "old", timeout)
 	if err != nil {
 		t.Fatal(err)
