@@ -4,12 +4,10 @@ import (
 	"archive/tar"
 	"bufio"
 	"bytes"
-	"compress/gzip"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path"
@@ -19,6 +17,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+
+	"github.com/dirpv/dirpv/test/image/imagetest"
 )
 
 // lddPaths returns the absolute paths of the shared libraries and the dynamic loader that ldd
@@ -86,119 +86,29 @@ func TestParseLdd(t *testing.T) {
 	}
 }
 
-// layer is the single layer of an image tar: headers and file contents by path without "/".
-type layer struct {
-	hdr  map[string]*tar.Header
-	data map[string][]byte
-}
-
-// resolve follows symlinks inside the layer, as the container's kernel would.
-func (l layer) resolve(t *testing.T, p string) string {
+func readImage(t *testing.T, tarPath string) (annotations map[string]string, config map[string]any, l imagetest.Layer) {
 	t.Helper()
-	cur := ""
-	comps := strings.Split(strings.Trim(path.Clean(p), "/"), "/")
-	for hops := 0; len(comps) > 0; {
-		next := path.Join(cur, comps[0])
-		comps = comps[1:]
-		h := l.hdr[next]
-		if h == nil {
-			h = l.hdr[next+"/"]
-		}
-		if h == nil {
-			t.Errorf("image lacks %s (resolving %s)", next, p)
-			return ""
-		}
-		if h.Typeflag != tar.TypeSymlink {
-			cur = next
-			continue
-		}
-		if hops++; hops > 40 {
-			t.Fatalf("symlink loop at %s", p)
-		}
-		target := h.Linkname
-		if !path.IsAbs(target) {
-			target = path.Join("/", cur, target)
-		}
-		comps = append(strings.Split(strings.Trim(path.Clean(target), "/"), "/"), comps...)
-		cur = ""
-	}
-	return cur
-}
-
-func readImage(t *testing.T, tarPath string) (annotations map[string]string, config map[string]any, l layer) {
-	t.Helper()
-	blobs := map[string][]byte{}
-	f, err := os.Open(tarPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	tr := tar.NewReader(f)
-	for {
-		h, err := tr.Next()
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		b, err := io.ReadAll(tr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		blobs[h.Name] = b
-	}
+	files := imagetest.ReadLayout(t, tarPath)
 	var index struct {
 		Manifests []struct {
 			Digest      string            `json:"digest"`
 			Annotations map[string]string `json:"annotations"`
 		} `json:"manifests"`
 	}
-	if err := json.Unmarshal(blobs["index.json"], &index); err != nil || len(index.Manifests) != 1 {
-		t.Fatalf("index.json: %v %s", err, blobs["index.json"])
-	}
-	blob := func(digest string) []byte {
-		b, ok := blobs["blobs/"+strings.Replace(digest, ":", "/", 1)]
-		if !ok {
-			t.Fatalf("no blob %s", digest)
-		}
-		return b
+	if err := json.Unmarshal(files["index.json"], &index); err != nil || len(index.Manifests) != 1 {
+		t.Fatalf("index.json: %v %s", err, files["index.json"])
 	}
 	var manifest struct {
 		Config struct{ Digest string }
 		Layers []struct{ Digest string }
 	}
-	if err := json.Unmarshal(blob(index.Manifests[0].Digest), &manifest); err != nil || len(manifest.Layers) != 1 {
+	if err := json.Unmarshal(files.Blob(t, index.Manifests[0].Digest), &manifest); err != nil || len(manifest.Layers) != 1 {
 		t.Fatalf("manifest: %v %+v", err, manifest)
 	}
-	if err := json.Unmarshal(blob(manifest.Config.Digest), &config); err != nil {
+	if err := json.Unmarshal(files.Blob(t, manifest.Config.Digest), &config); err != nil {
 		t.Fatal(err)
 	}
-	l = layer{hdr: map[string]*tar.Header{}, data: map[string][]byte{}}
-	var lrd io.Reader = bytes.NewReader(blob(manifest.Layers[0].Digest))
-	if b := blob(manifest.Layers[0].Digest); len(b) > 2 && b[0] == 0x1f && b[1] == 0x8b {
-		gz, err := gzip.NewReader(lrd)
-		if err != nil {
-			t.Fatal(err)
-		}
-		lrd = gz
-	}
-	lr := tar.NewReader(lrd)
-	for {
-		h, err := lr.Next()
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		b, err := io.ReadAll(lr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		l.hdr[h.Name], l.data[h.Name] = h, b
-	}
-	return index.Manifests[0].Annotations, config, l
+	return index.Manifests[0].Annotations, config, imagetest.ReadLayer(t, files.Blob(t, manifest.Layers[0].Digest))
 }
 
 // TestWriteDirpvTar builds the real image: the binary with the Dockerfile's flags, the host's
@@ -223,6 +133,13 @@ func TestWriteDirpvTar(t *testing.T) {
 		t.Errorf("WriteDirpvTar = %s, %s", got, name)
 	}
 	annotations, config, l := readImage(t, out)
+	resolve := func(p string) string {
+		r := l.Resolve(p)
+		if r == "" {
+			t.Errorf("image lacks %s", p)
+		}
+		return r
+	}
 	if annotations["io.containerd.image.name"] != "ghcr.io/dirpv/dirpv:"+version {
 		t.Errorf("annotations %v", annotations)
 	}
@@ -234,20 +151,20 @@ func TestWriteDirpvTar(t *testing.T) {
 		t.Errorf("labels %v", cfg["Labels"])
 	}
 
-	if h := l.hdr["usr/local/bin/dirpv"]; h == nil || h.Mode&0o111 == 0 {
+	if h := l.Hdr["usr/local/bin/dirpv"]; h == nil || h.Mode&0o111 == 0 {
 		t.Fatalf("no executable usr/local/bin/dirpv: %+v", h)
 	}
 	for _, f := range []string{"/etc/netconfig", "/etc/protocols"} {
-		if real := l.resolve(t, f); real != "" && l.hdr[real].Typeflag != tar.TypeReg {
+		if real := resolve(f); real != "" && l.Hdr[real].Typeflag != tar.TypeReg {
 			t.Errorf("%s -> %s is not a file", f, real)
 		}
 	}
 	for _, tool := range []string{"/bin/mount", "/bin/umount", "/sbin/mount.nfs", "/sbin/mount.nfs4", "/sbin/umount.nfs"} {
-		real := l.resolve(t, tool)
+		real := resolve(tool)
 		if real == "" {
 			continue
 		}
-		if h := l.hdr[real]; h.Typeflag != tar.TypeReg || h.Mode&0o111 == 0 {
+		if h := l.Hdr[real]; h.Typeflag != tar.TypeReg || h.Mode&0o111 == 0 {
 			t.Errorf("%s -> %s: not an executable file", tool, real)
 		}
 		libs, err := lddPaths(t.Context(), tool)
@@ -258,7 +175,7 @@ func TestWriteDirpvTar(t *testing.T) {
 			continue // a static build of the tool
 		}
 		for _, lib := range libs {
-			if r := l.resolve(t, lib); r != "" && l.hdr[r].Typeflag != tar.TypeReg {
+			if r := resolve(lib); r != "" && l.Hdr[r].Typeflag != tar.TypeReg {
 				t.Errorf("%s: %s -> %s is not a file", tool, lib, r)
 			}
 		}
@@ -268,36 +185,8 @@ func TestWriteDirpvTar(t *testing.T) {
 		t.Log("not root: skipping the chroot run")
 		return
 	}
-	root := t.TempDir()
-	for name, h := range l.hdr {
-		dst := filepath.Join(root, name)
-		var err error
-		switch h.Typeflag {
-		case tar.TypeDir:
-			err = os.MkdirAll(dst, 0o755)
-		case tar.TypeSymlink:
-			if err = os.MkdirAll(filepath.Dir(dst), 0o755); err == nil {
-				err = os.Symlink(h.Linkname, dst)
-			}
-		case tar.TypeReg:
-			if err = os.MkdirAll(filepath.Dir(dst), 0o755); err == nil {
-				err = os.WriteFile(dst, l.data[name], os.FileMode(h.Mode).Perm())
-			}
-		}
-		if err != nil && !errors.Is(err, os.ErrExist) {
-			t.Fatal(err)
-		}
-	}
-	for _, argv := range [][]string{{"/usr/local/bin/dirpv", "version"}, {"/bin/mount", "--version"}, {"/bin/umount", "--version"}, {"/sbin/mount.nfs", "-V"}} {
-		cmd := exec.CommandContext(t.Context(), "chroot", append([]string{root}, argv...)...)
-		b, err := cmd.CombinedOutput()
-		if err != nil {
-			t.Errorf("chroot %s: %v: %s", strings.Join(argv, " "), err, b)
-			continue
-		}
-		if argv[1] == "version" && strings.TrimSpace(string(b)) != version {
-			t.Errorf("dirpv version %q, want %s (ldflags)", b, version)
-		}
+	if out := l.RunTools(t)["/usr/local/bin/dirpv"]; strings.TrimSpace(out) != version {
+		t.Errorf("dirpv version %q, want %s (ldflags)", out, version)
 	}
 }
 

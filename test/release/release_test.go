@@ -2,12 +2,9 @@ package release
 
 import (
 	"archive/tar"
-	"bufio"
 	"bytes"
 	"compress/gzip"
-	"crypto/sha256"
 	"debug/elf"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"io"
@@ -21,6 +18,7 @@ import (
 	"testing"
 
 	"github.com/dirpv/dirpv/test/deploy"
+	"github.com/dirpv/dirpv/test/image/imagetest"
 )
 
 // TestRelease builds a release as make release does and checks it as a user receiving it
@@ -101,8 +99,8 @@ func TestRelease(t *testing.T) {
 			triplet := map[string]string{"amd64": "x86_64-linux-gnu", "arm64": "aarch64-linux-gnu"}[arch]
 			libDirs := []string{"/lib/" + triplet, "/usr/lib/" + triplet, "/lib", "/usr/lib"}
 			elfs := map[string]*elf.File{}
-			for name, h := range v.layer.hdr {
-				data := v.layer.data[name]
+			for name, h := range v.layer.Hdr {
+				data := v.layer.Data[name]
 				if h.Typeflag != tar.TypeReg || !bytes.HasPrefix(data, []byte(elf.ELFMAG)) {
 					continue
 				}
@@ -119,7 +117,7 @@ func TestRelease(t *testing.T) {
 			// The programs dirpv runs are among them (so that the checks cannot pass on an
 			// image that lacks them).
 			for _, p := range []string{"/usr/local/bin/dirpv", "/bin/mount", "/bin/umount", "/sbin/mount.nfs", "/sbin/mount.nfs4"} {
-				if real := v.layer.resolve(p); elfs[real] == nil {
+				if real := v.layer.Resolve(p); elfs[real] == nil {
 					t.Errorf("%s (-> /%s) is not an ELF file of the image", p, real)
 				}
 			}
@@ -132,7 +130,7 @@ func TestRelease(t *testing.T) {
 					}
 					b, _ := io.ReadAll(prog.Open())
 					interp := strings.TrimRight(string(b), "\x00")
-					if elfs[v.layer.resolve(interp)] == nil {
+					if elfs[v.layer.Resolve(interp)] == nil {
 						t.Errorf("/%s: its loader %s is not in the image", name, interp)
 					}
 				}
@@ -141,13 +139,13 @@ func TestRelease(t *testing.T) {
 					t.Errorf("/%s: %v", name, err)
 				}
 				for _, lib := range needed {
-					if !slices.ContainsFunc(libDirs, func(d string) bool { return elfs[v.layer.resolve(path.Join(d, lib))] != nil }) {
+					if !slices.ContainsFunc(libDirs, func(d string) bool { return elfs[v.layer.Resolve(path.Join(d, lib))] != nil }) {
 						t.Errorf("/%s needs %s, which is in none of %v", name, lib, libDirs)
 					}
 				}
 			}
 			for _, p := range []string{"/etc/netconfig", "/etc/protocols"} {
-				if real := v.layer.resolve(p); v.layer.hdr[real] == nil || v.layer.hdr[real].Typeflag != tar.TypeReg {
+				if real := v.layer.Resolve(p); v.layer.Hdr[real] == nil || v.layer.Hdr[real].Typeflag != tar.TypeReg {
 					t.Errorf("%s is not a file of the image", p)
 				}
 			}
@@ -155,7 +153,9 @@ func TestRelease(t *testing.T) {
 				t.Errorf("manifest %s, Build reported %s", v.digest, want)
 			}
 			if arch == runtime.GOARCH && os.Geteuid() == 0 {
-				runInChroot(t, v.layer, version)
+				if out := v.layer.RunTools(t)["/usr/local/bin/dirpv"]; strings.TrimSpace(out) != version {
+					t.Errorf("dirpv version %q, want %s", out, version)
+				}
 			}
 		})
 	}
@@ -211,40 +211,6 @@ func TestChartVersion(t *testing.T) {
 	} {
 		if got := ChartVersion(version); got != want {
 			t.Errorf("ChartVersion(%q) = %q, want %q", version, got, want)
-		}
-	}
-}
-
-// runInChroot unpacks the layer and runs dirpv and the mount tools in it, as the container
-// does: the host's architecture's image starts its programs with what it holds.
-func runInChroot(t *testing.T, l layer, version string) {
-	t.Helper()
-	root := t.TempDir()
-	for name, h := range l.hdr {
-		dst := filepath.Join(root, name)
-		var err error
-		switch h.Typeflag {
-		case tar.TypeDir:
-			err = os.MkdirAll(dst, 0o755)
-		case tar.TypeSymlink:
-			if err = os.MkdirAll(filepath.Dir(dst), 0o755); err == nil {
-				err = os.Symlink(h.Linkname, dst)
-			}
-		case tar.TypeReg:
-			if err = os.MkdirAll(filepath.Dir(dst), 0o755); err == nil {
-				err = os.WriteFile(dst, l.data[name], os.FileMode(h.Mode).Perm())
-			}
-		}
-		if err != nil && !errors.Is(err, os.ErrExist) {
-			t.Fatal(err)
-		}
-	}
-	for _, argv := range [][]string{{"/usr/local/bin/dirpv", "version"}, {"/bin/mount", "--version"}, {"/bin/umount", "--version"}, {"/sbin/mount.nfs", "-V"}} {
-		out, err := exec.CommandContext(t.Context(), "chroot", append([]string{root}, argv...)...).CombinedOutput()
-		if err != nil {
-			t.Errorf("chroot %s: %v: %s", strings.Join(argv, " "), err, out)
-		} else if argv[1] == "version" && strings.TrimSpace(string(out)) != version {
-			t.Errorf("dirpv version %q, want %s", out, version)
 		}
 	}
 }
@@ -309,87 +275,23 @@ type variant struct {
 		Architecture, OS string
 		Config           struct{ Labels map[string]string }
 	}
-	layer layer
-}
-
-// layer is an image's single layer: headers and contents by path without the leading /.
-type layer struct {
-	hdr  map[string]*tar.Header
-	data map[string][]byte
-}
-
-// resolve follows symlinks inside the layer as the container's kernel would and returns the
-// path without its leading /, or "" when a component is missing.
-func (l layer) resolve(p string) string {
-	cur := ""
-	comps := strings.Split(strings.Trim(path.Clean(p), "/"), "/")
-	for hops := 0; len(comps) > 0; {
-		next := path.Join(cur, comps[0])
-		comps = comps[1:]
-		h := l.hdr[next]
-		if h == nil {
-			h = l.hdr[next+"/"]
-		}
-		if h == nil || hops > 40 {
-			return ""
-		}
-		if h.Typeflag != tar.TypeSymlink {
-			cur = next
-			continue
-		}
-		hops++
-		target := h.Linkname
-		if !path.IsAbs(target) {
-			target = path.Join("/", cur, target)
-		}
-		comps = append(strings.Split(strings.Trim(path.Clean(target), "/"), "/"), comps...)
-		cur = ""
-	}
-	return cur
+	layer imagetest.Layer
 }
 
 func readIndex(t *testing.T, tarPath string) index {
 	t.Helper()
-	blobs := map[string][]byte{}
-	f, err := os.Open(tarPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	tr := tar.NewReader(f)
-	for {
-		h, err := tr.Next()
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		if blobs[h.Name], err = io.ReadAll(tr); err != nil {
-			t.Fatal(err)
-		}
-	}
+	files := imagetest.ReadLayout(t, tarPath)
 	type descriptor struct {
 		MediaType   string
 		Digest      string
 		Annotations map[string]string
 		Platform    *struct{ Architecture, OS string }
 	}
-	// blob returns the content of digest, checking that it is what its digest says.
-	blob := func(digest string) []byte {
-		b, ok := blobs["blobs/"+strings.Replace(digest, ":", "/", 1)]
-		if !ok {
-			t.Fatalf("no blob %s", digest)
-		}
-		if sum := sha256.Sum256(b); "sha256:"+hex.EncodeToString(sum[:]) != digest {
-			t.Fatalf("blob %s has digest sha256:%x", digest, sum)
-		}
-		return b
-	}
+	blob := func(digest string) []byte { return files.Blob(t, digest) }
 	var layout struct{ Manifests []descriptor }
-	if err := json.Unmarshal(blobs["index.json"], &layout); err != nil || len(layout.Manifests) != 1 ||
+	if err := json.Unmarshal(files["index.json"], &layout); err != nil || len(layout.Manifests) != 1 ||
 		layout.Manifests[0].MediaType != "application/vnd.oci.image.index.v1+json" {
-		t.Fatalf("index.json: want one image index: %v %s", err, blobs["index.json"])
+		t.Fatalf("index.json: want one image index: %v %s", err, files["index.json"])
 	}
 	idx := index{name: layout.Manifests[0].Annotations["io.containerd.image.name"], digest: layout.Manifests[0].Digest, variants: map[string]variant{}}
 	var imageIndex struct{ Manifests []descriptor }
@@ -407,30 +309,9 @@ func readIndex(t *testing.T, tarPath string) index {
 		if err := json.Unmarshal(blob(m.Digest), &manifest); err != nil || len(manifest.Layers) != 1 {
 			t.Fatalf("manifest %s: %v %+v", m.Digest, err, manifest)
 		}
-		v := variant{digest: m.Digest, layer: layer{hdr: map[string]*tar.Header{}, data: map[string][]byte{}}}
+		v := variant{digest: m.Digest, layer: imagetest.ReadLayer(t, blob(manifest.Layers[0].Digest))}
 		if err := json.Unmarshal(blob(manifest.Config.Digest), &v.config); err != nil {
 			t.Fatal(err)
-		}
-		var lr io.Reader = bytes.NewReader(blob(manifest.Layers[0].Digest))
-		if b := blob(manifest.Layers[0].Digest); len(b) > 2 && b[0] == 0x1f && b[1] == 0x8b {
-			if lr, err = gzip.NewReader(bufio.NewReader(lr)); err != nil {
-				t.Fatal(err)
-			}
-		}
-		ltr := tar.NewReader(lr)
-		for {
-			h, err := ltr.Next()
-			if errors.Is(err, io.EOF) {
-				break
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			b, err := io.ReadAll(ltr)
-			if err != nil {
-				t.Fatal(err)
-			}
-			v.layer.hdr[h.Name], v.layer.data[h.Name] = h, b
 		}
 		if _, dup := idx.variants[m.Platform.Architecture]; dup {
 			t.Fatalf("two images for linux/%s", m.Platform.Architecture)
