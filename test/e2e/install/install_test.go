@@ -16,7 +16,6 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
-	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/klog/v2"
 
@@ -393,28 +392,5 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	}
 	for _, p := range append(problems, adoption...) {
 		t.Error(p)
-	}
-}
-
-// Runs last (go test runs tests in file order): uninstalling leaves kubelet with no dirpv.io
-// plugin registered.
-func TestUninstallUnregistersFromKubelet(t *testing.T) {
-	ctx := context.Background()
-	if err := inst.Uninstall(ctx); err != nil {
-		t.Fatal(err)
-	}
-	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		n, err := suite.Client.StorageV1().CSINodes().Get(ctx, suite.Cluster.NodeName, metav1.GetOptions{})
-		if err != nil {
-			return false, err
-		}
-		return !slices.ContainsFunc(n.Spec.Drivers, func(d storagev1.CSINodeDriver) bool { return d.Name == "dirpv.io" }),
-			fmt.Errorf("CSINode still lists %+v", n.Spec.Drivers)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := os.Stat(filepath.Join(suite.Cluster.PluginRegistryDir, "dirpv.io-reg.sock")); !os.IsNotExist(err) {
-		t.Errorf("registration socket still there: %v", err)
 	}
 }
