@@ -2,6 +2,7 @@ package install
 
 import (
 	"bufio"
+	"context"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -12,7 +13,11 @@ import (
 	"testing"
 
 	rbacv1 "k8s.io/api/rbac/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+
+	"github.com/dirpv/dirpv/test/framework"
 )
 
 // dirpv's ServiceAccounts as the API server names them.
@@ -201,4 +206,28 @@ func grantedCalls(t *testing.T) map[call]bool {
 		}
 	}
 	return granted
+}
+
+// Runs last: go test runs a package's tests in file order, files by name, and this is the last
+// file; every other test needs dirpv installed. Uninstalling leaves kubelet with no dirpv.io
+// plugin registered.
+func TestUninstallUnregistersFromKubelet(t *testing.T) {
+	ctx := context.Background()
+	if err := inst.Uninstall(ctx); err != nil {
+		t.Fatal(err)
+	}
+	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		n, err := suite.Client.StorageV1().CSINodes().Get(ctx, suite.Cluster.NodeName, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		return !slices.ContainsFunc(n.Spec.Drivers, func(d storagev1.CSINodeDriver) bool { return d.Name == "dirpv.io" }),
+			fmt.Errorf("CSINode still lists %+v", n.Spec.Drivers)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(suite.Cluster.PluginRegistryDir, "dirpv.io-reg.sock")); !os.IsNotExist(err) {
+		t.Errorf("registration socket still there: %v", err)
+	}
 }
