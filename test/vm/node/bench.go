@@ -280,7 +280,7 @@ func dirsFloor(mounter mount.Interface, req BenchRequest, target string) (mkdir,
 	defer os.Remove(parent)
 	each := func(fn func(string) error) (time.Duration, error) {
 		t0 := time.Now()
-		err := parallel(req.Dirs, max(1, req.Parallel), func(i int) error {
+		err := Parallel(req.Dirs, max(1, req.Parallel), func(i int) error {
 			return fn(filepath.Join(parent, strconv.Itoa(i)))
 		})
 		return time.Since(t0), err
@@ -365,8 +365,8 @@ func timed(iters int, fn func() error) ([]time.Duration, error) {
 	return out, nil
 }
 
-// parallel runs fn(i) for i in [0,n), k at a time, and returns the first error.
-func parallel(n, k int, fn func(i int) error) error {
+// Parallel runs fn(i) for i in [0,n), k at a time, and returns the first error.
+func Parallel(n, k int, fn func(i int) error) error {
 	var (
 		wg    sync.WaitGroup
 		once  sync.Once

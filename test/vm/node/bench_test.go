@@ -229,7 +229,7 @@ func (b *nfsBench) ceiling(n int) {
 	const ns = "ceil-bulk"
 	pvs := b.watchPVs(class.Name)
 	defer pvs.stop()
-	err := parallel(n, func(i int) error {
+	err := node.Parallel(n, benchParallel, func(i int) error {
 		_, err := b.cs.CoreV1().PersistentVolumes().Create(b.ctx, staticPV(fmt.Sprintf("ceil-%04d", i), class.Name, ns, claimName(i)), metav1.CreateOptions{})
 		return err
 	})
@@ -350,7 +350,7 @@ func (b *nfsBench) bind(ns, class string, n int) time.Duration {
 	})
 	defer w.stop()
 	t0 := time.Now()
-	err := parallel(n, func(i int) error {
+	err := node.Parallel(n, benchParallel, func(i int) error {
 		c := framework.NewClaim(ns, claimName(i), class, framework.AccessModes(corev1.ReadWriteMany), framework.Request("16Mi"))
 		_, err := b.cs.CoreV1().PersistentVolumeClaims(ns).Create(b.ctx, c, metav1.CreateOptions{})
 		return err
@@ -376,7 +376,7 @@ func (b *nfsBench) deleteClaims(ns string, pvs *objWatch, done func() (bool, str
 		b.t.Fatal(err)
 	}
 	t0 := time.Now()
-	err = parallel(len(claims.Items), func(i int) error {
+	err = node.Parallel(len(claims.Items), benchParallel, func(i int) error {
 		return b.cs.CoreV1().PersistentVolumeClaims(ns).Delete(b.ctx, claims.Items[i].Name, metav1.DeleteOptions{})
 	})
 	if err == nil {
@@ -599,33 +599,6 @@ func (w *objWatch) wait(ctx context.Context, cond func() (bool, string)) error {
 			return fmt.Errorf("%s: %w", why, ctx.Err())
 		}
 	}
-}
-
-// parallel runs fn(i) for i in [0,n), benchParallel at a time, and returns the first error.
-func parallel(n int, fn func(i int) error) error {
-	var (
-		wg    sync.WaitGroup
-		once  sync.Once
-		first error
-	)
-	next := make(chan int)
-	for range benchParallel {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range next {
-				if err := fn(i); err != nil {
-					once.Do(func() { first = err })
-				}
-			}
-		}()
-	}
-	for i := range n {
-		next <- i
-	}
-	close(next)
-	wg.Wait()
-	return first
 }
 
 // percentile is the p-th percentile (0..100) of ds by nearest rank, as test/bench's.
