@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -27,8 +26,9 @@ import (
 
 // TestControllerMountOptions: a class's mountOptions reach the kernel's NFS client through the
 // real mount.nfs when the controller mounts the export (the guest's /proc/mounts shows them),
-// Provision creates the volume's directory on the server, and each onDelete policy does what
-// it says on the server side.
+// classes that differ only in onDelete share that mount, and Provision creates the volume's
+// directory on the server. What each onDelete policy does on the server, and the pods' own
+// mounts, test/vm/node checks with real pods (TestNFSReclaimOnGuestNode, TestNFSv3Nolock...).
 func TestControllerMountOptions(t *testing.T) {
 	for _, tc := range []struct {
 		options []string
@@ -45,7 +45,6 @@ func TestControllerMountOptions(t *testing.T) {
 			defer cancel()
 			serverDir, share := exportFor(t, tc.options, guest.NoRootSquash)
 			f := newController(t, time.Minute)
-			pvs := map[string]*v1.PersistentVolume{}
 			for _, policy := range []string{"delete", "retain", "archive"} {
 				class := f.nfsClass("nfs-"+policy, share, tc.options, map[string]string{"onDelete": policy})
 				pv, err := f.provision(ctx, class, policy)
@@ -59,10 +58,6 @@ func TestControllerMountOptions(t *testing.T) {
 				if st, err := os.Lstat(dir); err != nil || !st.IsDir() {
 					t.Fatalf("volume directory on the server: %v", err)
 				}
-				if err := os.WriteFile(filepath.Join(dir, "data"), []byte(policy), 0o644); err != nil {
-					t.Fatal(err)
-				}
-				pvs[policy] = pv
 			}
 
 			source := guest.NFSAddr + ":" + share
@@ -78,116 +73,7 @@ func TestControllerMountOptions(t *testing.T) {
 			}
 			// The three classes differ only in onDelete: they share one mount.
 			if len(mounted) != 1 {
-				t.Fatalf("controller mounts of %s: %v, want one", source, mounted)
-			}
-
-			for _, policy := range []string{"delete", "retain", "archive"} {
-				pv := pvs[policy]
-				if err := f.p.Delete(ctx, pv); err != nil {
-					t.Fatalf("Delete (onDelete %s): %v", policy, err)
-				}
-				rel := pv.Spec.CSI.VolumeAttributes["path"]
-				_, err := os.Lstat(filepath.Join(serverDir, rel))
-				switch policy {
-				case "delete", "archive":
-					if !errors.Is(err, os.ErrNotExist) {
-						t.Errorf("onDelete %s: %s still on the server (%v)", policy, rel, err)
-					}
-				case "retain":
-					if b, err := os.ReadFile(filepath.Join(serverDir, rel, "data")); err != nil || string(b) != policy {
-						t.Errorf("onDelete retain: data on the server = %q, %v", b, err)
-					}
-				}
-				if policy == "archive" {
-					archived, _ := filepath.Glob(filepath.Join(serverDir, "archived-"+path.Base(rel)+"-*"))
-					if len(archived) != 1 {
-						t.Fatalf("onDelete archive: archived directories on the server: %v", archived)
-					}
-					if b, err := os.ReadFile(filepath.Join(archived[0], "data")); err != nil || string(b) != policy {
-						t.Errorf("onDelete archive: archived data = %q, %v", b, err)
-					}
-				}
-			}
-		})
-	}
-}
-
-// TestNodePublishNFS: NodePublishVolume mounts server:/share/path with the PV's mountOptions
-// through the kernel client; a read-only publish is ro in /proc/mounts and refuses writes with
-// EROFS, a read-write one writes to the server; NodeUnpublishVolume leaves no mount.
-func TestNodePublishNFS(t *testing.T) {
-	for _, tc := range []struct {
-		options []string
-		want    []string
-	}{
-		{options: []string{"nfsvers=3", "nolock", "noatime"}, want: []string{"vers=3", "nolock", "noatime"}},
-		{options: []string{"nfsvers=4.2", "hard", "timeo=100"}, want: []string{"vers=4.2", "hard", "timeo=100"}},
-	} {
-		t.Run(strings.Join(tc.options, ","), func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-			defer cancel()
-			serverDir, share := exportFor(t, tc.options, guest.NoRootSquash)
-			f := newController(t, time.Minute)
-			pv, err := f.provision(ctx, f.nfsClass("nfs", share, tc.options, nil), "web")
-			if err != nil {
-				t.Fatal(err)
-			}
-			volDir := filepath.Join(serverDir, pv.Spec.CSI.VolumeAttributes["path"])
-			if err := os.WriteFile(filepath.Join(volDir, "index.html"), []byte("hello"), 0o644); err != nil {
-				t.Fatal(err)
-			}
-			node := nodePlugin(t, 30*time.Second)
-			pods := t.TempDir() // as kubelet's pods dir: the target's parent exists
-			publish := func(target string, readonly bool) {
-				t.Helper()
-				_, err := node.NodePublishVolume(ctx, publishRequest(pv, target, readonly))
-				if err != nil {
-					t.Fatalf("NodePublishVolume at %s (read-only %t): %v", target, readonly, err)
-				}
-			}
-			roTarget, rwTarget := filepath.Join(pods, "ro"), filepath.Join(pods, "rw")
-			publish(roTarget, true)
-			publish(rwTarget, false)
-			source := guest.NFSAddr + ":" + path.Join(share, pv.Spec.CSI.VolumeAttributes["path"])
-			for target, extra := range map[string]string{roTarget: "ro", rwTarget: "rw"} {
-				mp := mountAt(t, target)
-				if mp == nil {
-					t.Fatalf("no NFS mount at %s in /proc/mounts", target)
-				}
-				if mp.Device != source {
-					t.Errorf("%s mounts %s, want %s", target, mp.Device, source)
-				}
-				if missing := missingOptions(mp.Opts, append([]string{extra}, tc.want...)...); len(missing) > 0 {
-					t.Errorf("mount at %s has options %v, missing %v", target, mp.Opts, missing)
-				}
-			}
-			if b, err := os.ReadFile(filepath.Join(roTarget, "index.html")); err != nil || string(b) != "hello" {
-				t.Errorf("reading the volume read-only: %q, %v", b, err)
-			}
-			if err := os.WriteFile(filepath.Join(roTarget, "new"), nil, 0o644); !errors.Is(err, syscall.EROFS) {
-				t.Errorf("write to the read-only mount: %v, want EROFS", err)
-			}
-			if err := os.WriteFile(filepath.Join(rwTarget, "new"), []byte("from pod"), 0o644); err != nil {
-				t.Fatalf("write to the read-write mount: %v", err)
-			}
-			if b, err := os.ReadFile(filepath.Join(volDir, "new")); err != nil || string(b) != "from pod" {
-				t.Errorf("the pod's file on the server: %q, %v", b, err)
-			}
-
-			for _, target := range []string{roTarget, rwTarget} {
-				for i := range 2 { // kubelet retries: the second call must succeed too
-					if _, err := node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{
-						VolumeId: pv.Spec.CSI.VolumeHandle, TargetPath: target,
-					}); err != nil {
-						t.Fatalf("NodeUnpublishVolume #%d of %s: %v", i+1, target, err)
-					}
-				}
-				if mp := mountAt(t, target); mp != nil {
-					t.Errorf("still mounted after NodeUnpublishVolume: %+v", *mp)
-				}
-				if _, err := os.Lstat(target); !errors.Is(err, os.ErrNotExist) {
-					t.Errorf("target %s left after NodeUnpublishVolume: %v", target, err)
-				}
+				t.Errorf("controller mounts of %s: %v, want one", source, mounted)
 			}
 		})
 	}
