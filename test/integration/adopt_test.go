@@ -142,9 +142,7 @@ func TestTakeOverFromNFSSubdir(t *testing.T) {
 	if c := replaceClass(t, class, "--nfs-server="+srv.Addr, "--nfs-share="+srv.Share); c.Parameters["onDelete"] != "archive" {
 		t.Errorf("the class that replaced nfs-subdir's (archiveOnDelete true) has onDelete %q, want archive", c.Parameters["onDelete"])
 	}
-	if err := framework.WaitForPVDeleted(ctx, suite.Client, old.Name, adoptWait); err != nil {
-		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(3000))
-	}
+	must(t, framework.WaitForPVDeleted(ctx, suite.Client, old.Name, adoptWait), ctrlProc)
 	var archived []string
 	for _, n := range entries(t, srv.ExportDir) {
 		if strings.HasPrefix(n, "archived-"+dir+"-") {
@@ -162,7 +160,7 @@ func TestTakeOverFromNFSSubdir(t *testing.T) {
 	}
 
 	suite.CreateClaim(t, ns, "new", class, framework.AccessModes(v1.ReadWriteMany))
-	_, pv := waitNFSBound(t, ns, "new")
+	_, pv := waitBound(t, ns, "new")
 	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != "dirpv.io" {
 		t.Fatalf("the new claim of class %s got PV %+v, want a dirpv.io volume", class, pv.Spec.PersistentVolumeSource)
 	}
@@ -230,9 +228,7 @@ func TestTakeOverFromLocalPath(t *testing.T) {
 	}
 
 	replaceClass(t, class, "--base-path="+base)
-	if err := framework.WaitForPVDeleted(ctx, suite.Client, old.Name, adoptWait); err != nil {
-		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
-	}
+	must(t, framework.WaitForPVDeleted(ctx, suite.Client, old.Name, adoptWait), nodeProc)
 	if _, err := os.Lstat(dir); !os.IsNotExist(err) {
 		t.Errorf("%s after its PV's delete (onDelete delete): %v, want it gone", dir, err)
 	}

@@ -49,9 +49,7 @@ func TestBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 	}
 	suite.CreateClaim(t, ns, "second", class, framework.OnNode(nodeA), framework.Request("16Mi"))
 	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "second", provisioner.ReasonBaseFileSystemChanged, "not mounted", timeout)
-	if err != nil {
-		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
-	}
+	must(t, err, nodeProc)
 	if ev.Type != v1.EventTypeWarning || !strings.Contains(ev.Message, "node "+nodeA) || !strings.Contains(ev.Message, base) {
 		t.Errorf("event %s %q: want a Warning naming node %s and base %s", ev.Type, ev.Message, nodeA, base)
 	}
@@ -71,9 +69,7 @@ func TestBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(disk, second.Spec.CSI.VolumeAttributes["path"])); err != nil {
 		t.Errorf("the second claim's volume is not on the disk: %v", err)
 	}
-	if err := framework.WaitForPVDeleted(ctx, suite.Client, pv.Name, timeout); err != nil {
-		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
-	}
+	must(t, framework.WaitForPVDeleted(ctx, suite.Client, pv.Name, timeout), nodeProc)
 	if _, err := os.Stat(filepath.Join(disk, rel)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("the first claim's volume on the disk after its PV went: %v, want it removed", err)
 	}
@@ -113,9 +109,7 @@ func TestBaseThatMustBeAMountPointWaitsForItsDisk(t *testing.T) {
 	notMounted := func(kind, name string) {
 		t.Helper()
 		ev, err := framework.WaitForEvent(ctx, suite.Client, ns, kind, name, provisioner.ReasonBasePathNotMounted, "must be a mount point", timeout)
-		if err != nil {
-			t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
-		}
+		must(t, err, nodeProc)
 		if ev.Type != v1.EventTypeWarning || !strings.Contains(ev.Message, "node "+nodeA) || !strings.Contains(ev.Message, base) {
 			t.Errorf("event %s %q: want a Warning naming node %s and base %s", ev.Type, ev.Message, nodeA, base)
 		}
@@ -158,9 +152,7 @@ func TestBaseThatMustBeAMountPointWaitsForItsDisk(t *testing.T) {
 	}
 
 	mount()
-	if err := framework.WaitForPVDeleted(ctx, suite.Client, pv.Name, timeout); err != nil {
-		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
-	}
+	must(t, framework.WaitForPVDeleted(ctx, suite.Client, pv.Name, timeout), nodeProc)
 	if _, err := os.Stat(filepath.Join(disk, rel)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("the claim's volume on the disk after its PV went: %v, want it removed", err)
 	}

@@ -44,9 +44,7 @@ func checkOneDirectoryPerPV(t *testing.T, ns, base string, n int, wait time.Dura
 	t.Helper()
 	ctx := context.Background()
 	err := framework.WaitForClaimsBound(ctx, suite.Client, ns, n, wait)
-	if err != nil {
-		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
-	}
+	must(t, err, nodeProc)
 	problems, err := framework.CheckOnePVPerClaim(ctx, suite.Client, ns, entries(t, base))
 	if err != nil {
 		t.Fatal(err)
@@ -149,9 +147,7 @@ func TestKilledMidwayRecovers(t *testing.T) {
 		made := dirsOf(ns, held, entries(t, base))
 		return bound >= 10 && len(made) == len(held), fmt.Errorf("%d claims Bound, held claims' directories %v", bound, made)
 	})
-	if err != nil {
-		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
-	}
+	must(t, err, nodeProc)
 	// Later tests need node-a, even if this one fails half-way.
 	t.Cleanup(func() {
 		if exited, _ := nodeProc.Exited(); exited {

@@ -207,9 +207,7 @@ func TestCapacitySteersScheduling(t *testing.T) {
 	suite.CreateClaim(t, ns, "fits", class.Name, size)
 	pod("app", "fits", map[string]string{capacityLabel: "yes"})
 	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, "fits", timeout)
-	if err != nil {
-		t.Fatalf("%v\n--- cap-room log tail:\n%s", err, room.proc.Tail(3000))
-	}
+	must(t, err, room.proc)
 	if node := pvc.Annotations["volume.kubernetes.io/selected-node"]; node != room.name {
 		t.Errorf("the scheduler chose %q, want %s (cap-full has 4Mi free for a 16Mi claim)", node, room.name)
 	}
@@ -367,7 +365,7 @@ func TestCapacityNFSClassSchedules(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	suite.CreateClaim(t, ns, "shared", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	createPod(t, ns, "app", "shared", nodeC)
-	pvc, _ := waitNFSBound(t, ns, "shared")
+	pvc, _ := waitBound(t, ns, "shared")
 	if node := pvc.Annotations["volume.kubernetes.io/selected-node"]; node != nodeC {
 		t.Errorf("selected node %q, want %s", node, nodeC)
 	}

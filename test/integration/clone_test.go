@@ -166,9 +166,7 @@ func TestCloneLocalClaim(t *testing.T) {
 		}
 		return fmt.Sprintf("finalizers %v", c.Finalizers), nil
 	})
-	if err != nil {
-		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(3000))
-	}
+	must(t, err, ctrlProc)
 	waitPVGone(t, srcPV.Name)
 	// The clone is its own volume: the source's removal leaves it whole.
 	if _, err := os.Stat(filepath.Join(volumeDir(pv), "sub", "setuid")); err != nil {
@@ -306,9 +304,7 @@ func TestCloneLargeTreeInBackground(t *testing.T) {
 		t.Fatal(err)
 	}
 	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, "copy", 5*time.Minute)
-	if err != nil {
-		t.Fatalf("%v\n--- node log tail:\n%s", err, proc.Tail(3000))
-	}
+	must(t, err, proc)
 	t.Logf("clone of %d files bound after %s; annotations %v", files, time.Since(start).Round(time.Millisecond), pvc.Annotations)
 	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
@@ -344,13 +340,13 @@ func TestCloneNFSClaim(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=2"}, nil)
 	suite.CreateClaim(t, ns, "src", class.Name)
-	_, srcPV := waitNFSBound(t, ns, "src")
+	_, srcPV := waitBound(t, ns, "src")
 	outside, before := outsideDir(t)
 	// Written on the server's side, as any NFS client's writes end up.
 	writeTree(t, volumeDir(srcPV), outside)
 
 	suite.CreateClaim(t, ns, "copy", class.Name, cloneOf("src"), framework.Request("1Gi"))
-	_, pv := waitNFSBound(t, ns, "copy")
+	_, pv := waitBound(t, ns, "copy")
 	checkSameTree(t, volumeDir(srcPV), volumeDir(pv))
 	if d := framework.DiffSnapshots(before, snapshotTree(t, outside, nil)); len(d) > 0 {
 		t.Errorf("the copy changed the symlink's target outside the volume:\n%s", strings.Join(d, "\n"))

@@ -89,9 +89,7 @@ func TestNestedSubvolumeIsReported(t *testing.T) {
 
 	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "data", provisioner.ReasonQuotaEscape,
 		`holds 1 nested btrfs subvolume(s), e.g. "d/sub"`, 10*quotaCheckPeriod+timeout)
-	if err != nil {
-		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
-	}
+	must(t, err, nodeProc)
 	if ev.Type != v1.EventTypeWarning {
 		t.Errorf("event %s: %s, want a Warning", ev.Type, ev.Message)
 	}

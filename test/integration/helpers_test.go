@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"sort"
@@ -53,13 +54,26 @@ func createPod(t *testing.T, ns, name, claim, node string) {
 	}
 }
 
+// must fails the test if err is not nil, with the log tails of procs: what the dirpv
+// processes said about it.
+func must(t *testing.T, err error, procs ...*framework.Process) {
+	t.Helper()
+	if err == nil {
+		return
+	}
+	msg := err.Error()
+	for _, p := range procs {
+		msg += fmt.Sprintf("\n--- %s log tail:\n%s", p.Name, p.Tail(3000))
+	}
+	t.Fatal(msg)
+}
+
+// waitBound waits for the claim to bind and returns it and its PV.
 func waitBound(t *testing.T, ns, name string) (*v1.PersistentVolumeClaim, *v1.PersistentVolume) {
 	t.Helper()
 	ctx := context.Background()
 	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, name, timeout)
-	if err != nil {
-		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
-	}
+	must(t, err, nodeProc, ctrlProc)
 	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)

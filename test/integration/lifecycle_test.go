@@ -202,9 +202,7 @@ func TestReadOnlyBaseReschedules(t *testing.T) {
 
 	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
 	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "node "+nodeA+" cannot hold the volume", timeout)
-	if err != nil {
-		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
-	}
+	must(t, err, nodeProc)
 	if !strings.Contains(ev.Message, "read-only file system") {
 		t.Errorf("event %q does not say what failed", ev.Message)
 	}
@@ -230,9 +228,7 @@ func TestNodeWithoutPluginIsReported(t *testing.T) {
 	suite.CreateClaim(t, ns, "here", class.Name, framework.OnNode(nodeA))
 	suite.CreateClaim(t, ns, "elsewhere", class.Name, framework.OnNode(nodeC))
 	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "elsewhere", "NodePluginMissing", "node "+nodeC+" runs no dirpv.io node plugin", timeout)
-	if err != nil {
-		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(3000))
-	}
+	must(t, err, ctrlProc)
 	t.Logf("event: %s", ev.Message)
 	waitBound(t, ns, "here")
 	if n, err := claimEventCount(ctx, ns, "here", "NodePluginMissing"); err != nil || n != 0 {

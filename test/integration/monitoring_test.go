@@ -31,7 +31,7 @@ func TestMonitoringMetricsAreServed(t *testing.T) {
 	local := suite.CreateClass(t, "monitoring-local", map[string]string{"backend": "local", "basePath": filepath.Join(suite.Work.BaseRoot, "monitoring-local")})
 	suite.CreateClaim(t, ns, "nfs", nfs.Name)
 	suite.CreateClaim(t, ns, "local", local.Name, framework.OnNode(nodeA))
-	_, nfsPV := waitNFSBound(t, ns, "nfs")
+	_, nfsPV := waitBound(t, ns, "nfs")
 	_, localPV := waitBound(t, ns, "local")
 
 	node := nodeAClient(t)

@@ -23,7 +23,6 @@ import (
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/dirpv/dirpv/test/framework"
 )
@@ -45,21 +44,6 @@ func nfsClass(t *testing.T, srv *framework.Export, mountOptions []string, params
 	maps.Copy(p, params)
 	opts = append([]framework.ClassOption{framework.Immediate, framework.MountOptions(mountOptions...)}, opts...)
 	return suite.CreateClass(t, nfsClassName(t), p, opts...)
-}
-
-// waitNFSBound is waitBound with the controller's log in the failure message.
-func waitNFSBound(t *testing.T, ns, name string) (*v1.PersistentVolumeClaim, *v1.PersistentVolume) {
-	t.Helper()
-	ctx := context.Background()
-	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, name, timeout)
-	if err != nil {
-		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(4000))
-	}
-	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
-	if err != nil {
-		t.Fatalf("get PV of claim %s/%s: %v", ns, name, err)
-	}
-	return pvc, pv
 }
 
 // controllerWorkDir is the controller's --work-dir, under which it mounts NFS exports.
@@ -112,7 +96,7 @@ func TestNFSManyClaimsShareOneMount(t *testing.T) {
 	start := time.Now()
 	createClaims(t, ns, class.Name, n, framework.AccessModes(v1.ReadWriteMany))
 	for i := range n {
-		waitNFSBound(t, ns, fmt.Sprintf("c-%03d", i))
+		waitBound(t, ns, fmt.Sprintf("c-%03d", i))
 	}
 	t.Logf("%d claims bound in %s", n, time.Since(start).Round(time.Millisecond))
 	if got := claimsOnServer(t, suite.NFS, ns); len(got) != n {
@@ -194,7 +178,7 @@ func TestNFSLargeDeleteKeepsExportServing(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=2"}, nil)
 	suite.CreateClaim(t, ns, "big", class.Name, framework.AccessModes(v1.ReadWriteMany))
-	_, pv := waitNFSBound(t, ns, "big")
+	_, pv := waitBound(t, ns, "big")
 	rel := pv.Spec.CSI.VolumeAttributes["path"]
 	fillOnServer(t, filepath.Join(suite.NFS.ExportDir, rel), files)
 	release := holdFile(t, filepath.Join(suite.NFS.ExportDir, rel, "held"))
@@ -207,7 +191,7 @@ func TestNFSLargeDeleteKeepsExportServing(t *testing.T) {
 		t.Errorf("volume directory on the server after its PV is gone: %v, want it gone from its name", err)
 	}
 	suite.CreateClaim(t, ns, "meanwhile", class.Name, framework.AccessModes(v1.ReadWriteMany))
-	waitNFSBound(t, ns, "meanwhile")
+	waitBound(t, ns, "meanwhile")
 	bound := time.Since(start)
 	trashed := filepath.Join(suite.NFS.ExportDir, trashOnServer, pv.Name)
 	if _, err := os.Lstat(trashed); err != nil {
@@ -226,9 +210,7 @@ func TestNFSLargeDeleteKeepsExportServing(t *testing.T) {
 		}
 		return false, fmt.Errorf("%s is still on the server", trashed)
 	})
-	if err != nil {
-		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(4000))
-	}
+	must(t, err, ctrlProc)
 	t.Logf("%d files: PV gone after %v, second claim bound after %v, tree gone from the server after %v",
 		files, pvGone.Round(time.Millisecond), bound.Round(time.Millisecond), time.Since(start).Round(time.Second))
 }

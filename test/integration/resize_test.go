@@ -150,7 +150,7 @@ func TestNFSClaimResizeIsRecorded(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	class := nfsClass(t, suite.NFS, []string{"nolock"}, nil, framework.AllowVolumeExpansion)
 	suite.CreateClaim(t, ns, "shared", class.Name, framework.AccessModes(v1.ReadWriteMany))
-	waitNFSBound(t, ns, "shared")
+	waitBound(t, ns, "shared")
 	if err := setClaimSize(context.Background(), ns, "shared", "2Gi"); err != nil {
 		t.Fatal(err)
 	}

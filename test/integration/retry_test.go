@@ -98,8 +98,6 @@ func waitFailures(t *testing.T, proc *framework.Process, metric, class string, n
 		got = sumClass(m, metric, class)
 		return got >= n, fmt.Errorf("%s counts %v failures, want at least %v: retries stopped", metric, got, n)
 	})
-	if err != nil {
-		t.Fatalf("%v\n--- %s log tail:\n%s", err, proc.Name, proc.Tail(3000))
-	}
+	must(t, err, proc)
 	t.Logf("%s: %v failures", metric, got)
 }

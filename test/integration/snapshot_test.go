@@ -252,7 +252,7 @@ func TestSnapshotRestoreNFS(t *testing.T) {
 	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=2"}, nil)
 	vsClass := snapshotClass(t, snapshotv1.VolumeSnapshotContentDelete)
 	suite.CreateClaim(t, ns, "src", class.Name)
-	_, srcPV := waitNFSBound(t, ns, "src")
+	_, srcPV := waitBound(t, ns, "src")
 	outside, _ := outsideDir(t)
 	writeTree(t, volumeDir(srcPV), outside)
 
@@ -267,7 +267,7 @@ func TestSnapshotRestoreNFS(t *testing.T) {
 	checkSameTree(t, volumeDir(srcPV), snapDir)
 
 	suite.CreateClaim(t, ns, "restored", class.Name, restoreOf("snap"))
-	_, pv := waitNFSBound(t, ns, "restored")
+	_, pv := waitBound(t, ns, "restored")
 	checkSameTree(t, snapDir, volumeDir(pv))
 }
 
