@@ -56,9 +56,7 @@ func boundToAdopted(t *testing.T, ns, name, class, by string, src func(pv string
 		},
 	}
 	pv, err := suite.Client.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() {
 		// A PV dirpv refused to delete keeps the lib's finalizer: take it off, or it stays.
 		ctx := context.Background()
@@ -74,12 +72,8 @@ func boundToAdopted(t *testing.T, ns, name, class, by string, src func(pv string
 // mkdirWithFile makes dir as the adopted provisioners do (0777) with a file the test checks.
 func mkdirWithFile(t *testing.T, dir string) {
 	t.Helper()
-	if err := os.MkdirAll(dir, 0o777); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(dir, "data"), []byte("old"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(dir, 0o777))
+	must(t, os.WriteFile(filepath.Join(dir, "data"), []byte("old"), 0o644))
 }
 
 // waitDeleteRefused waits for the lib's VolumeFailedDelete event on the PV saying why, and
@@ -100,9 +94,7 @@ func waitDeleteRefused(t *testing.T, pv, why string) {
 func replaceClass(t *testing.T, name string, flags ...string) *storagev1.StorageClass {
 	t.Helper()
 	c, err := framework.ReplaceClass(context.Background(), suite.Client, suite.Dirpv, name, flags...)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return c
 }
 

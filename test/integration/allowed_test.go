@@ -30,9 +30,7 @@ func nodeAClient(t *testing.T) csi.NodeClient {
 		t.Fatalf("node-a's CSI endpoint not found in its arguments %q", nodeProc.Args)
 	}
 	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { conn.Close() })
 	return csi.NewNodeClient(conn)
 }
@@ -47,9 +45,7 @@ func TestLocalClassOutsideAllowedBases(t *testing.T) {
 	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
 	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed",
 		"is not at or beneath a base path this node allows", timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, want := range []string{outside, suite.Work.BaseRoot, "--allowed-base-paths"} {
 		if !strings.Contains(ev.Message, want) {
 			t.Errorf("event %q does not say %q", ev.Message, want)
@@ -59,9 +55,7 @@ func TestLocalClassOutsideAllowedBases(t *testing.T) {
 		t.Errorf("created outside the allowed bases: %v", entries)
 	}
 
-	if err := os.Mkdir(filepath.Join(outside, "vol"), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(filepath.Join(outside, "vol"), 0o755))
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	target := filepath.Join(t.TempDir(), "target")

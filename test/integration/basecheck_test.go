@@ -34,9 +34,7 @@ func TestBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 	suite.CreateClaim(t, ns, "first", class, framework.OnNode(nodeA), framework.Request("16Mi"))
 	_, pv := waitBound(t, ns, "first")
 	rel := pv.Spec.CSI.VolumeAttributes["path"]
-	if err := os.WriteFile(filepath.Join(base, rel, "data"), []byte("kept"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(base, rel, "data"), []byte("kept"), 0o644))
 
 	// The node plugin holds the base open: the unmount is lazy, as an admin's would have to be.
 	if err := unix.Unmount(base, 0); errors.Is(err, unix.EBUSY) {
@@ -92,9 +90,7 @@ func TestBaseThatMustBeAMountPointWaitsForItsDisk(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	disk := quotatest.Btrfs(t, false)
 	c, base := localClass(t, map[string]string{provisioner.ParamBasePathMountPoint: string(provisioner.MountPointRequired)})
-	if err := os.MkdirAll(base, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(base, 0o755))
 	record := volume.NewBaseRecords(filepath.Join(suite.Work.Dir, "bases")).RecordPath(base)
 	t.Cleanup(func() {
 		unix.Unmount(base, unix.MNT_DETACH)

@@ -46,9 +46,7 @@ func checkOneDirectoryPerPV(t *testing.T, ns, base string, n int, wait time.Dura
 	err := framework.WaitForClaimsBound(ctx, suite.Client, ns, n, wait)
 	must(t, err, nodeProc)
 	problems, err := framework.CheckOnePVPerClaim(ctx, suite.Client, ns, entries(t, base))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, p := range problems {
 		t.Error(p)
 	}
@@ -70,18 +68,14 @@ func TestTwoHundredClaimsAtOnce(t *testing.T) {
 func blockPVsOf(t *testing.T, ns string, held []string) func() {
 	t.Helper()
 	unblock, err := framework.BlockPVCreation(context.Background(), suite.Client, ns, held)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	done := false
 	lift := func() {
 		if done {
 			return
 		}
 		done = true
-		if err := unblock(context.Background()); err != nil {
-			t.Fatal(err)
-		}
+		must(t, unblock(context.Background()))
 	}
 	t.Cleanup(lift)
 	return lift
@@ -119,9 +113,7 @@ func checkKilledMidway(t *testing.T, ns string, snap *framework.KillSnapshot, n 
 func checkAdopted(t *testing.T, ns string, snap *framework.KillSnapshot, held []string) {
 	t.Helper()
 	problems, err := snap.CheckAdopted(context.Background(), suite.Client, ns, held)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, p := range problems {
 		t.Error(p)
 	}
@@ -156,14 +148,10 @@ func TestKilledMidwayRecovers(t *testing.T) {
 	})
 	nodeProc.Kill()
 	snap, err := framework.TakeKillSnapshot(ctx, suite.Client, ns, base, func(string) bool { return true })
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	checkKilledMidway(t, ns, snap, n, held)
 	lift()
-	if err := nodeProc.Restart(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, nodeProc.Restart())
 	checkOneDirectoryPerPV(t, ns, base, n, 3*time.Minute)
 	checkAdopted(t, ns, snap, held)
 }

@@ -45,20 +45,14 @@ const capacityLabel = "dirpv.io/capacity-test"
 func startCapacityNode(t *testing.T, ns, name, base string, fill int) *capacityNode {
 	t.Helper()
 	ctx := context.Background()
-	if err := suite.Cluster.CreateReadyNode(ctx, name, map[string]string{"kubernetes.io/hostname": "host-" + name, capacityLabel: "yes"}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, suite.Cluster.CreateReadyNode(ctx, name, map[string]string{"kubernetes.io/hostname": "host-" + name, capacityLabel: "yes"}))
 	t.Cleanup(func() { suite.Client.CoreV1().Nodes().Delete(context.Background(), name, metav1.DeleteOptions{}) })
-	if err := suite.Cluster.RegisterCSIDriver(ctx, name, "dirpv.io"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, suite.Cluster.RegisterCSIDriver(ctx, name, "dirpv.io"))
 	n := &capacityNode{name: name, ns: ns, wrapper: filepath.Join(t.TempDir(), "dirpv-"+name), work: t.TempDir()}
 	script := fmt.Sprintf("#!/bin/sh\nexec unshare --mount --propagation private -- /bin/sh -ec "+
 		"'mount -t tmpfs -o size=64m tmpfs \"$0\"; head -c %d /dev/zero > \"$0/filler\"; exec %s \"$@\"' %s \"$@\"\n",
 		fill, suite.Dirpv, base)
-	if err := os.WriteFile(n.wrapper, []byte(script), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(n.wrapper, []byte(script), 0o755))
 	n.start(t, base, "dirpv-node-"+name)
 	return n
 }
@@ -72,16 +66,12 @@ func (n *capacityNode) start(t *testing.T, base, pod string) {
 		Spec: v1.PodSpec{NodeName: n.name, Containers: []v1.Container{{Name: "dirpv", Image: "dirpv"}},
 			Tolerations: []v1.Toleration{{Operator: v1.TolerationOpExists}}},
 	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	proc, err := suite.StartDirpvBin(ctx, n.wrapper, pod, "node",
 		"--v=2", "--node-name", n.name, "--allowed-base-paths", base,
 		"--csi-endpoint", "unix://"+filepath.Join(n.work, "csi.sock"), "--plugin-registration-dir", "-",
 		"--capacity-poll-interval=2s", "--capacity-namespace", n.ns, "--pod-name", owner.Name, "--pod-uid", string(owner.UID))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { proc.Stop(10 * time.Second) })
 	n.proc, n.owner = proc, owner
 }
@@ -91,9 +81,7 @@ func (n *capacityNode) start(t *testing.T, base, pod string) {
 func csiDriverFromDeploy(t *testing.T) {
 	t.Helper()
 	d, err := framework.CSIDriverFromDeploy()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if d.Spec.StorageCapacity == nil || !*d.Spec.StorageCapacity {
 		t.Fatalf("deploy/base/csidriver.yaml: storageCapacity is not true")
 	}
@@ -167,9 +155,7 @@ func TestCapacitySteersScheduling(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	csiDriverFromDeploy(t)
 	base := filepath.Join(suite.Work.BaseRoot, "capacity")
-	if err := os.MkdirAll(base, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(base, 0o755))
 	full := startCapacityNode(t, ns, "cap-full", base, 60<<20)
 	room := startCapacityNode(t, ns, "cap-room", base, 0)
 	class := suite.CreateClass(t, "capacity", map[string]string{"backend": "local", "basePath": base})
@@ -225,13 +211,9 @@ func TestCapacitySteersScheduling(t *testing.T) {
 
 	// Data written into the volume shows in the node's figure within a poll or two.
 	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	data := filepath.Join(room.baseDir(base), pv.Spec.CSI.VolumeAttributes["path"], "data")
-	if err := os.WriteFile(data, make([]byte, 32<<20), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(data, make([]byte, 32<<20), 0o644))
 	waitCapacity(t, ns, class.Name, "32Mi on cap-room after 32 MiB were written", func(c map[string]storagev1.CSIStorageCapacity) bool {
 		return bytesOf(c[room.name]) == 32<<20
 	})
@@ -245,9 +227,7 @@ func TestCapacitySteersScheduling(t *testing.T) {
 	room.proc.Stop(10 * time.Second)
 	// The fresh tmpfs replaces a base that held a volume, on purpose: the admin removes the
 	// base's record, else the node refuses the base as a disk that did not mount (docs/capacity.md).
-	if err := os.RemoveAll(filepath.Join(room.work, "bases")); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.RemoveAll(filepath.Join(room.work, "bases")))
 	room.start(t, base, "dirpv-node-"+room.name+"-2")
 	got = waitCapacity(t, ns, class.Name, "cap-room's object owned by its new pod, 64Mi", func(c map[string]storagev1.CSIStorageCapacity) bool {
 		o := c[room.name]
@@ -260,9 +240,7 @@ func TestCapacitySteersScheduling(t *testing.T) {
 	// The node instance and its pod go (the node is drained, or dirpv uninstalled): so does
 	// the node's object, by garbage collection; the other node's stays.
 	full.proc.Stop(10 * time.Second)
-	if err := suite.Client.CoreV1().Pods(ns).Delete(ctx, full.owner.Name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, suite.Client.CoreV1().Pods(ns).Delete(ctx, full.owner.Name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
 	waitCapacity(t, ns, class.Name, "no object for cap-full once its pod is gone", func(c map[string]storagev1.CSIStorageCapacity) bool {
 		_, ok := c[full.name]
 		return !ok && bytesOf(c[room.name]) >= 0
@@ -276,9 +254,7 @@ func TestCapacitySteersScheduling(t *testing.T) {
 		return len(c) == 0
 	})
 	// The claim's pod never ran (no kubelet): force it away, or the claim's protection waits on it.
-	if err := suite.Client.CoreV1().Pods(ns).Delete(ctx, "app", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, suite.Client.CoreV1().Pods(ns).Delete(ctx, "app", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
 	deleteClaim(t, ns, "fits")
 	waitPVGone(t, pv.Name)
 }
@@ -316,14 +292,10 @@ func TestCapacityFollowsARecreatedCSIDriver(t *testing.T) {
 	}
 	drivers := suite.Client.StorageV1().CSIDrivers()
 	first, err := drivers.Get(ctx, "dirpv.io", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	waitCapacity(t, home, class.Name, "one object owned by the CSIDriver", ownedBy(first.UID))
 
-	if err := drivers.Delete(ctx, first.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, drivers.Delete(ctx, first.Name, metav1.DeleteOptions{}))
 	if err := framework.WaitForDeleted(ctx, timeout, "CSIDriver "+first.Name, func(ctx context.Context) (string, error) {
 		_, err := drivers.Get(ctx, first.Name, metav1.GetOptions{})
 		return "", err
@@ -331,13 +303,9 @@ func TestCapacityFollowsARecreatedCSIDriver(t *testing.T) {
 		t.Fatal(err)
 	}
 	d, err := framework.CSIDriverFromDeploy()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	second, err := drivers.Create(ctx, d, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	waitCapacity(t, home, class.Name, "one object owned by the new CSIDriver", ownedBy(second.UID))
 }
 
@@ -355,9 +323,7 @@ func TestCapacityNFSClassSchedules(t *testing.T) {
 		t.Errorf("nodeTopology %v, want {} (every node)", c.NodeTopology)
 	}
 	var st unix.Statfs_t
-	if err := unix.Statfs(suite.NFS.ExportDir, &st); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Statfs(suite.NFS.ExportDir, &st))
 	if free := int64(st.Bavail) * st.Bsize; bytesOf(c) > free+free/16 || bytesOf(c) < free-free/16 {
 		t.Errorf("capacity %s, want about the export's free space %d", c.Capacity, free)
 	}
@@ -370,9 +336,7 @@ func TestCapacityNFSClassSchedules(t *testing.T) {
 		t.Errorf("selected node %q, want %s", node, nodeC)
 	}
 
-	if err := suite.Client.StorageV1().StorageClasses().Delete(ctx, class.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, suite.Client.StorageV1().StorageClasses().Delete(ctx, class.Name, metav1.DeleteOptions{}))
 	waitCapacity(t, home, class.Name, "none once the class is deleted", func(c map[string]storagev1.CSIStorageCapacity) bool {
 		return len(c) == 0
 	})
@@ -389,16 +353,12 @@ func TestUnservableLocalClassIsReportedBeforeScheduling(t *testing.T) {
 	createPod(t, ns, "app", "c", nodeA)
 	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", provisioner.ReasonUnservableClass,
 		"dirpv cannot provision this claim of StorageClass", timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if !strings.Contains(ev.Message, `"bsaePath"`) || ev.Source.Component != "dirpv.io-controller" {
 		t.Errorf("event from %q: %q; want the controller naming the unknown parameter", ev.Source.Component, ev.Message)
 	}
 	pvc, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "c", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if node := pvc.Annotations["volume.kubernetes.io/selected-node"]; node != "" || pvc.Spec.VolumeName != "" {
 		t.Errorf("claim of an unservable class was placed on %q / bound to %q", node, pvc.Spec.VolumeName)
 	}

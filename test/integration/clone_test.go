@@ -54,9 +54,7 @@ func writeTree(t *testing.T, dir, outside string) {
 	t.Helper()
 	must := func(err error) {
 		t.Helper()
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 	}
 	must(os.WriteFile(filepath.Join(dir, "a.txt"), []byte("hello clone\n"), 0o640))
 	must(os.Chown(filepath.Join(dir, "a.txt"), 1234, 5678))
@@ -87,13 +85,9 @@ func writeTree(t *testing.T, dir, outside string) {
 func checkSameTree(t *testing.T, source, clone string) {
 	t.Helper()
 	want, err := framework.TreeHash(source)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	got, err := framework.TreeHash(clone)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if d := framework.DiffSnapshots(want, got); len(d) > 0 {
 		t.Errorf("clone differs from its source:\n%s", strings.Join(d, "\n"))
 	}
@@ -101,9 +95,7 @@ func checkSameTree(t *testing.T, source, clone string) {
 		t.Errorf("TreeHash of the source shows no xattr on a.txt: %q", want["a.txt"])
 	}
 	var sp unix.Stat_t
-	if err := unix.Lstat(filepath.Join(clone, "sparse"), &sp); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Lstat(filepath.Join(clone, "sparse"), &sp))
 	if used := sp.Blocks * 512; used > 1<<20 {
 		t.Errorf("sparse file of %d bytes uses %d bytes in the clone: its holes were filled", sp.Size, used)
 	}
@@ -114,18 +106,14 @@ func checkSameTree(t *testing.T, source, clone string) {
 func outsideDir(t *testing.T) (string, map[string]string) {
 	t.Helper()
 	dir := t.TempDir()
-	if err := os.WriteFile(filepath.Join(dir, "target"), []byte("outside, never copied\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(dir, "target"), []byte("outside, never copied\n"), 0o600))
 	return dir, snapshotTree(t, dir, nil)
 }
 
 func claimFinalizers(t *testing.T, ns, name string) []string {
 	t.Helper()
 	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return c.Finalizers
 }
 
@@ -223,9 +211,7 @@ func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 	class, _ := localClass(t, nil)
 	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(nodeA))
 	_, srcPV := waitBound(t, ns, "src")
-	if err := os.WriteFile(filepath.Join(volumeDir(srcPV), "seed"), []byte("seed"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(volumeDir(srcPV), "seed"), []byte("seed"), 0o644))
 
 	suite.CreateClaim(t, ns, "copy", class.Name, cloneOf("src"))
 	createPod(t, ns, "app", "copy", nodeB)
@@ -248,12 +234,8 @@ func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 	}
 
 	// The user follows the event: the pod goes to the source's node.
-	if err := suite.Client.CoreV1().Pods(ns).Delete(ctx, "app", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil {
-		t.Fatal(err)
-	}
-	if err := framework.WaitForPodDeleted(ctx, suite.Client, ns, "app", timeout); err != nil {
-		t.Fatal(err)
-	}
+	must(t, suite.Client.CoreV1().Pods(ns).Delete(ctx, "app", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
+	must(t, framework.WaitForPodDeleted(ctx, suite.Client, ns, "app", timeout))
 	createPod(t, ns, "app2", "copy", nodeA)
 	pvc, pv := waitBound(t, ns, "copy")
 	if got := pvc.Annotations["volume.kubernetes.io/selected-node"]; got != nodeA {
@@ -285,31 +267,23 @@ func TestCloneLargeTreeInBackground(t *testing.T) {
 		t.Fatalf("%v\nevents: %s\n--- node log tail:\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy"), proc.Tail(3000))
 	}
 	src, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "src", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	suite.CreateClaim(t, ns, "other", *src.Spec.StorageClassName, framework.OnNode(node))
 	waitBound(t, ns, "other")
 	if log := proc.Tail(50000); !strings.Contains(log, "failpoint "+point+" reached") || strings.Contains(log, "failpoint "+point+" released") {
 		t.Fatalf("the copy was not held at %s while the other claim bound:\n%s", point, proc.Tail(3000))
 	}
 	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "copy", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if c.Status.Phase != v1.ClaimPending {
 		t.Fatalf("clone is %s while its copy is held, want Pending", c.Status.Phase)
 	}
-	if err := os.WriteFile(release, nil, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(release, nil, 0o644))
 	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, "copy", 5*time.Minute)
 	must(t, err, proc)
 	t.Logf("clone of %d files bound after %s; annotations %v", files, time.Since(start).Round(time.Millisecond), pvc.Annotations)
 	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if n := countFiles(t, volumeDir(pv)); n != files {
 		t.Errorf("clone holds %d files, want %d", n, files)
 	}
@@ -395,9 +369,7 @@ func TestCloneKilledMidCopyRestarts(t *testing.T) {
 	}
 
 	proc.Env = nil
-	if err := proc.Restart(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, proc.Restart())
 	_, pv := waitBound(t, ns, "copy")
 	if n := countFiles(t, volumeDir(pv)); n != files {
 		t.Errorf("clone after the restart holds %d files, want %d", n, files)
@@ -464,9 +436,7 @@ func TestCloneCancelledWhenItsClaimIsDeleted(t *testing.T) {
 func copiesRunning(t *testing.T, proc *framework.Process) float64 {
 	t.Helper()
 	m, err := framework.Scrape(context.Background(), proc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	n, ok := m["dirpv_copies_running"]
 	if !ok {
 		t.Fatal("no dirpv_copies_running on /metrics")

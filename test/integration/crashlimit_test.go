@@ -76,14 +76,10 @@ func testCrashAt(t *testing.T, point string) {
 	}
 
 	proc.Env = nil
-	if err := proc.Restart(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, proc.Restart())
 	_, pv := waitBound(t, ns, "data")
 	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if !strings.HasPrefix(attrs.Quota, "btrfs/") {
 		t.Errorf("PV quota attribute %q, want the volume's btrfs qgroup", attrs.Quota)
 	}
@@ -152,9 +148,7 @@ func hasLimit(groups map[string]string, limit string) bool {
 func pvsOf(t *testing.T, ns string) []string {
 	t.Helper()
 	pvs, err := suite.Client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	var out []string
 	for _, pv := range pvs.Items {
 		if pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == ns {

@@ -36,9 +36,7 @@ func asTenant(t *testing.T, dir, script string) {
 func quotaMetrics(ctx context.Context, t *testing.T) (passes, btrfs float64) {
 	t.Helper()
 	m, err := framework.Scrape(ctx, nodeProc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return m["dirpv_quota_checks_total"], m[`dirpv_quota_escapes{kind="btrfs"}`]
 }
 
@@ -49,9 +47,7 @@ func waitPasses(ctx context.Context, t *testing.T, from float64, n int) {
 		p, _ := quotaMetrics(ctx, t)
 		return p >= from+float64(n), fmt.Errorf("%v quota check passes, want %v", p, from+float64(n))
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 }
 
 // escapeEvents lists the QuotaEscape events on the claim.
@@ -59,9 +55,7 @@ func escapeEvents(ctx context.Context, t *testing.T, ns, claim string) []v1.Even
 	t.Helper()
 	sel := fields.Set{"involvedObject.kind": "PersistentVolumeClaim", "involvedObject.name": claim, "reason": provisioner.ReasonQuotaEscape}
 	evs, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: sel.AsSelector().String()})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return evs.Items
 }
 

@@ -75,25 +75,19 @@ func waitBound(t *testing.T, ns, name string) (*v1.PersistentVolumeClaim, *v1.Pe
 	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, name, timeout)
 	must(t, err, nodeProc, ctrlProc)
 	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return pvc, pv
 }
 
 func deleteClaim(t *testing.T, ns, name string) {
 	t.Helper()
-	if err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, suite.Client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), name, metav1.DeleteOptions{}))
 }
 
 // waitPVGone waits until the PV object is deleted, i.e. the provisioner finished Delete.
 func waitPVGone(t *testing.T, name string) {
 	t.Helper()
-	if err := framework.WaitForPVDeleted(context.Background(), suite.Client, name, timeout); err != nil {
-		t.Fatal(err)
-	}
+	must(t, framework.WaitForPVDeleted(context.Background(), suite.Client, name, timeout))
 }
 
 // entries lists a directory's names, sorted; a missing directory has none.

@@ -37,23 +37,17 @@ func newHostileLayout(t *testing.T) hostileLayout {
 	t.Helper()
 	// Under suite.Work.BaseRoot, which node-a allows local volumes in.
 	top, err := os.MkdirTemp(suite.Work.BaseRoot, "hostile-")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { os.RemoveAll(top) })
 	l := hostileLayout{top: top, base: filepath.Join(top, "parent", "base")}
 	for _, d := range []string{"sentinel/sub", "etc", "parent/sentinel", "parent/base"} {
-		if err := os.MkdirAll(filepath.Join(top, d), 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.MkdirAll(filepath.Join(top, d), 0o755))
 	}
 	for f, content := range map[string]string{
 		"sentinel/data": "outside 1", "sentinel/sub/data": "outside 2", "etc/passwd": "root:x:0:0::/root:/bin/sh\n",
 		"parent/sentinel/data": "beside the base",
 	} {
-		if err := os.WriteFile(filepath.Join(top, f), []byte(content), 0o644); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.WriteFile(filepath.Join(top, f), []byte(content), 0o644))
 	}
 	return l
 }
@@ -95,9 +89,7 @@ func hasEvent(ctx context.Context, t *testing.T, ns, claim, reason, substr strin
 	t.Helper()
 	evs, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{
 		FieldSelector: "involvedObject.kind=PersistentVolumeClaim,involvedObject.name=" + claim})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return slices.ContainsFunc(evs.Items, func(e v1.Event) bool {
 		return e.Reason == reason && strings.Contains(e.Message, substr)
 	})
@@ -109,9 +101,7 @@ func hasEvent(ctx context.Context, t *testing.T, ns, claim, reason, substr strin
 func noPVFor(t *testing.T, ns, name string) {
 	t.Helper()
 	pvs, err := suite.Client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, pv := range pvs.Items {
 		if ref := pv.Spec.ClaimRef; ref != nil && ref.Namespace == ns && ref.Name == name {
 			t.Fatalf("PV %s was created for refused claim %s/%s (path %q)", pv.Name, ns, name, pv.Spec.CSI.VolumeAttributes["path"])
@@ -274,9 +264,7 @@ func TestHostileCollidingClaims(t *testing.T) {
 		suite.CreateClaim(t, ns, "owner", class.Name, framework.OnNode(nodeA), framework.Annotation("dir", "shared"))
 		_, pv := waitBound(t, ns, "owner")
 		secret := filepath.Join(layout.base, "shared", "secret")
-		if err := os.WriteFile(secret, []byte("owner's data"), 0o600); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.WriteFile(secret, []byte("owner's data"), 0o600))
 		suite.CreateClaim(t, ns, "thief", class.Name, framework.OnNode(nodeA), framework.Annotation("dir", "shared"))
 		if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "thief", "ProvisioningFailed",
 			"directory shared already exists", timeout); err != nil {
@@ -315,9 +303,7 @@ func TestHostileCollidingClaims(t *testing.T) {
 			}
 			return len(bound)+len(refused) == len(names), fmt.Errorf("bound %v refused %v", bound, refused)
 		})
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if len(bound) != 1 {
 			t.Fatalf("%d claims got directory contested: %v; want exactly one", len(bound), bound)
 		}
@@ -337,9 +323,7 @@ func TestHostileCollidingClaims(t *testing.T) {
 		suite.CreateClaim(t, ns, "reused", retain.Name, framework.OnNode(nodeA))
 		_, pv := waitBound(t, ns, "reused")
 		dir := filepath.Join(layout.base, pv.Spec.CSI.VolumeAttributes["path"])
-		if err := os.WriteFile(filepath.Join(dir, "previous-tenant"), []byte("old data"), 0o600); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.WriteFile(filepath.Join(dir, "previous-tenant"), []byte("old data"), 0o600))
 		deleteClaim(t, ns, "reused")
 		waitPVGone(t, pv.Name)
 		suite.CreateClaim(t, ns, "reused", retain.Name, framework.OnNode(nodeA))
@@ -379,21 +363,15 @@ func TestHostileDeleteStaysAtTheLeaf(t *testing.T) {
 			}
 			for _, pv := range []*v1.PersistentVolume{gonePV, sibPV} {
 				dir := filepath.Join(layout.base, pv.Spec.CSI.VolumeAttributes["path"])
-				if err := os.MkdirAll(filepath.Join(dir, "deep/er"), 0o755); err != nil {
-					t.Fatal(err)
-				}
-				if err := os.WriteFile(filepath.Join(dir, "deep/er/data"), []byte(pv.Name), 0o644); err != nil {
-					t.Fatal(err)
-				}
+				must(t, os.MkdirAll(filepath.Join(dir, "deep/er"), 0o755))
+				must(t, os.WriteFile(filepath.Join(dir, "deep/er/data"), []byte(pv.Name), 0o644))
 			}
 			// A tenant's symlinks to the sibling and the namespace directory must not make
 			// Delete or archive follow them.
 			goneDir := filepath.Join(layout.base, ns, "gone")
 			for name, target := range map[string]string{"to-sibling": filepath.Join(layout.base, ns, "sibling"),
 				"to-ns": filepath.Join(layout.base, ns), "to-base": layout.base, "up": "../.."} {
-				if err := os.Symlink(target, filepath.Join(goneDir, name)); err != nil {
-					t.Fatal(err)
-				}
+				must(t, os.Symlink(target, filepath.Join(goneDir, name)))
 			}
 			sibBefore := snapshotTree(t, filepath.Join(layout.base, ns, "sibling"), nil)
 
@@ -440,9 +418,7 @@ func TestHostileSecretsNeverLogged(t *testing.T) {
 	const canary = "canary-hunter2-9f1c"
 	ns := suite.NewNamespace(t)
 	layout := newHostileLayout(t)
-	if err := os.Mkdir(filepath.Join(layout.base, "vol"), 0o777); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(filepath.Join(layout.base, "vol"), 0o777))
 	node := nodeAClient(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -483,25 +459,19 @@ func TestHostileSecretsNeverLogged(t *testing.T) {
 	})
 	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
 	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "nfsPassword", timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if strings.Contains(ev.Message, canary) {
 		t.Errorf("event carries the parameter's value: %s", ev.Message)
 	}
 	evs, err := suite.Client.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, e := range evs.Items {
 		if strings.Contains(e.Message, canary) {
 			t.Errorf("event %s: %s", e.Reason, e.Message)
 		}
 	}
 	pvs, err := suite.Client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, pv := range pvs.Items {
 		if strings.Contains(fmt.Sprint(pv.Spec, pv.Annotations), canary) {
 			t.Errorf("PV %s carries the secret", pv.Name)
@@ -509,9 +479,7 @@ func TestHostileSecretsNeverLogged(t *testing.T) {
 	}
 	for _, p := range []*framework.Process{nodeProc, ctrlProc} {
 		b, err := os.ReadFile(p.Log)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if p == nodeProc && !strings.Contains(string(b), "local:secret-test") {
 			t.Errorf("%s log does not mention the test volume: the calls above were not logged at all", p.Name)
 		}
@@ -542,9 +510,7 @@ func TestHostileVolumeInsideAnotherVolume(t *testing.T) {
 	suite.CreateClaim(t, ns, "victim", deep.Name, framework.OnNode(nodeA), withLabel("team", "finance"))
 	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "victim", "ProvisioningFailed",
 		"another volume's directory", timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Logf("victim refused: %s", ev.Message)
 	noPVFor(t, ns, "victim")
 	if got := entries(t, filepath.Join(layout.base, "finance")); len(got) != 0 {
@@ -572,8 +538,6 @@ func TestHostileVolumeInsideAnotherVolume(t *testing.T) {
 func snapshotTree(t *testing.T, root string, skip func(rel string) bool) map[string]string {
 	t.Helper()
 	s, err := framework.SnapshotTree(root, skip)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return s
 }

@@ -28,13 +28,9 @@ func startNodeInstance(t *testing.T, node, bases string, env ...string) *framewo
 func createNode(t *testing.T, node string) {
 	t.Helper()
 	ctx := context.Background()
-	if err := suite.Cluster.CreateReadyNode(ctx, node, map[string]string{"kubernetes.io/hostname": "host-" + node}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, suite.Cluster.CreateReadyNode(ctx, node, map[string]string{"kubernetes.io/hostname": "host-" + node}))
 	t.Cleanup(func() { suite.Client.CoreV1().Nodes().Delete(ctx, node, metav1.DeleteOptions{}) })
-	if err := suite.Cluster.RegisterCSIDriver(ctx, node, "dirpv.io"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, suite.Cluster.RegisterCSIDriver(ctx, node, "dirpv.io"))
 }
 
 // startNodeProcess is startNodeInstance without the node, with the extra flags: it may be
@@ -45,20 +41,14 @@ func startNodeProcess(t *testing.T, node, bases string, flags []string, env ...s
 	proc, err := suite.StartDirpv(ctx, node, "node", append([]string{"--v=2", "--operation-timeout=10s",
 		"--node-name", node, "--allowed-base-paths", bases,
 		"--csi-endpoint", "unix://" + filepath.Join(t.TempDir(), "csi.sock"), "--plugin-registration-dir", "-"}, flags...)...)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { proc.Stop(10 * time.Second) })
 	if len(env) > 0 {
 		proc.Kill()
 		proc.Env = env
-		if err := proc.Restart(); err != nil {
-			t.Fatal(err)
-		}
+		must(t, proc.Restart())
 	}
-	if err := proc.WaitHealthy(ctx, timeout); err != nil {
-		t.Fatal(err)
-	}
+	must(t, proc.WaitHealthy(ctx, timeout))
 	return proc
 }
 

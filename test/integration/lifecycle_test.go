@@ -85,9 +85,7 @@ func TestDeletionOrderRunsOnDelete(t *testing.T) {
 				}
 
 				if tc.pvFirst {
-					if err := suite.Client.CoreV1().PersistentVolumes().Delete(ctx, pv.Name, metav1.DeleteOptions{}); err != nil {
-						t.Fatal(err)
-					}
+					must(t, suite.Client.CoreV1().PersistentVolumes().Delete(ctx, pv.Name, metav1.DeleteOptions{}))
 					// The PV is marked for deletion but stays while its claim is bound, and
 					// nothing happens to the data yet.
 					err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
@@ -97,9 +95,7 @@ func TestDeletionOrderRunsOnDelete(t *testing.T) {
 						}
 						return got.DeletionTimestamp != nil, fmt.Errorf("PV %s not marked for deletion", pv.Name)
 					})
-					if err != nil {
-						t.Fatal(err)
-					}
+					must(t, err)
 					if _, err := os.Stat(filepath.Join(volDir, "data")); err != nil {
 						t.Fatalf("data of a still-bound claim: %v", err)
 					}
@@ -149,9 +145,7 @@ func TestRefusedClaimIsNotRetriedHot(t *testing.T) {
 	class, base := localClass(t, map[string]string{"bsaePath": "/tmp"})
 	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
 	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "unknown StorageClass parameters", timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Logf("event: %s", ev.Message)
 	for _, want := range []string{`"bsaePath"`, "Retries will be delayed"} {
 		if !strings.Contains(ev.Message, want) {
@@ -164,9 +158,7 @@ func TestRefusedClaimIsNotRetriedHot(t *testing.T) {
 	for time.Now().Before(deadline) {
 		for _, reason := range []string{"ProvisioningFailed", "Provisioning"} {
 			n, err := claimEventCount(ctx, ns, "c", reason)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			if n > 1 {
 				t.Fatalf("%d %s events within %s of the first: the refusal is retried hot\n%s", n, reason, window, framework.EventsOf(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c"))
 			}
@@ -184,9 +176,7 @@ func TestReadOnlyBaseReschedules(t *testing.T) {
 	ctx := context.Background()
 	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
-	if err := os.MkdirAll(base, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(base, 0o755))
 	if err := unix.Mount(base, base, "", unix.MS_BIND, ""); err != nil {
 		t.Fatalf("bind mount %s: %v", base, err)
 	}
@@ -214,9 +204,7 @@ func TestReadOnlyBaseReschedules(t *testing.T) {
 		node, ok := c.Annotations["volume.kubernetes.io/selected-node"]
 		return !ok, fmt.Errorf("claim still has selected node %q", node)
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 }
 
 // A local claim placed on a Ready node that runs no dirpv node plugin gets an event from the
@@ -235,9 +223,7 @@ func TestNodeWithoutPluginIsReported(t *testing.T) {
 		t.Errorf("claim on node-a, which runs the plugin: %d NodePluginMissing events (%v)", n, err)
 	}
 	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "elsewhere", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if c.Status.Phase != v1.ClaimPending {
 		t.Errorf("claim on node-c is %s, want Pending", c.Status.Phase)
 	}

@@ -79,9 +79,7 @@ func TestOnDeleteAndReclaimPolicy(t *testing.T) {
 					pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
 					return err == nil && pv.Status.Phase == v1.VolumeReleased, err
 				})
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				suite.Client.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{})
 			} else {
 				waitPVGone(t, pv.Name)
@@ -175,9 +173,7 @@ func TestOtherNodesClaimIsLeftAlone(t *testing.T) {
 		t.Fatal("node-c's claim was never placed:", err)
 	}
 	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "elsewhere", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if c.Status.Phase != v1.ClaimPending || c.Spec.VolumeName != "" {
 		t.Errorf("claim on node-c: phase %s volume %q, want Pending with no volume", c.Status.Phase, c.Spec.VolumeName)
 	}

@@ -22,9 +22,7 @@ import (
 // kubelet would. Only deploy.ExternalMetrics (kubelet's, kube-state-metrics') are left out.
 func TestMonitoringMetricsAreServed(t *testing.T) {
 	exprs, err := deploy.MonitoringExprs(framework.RepoRoot())
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	ns := suite.NewNamespace(t)
 	nfs := nfsClass(t, suite.NFS, []string{"nolock"}, nil)
 	// Not localClass: its name, as nfsClass's, is the test's.
@@ -58,9 +56,7 @@ func TestMonitoringMetricsAreServed(t *testing.T) {
 	served := map[string]bool{}
 	for _, p := range []*framework.Process{ctrlProc, nodeProc} {
 		m, err := framework.Scrape(context.Background(), p)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		for series := range m {
 			name, _, _ := strings.Cut(series, "{")
 			served[name] = true

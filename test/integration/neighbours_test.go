@@ -28,9 +28,7 @@ func TestOtherProvisionersObjectsUntouched(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	const other = "rancher.io/local-path"
 	base := filepath.Join(suite.Work.BaseRoot, "neighbours-"+ns)
-	if err := os.MkdirAll(base, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(base, 0o755))
 	refused := suite.CreateClass(t, "neighbour-wffc", map[string]string{"nodePath": "/opt/local-path-provisioner"}, framework.Provisioner(other))
 	lookalike := suite.CreateClass(t, "neighbour-lookalike", map[string]string{"backend": "local", "basePath": base}, framework.Provisioner(other))
 	immediate := suite.CreateClass(t, "neighbour-immediate", map[string]string{"backend": "local", "basePath": base}, framework.Provisioner(other), framework.Immediate)
@@ -55,17 +53,11 @@ func TestOtherProvisionersObjectsUntouched(t *testing.T) {
 	// A Released PV that local-path made on node-a, with reclaim Delete: its directory is in a
 	// base that dirpv's node-a instance is allowed.
 	dataDir := filepath.Join(base, "pvc-neighbour_"+ns+"_data")
-	if err := os.MkdirAll(dataDir, 0o777); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(dataDir, "file"), []byte("theirs"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(dataDir, 0o777))
+	must(t, os.WriteFile(filepath.Join(dataDir, "file"), []byte("theirs"), 0o644))
 	pv := neighbourPV(ns, dataDir, other)
 	created, err := suite.Client.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() {
 		suite.Client.CoreV1().PersistentVolumes().Delete(context.Background(), created.Name, metav1.DeleteOptions{})
 	})
@@ -78,9 +70,7 @@ func TestOtherProvisionersObjectsUntouched(t *testing.T) {
 		}
 		return pv.Status.Phase == v1.VolumeReleased, fmt.Errorf("neighbour's PV is %s", pv.Status.Phase)
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 
 	// Sentinels, made after the neighbours' objects: claims of dirpv's own that get an event
 	// from the controller, one after the other, so that by the second event the controller has
@@ -97,9 +87,7 @@ func TestOtherProvisionersObjectsUntouched(t *testing.T) {
 	}
 
 	evs, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, e := range evs.Items {
 		if _, theirs := foreign[e.InvolvedObject.Name]; theirs && strings.Contains(e.Source.Component+e.ReportingController, "dirpv") {
 			t.Errorf("dirpv (%s) recorded an event on %s's claim %s: %s %q", e.Source.Component, other, e.InvolvedObject.Name, e.Reason, e.Message)
@@ -107,9 +95,7 @@ func TestOtherProvisionersObjectsUntouched(t *testing.T) {
 	}
 	pvEvents, err := suite.Client.CoreV1().Events(metav1.NamespaceDefault).List(ctx, metav1.ListOptions{
 		FieldSelector: fields.Set{"involvedObject.kind": "PersistentVolume", "involvedObject.name": created.Name}.AsSelector().String()})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, e := range pvEvents.Items {
 		if strings.Contains(e.Source.Component+e.ReportingController, "dirpv") {
 			t.Errorf("dirpv (%s) recorded an event on %s's PV: %s %q", e.Source.Component, other, e.Reason, e.Message)
@@ -117,9 +103,7 @@ func TestOtherProvisionersObjectsUntouched(t *testing.T) {
 	}
 	for name := range foreign {
 		c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if c.Status.Phase != v1.ClaimPending || c.Spec.VolumeName != "" {
 			t.Errorf("neighbour claim %s is %s (volume %q), want Pending with no volume", name, c.Status.Phase, c.Spec.VolumeName)
 		}

@@ -67,9 +67,7 @@ func controllerWorkDir(t *testing.T) string {
 func controllerMountsOf(t *testing.T, srv *framework.Export, options []string) []framework.ExportMount {
 	t.Helper()
 	mounts, err := srv.MountsUnder(controllerWorkDir(t))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return slices.DeleteFunc(mounts, func(m framework.ExportMount) bool {
 		return m.Source != srv.Source("") || !slices.Equal(m.Options, options)
 	})
@@ -118,13 +116,9 @@ func fillOnServer(t *testing.T, dir string, files int) {
 	const perDir = 1000
 	for d := 0; d*perDir < files; d++ {
 		sub := filepath.Join(dir, "d"+strconv.Itoa(d))
-		if err := os.Mkdir(sub, 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.Mkdir(sub, 0o755))
 		fd, err := unix.Open(sub, unix.O_RDONLY|unix.O_DIRECTORY, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		for i := 0; i < perDir && d*perDir+i < files; i++ {
 			f, err := unix.Openat(fd, strconv.Itoa(i), unix.O_CREAT|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
 			if err != nil {
@@ -144,9 +138,7 @@ func holdFile(t *testing.T, path string) (release func()) {
 	t.Helper()
 	const fsImmutableFL = 0x10 // FS_IMMUTABLE_FL, linux/fs.h
 	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CREAT|unix.O_CLOEXEC, 0o644)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	flags, err := unix.IoctlGetUint32(fd, unix.FS_IOC_GETFLAGS)
 	if err == nil {
 		err = unix.IoctlSetPointerInt(fd, unix.FS_IOC_SETFLAGS, int(flags|fsImmutableFL))

@@ -32,9 +32,7 @@ func TestNodeCredentialsWriteOnlyTheirNode(t *testing.T) {
 	ctx := context.Background()
 	for _, path := range []string{"deploy/base/rbac-node.yaml", framework.NodeWritePolicy} {
 		inst, err := framework.ApplyFile(ctx, suite.Cluster.Kubeconfig, path)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		t.Cleanup(func() {
 			if err := inst.Uninstall(context.Background()); err != nil {
 				t.Error(err)
@@ -42,18 +40,14 @@ func TestNodeCredentialsWriteOnlyTheirNode(t *testing.T) {
 		})
 	}
 	asA := nodeCredentials(t, nodeA)
-	if err := framework.WaitNodeWritePolicy(ctx, asA, nodeA, timeout); err != nil {
-		t.Fatal(err)
-	}
+	must(t, framework.WaitNodeWritePolicy(ctx, asA, nodeA, timeout))
 	pvs := asA.CoreV1().PersistentVolumes()
 
 	// PersistentVolumes made by the test's own (admin) credentials, as another node would.
 	adminPV := func(pv *v1.PersistentVolume) *v1.PersistentVolume {
 		t.Helper()
 		made, err := suite.Client.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		t.Cleanup(func() {
 			suite.Client.CoreV1().PersistentVolumes().Delete(context.Background(), made.Name, metav1.DeleteOptions{})
 		})
@@ -72,9 +66,7 @@ func TestNodeCredentialsWriteOnlyTheirNode(t *testing.T) {
 	const pvRefused = "write only PersistentVolumes of that node"
 	mergePatch := func(obj map[string]any) []byte {
 		b, err := json.Marshal(obj)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		return b
 	}
 
@@ -205,9 +197,7 @@ func nodeCredentials(t *testing.T, node string) kubernetes.Interface {
 			Containers:         []v1.Container{{Name: "dirpv", Image: "ghcr.io/dirpv/dirpv"}},
 		},
 	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() {
 		pods.Delete(context.Background(), pod.Name, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)})
 	})
@@ -222,19 +212,13 @@ func nodeCredentials(t *testing.T, node string) kubernetes.Interface {
 func credentials(t *testing.T, req *authenticationv1.TokenRequest) kubernetes.Interface {
 	t.Helper()
 	tok, err := suite.Client.CoreV1().ServiceAccounts("dirpv").CreateToken(context.Background(), "dirpv-node", req, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	cfg, err := clientcmd.BuildConfigFromFlags("", suite.Cluster.Kubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	cfg = rest.AnonymousClientConfig(cfg)
 	cfg.BearerToken = tok.Status.Token
 	c, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return c
 }
 

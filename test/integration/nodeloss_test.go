@@ -17,20 +17,14 @@ import (
 func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 	const nodeB = "node-b"
 	ctx := context.Background()
-	if err := suite.Cluster.CreateReadyNode(ctx, nodeB, map[string]string{"kubernetes.io/hostname": "host-" + nodeB}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, suite.Cluster.CreateReadyNode(ctx, nodeB, map[string]string{"kubernetes.io/hostname": "host-" + nodeB}))
 	work := t.TempDir()
 	proc, err := suite.StartDirpv(ctx, "node-b", "node",
 		"--v=2", "--node-name", nodeB, "--allowed-base-paths", suite.Work.BaseRoot,
 		"--csi-endpoint", "unix://"+filepath.Join(work, "csi.sock"), "--plugin-registration-dir", "-")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { proc.Stop(10 * time.Second) })
-	if err := suite.Cluster.RegisterCSIDriver(ctx, nodeB, "dirpv.io"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, suite.Cluster.RegisterCSIDriver(ctx, nodeB, "dirpv.io"))
 
 	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
@@ -38,9 +32,7 @@ func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 	_, pv := waitBound(t, ns, "lost")
 
 	proc.Kill()
-	if err := suite.Client.CoreV1().Nodes().Delete(ctx, nodeB, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, suite.Client.CoreV1().Nodes().Delete(ctx, nodeB, metav1.DeleteOptions{}))
 	deleteClaim(t, ns, "lost")
 	waitPVGone(t, pv.Name)
 	if _, err := framework.WaitForEvent(ctx, suite.Client, "", "PersistentVolume", pv.Name, "VolumeDataOnLostNode", nodeB, timeout); err != nil {

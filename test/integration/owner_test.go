@@ -79,9 +79,7 @@ func denyPVsFor(t *testing.T, ns string) (allow func()) {
 		_, err := suite.Client.CoreV1().PersistentVolumes().Create(ctx, probe, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
 		return err != nil && strings.Contains(err.Error(), "PVs of this namespace are refused"), fmt.Errorf("dry-run PV create: %v", err)
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return allow
 }
 
@@ -106,18 +104,14 @@ func waitForLog(t *testing.T, log string, offset int64, substrs ...string) strin
 		}
 		return false, fmt.Errorf("no line in %s with all of %q", log, substrs)
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return found
 }
 
 func logSize(t *testing.T, log string) int64 {
 	t.Helper()
 	fi, err := os.Stat(log)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return fi.Size()
 }
 
@@ -142,9 +136,7 @@ func TestCrashBeforePVIsSavedAdoptsDirectory(t *testing.T) {
 	nodeProc.Kill()
 	allow()
 	offset = logSize(t, nodeProc.Log)
-	if err := nodeProc.Restart(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, nodeProc.Restart())
 	_, pv := waitBound(t, ns, "crashy")
 	line := waitForLog(t, nodeProc.Log, offset, "adopted existing directory", ns+"-crashy")
 	t.Logf("restarted node-a: %s", line)
@@ -158,17 +150,13 @@ func TestCrashBeforePVIsSavedAdoptsDirectory(t *testing.T) {
 		t.Errorf("adopted directory's file: %q %v", b, err)
 	}
 	fi, err := os.Stat(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	st := fi.Sys().(*syscall.Stat_t)
 	if fi.Mode()&os.ModePerm != 0o750 || fi.Mode()&os.ModeSetgid == 0 || st.Uid != 1234 || st.Gid != 5678 {
 		t.Errorf("adopted directory mode %v owner %d:%d, want 2750 1234:5678", fi.Mode(), st.Uid, st.Gid)
 	}
 	pvs, err := suite.Client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	n := 0
 	for _, p := range pvs.Items {
 		if p.Spec.ClaimRef != nil && p.Spec.ClaimRef.UID == c.UID {
@@ -192,9 +180,7 @@ func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
 			suite.CreateClaim(t, ns, "owner", class, b.claim...)
 			_, owned := waitBound(t, ns, "owner")
 			data := filepath.Join(dir, owned.Spec.CSI.VolumeAttributes["path"], "data")
-			if err := os.WriteFile(data, []byte("owner's data"), 0o600); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.WriteFile(data, []byte("owner's data"), 0o600))
 
 			stale := owned.DeepCopy()
 			stale.ObjectMeta = metav1.ObjectMeta{Name: "stale-" + ns, Annotations: owned.Annotations}
@@ -219,9 +205,7 @@ func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
 			deleteClaim(t, ns, "stale")
 			ev, err := framework.WaitForEvent(context.Background(), suite.Client, "", "PersistentVolume", stale.Name, "VolumeFailedDelete",
 				"belongs to another claim", timeout)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			t.Logf("stale PV's Delete refused: %s", ev.Message)
 			if b, err := os.ReadFile(data); err != nil || string(b) != "owner's data" {
 				t.Errorf("owner's data after the refused Delete: %q %v", b, err)

@@ -27,9 +27,7 @@ func btrfsClass(t *testing.T, params map[string]string, opts ...framework.ClassO
 	t.Helper()
 	mnt := quotatest.Btrfs(t, true)
 	c, base := localClass(t, params, opts...)
-	if err := os.MkdirAll(base, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(base, 0o755))
 	if err := unix.Mount(mnt, base, "", unix.MS_BIND, ""); err != nil {
 		t.Fatalf("bind %s on %s: %v", mnt, base, err)
 	}
@@ -81,9 +79,7 @@ func TestLocalClaimExpandsOnline(t *testing.T) {
 	}
 
 	f, err := os.Create(filepath.Join(base, pv.Spec.CSI.VolumeAttributes["path"], "data"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer f.Close()
 	if n, err := quotatest.WriteFull(f, 32<<20); !errors.Is(err, unix.EDQUOT) || n > 16<<20 {
 		t.Fatalf("writing 32 MiB into a 16Mi claim: %d bytes went in, err %v; want EDQUOT within 16 MiB", n, err)
@@ -91,9 +87,7 @@ func TestLocalClaimExpandsOnline(t *testing.T) {
 	// btrfs frees what the refused write reserved at commit.
 	unix.Sync()
 
-	if err := setClaimSize(ctx, ns, "data", "32Mi"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, setClaimSize(ctx, ns, "data", "32Mi"))
 	waitResized(t, ns, "data", "32Mi")
 	// kube-controller-manager leaves a CSI claim to the external resizer and says so; it sets
 	// volume.kubernetes.io/storage-resizer only on migrated in-tree volumes, and the resizer
@@ -108,9 +102,7 @@ func TestLocalClaimExpandsOnline(t *testing.T) {
 	}
 
 	// Far beyond what the 256 MiB file system has free.
-	if err := setClaimSize(ctx, ns, "data", "1Gi"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, setClaimSize(ctx, ns, "data", "1Gi"))
 	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 		pvc, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{})
 		if err != nil {
@@ -130,9 +122,7 @@ func TestLocalClaimExpandsOnline(t *testing.T) {
 	}
 
 	// RecoverVolumeExpansionFailure: the user asks for less, still more than the claim has.
-	if err := setClaimSize(ctx, ns, "data", "48Mi"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, setClaimSize(ctx, ns, "data", "48Mi"))
 	waitResized(t, ns, "data", "48Mi")
 	if n, err := quotatest.WriteFull(f, 12<<20); err != nil {
 		t.Errorf("after the resize to 48Mi, %d of 12 more MiB went in: %v", n, err)
@@ -151,8 +141,6 @@ func TestNFSClaimResizeIsRecorded(t *testing.T) {
 	class := nfsClass(t, suite.NFS, []string{"nolock"}, nil, framework.AllowVolumeExpansion)
 	suite.CreateClaim(t, ns, "shared", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	waitBound(t, ns, "shared")
-	if err := setClaimSize(context.Background(), ns, "shared", "2Gi"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, setClaimSize(context.Background(), ns, "shared", "2Gi"))
 	waitResized(t, ns, "shared", "2Gi")
 }

@@ -70,9 +70,7 @@ func TestFailuresAreRetriedPastTheLibsThreshold(t *testing.T) {
 func failures(t *testing.T, proc *framework.Process, metric, class string) float64 {
 	t.Helper()
 	m, err := framework.Scrape(context.Background(), proc)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return sumClass(m, metric, class)
 }
 

@@ -64,13 +64,9 @@ func TestNodeInstancesCacheOwnVolumesOnly(t *testing.T) {
 	}
 	ctx := context.Background()
 	allClaims, err := suite.Client.CoreV1().PersistentVolumeClaims("").List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	classes, err := suite.Client.StorageV1().StorageClasses().List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, n := range []struct {
 		node string
 		proc *framework.Process
@@ -171,12 +167,8 @@ func TestUnlabelledClaimsAndVolumesAreLabelledAtStart(t *testing.T) {
 	}
 	suite.CreateClaim(t, ns, "new", class.Name, framework.OnNode(nodeA))
 
-	if err := ctrlProc.Restart(); err != nil {
-		t.Fatal(err)
-	}
-	if err := ctrlProc.WaitHealthy(ctx, timeout); err != nil {
-		t.Fatal(err)
-	}
+	must(t, ctrlProc.Restart())
+	must(t, ctrlProc.WaitHealthy(ctx, timeout))
 	waitLabel(t, ns, "old", nodeA)
 	waitLabel(t, ns, "new", nodeA)
 	waitBound(t, ns, "new")
@@ -210,12 +202,8 @@ func TestLocalVolumeDeletedByItsNodeAfterRestart(t *testing.T) {
 	if !nodeProc.Stop(30 * time.Second) {
 		t.Fatalf("node did not stop on SIGTERM:\n%s", nodeProc.Tail(3000))
 	}
-	if err := nodeProc.Restart(); err != nil {
-		t.Fatal(err)
-	}
-	if err := nodeProc.WaitHealthy(ctx, timeout); err != nil {
-		t.Fatal(err)
-	}
+	must(t, nodeProc.Restart())
+	must(t, nodeProc.WaitHealthy(ctx, timeout))
 	deleteClaim(t, ns, "data")
 	waitPVGone(t, pv.Name)
 	if got := entries(t, base); len(got) != 0 {
@@ -240,13 +228,9 @@ func TestClaimsWithPodsBindWithoutConflicts(t *testing.T) {
 		createPod(t, ns, fmt.Sprintf("app-%d", i), name, nodeA)
 		suite.CreateClaim(t, ns, fmt.Sprintf("placed-%d", i), class.Name, framework.OnNode(nodeA))
 	}
-	if err := framework.WaitForClaimsBound(ctx, suite.Client, ns, 2*n, 2*timeout); err != nil {
-		t.Fatal(err)
-	}
+	must(t, framework.WaitForClaimsBound(ctx, suite.Client, ns, 2*n, 2*timeout))
 	events, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, e := range events.Items {
 		// A scheduling attempt before the new class's capacity is published fails too, but
 		// says so; a failed update says the object was modified.
@@ -264,9 +248,7 @@ func TestClaimsWithPodsBindWithoutConflicts(t *testing.T) {
 func TestPlacedClaimLabelledByAdmissionPolicy(t *testing.T) {
 	ctx := context.Background()
 	policy, err := framework.ApplyFile(ctx, suite.Cluster.Kubeconfig, framework.NodeLabelPolicy)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() {
 		if err := policy.Uninstall(context.Background()); err != nil {
 			t.Error(err)
@@ -279,9 +261,7 @@ func TestPlacedClaimLabelledByAdmissionPolicy(t *testing.T) {
 	other := suite.CreateClass(t, "other-provisioner", map[string]string{"backend": "local"}, framework.Provisioner("example.com/other"))
 	immediate := suite.CreateClass(t, "immediate-local", map[string]string{"backend": "local"}, framework.Immediate)
 	class, _ := localClass(t, nil)
-	if err := framework.WaitNodeLabelPolicy(ctx, suite.Client, ns, class.Name, timeout); err != nil {
-		t.Fatal(err)
-	}
+	must(t, framework.WaitNodeLabelPolicy(ctx, suite.Client, ns, class.Name, timeout))
 	claims := suite.Client.CoreV1().PersistentVolumeClaims(ns)
 	dryRun := metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}}
 
@@ -295,9 +275,7 @@ func TestPlacedClaimLabelledByAdmissionPolicy(t *testing.T) {
 	}
 	unplaced.Annotations = map[string]string{"volume.kubernetes.io/selected-node": nodeA}
 	scheduled, err := claims.Update(ctx, unplaced, metav1.UpdateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if scheduled.Labels[provisioner.LabelNode] != nodeA {
 		t.Errorf("claim placed on %s by an update came back with labels %v", nodeA, scheduled.Labels)
 	}
@@ -309,9 +287,7 @@ func TestPlacedClaimLabelledByAdmissionPolicy(t *testing.T) {
 
 	for _, c := range []string{other.Name, immediate.Name} {
 		got, err := claims.Create(ctx, framework.NewClaim(ns, "of-"+c, c, framework.OnNode(nodeA)), dryRun)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if _, ok := got.Labels[provisioner.LabelNode]; ok {
 			t.Errorf("claim of class %s came back with labels %v", c, got.Labels)
 		}
