@@ -224,9 +224,7 @@ func TestBaseAdoptedOnceByConcurrentChecks(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
-		t.Fatal(err)
-	}
+	must(t, errors.Join(errs...))
 	r, err := OpenRoot(base)
 	must(t, err)
 	defer r.Close()

@@ -31,14 +31,10 @@ func TestWithinComparesComponents(t *testing.T) {
 func TestNewAllowedBasesRefusesKubeletRoot(t *testing.T) {
 	tmp := t.TempDir()
 	kubelet := filepath.Join(tmp, "kubelet")
-	if err := os.MkdirAll(filepath.Join(kubelet, "pods"), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(filepath.Join(kubelet, "pods"), 0o755))
 	// A base that reaches kubelet's root through a symlink is refused too.
 	link := filepath.Join(tmp, "innocent")
-	if err := os.Symlink(filepath.Join(kubelet, "pods"), link); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Symlink(filepath.Join(kubelet, "pods"), link))
 	for name, tc := range map[string]struct {
 		bases []string
 		want  string
@@ -64,9 +60,7 @@ func TestNewAllowedBasesRefusesKubeletRoot(t *testing.T) {
 
 func TestLocate(t *testing.T) {
 	a, err := NewAllowedBases([]string{"/var/lib/dirpv", "/srv/dirpv", "/srv/dirpv/fast", "/var/lib"}, "/var/lib/kubelet")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, tc := range []struct {
 		basePath, rel, wantBase, wantRel string
 	}{
@@ -96,9 +90,7 @@ func TestLocate(t *testing.T) {
 	// A base that contains kubelet's root (allowed, oddly) still never yields a directory that
 	// contains it.
 	wide, err := NewAllowedBases([]string{"/var"}, "/var/lib/kubelet")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if _, _, err := wide.Locate("/var", "lib"); !errors.Is(err, ErrBaseNotAllowed) || !strings.Contains(err.Error(), "contains kubelet's root dir") {
 		t.Errorf("a directory around kubelet's root: %v", err)
 	}
@@ -111,21 +103,15 @@ func TestOpenSubRootFollowsNoSymlink(t *testing.T) {
 	top := t.TempDir()
 	outside := t.TempDir()
 	root, err := OpenRoot(top)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer root.Close()
 	sub, err := root.OpenSubRoot("a/b", true)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	sub.Close()
 	if fi, err := os.Stat(filepath.Join(top, "a/b")); err != nil || !fi.IsDir() {
 		t.Fatalf("a/b not created: %v", err)
 	}
-	if err := os.Symlink(outside, filepath.Join(top, "link")); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Symlink(outside, filepath.Join(top, "link")))
 	for _, create := range []bool{false, true} {
 		if _, err := root.OpenSubRoot("link/x", create); !errors.Is(err, ErrNotDirectory) {
 			t.Errorf("create=%v through a symlink: %v, want ErrNotDirectory", create, err)

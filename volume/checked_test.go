@@ -36,24 +36,18 @@ func renameVolume(r *Root, rel, newName string) error {
 // remove the directory at rel and make claim's volume there, with a file in it.
 func replace(t *testing.T, r *Root, base, rel string, claim Claim) {
 	t.Helper()
-	if err := os.RemoveAll(filepath.Join(base, rel)); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.RemoveAll(filepath.Join(base, rel)))
 	if _, err := r.MkdirAll(rel, Owner{Mode: 0o755, UID: -1, GID: -1}, claim); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(base, rel, "data"), []byte("new"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(base, rel, "data"), []byte("new"), 0o644))
 }
 
 // reservedIn lists the names in dir that dirpv keeps for itself, owner records left out.
 func reservedIn(t *testing.T, dir string) []string {
 	t.Helper()
 	entries, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	var out []string
 	for _, e := range entries {
 		if strings.HasPrefix(e.Name(), ReservedPrefix) && !strings.HasPrefix(e.Name(), recordPrefix) {
@@ -78,13 +72,9 @@ func TestCheckedVolumeReplacedIsLeftAlone(t *testing.T) {
 				if _, err := r.MkdirAll("ns/a", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA); err != nil {
 					t.Fatal(err)
 				}
-				if err := r.Mkdir(".dirpv-trash", 0o700); err != nil {
-					t.Fatal(err)
-				}
+				must(t, r.Mkdir(".dirpv-trash", 0o700))
 				v, err := r.OpenVolume("ns/a")
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				defer v.Close()
 				if owner, marked := v.Owner(); !marked || owner != claimA {
 					t.Fatalf("Owner = %+v, %v; want %+v", owner, marked, claimA)
@@ -118,16 +108,10 @@ func TestCheckedVolumeRemove(t *testing.T) {
 		if _, err := r.MkdirAll("ns/a", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA); err != nil {
 			t.Fatal(err)
 		}
-		if err := os.MkdirAll(filepath.Join(base, "ns/a/sub"), 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.MkdirAll(filepath.Join(base, "ns/a/sub"), 0o755))
 		v, err := r.OpenVolume("ns/a")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := v.Remove("pvc-uid-a", quota.ID{}); err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
+		must(t, v.Remove("pvc-uid-a", quota.ID{}))
 		if entries, err := os.ReadDir(filepath.Join(base, "ns")); err != nil || len(entries) != 0 {
 			t.Errorf("ns holds %v (%v) after Remove", entries, err)
 		}
@@ -145,27 +129,19 @@ func TestCheckedVolumeRemovalResumed(t *testing.T) {
 			t.Fatal(err)
 		}
 		v, err := r.OpenVolume("ns/a")
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		// What Remove does before it removes anything.
-		if err := v.move("ns", removalName("a", "pvc-uid-a")); err != nil {
-			t.Fatal(err)
-		}
+		must(t, v.move("ns", removalName("a", "pvc-uid-a")))
 		v.Close()
 		if _, err := r.OpenRemoval("ns/a", "pvc-uid-b"); !errors.Is(err, os.ErrNotExist) {
 			t.Errorf("OpenRemoval with another key: %v, want ErrNotExist", err)
 		}
 		left, err := r.OpenRemoval("ns/a", "pvc-uid-a")
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if owner, _ := left.Owner(); owner != claimA {
 			t.Errorf("left-over volume's owner %+v, want %+v", owner, claimA)
 		}
-		if err := left.Remove("pvc-uid-a", quota.ID{}); err != nil {
-			t.Fatal(err)
-		}
+		must(t, left.Remove("pvc-uid-a", quota.ID{}))
 		if entries, err := os.ReadDir(filepath.Join(base, "ns")); err != nil || len(entries) != 0 {
 			t.Errorf("ns holds %v (%v) after the resumed Remove", entries, err)
 		}
@@ -176,25 +152,17 @@ func TestCheckedVolumeRemovalResumed(t *testing.T) {
 func TestCheckedVolumeRemoveReleasesLimit(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	r, err := OpenRoot(mnt)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer r.Close()
 	_, id, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA, 5<<20)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	group := "0/" + strconv.FormatUint(id.Num, 10)
 	if limit := quotatest.Qgroups(t, mnt)[group]; limit == "" || limit == "none" {
 		t.Fatalf("qgroup %s has limit %q, want one", group, limit)
 	}
 	v, err := r.OpenVolume("ns/vol")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := v.Remove("pvc-uid-a", id); err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
+	must(t, v.Remove("pvc-uid-a", id))
 	if entries, err := os.ReadDir(filepath.Join(mnt, "ns")); err != nil || len(entries) != 0 {
 		t.Errorf("ns holds %v (%v) after Remove", entries, err)
 	}

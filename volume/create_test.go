@@ -17,18 +17,14 @@ func TestMkdirAllSetsExactModeAndOwner(t *testing.T) {
 		t.Fatalf("MkdirAll = %v, %v; want created", created, err)
 	}
 	var st unix.Stat_t
-	if err := unix.Stat(filepath.Join(base, "ns/vol"), &st); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Stat(filepath.Join(base, "ns/vol"), &st))
 	if got := st.Mode & 0o7777; got != 0o2770 {
 		t.Errorf("mode = %o, want 2770 despite umask 077", got)
 	}
 	if st.Uid != 1234 || st.Gid != 5678 {
 		t.Errorf("owner = %d:%d, want 1234:5678", st.Uid, st.Gid)
 	}
-	if err := unix.Stat(filepath.Join(base, "ns"), &st); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Stat(filepath.Join(base, "ns"), &st))
 	if st.Uid != 0 {
 		t.Errorf("parent owner = %d, want root: only the volume itself belongs to the class's uid", st.Uid)
 	}

@@ -17,14 +17,10 @@ import (
 func projectOfPath(t *testing.T, p string) uint32 {
 	t.Helper()
 	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer unix.Close(fd)
 	id, err := quota.FileProject(fd)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return id
 }
 
@@ -40,9 +36,7 @@ func projectOfPath(t *testing.T, p string) uint32 {
 func TestFindEscapesMovesFilesBackIntoTheirProject(t *testing.T) {
 	mnt := quotatest.XFS(t)
 	r, err := OpenRoot(mnt)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer r.Close()
 	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755, UID: 1000, GID: 1000}, claimA); err != nil {
 		t.Fatal(err)
@@ -51,27 +45,19 @@ func TestFindEscapesMovesFilesBackIntoTheirProject(t *testing.T) {
 	// inherited, and named by its marker.
 	const project = 4242
 	parent, err := r.openDir("ns", unix.O_PATH)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer unix.Close(parent)
 	dir, err := r.openChild(parent, "vol", "ns/vol")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if err := quota.MoveIntoProject(dir, project, true); err != nil {
 		unix.Close(dir)
 		t.Fatal(err)
 	}
 	err = r.writeMarker(parent, dir, claimA, quota.ID{Kind: quota.Project, Num: project}.String())
 	unix.Close(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	outside := filepath.Join(mnt, "outside")
-	if err := os.WriteFile(outside, []byte("not the volume's"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(outside, []byte("not the volume's"), 0o644))
 	vol := filepath.Join(mnt, "ns/vol")
 	if out, err := asTenant(vol, `set -e
 mkdir -p a/b keep
@@ -91,14 +77,10 @@ echo new > a/new
 	}
 
 	v, err := r.OpenVolume("ns/vol")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer v.Close()
 	e, err := v.FindEscapes(context.Background(), true)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Logf("found %+v", e)
 	escaped := []string{"a", "a/b/f", "a/new", "g"}
 	if e.Kind != quota.Project || e.Found != len(escaped) || e.Repaired != len(escaped) || !slices.Contains(escaped, e.Example) {
@@ -133,17 +115,13 @@ echo new > a/new
 func TestFindEscapesReportsNestedSubvolumes(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	r, err := OpenRoot(mnt)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer r.Close()
 	if _, _, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o755, UID: 1000, GID: 1000}, claimA, 16<<20); err != nil {
 		t.Fatal(err)
 	}
 	v, err := r.OpenVolume("ns/vol")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer v.Close()
 	if e, err := v.FindEscapes(context.Background(), true); err != nil || e.Found != 0 || e.Kind != quota.Btrfs {
 		t.Fatalf("check of the new volume: %+v, %v; want a btrfs volume with nothing found", e, err)
@@ -158,9 +136,7 @@ btrfs subvolume create other
 		t.Fatalf("tenant's nested subvolumes: %v\n%s", err, out)
 	}
 	e, err := v.FindEscapes(context.Background(), true)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Logf("found %+v", e)
 	if e.Found != 2 || e.Repaired != 0 || !slices.Contains([]string{"d/e/sub", "other"}, e.Example) {
 		t.Errorf("FindEscapes = %+v; want 2 nested subvolumes found, none repaired, the example d/e/sub or other", e)

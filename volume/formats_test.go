@@ -21,9 +21,7 @@ import (
 func golden(t *testing.T, name string) []byte {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join("testdata", "formats", name))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return b
 }
 
@@ -59,15 +57,11 @@ func TestBaseIdentityFormats(t *testing.T) {
 	want := baseRecord{Path: "/var/lib/dirpv/disk1", ID: id, HeldVolumes: true}
 	dir := t.TempDir()
 	records := NewBaseRecords(dir)
-	if err := os.WriteFile(records.RecordPath(want.Path), b, 0o600); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(records.RecordPath(want.Path), b, 0o600))
 	if got, err := records.read(want.Path); err != nil || got == nil || *got != want {
 		t.Errorf("base record: %+v, %v; want %+v", got, err, want)
 	}
-	if err := records.write(want); err != nil {
-		t.Fatal(err)
-	}
+	must(t, records.write(want))
 	if written, _ := os.ReadFile(records.RecordPath(want.Path)); !bytes.Equal(written, b) {
 		t.Errorf("today's base record is %s; a new format needs a file of its own", written)
 	}
@@ -82,9 +76,7 @@ func TestVolumeAttributeFormats(t *testing.T) {
 		{"attributes-v1-nfs.json", Attributes{Backend: BackendNFS, Server: "nfs.example.com", Share: "/exports/k8s", Path: "team-a-data-pvc-2"}},
 	} {
 		var m map[string]string
-		if err := json.Unmarshal(golden(t, c.file), &m); err != nil {
-			t.Fatal(err)
-		}
+		must(t, json.Unmarshal(golden(t, c.file), &m))
 		if got, err := ParseAttributes(m); err != nil || got != c.want {
 			t.Errorf("%s: %+v, %v; want %+v", c.file, got, err, c.want)
 		}

@@ -16,9 +16,7 @@ import (
 func TestMkdirAllLimitedOnBtrfs(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	r, err := OpenRoot(mnt)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer r.Close()
 	claim := Claim{UID: "uid-a", PVName: "pv-a"}
 	created, id, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o2770, UID: 1234, GID: 5678}, claim, 5<<20)
@@ -26,16 +24,12 @@ func TestMkdirAllLimitedOnBtrfs(t *testing.T) {
 		t.Fatalf("MkdirAllLimited = %v, %v, %v; want created with a btrfs quota", created, id, err)
 	}
 	st, err := r.Stat("ns/vol")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if st.Mode&0o7777 != 0o2770 || st.Uid != 1234 || st.Gid != 5678 {
 		t.Errorf("volume mode %o owner %d:%d, want 2770 1234:5678", st.Mode&0o7777, st.Uid, st.Gid)
 	}
 	f, err := os.Open(filepath.Join(mnt, "ns/vol"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	got, ok, err := VolumeQuota(int(f.Fd()))
 	if err != nil || !ok || got != id {
 		t.Errorf("VolumeQuota = %v, %v, %v; want %v from the marker", got, ok, err, id)
@@ -56,9 +50,7 @@ func TestMkdirAllLimitedOnBtrfs(t *testing.T) {
 		t.Errorf("retry = %v, %v, %v; want adopted with %v", created, again, err, id)
 	}
 
-	if err := os.WriteFile(filepath.Join(mnt, "ns/vol/file"), []byte("data"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(mnt, "ns/vol/file"), []byte("data"), 0o644))
 	if err := r.RemoveAll("ns/vol"); err != nil {
 		t.Fatalf("RemoveAll of a limited volume: %v", err)
 	}
@@ -75,9 +67,7 @@ func TestMkdirAllLimitedOnBtrfs(t *testing.T) {
 func TestMkdirAllLimitedRefusedWhereNotEnforceable(t *testing.T) {
 	base := t.TempDir()
 	r, err := OpenRoot(base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer r.Close()
 	_, _, err = r.MkdirAllLimited("vol", Owner{Mode: 0o755}, Claim{UID: "u", PVName: "p"}, 1<<20)
 	if !errors.Is(err, quota.ErrNotEnforceable) {
@@ -94,33 +84,21 @@ func TestMkdirAllLimitedRefusedWhereNotEnforceable(t *testing.T) {
 func TestMkdirAllLimitedAfterCrash(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	r, err := OpenRoot(mnt)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer r.Close()
 	fs, err := r.Quota()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	claim := Claim{UID: "uid-a", PVName: "pv-a"}
 	base, err := os.Open(mnt)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer base.Close()
 	tmp := tempName(claim, "vol")
-	if err := fs.Mkdir(int(base.Fd()), tmp, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, fs.Mkdir(int(base.Fd()), tmp, 0o755))
 	left, err := os.Open(filepath.Join(mnt, tmp))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	leftID, err := fs.SetLimit(int(left.Fd()), 1<<20)
 	left.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	created, id, err := r.MkdirAllLimited("vol", Owner{Mode: 0o755}, claim, 5<<20)
 	if err != nil || !created || id == leftID {
 		t.Fatalf("MkdirAllLimited after a crash = %v, %v, %v; want a new volume with its own quota (not %v)", created, id, err, leftID)
@@ -130,9 +108,7 @@ func TestMkdirAllLimitedAfterCrash(t *testing.T) {
 		t.Errorf("base holds %v, want only the volume", entries)
 	}
 	f, err := os.Open(filepath.Join(mnt, "vol"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer f.Close()
 	if u, err := fs.Usage(int(f.Fd()), id); err != nil || u.LimitBytes != 5<<20 {
 		t.Errorf("new volume's quota: %+v, %v; want a 5 MiB limit", u, err)
@@ -145,27 +121,19 @@ func TestMkdirAllLimitedAfterCrash(t *testing.T) {
 func TestResizeOnBtrfs(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	r, err := OpenRoot(mnt)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer r.Close()
 	claim := Claim{UID: "uid-a", PVName: "pv-a"}
 	_, id, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o755, UID: -1, GID: -1}, claim, 4<<20)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	fs, _ := r.Quota()
 	limit := func() uint64 {
 		t.Helper()
 		f, err := os.Open(filepath.Join(mnt, "ns/vol"))
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		defer f.Close()
 		u, err := fs.Usage(int(f.Fd()), id)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		return u.LimitBytes
 	}
 
@@ -173,9 +141,7 @@ func TestResizeOnBtrfs(t *testing.T) {
 		t.Errorf("Resize for another claim = %v, want ErrNotClaimsVolume", err)
 	}
 	avail, err := r.Available()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if _, err := r.Resize("ns/vol", claim, 4<<20+avail+1<<20); !errors.Is(err, ErrNotEnoughSpace) {
 		t.Errorf("Resize beyond the %d free bytes = %v, want ErrNotEnoughSpace", avail, err)
 	}
@@ -198,9 +164,7 @@ func TestResizeOnBtrfs(t *testing.T) {
 	if limited, err := r.Resize("ns/plain", Claim{UID: "uid-p"}, 8<<20); err != nil || limited {
 		t.Errorf("Resize of a volume without a limit = %v, %v; want recorded only", limited, err)
 	}
-	if err := os.Symlink(filepath.Join(mnt, "ns/vol"), filepath.Join(mnt, "ns/link")); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Symlink(filepath.Join(mnt, "ns/vol"), filepath.Join(mnt, "ns/link")))
 	if _, err := r.Resize("ns/link", claim, 16<<20); !errors.Is(err, ErrNotDirectory) {
 		t.Errorf("Resize through a symlink = %v, want ErrNotDirectory", err)
 	}

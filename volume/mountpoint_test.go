@@ -23,12 +23,8 @@ func TestIsMountPoint(t *testing.T) {
 		t.Fatalf("btrfs subvolume create: %v: %s", err, out)
 	}
 	var fsStat, subStat unix.Stat_t
-	if err := unix.Stat(fs, &fsStat); err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Stat(sub, &subStat); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Stat(fs, &fsStat))
+	must(t, unix.Stat(sub, &subStat))
 	if fsStat.Dev == subStat.Dev {
 		t.Fatalf("btrfs subvolume %s has its file system's device number: this test's premise does not hold", sub)
 	}
@@ -37,14 +33,10 @@ func TestIsMountPoint(t *testing.T) {
 	bound := filepath.Join(dir, "bound")
 	subMounted := filepath.Join(dir, "sub-mounted")
 	for _, d := range []string{plain, bound, subMounted, filepath.Join(dir, "src")} {
-		if err := os.Mkdir(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.Mkdir(d, 0o755))
 	}
 	before, err := OpenRoot(bound)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer before.Close()
 	for _, m := range [][2]string{{filepath.Join(dir, "src"), bound}, {sub, subMounted}} {
 		if err := unix.Mount(m[0], m[1], "", unix.MS_BIND, ""); err != nil {
@@ -61,9 +53,7 @@ func TestIsMountPoint(t *testing.T) {
 		subMounted: true,
 	} {
 		r, err := OpenRoot(path)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		got, err := r.IsMountPoint()
 		r.Close()
 		if err != nil || got != want {
@@ -74,17 +64,13 @@ func TestIsMountPoint(t *testing.T) {
 		t.Errorf("IsMountPoint of %s opened before the mount = %v, %v; want false: it holds the directory underneath", bound, got, err)
 	}
 	now, err := OpenRoot(bound)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer now.Close()
 	if same, err := before.SameDirectory(now); err != nil || same {
 		t.Errorf("SameDirectory of %s before and after the mount = %v, %v; want false", bound, same, err)
 	}
 	again, err := OpenRoot(bound)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer again.Close()
 	if same, err := now.SameDirectory(again); err != nil || !same {
 		t.Errorf("SameDirectory of %s opened twice = %v, %v; want true", bound, same, err)

@@ -32,9 +32,7 @@ func asTenant(dir, script string) (string, error) {
 func usedBytes(t *testing.T, mnt string) uint64 {
 	t.Helper()
 	var sfs unix.Statfs_t
-	if err := unix.Statfs(mnt, &sfs); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Statfs(mnt, &sfs))
 	return (sfs.Blocks - sfs.Bfree) * uint64(sfs.Bsize)
 }
 
@@ -42,14 +40,10 @@ func usedBytes(t *testing.T, mnt string) uint64 {
 func subvolumeID(t *testing.T, fs *quota.FS, p string) uint64 {
 	t.Helper()
 	parent, err := os.Open(filepath.Dir(p))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer parent.Close()
 	f, err := os.Open(p)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer f.Close()
 	id, ok, err := fs.IDOf(int(parent.Fd()), int(f.Fd()))
 	if err != nil || !ok {
@@ -69,19 +63,13 @@ func subvolumeID(t *testing.T, fs *quota.FS, p string) uint64 {
 func TestRemoveLimitedVolumeWithNestedSubvolumesAtItsLimit(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	r, err := OpenRoot(mnt)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer r.Close()
 	const limit = 16 << 20
 	_, id, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o755, UID: 1000, GID: 1000}, claimA, limit)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	fs, err := r.Quota()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	vol := filepath.Join(mnt, "ns/vol")
 	quotatest.Qgroups(t, mnt) // settles the file system, so that the figure below is stable
 	usedBefore := usedBytes(t, mnt)
@@ -130,9 +118,7 @@ echo small > sub/inner/note
 	// Usage reporting, as NodeGetVolumeStats reads it: it must work, and counts only what the
 	// volume's own qgroup charges (the nested subvolumes' data is not in it).
 	f, err := os.Open(vol)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	got, ok, err := VolumeQuota(int(f.Fd()))
 	if err != nil || !ok || got != id {
 		f.Close()
@@ -149,9 +135,7 @@ echo small > sub/inner/note
 	}
 
 	v, err := r.OpenVolume("ns/vol")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if err := v.Remove(claimA.PVName, id); err != nil {
 		t.Fatalf("Remove of a volume holding nested subvolumes at its limit: %v", err)
 	}
@@ -176,7 +160,5 @@ echo small > sub/inner/note
 		used := usedBytes(t, mnt)
 		return used <= usedBefore+2<<20, fmt.Errorf("file system holds %d bytes after Remove, %d before the tenant wrote", used, usedBefore)
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 }

@@ -38,9 +38,7 @@ func forEachMarker(t *testing.T, test func(t *testing.T, r *Root, base string)) 
 func records(t *testing.T, dir string) []string {
 	t.Helper()
 	entries, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	var out []string
 	for _, e := range entries {
 		if strings.HasPrefix(e.Name(), recordPrefix) {
@@ -132,9 +130,7 @@ func tree(t *testing.T, dir string) map[string]treeEntry {
 		out[strings.TrimPrefix(p, dir)] = e
 		return nil
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return out
 }
 
@@ -161,9 +157,7 @@ func TestMkdirAllAdoptsOnlyItsOwnClaimsDirectory(t *testing.T) {
 		if created, err := r.MkdirAll("ns/db", owner, claimA); err != nil || !created {
 			t.Fatalf("MkdirAll = %v %v", created, err)
 		}
-		if err := os.WriteFile(filepath.Join(base, "ns/db/data"), []byte("a's data"), 0o600); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.WriteFile(filepath.Join(base, "ns/db/data"), []byte("a's data"), 0o600))
 		before := tree(t, base)
 
 		created, err := r.MkdirAll("ns/db", Owner{Mode: 0o700, UID: 1, GID: 1}, claimA)
@@ -180,9 +174,7 @@ func TestMkdirAllAdoptsOnlyItsOwnClaimsDirectory(t *testing.T) {
 		sameTree(t, "after another claim's refusal", before, tree(t, base))
 
 		// A directory dirpv did not make (no marker) is nobody's to adopt.
-		if err := os.Mkdir(filepath.Join(base, "ns/manual"), 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.Mkdir(filepath.Join(base, "ns/manual"), 0o755))
 		before = tree(t, base)
 		_, err = r.MkdirAll("ns/manual", owner, claimA)
 		if !errors.As(err, &exists) || exists.Marked {
@@ -240,13 +232,9 @@ func TestNoVolumeInsideOneBeingMade(t *testing.T) {
 // openNewDir makes the directory name in the base and opens it (O_PATH) for the test.
 func openNewDir(t *testing.T, r *Root, base, name string) int {
 	t.Helper()
-	if err := os.Mkdir(filepath.Join(base, name), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(filepath.Join(base, name), 0o755))
 	fd, err := r.openDir(name, unix.O_PATH)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { unix.Close(fd) })
 	return fd
 }
@@ -262,9 +250,7 @@ func TestCrashLeftoversAreNotVolumes(t *testing.T) {
 		if _, err := r.makeMarked(ns, leftover, owner, claimA, 0, nil); err != nil {
 			t.Fatal(err)
 		}
-		if err := os.WriteFile(filepath.Join(base, "ns", leftover, "half"), nil, 0o600); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.WriteFile(filepath.Join(base, "ns", leftover, "half"), nil, 0o600))
 		if !strings.HasPrefix(leftover, ReservedPrefix) {
 			t.Fatalf("temporary name %q is not reserved", leftover)
 		}
@@ -313,13 +299,9 @@ func TestCrashAfterPlaceholderIsRetried(t *testing.T) {
 			if _, err := r.makeMarked(ns, tempName(claimA, name), owner, claimA, 0, nil); err != nil {
 				t.Fatal(err)
 			}
-			if err := unix.Mkdirat(ns, name, 0); err != nil {
-				t.Fatal(err)
-			}
+			must(t, unix.Mkdirat(ns, name, 0))
 			if inPlaceholder {
-				if err := os.WriteFile(filepath.Join(base, "ns", name, "data"), nil, 0o600); err != nil {
-					t.Fatal(err)
-				}
+				must(t, os.WriteFile(filepath.Join(base, "ns", name, "data"), nil, 0o600))
 			}
 		}
 		crash("db", false)
@@ -345,9 +327,7 @@ func TestCrashAfterPlaceholderIsRetried(t *testing.T) {
 		if _, err := os.Stat(filepath.Join(base, "ns/full/data")); err != nil {
 			t.Errorf("the file in the refused directory: %v", err)
 		}
-		if err := unix.Mkdirat(ns, "stray", 0); err != nil {
-			t.Fatal(err)
-		}
+		must(t, unix.Mkdirat(ns, "stray", 0))
 		if _, err := r.MkdirAll("ns/stray", owner, claimA); !errors.As(err, &exists) {
 			t.Errorf("empty mode-0 directory without a temporary one: %v, want ExistsError", err)
 		}
@@ -368,9 +348,7 @@ func TestMarkerFollowsRenameAndRemove(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if err := renameVolume(r, "ns/a", "archived-a"); err != nil {
-			t.Fatal(err)
-		}
+		must(t, renameVolume(r, "ns/a", "archived-a"))
 		if got, marked, err := r.VolumeOwner("ns/archived-a"); err != nil || !marked || got != claimA {
 			t.Errorf("archived volume's owner %+v marked %v (%v)", got, marked, err)
 		}
@@ -378,9 +356,7 @@ func TestMarkerFollowsRenameAndRemove(t *testing.T) {
 			t.Errorf("volume inside an archived one: %v, want ErrInsideVolume", err)
 		}
 		for _, rel := range []string{"ns/archived-a", "ns/b"} {
-			if err := r.RemoveAll(rel); err != nil {
-				t.Fatal(err)
-			}
+			must(t, r.RemoveAll(rel))
 		}
 		if entries, err := os.ReadDir(filepath.Join(base, "ns")); err != nil || len(entries) != 0 {
 			t.Errorf("ns holds %v (%v) after both volumes were removed", entries, err)
@@ -396,21 +372,15 @@ func TestMarkerFollowsMoveToAnotherDirectory(t *testing.T) {
 		if _, err := r.MkdirAll("ns/a", owner, claimA); err != nil {
 			t.Fatal(err)
 		}
-		if err := r.Mkdir(".dirpv-trash", 0o700); err != nil {
-			t.Fatal(err)
-		}
-		if err := moveVolume(r, "ns/a", ".dirpv-trash", "pv-a"); err != nil {
-			t.Fatal(err)
-		}
+		must(t, r.Mkdir(".dirpv-trash", 0o700))
+		must(t, moveVolume(r, "ns/a", ".dirpv-trash", "pv-a"))
 		if got, marked, err := r.VolumeOwner(".dirpv-trash/pv-a"); err != nil || !marked || got != claimA {
 			t.Errorf("moved volume's owner %+v marked %v (%v)", got, marked, err)
 		}
 		if entries, err := os.ReadDir(filepath.Join(base, "ns")); err != nil || len(entries) != 0 {
 			t.Errorf("ns holds %v (%v) after its only volume moved away", entries, err)
 		}
-		if err := r.RemoveAll(".dirpv-trash/pv-a"); err != nil {
-			t.Fatal(err)
-		}
+		must(t, r.RemoveAll(".dirpv-trash/pv-a"))
 		if entries, err := os.ReadDir(filepath.Join(base, ".dirpv-trash")); err != nil || len(entries) != 0 {
 			t.Errorf("trash holds %v (%v) after the moved volume was removed", entries, err)
 		}

@@ -56,9 +56,7 @@ func snapshotOutside(t *testing.T, root, skip string) map[string]string {
 		out[rel] = desc
 		return nil
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return out
 }
 
@@ -105,9 +103,7 @@ func (s *swapper) run(stop <-chan struct{}) error {
 func openDirFd(t *testing.T, path string) int {
 	t.Helper()
 	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { unix.Close(fd) })
 	return fd
 }
@@ -125,17 +121,13 @@ func TestMkdirAllAndRemoveAllRacedWithSymlinkSwaps(t *testing.T) {
 	// outside mirrors the base's layout, so that a followed link would find, create or remove
 	// the same names there: outside/b/vol-0 is what RemoveAll("a/b/vol-0") would delete.
 	for _, d := range []string{"base/a/b/vol-leaf", "outside/b/vol-0/sub", "outside/b/vol-leaf", "outside/vol-0"} {
-		if err := os.MkdirAll(filepath.Join(top, d), 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.MkdirAll(filepath.Join(top, d), 0o755))
 	}
 	for f, content := range map[string]string{
 		"outside/b/vol-0/data": "victim", "outside/b/vol-0/sub/deeper": "deeper",
 		"outside/b/vol-leaf/data": "leaf victim", "outside/vol-0/data": "shallow victim", "canary": "beside the base",
 	} {
-		if err := os.WriteFile(filepath.Join(top, f), []byte(content), 0o600); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.WriteFile(filepath.Join(top, f), []byte(content), 0o600))
 	}
 	links := []struct{ dir, name, target string }{
 		{base, "a", outside},
@@ -144,9 +136,7 @@ func TestMkdirAllAndRemoveAllRacedWithSymlinkSwaps(t *testing.T) {
 	}
 	var swappers []*swapper
 	for _, l := range links {
-		if err := os.Symlink(l.target, filepath.Join(l.dir, l.name+"-link")); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.Symlink(l.target, filepath.Join(l.dir, l.name+"-link")))
 	}
 	// Handles on the real directories, opened before anything swaps.
 	for _, l := range links {
@@ -155,9 +145,7 @@ func TestMkdirAllAndRemoveAllRacedWithSymlinkSwaps(t *testing.T) {
 	before := snapshotOutside(t, top, "base")
 
 	r, err := OpenRoot(base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer r.Close()
 
 	stop := make(chan struct{})

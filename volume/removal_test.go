@@ -17,29 +17,19 @@ func TestRemovalInSteps(t *testing.T) {
 	const dirs, files = 5, 40
 	for d := range dirs {
 		dir := filepath.Join(base, "vol", "d"+strconv.Itoa(d), "deeper")
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.MkdirAll(dir, 0o755))
 		for f := range files {
-			if err := os.WriteFile(filepath.Join(dir, strconv.Itoa(f)), nil, 0o644); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.WriteFile(filepath.Join(dir, strconv.Itoa(f)), nil, 0o644))
 		}
 	}
-	if err := os.Symlink("/etc", filepath.Join(base, "vol", "link")); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Symlink("/etc", filepath.Join(base, "vol", "link")))
 	rm, err := r.StartRemoval("vol")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer rm.Close()
 	total, steps := 0, 0
 	for {
 		n, done, err := rm.Step(7)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if n > 7 {
 			t.Fatalf("step removed %d entries, budget 7", n)
 		}
@@ -74,13 +64,9 @@ func TestRemovalHoldsAtMostOneBatchOfNames(t *testing.T) {
 	const files, dirs, perDir = 3*dirBatch + 7, 6, dirBatch + 300
 	mkfiles := func(dir string, n int) {
 		t.Helper()
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.MkdirAll(dir, 0o755))
 		for f := range n {
-			if err := os.WriteFile(filepath.Join(dir, "file-with-a-long-name-"+strconv.Itoa(f)), nil, 0o644); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.WriteFile(filepath.Join(dir, "file-with-a-long-name-"+strconv.Itoa(f)), nil, 0o644))
 		}
 	}
 	mkfiles(filepath.Join(base, "vol"), files)
@@ -88,16 +74,12 @@ func TestRemovalHoldsAtMostOneBatchOfNames(t *testing.T) {
 		mkfiles(filepath.Join(base, "vol", "d"+strconv.Itoa(d)), perDir)
 	}
 	rm, err := r.StartRemoval("vol")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer rm.Close()
 	total, most := 0, 0
 	for steps := 0; ; steps++ {
 		n, done, err := rm.Step(97)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		total += n
 		held := 0
 		for _, l := range rm.stack {
@@ -130,20 +112,12 @@ func TestRemoveAllDeepTree(t *testing.T) {
 	}
 	dir := filepath.Join(base, "vol")
 	for i := 0; i < 300; i++ {
-		if err := os.WriteFile(filepath.Join(dir, "f"+string(rune('a'+i%26))+string(rune('a'+i/26))), nil, 0o644); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.WriteFile(filepath.Join(dir, "f"+string(rune('a'+i%26))+string(rune('a'+i/26))), nil, 0o644))
 	}
 	deep := filepath.Join(dir, "a/b/c/d")
-	if err := os.MkdirAll(deep, 0o500); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Chmod(filepath.Join(dir, "a"), 0); err != nil {
-		t.Fatal(err)
-	}
-	if err := r.RemoveAll("vol"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(deep, 0o500))
+	must(t, os.Chmod(filepath.Join(dir, "a"), 0))
+	must(t, r.RemoveAll("vol"))
 	if _, err := os.Lstat(dir); !os.IsNotExist(err) {
 		t.Errorf("volume still there: %v", err)
 	}
@@ -157,17 +131,13 @@ func TestRemoveAllStopsAtMountPoints(t *testing.T) {
 		t.Fatal(err)
 	}
 	other := t.TempDir()
-	if err := os.WriteFile(filepath.Join(other, "data"), []byte("x"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(other, "data"), []byte("x"), 0o644))
 	mnt := filepath.Join(base, "vol/mnt")
 	if err := unix.Mount("tmpfs", mnt, "tmpfs", 0, ""); err != nil {
 		t.Fatalf("mount tmpfs: %v", err)
 	}
 	t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
-	if err := os.WriteFile(filepath.Join(mnt, "data"), []byte("x"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(mnt, "data"), []byte("x"), 0o644))
 	if err := r.RemoveAll("vol"); err == nil {
 		t.Fatal("RemoveAll crossed a mount point")
 	}
@@ -176,15 +146,11 @@ func TestRemoveAllStopsAtMountPoints(t *testing.T) {
 	}
 
 	// A bind mount of a directory on the same file system is a mount point too.
-	if err := unix.Unmount(mnt, 0); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Unmount(mnt, 0))
 	if _, err := r.MkdirAll("other", Owner{Mode: 0o755}, claimA); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(base, "other/keep"), []byte("x"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(base, "other/keep"), []byte("x"), 0o644))
 	if err := unix.Mount(filepath.Join(base, "other"), mnt, "", unix.MS_BIND, ""); err != nil {
 		t.Fatalf("bind mount: %v", err)
 	}

@@ -18,39 +18,25 @@ func TestRemoveAllDeepTreeUsesBoundedDescriptors(t *testing.T) {
 	const depth = 1200
 	// Build the tree with relative mkdirs, as a pod would, so no path grows past PATH_MAX.
 	fd, err := unix.Open(base, unix.O_RDONLY|unix.O_DIRECTORY, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Mkdirat(fd, "vol", 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
+	must(t, unix.Mkdirat(fd, "vol", 0o755))
 	for i := 0; i < depth; i++ {
 		next, err := unix.Openat(fd, map[bool]string{true: "vol", false: "d"}[i == 0], unix.O_RDONLY|unix.O_DIRECTORY, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		unix.Close(fd)
 		fd = next
-		if err := unix.Mkdirat(fd, "d", 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, unix.Mkdirat(fd, "d", 0o755))
 		if i%100 == 0 {
-			if err := os.WriteFile("/proc/self/fd/"+itoa(fd)+"/f", []byte("x"), 0o644); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.WriteFile("/proc/self/fd/"+itoa(fd)+"/f", []byte("x"), 0o644))
 		}
 	}
 	unix.Close(fd)
 
 	var old unix.Rlimit
-	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &old); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Getrlimit(unix.RLIMIT_NOFILE, &old))
 	lim := old
 	lim.Cur = 256
-	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Setrlimit(unix.RLIMIT_NOFILE, &lim))
 	err = r.RemoveAll("vol")
 	if rerr := unix.Setrlimit(unix.RLIMIT_NOFILE, &old); rerr != nil {
 		t.Fatal(rerr)

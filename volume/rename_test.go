@@ -42,9 +42,7 @@ func TestMkdirAllWithoutNoReplaceOneClaimWins(t *testing.T) {
 	withoutNoReplace(t)
 	base := t.TempDir()
 	top, err := OpenRoot(base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer top.Close()
 	const rounds, claims = 50, 8
 	for round := range rounds {
@@ -103,14 +101,10 @@ func TestRenameWithoutNoReplaceKeepsEmptyTarget(t *testing.T) {
 	withoutNoReplace(t)
 	base := t.TempDir()
 	r, err := OpenRoot(base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer r.Close()
 	for _, d := range []string{"vol", "vol/file-dir", "taken"} {
-		if err := r.Mkdir(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, r.Mkdir(d, 0o755))
 	}
 	if err := renameVolume(r, "vol", "taken"); !errors.Is(err, unix.EEXIST) {
 		t.Fatalf("Rename onto an empty directory: %v, want EEXIST", err)
@@ -188,9 +182,7 @@ func TestRenameStaysInParent(t *testing.T) {
 	if err := renameVolume(r, "ns/vol", "taken"); err == nil {
 		t.Error("Rename over an existing directory succeeded")
 	}
-	if err := renameVolume(r, "ns/vol", "archived-vol"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, renameVolume(r, "ns/vol", "archived-vol"))
 	if _, err := os.Stat(filepath.Join(base, "ns/archived-vol")); err != nil {
 		t.Errorf("archived directory missing: %v", err)
 	}
@@ -203,13 +195,9 @@ func TestMoveStaysBeneathRoot(t *testing.T) {
 	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755}, Claim{UID: "uid-vol", PVName: "pv-vol"}); err != nil {
 		t.Fatal(err)
 	}
-	if err := r.Mkdir(".trash", 0o700); err != nil {
-		t.Fatal(err)
-	}
+	must(t, r.Mkdir(".trash", 0o700))
 	outside := t.TempDir()
-	if err := os.Symlink(outside, filepath.Join(base, "evil")); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Symlink(outside, filepath.Join(base, "evil")))
 	if err := moveVolume(r, "ns/vol", "evil", "vol"); !errors.Is(err, ErrNotDirectory) {
 		t.Errorf("Move into a symlinked directory: %v, want ErrNotDirectory", err)
 	}
@@ -219,15 +207,11 @@ func TestMoveStaysBeneathRoot(t *testing.T) {
 	if err := moveVolume(r, "ns/vol", "../x", "vol"); err == nil {
 		t.Error("Move to a directory outside the root succeeded")
 	}
-	if err := os.Mkdir(filepath.Join(base, ".trash", "taken"), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(filepath.Join(base, ".trash", "taken"), 0o755))
 	if err := moveVolume(r, "ns/vol", ".trash", "taken"); err == nil {
 		t.Error("Move over an existing entry succeeded")
 	}
-	if err := moveVolume(r, "ns/vol", ".trash", "pv-1"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, moveVolume(r, "ns/vol", ".trash", "pv-1"))
 	if names, err := r.List(".trash"); err != nil || len(names) != 2 {
 		t.Errorf("trash holds %v (%v), want taken and pv-1", names, err)
 	}

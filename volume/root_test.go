@@ -13,9 +13,7 @@ func newRoot(t *testing.T) (*Root, string) {
 	t.Helper()
 	base := t.TempDir()
 	r, err := OpenRoot(base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { r.Close() })
 	return r, base
 }
@@ -37,13 +35,9 @@ func TestSymlinksAreNeverFollowed(t *testing.T) {
 	r, base := newRoot(t)
 	outside := t.TempDir()
 	secret := filepath.Join(outside, "secret")
-	if err := os.WriteFile(secret, []byte("keep"), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(secret, []byte("keep"), 0o600))
 	// "ns" is a symlink to a directory outside the base.
-	if err := os.Symlink(outside, filepath.Join(base, "ns")); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Symlink(outside, filepath.Join(base, "ns")))
 	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755}, claimA); !errors.Is(err, ErrNotDirectory) {
 		t.Errorf("MkdirAll through a symlink: err = %v, want ErrNotDirectory", err)
 	}
@@ -64,15 +58,9 @@ func TestSymlinksAreNeverFollowed(t *testing.T) {
 	if _, err := r.MkdirAll("vol", Owner{Mode: 0o755}, claimA); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Symlink(outside, filepath.Join(base, "vol/dirlink")); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Symlink(secret, filepath.Join(base, "vol/filelink")); err != nil {
-		t.Fatal(err)
-	}
-	if err := r.RemoveAll("vol"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Symlink(outside, filepath.Join(base, "vol/dirlink")))
+	must(t, os.Symlink(secret, filepath.Join(base, "vol/filelink")))
+	must(t, r.RemoveAll("vol"))
 	if b, err := os.ReadFile(secret); err != nil || string(b) != "keep" {
 		t.Errorf("target outside the base changed: %q, %v", b, err)
 	}
@@ -91,24 +79,16 @@ func TestAvailableIsTheBaseFileSystemsFreeSpace(t *testing.T) {
 	}
 	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })
 	r, err := OpenRoot(base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer r.Close()
 	before, err := r.Available()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if before > 8<<20 || before < 7<<20 {
 		t.Fatalf("Available of an empty 8 MiB tmpfs = %d", before)
 	}
-	if err := os.WriteFile(filepath.Join(base, "data"), make([]byte, 2<<20), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(base, "data"), make([]byte, 2<<20), 0o644))
 	after, err := r.Available()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if got := before - after; got != 2<<20 {
 		t.Errorf("Available dropped by %d after a 2 MiB write, want %d", got, 2<<20)
 	}
@@ -117,17 +97,11 @@ func TestAvailableIsTheBaseFileSystemsFreeSpace(t *testing.T) {
 func TestMovedAfterAMountOverTheBase(t *testing.T) {
 	dir := t.TempDir()
 	base := filepath.Join(dir, "base")
-	if err := os.Mkdir(base, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(base, 0o755))
 	link := filepath.Join(dir, "link")
-	if err := os.Symlink(base, link); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Symlink(base, link))
 	r, err := OpenRoot(link)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer r.Close()
 	if moved, err := r.Moved(); err != nil || moved {
 		t.Fatalf("Moved of a base reached through a symlink, unchanged = %v, %v; want false", moved, err)
@@ -145,13 +119,9 @@ func TestMovedAfterAMountOverTheBase(t *testing.T) {
 func TestDupOutlivesClose(t *testing.T) {
 	base := t.TempDir()
 	r, err := OpenRoot(base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	d, err := r.Dup()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer d.Close()
 	r.Close()
 	if _, err := d.MkdirAll("vol", Owner{Mode: 0o755}, Claim{UID: "uid-vol", PVName: "pv-vol"}); err != nil {
