@@ -47,9 +47,7 @@ func TestAdoptedLocalPathPV(t *testing.T) {
 	f.ctrl.cfg.Adopt = f.node.cfg.Adopt
 	f.classes.Add(&storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: "local-path"}, Provisioner: "rancher.io/local-path"})
 	dir := filepath.Join(f.base, "pvc-1_ns_c")
-	if err := os.MkdirAll(filepath.Join(dir, "sub"), 0o777); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(filepath.Join(dir, "sub"), 0o777))
 	pv := &v1.PersistentVolume{
 		ObjectMeta: metav1.ObjectMeta{Name: "pvc-1", Annotations: map[string]string{AnnProvisionedBy: "rancher.io/local-path"}},
 		Spec: v1.PersistentVolumeSpec{
@@ -69,9 +67,7 @@ func TestAdoptedLocalPathPV(t *testing.T) {
 		t.Error("the controller would delete an adopted local PV itself")
 	}
 	placed, err := f.ctrl.cfg.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if placed.Annotations[AnnNode] != testNode || placed.Labels[LabelNode] != testNode {
 		t.Fatalf("adopted PV after the controller saw it: annotations %v labels %v; want it handed to %s (hostname host-a)", placed.Annotations, placed.Labels, testNode)
 	}
@@ -94,9 +90,7 @@ func TestAdoptedLocalPathPV(t *testing.T) {
 		t.Fatalf("the directory after the refused Deletes: %v", err)
 	}
 	placed.Spec.StorageClassName = "local"
-	if err := f.node.Delete(ctx, placed); err != nil {
-		t.Fatal(err)
-	}
+	must(t, f.node.Delete(ctx, placed))
 	if left := listTree(t, f.base); len(left) != 0 {
 		t.Errorf("after Delete (onDelete delete): %v left", left)
 	}

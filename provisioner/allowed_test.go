@@ -21,9 +21,7 @@ func TestLocalBaseMustBeAllowed(t *testing.T) {
 	f := newFixture(t)
 	ctx := context.Background()
 	outside := t.TempDir()
-	if err := os.Symlink(outside, filepath.Join(f.base, "link")); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Symlink(outside, filepath.Join(f.base, "link")))
 	for name, tc := range map[string]struct{ basePath, want string }{
 		"outside":           {outside, "base path " + outside + " is not at or beneath a base path this node allows (" + f.base + "); to use it, add it to dirpv node's --allowed-base-paths"},
 		"lookalike":         {f.base + "2", "base path " + f.base + "2 is not at or beneath"},
@@ -47,9 +45,7 @@ func TestLocalBaseMustBeAllowed(t *testing.T) {
 	// Beneath an allowed base is fine; the class's base is created on first use.
 	class := f.localClass(map[string]string{"basePath": filepath.Join(f.base, "team", "a")})
 	pv, _, err := f.node.Provision(ctx, opts(class, claim("ok")))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if fi, err := os.Stat(filepath.Join(f.base, "team", "a", pv.Spec.CSI.VolumeAttributes[volume.AttrPath])); err != nil || !fi.IsDir() {
 		t.Fatalf("volume directory beneath the allowed base: %v", err)
 	}
@@ -57,9 +53,7 @@ func TestLocalBaseMustBeAllowed(t *testing.T) {
 	// A PV is written by whoever may create PVs: deleting one that names a directory outside
 	// the allowed bases must not remove it.
 	victim := filepath.Join(outside, "victim")
-	if err := os.Mkdir(victim, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(victim, 0o755))
 	forged := &v1.PersistentVolume{
 		ObjectMeta: metav1.ObjectMeta{Name: "forged", Annotations: map[string]string{AnnNode: testNode, AnnOnDelete: "delete"}},
 		Spec: v1.PersistentVolumeSpec{PersistentVolumeSource: v1.PersistentVolumeSource{CSI: &v1.CSIPersistentVolumeSource{

@@ -46,9 +46,7 @@ func TestLocalBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 			f := newFixture(t)
 			disk := t.TempDir()
 			mnt := filepath.Join(f.base, tc.mountAt)
-			if err := os.Mkdir(mnt, 0o755); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.Mkdir(mnt, 0o755))
 			mounted := false
 			mount := func() {
 				t.Helper()
@@ -67,9 +65,7 @@ func TestLocalBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 			class := f.localClass(map[string]string{"basePath": filepath.Join(f.base, tc.basePath)})
 			ctx := context.Background()
 			pv, _, err := f.node.Provision(ctx, opts(class, claim("a")))
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			onDisk := filepath.Join(disk, strings.TrimPrefix(tc.basePath, tc.mountAt), pv.Spec.CSI.VolumeAttributes["path"])
 			if _, err := os.Stat(onDisk); err != nil {
 				t.Fatalf("volume on the disk: %v", err)
@@ -77,9 +73,7 @@ func TestLocalBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 			recorded(f.events, "")
 
 			// The provisioner holds the base open: lazily, as an admin would have to.
-			if err := unix.Unmount(mnt, unix.MNT_DETACH); err != nil {
-				t.Fatal(err)
-			}
+			must(t, unix.Unmount(mnt, unix.MNT_DETACH))
 			mounted = false
 			_, state, err := f.node.Provision(ctx, opts(class, claim("b")))
 			if !errors.Is(err, volume.ErrBaseChanged) || state != controller.ProvisioningFinished {

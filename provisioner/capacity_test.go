@@ -50,13 +50,9 @@ func TestProvisionLocalEnforcesSize(t *testing.T) {
 				t.Fatalf("Provision = %v, %v", state, err)
 			}
 			neighbour, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("b", "10Mi")))
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			id, err := quota.ParseID(attrs.Quota)
 			if err != nil || id.Kind != quota.Btrfs {
 				t.Fatalf("PV attribute %s = %q (%v), want a btrfs quota", volume.AttrQuota, attrs.Quota, err)
@@ -73,9 +69,7 @@ func TestProvisionLocalEnforcesSize(t *testing.T) {
 			if err != nil || again.Spec.CSI.VolumeAttributes[volume.AttrQuota] != attrs.Quota {
 				t.Errorf("retried Provision: quota %q, %v; want %q", again.Spec.CSI.VolumeAttributes[volume.AttrQuota], err, attrs.Quota)
 			}
-			if err := f.node.Delete(context.Background(), pv); err != nil {
-				t.Fatal(err)
-			}
+			must(t, f.node.Delete(context.Background(), pv))
 			if _, err := os.Lstat(filepath.Join(f.base, attrs.Path)); !errors.Is(err, os.ErrNotExist) {
 				t.Errorf("volume still there after Delete: %v", err)
 			}
@@ -156,9 +150,7 @@ func TestProvisionLocalBestEffortWithoutQuota(t *testing.T) {
 	f := newFixture(t)
 	class := f.localClass(nil)
 	pv, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("a", "10Mi")))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if q, ok := pv.Spec.CSI.VolumeAttributes[volume.AttrQuota]; ok {
 		t.Errorf("PV names quota %q on a base without quota", q)
 	}
@@ -192,9 +184,7 @@ func TestControllerReportsUnplaceableClaims(t *testing.T) {
 	ctrl, err := New(Config{DriverName: testDriver, Role: RoleController, Client: fake.NewClientset(),
 		Classes: storagelisters.NewStorageClassLister(f.classes), Mounter: f.mounter, WorkDir: t.TempDir(),
 		OperationTimeout: time.Second, Events: events})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	wffc := storagev1.VolumeBindingWaitForFirstConsumer
 	for _, tc := range []struct {
 		name   string

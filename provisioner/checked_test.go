@@ -25,20 +25,14 @@ var newClaimOfSameName = volume.Claim{UID: "uid-c-renewed", PVName: "pvc-uid-c-r
 // there and make the volume of newClaimOfSameName, with a file in it.
 func makeVolumeAt(t *testing.T, base, rel string) {
 	t.Helper()
-	if err := os.RemoveAll(filepath.Join(base, rel)); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.RemoveAll(filepath.Join(base, rel)))
 	root, err := volume.OpenRoot(base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer root.Close()
 	if _, err := root.MkdirAll(rel, volume.Owner{Mode: 0o755, UID: -1, GID: -1}, newClaimOfSameName); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(base, rel, "data"), []byte("new claim's"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(base, rel, "data"), []byte("new claim's"), 0o644))
 }
 
 // checkNewVolume fails the test unless rel in base is the volume makeVolumeAt made, whole.
@@ -49,9 +43,7 @@ func checkNewVolume(t *testing.T, base, rel string) {
 		return
 	}
 	root, err := volume.OpenRoot(base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer root.Close()
 	if owner, _, err := root.VolumeOwner(rel); err != nil || owner != newClaimOfSameName {
 		t.Errorf("volume %s belongs to %+v (%v), want the new claim %+v", rel, owner, err, newClaimOfSameName)
@@ -95,16 +87,12 @@ func TestDeleteActsOnTheCheckedDirectory(t *testing.T) {
 				class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}", "onDelete": policy})
 				old := claim("c")
 				pv, _, err := f.node.Provision(context.Background(), opts(class, old))
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: old.Namespace, Name: old.Name, UID: old.UID}
 				rel := pv.Spec.CSI.VolumeAttributes[volume.AttrPath]
 				if when == "gone at the check" {
 					// The lib retries a Delete whose result it did not see.
-					if err := f.node.Delete(context.Background(), pv); err != nil {
-						t.Fatal(err)
-					}
+					must(t, f.node.Delete(context.Background(), pv))
 				}
 				err = deleteHeldAtCheck(t, f.node, pv, func() { makeVolumeAt(t, f.base, rel) })
 				if err != nil {
@@ -148,9 +136,7 @@ func TestTrashMovesTheCheckedDirectory(t *testing.T) {
 			rel := pv.Spec.CSI.VolumeAttributes[volume.AttrPath]
 			if when == "gone at the check" {
 				// The lib retries a Delete whose result it did not see, after the walk is done.
-				if err := p.Delete(context.Background(), pv); err != nil {
-					t.Fatal(err)
-				}
+				must(t, p.Delete(context.Background(), pv))
 				eventually(t, time.Minute, func() (bool, string) {
 					got := f.trashEntries(t)
 					return len(got) == 0 && p.PendingDeletes() == 0, fmt.Sprintf("trash %v, %d pending", got, p.PendingDeletes())

@@ -72,9 +72,7 @@ func TestConvertClass(t *testing.T) {
 				}
 				return
 			}
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			if !maps.Equal(got.Parameters, tc.want) {
 				t.Errorf("parameters %v, want %v", got.Parameters, tc.want)
 			}
@@ -100,9 +98,7 @@ reclaimPolicy: Delete
 volumeBindingMode: Immediate
 `
 	var out bytes.Buffer
-	if err := ConvertClassManifest(strings.NewReader(in), &out, ConvertTarget{Server: "nfs", Share: "/export"}, testDriver); err != nil {
-		t.Fatal(err)
-	}
+	must(t, ConvertClassManifest(strings.NewReader(in), &out, ConvertTarget{Server: "nfs", Share: "/export"}, testDriver))
 	var got storagev1.StorageClass
 	if err := yaml.UnmarshalStrict(out.Bytes(), &got); err != nil {
 		t.Fatalf("%v in:\n%s", err, out.String())

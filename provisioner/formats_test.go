@@ -27,9 +27,7 @@ func TestLocalPVFormat(t *testing.T) {
 	class := f.localClass(map[string]string{"onDelete": "archive"})
 	pvc := claim("data")
 	pv, _, err := f.node.Provision(context.Background(), opts(class, pvc))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	file := filepath.Join("testdata", "formats", "pv-local-v1.json")
 	stored := checkPVFormat(t, pv, goldenBase, file)
 
@@ -53,20 +51,14 @@ func checkPVFormat(t *testing.T, pv *v1.PersistentVolume, storedBase, file strin
 	golden.Spec.CSI.VolumeAttributes["basePath"] = storedBase
 	delete(golden.Spec.CSI.VolumeAttributes, "quota")
 	got, err := json.MarshalIndent(golden, "", "  ")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	want, err := os.ReadFile(file)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if !bytes.Equal(append(got, '\n'), want) {
 		t.Errorf("today's PV differs from %s; a new format needs a file of its own:\n%s", file, got)
 	}
 	var stored v1.PersistentVolume
-	if err := json.Unmarshal(want, &stored); err != nil {
-		t.Fatal(err)
-	}
+	must(t, json.Unmarshal(want, &stored))
 	stored.Spec.CSI.VolumeAttributes = maps.Clone(pv.Spec.CSI.VolumeAttributes)
 	return &stored
 }

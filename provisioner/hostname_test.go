@@ -61,18 +61,12 @@ func newNodeServer(t *testing.T, name, hostname string) *nodeServer {
 func hostnameProvisioner(t *testing.T, url string) *Provisioner {
 	t.Helper()
 	client, err := kubernetes.NewForConfig(&rest.Config{Host: url})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	bases, err := volume.NewAllowedBases([]string{t.TempDir()}, "/var/lib/kubelet")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	p, err := New(Config{DriverName: testDriver, Role: RoleNode, NodeName: "node-h", Client: client,
 		Classes: storagelisters.NewStorageClassLister(cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})), AllowedBases: bases, StateDir: t.TempDir()})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return p
 }
 

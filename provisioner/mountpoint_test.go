@@ -28,9 +28,7 @@ func TestBasePathThatMustBeAMountPoint(t *testing.T) {
 	f := newFixture(t)
 	disk := t.TempDir()
 	mnt := filepath.Join(f.base, "disk")
-	if err := os.Mkdir(mnt, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(mnt, 0o755))
 	mounted := false
 	mount := func() {
 		t.Helper()
@@ -42,9 +40,7 @@ func TestBasePathThatMustBeAMountPoint(t *testing.T) {
 	unmount := func() {
 		t.Helper()
 		// The provisioner holds the base open: lazily, as an admin would have to.
-		if err := unix.Unmount(mnt, unix.MNT_DETACH); err != nil {
-			t.Fatal(err)
-		}
+		must(t, unix.Unmount(mnt, unix.MNT_DETACH))
 		mounted = false
 	}
 	t.Cleanup(func() {

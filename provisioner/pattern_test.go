@@ -5,9 +5,7 @@ import "testing"
 // nfs-subdir's usual pattern names an annotation whose key holds a slash.
 func TestPatternKeyWithSlash(t *testing.T) {
 	p, err := parsePattern("${pvc.metadata.namespace}/${pvc.metadata.annotations['nfs.io/storage-path']}")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	vars := pathVars{namespace: "ns", pvcName: "c", pvName: "pvc-1", annotations: map[string]string{"nfs.io/storage-path": "data"}}
 	if rel, err := p.expand(vars); err != nil || rel != "ns/data" {
 		t.Errorf("expand = %q, %v; want ns/data", rel, err)

@@ -67,18 +67,12 @@ func newFixtureOn(t *testing.T, base string) *fixture {
 	}})
 	lister := storagelisters.NewStorageClassLister(f.classes)
 	bases, err := volume.NewAllowedBases([]string{f.base}, "/var/lib/kubelet")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	f.node, err = New(Config{DriverName: testDriver, Role: RoleNode, NodeName: testNode, Client: client, Classes: lister, AllowedBases: bases, StateDir: f.state, Events: f.events})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	f.ctrl, err = New(Config{DriverName: testDriver, Role: RoleController, Client: client, Classes: lister,
 		Mounter: f.mounter, WorkDir: f.work, OperationTimeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	go f.node.Run(ctx)
 	go f.ctrl.Run(ctx)
@@ -114,6 +108,14 @@ func claim(name string, modes ...v1.PersistentVolumeAccessMode) *v1.PersistentVo
 func opts(class *storagev1.StorageClass, pvc *v1.PersistentVolumeClaim) controller.ProvisionOptions {
 	pvc.Spec.StorageClassName = &class.Name
 	return controller.ProvisionOptions{StorageClass: class, PVName: "pvc-" + string(pvc.UID), PVC: pvc, SelectedNodeName: pvc.Annotations[annSelectedNode]}
+}
+
+// must stops the test on err.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
 }
 
 // listTree returns every path under dir, to show that a refused claim changed nothing.
@@ -185,9 +187,7 @@ func TestProvisionLocal(t *testing.T) {
 	if !f.node.ShouldDelete(context.Background(), pv) || f.ctrl.ShouldDelete(context.Background(), pv) {
 		t.Error("ShouldDelete: want node yes, controller no")
 	}
-	if err := f.node.Delete(context.Background(), pv); err != nil {
-		t.Fatal(err)
-	}
+	must(t, f.node.Delete(context.Background(), pv))
 	if _, err := os.Stat(dir); !os.IsNotExist(err) {
 		t.Errorf("directory still there after delete: %v", err)
 	}
@@ -202,16 +202,10 @@ func TestOnDeletePolicies(t *testing.T) {
 			f := newFixture(t)
 			class := f.localClass(map[string]string{"onDelete": policy})
 			pv, _, err := f.node.Provision(context.Background(), opts(class, claim("c")))
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			rel := pv.Spec.CSI.VolumeAttributes["path"]
-			if err := os.WriteFile(filepath.Join(f.base, rel, "file"), []byte("data"), 0o644); err != nil {
-				t.Fatal(err)
-			}
-			if err := f.node.Delete(context.Background(), pv); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.WriteFile(filepath.Join(f.base, rel, "file"), []byte("data"), 0o644))
+			must(t, f.node.Delete(context.Background(), pv))
 			entries := listTree(t, f.base)
 			switch policy {
 			case "delete":
@@ -351,9 +345,7 @@ func TestRetryAfterCrashAdoptsOwnDirectory(t *testing.T) {
 	}
 	// The PV is lost; the tenant never saw the volume, but make sure nothing is replaced.
 	dir := filepath.Join(f.base, "ns/db")
-	if err := os.WriteFile(filepath.Join(dir, "data"), []byte("x"), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(dir, "data"), []byte("x"), 0o600))
 	ctx, logs := logContext(t)
 	pv, state, err := f.node.Provision(ctx, o)
 	if err != nil || state != controller.ProvisioningFinished {
@@ -380,14 +372,10 @@ func TestExistingDirectoryNotHandedToAnotherClaim(t *testing.T) {
 	if _, _, err := f.node.Provision(context.Background(), opts(class, claim("db"))); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(f.base, "ns/db/secret"), []byte("x"), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(f.base, "ns/db/secret"), []byte("x"), 0o600))
 	before := listTree(t, f.base)
 	var st unix.Stat_t
-	if err := unix.Stat(filepath.Join(f.base, "ns/db"), &st); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Stat(filepath.Join(f.base, "ns/db"), &st))
 	// The claim is deleted with onDelete retain... and a new claim of the same name comes.
 	again := claim("db")
 	again.UID = "uid-db-2"
@@ -410,9 +398,7 @@ func TestExistingDirectoryNotHandedToAnotherClaim(t *testing.T) {
 	}
 
 	// A directory dirpv did not make is refused too, whatever the claim.
-	if err := os.Mkdir(filepath.Join(f.base, "ns/manual"), 0o777); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(filepath.Join(f.base, "ns/manual"), 0o777))
 	_, _, err = f.node.Provision(context.Background(), opts(class, claim("manual")))
 	if err == nil || !strings.Contains(err.Error(), "is not a volume dirpv made") {
 		t.Errorf("a directory dirpv did not make was handed over (err %v)", err)
@@ -429,14 +415,10 @@ func TestStaleDeleteLeavesAnotherClaimsDirectory(t *testing.T) {
 				s := newStoreFixture(t, backend, map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}", "onDelete": policy})
 				first := s.claim("db")
 				stale, _, err := s.p.Provision(context.Background(), opts(s.class, first))
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				// As the lib binds it.
 				stale.Spec.ClaimRef = &v1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: first.Namespace, Name: first.Name, UID: first.UID}
-				if err := s.p.Delete(context.Background(), stale); err != nil {
-					t.Fatal(err)
-				}
+				must(t, s.p.Delete(context.Background(), stale))
 				second := s.claim("db")
 				second.UID = "uid-db-2"
 				pv, _, err := s.p.Provision(context.Background(), opts(s.class, second))
@@ -444,9 +426,7 @@ func TestStaleDeleteLeavesAnotherClaimsDirectory(t *testing.T) {
 					t.Fatalf("the name is free again, but the new claim was refused: %v", err)
 				}
 				data := filepath.Join(s.base, "ns/db/data")
-				if err := os.WriteFile(data, []byte("second's"), 0o600); err != nil {
-					t.Fatal(err)
-				}
+				must(t, os.WriteFile(data, []byte("second's"), 0o600))
 				s.settle(t)
 				before := listTree(t, s.base)
 				err = s.p.Delete(context.Background(), stale)
@@ -470,9 +450,7 @@ func TestStaleDeleteLeavesAnotherClaimsDirectory(t *testing.T) {
 				}
 				// The owner's own Delete still works.
 				pv.Spec.ClaimRef = &v1.ObjectReference{UID: second.UID}
-				if err := s.p.Delete(context.Background(), pv); err != nil {
-					t.Fatal(err)
-				}
+				must(t, s.p.Delete(context.Background(), pv))
 				if _, err := os.Stat(filepath.Join(s.base, "ns/db")); !os.IsNotExist(err) {
 					t.Errorf("owner's Delete left ns/db: %v", err)
 				}
@@ -499,14 +477,10 @@ func TestPathThroughVolumeOrLinkIsInfeasible(t *testing.T) {
 				}
 			}, want: "never created inside another"},
 			"through a symlink": {plant: func(t *testing.T, s *storeFixture, outside string) {
-				if err := os.Symlink(outside, filepath.Join(s.base, "ns")); err != nil {
-					t.Fatal(err)
-				}
+				must(t, os.Symlink(outside, filepath.Join(s.base, "ns")))
 			}, want: "symlinks are never followed"},
 			"through a file": {plant: func(t *testing.T, s *storeFixture, _ string) {
-				if err := os.WriteFile(filepath.Join(s.base, "ns"), nil, 0o600); err != nil {
-					t.Fatal(err)
-				}
+				must(t, os.WriteFile(filepath.Join(s.base, "ns"), nil, 0o600))
 			}, want: "not a directory"},
 		} {
 			t.Run(string(backend)+"/"+name, func(t *testing.T) {
@@ -591,9 +565,7 @@ func TestProvisionNFSMountsOnceAndEmitsSelfDescribingPV(t *testing.T) {
 	for _, name := range []string{"a", "b", "c"} {
 		c := claim(name, v1.ReadWriteMany)
 		pv, _, err := f.ctrl.Provision(context.Background(), opts(class, c))
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		pvs = append(pvs, pv)
 	}
 	mounts := f.mounter.GetLog()
@@ -626,9 +598,7 @@ func TestProvisionNFSMountsOnceAndEmitsSelfDescribingPV(t *testing.T) {
 	}
 	// The class may be gone by delete time: the PV says what to do.
 	f.classes.Delete(class)
-	if err := f.ctrl.Delete(context.Background(), pv); err != nil {
-		t.Fatal(err)
-	}
+	must(t, f.ctrl.Delete(context.Background(), pv))
 	if _, ok := f.node.Delete(context.Background(), pv).(*controller.IgnoredError); !ok {
 		t.Error("node instance did not ignore an NFS PV")
 	}
@@ -665,24 +635,18 @@ func TestLostNodesVolumeIsReleasedByController(t *testing.T) {
 	f := newFixture(t)
 	class := f.localClass(nil)
 	pv, _, err := f.node.Provision(context.Background(), opts(class, claim("c")))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	pv.Status.Phase = v1.VolumeReleased
 	if f.ctrl.ShouldDelete(context.Background(), pv) {
 		t.Fatal("controller takes a local PV whose node exists")
 	}
-	if err := f.ctrl.cfg.Client.CoreV1().Nodes().Delete(context.Background(), testNode, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, f.ctrl.cfg.Client.CoreV1().Nodes().Delete(context.Background(), testNode, metav1.DeleteOptions{}))
 	events := record.NewFakeRecorder(1)
 	f.ctrl.cfg.Events = events
 	if !f.ctrl.ShouldDelete(context.Background(), pv) {
 		t.Fatal("controller does not take a local PV whose node is gone")
 	}
-	if err := f.ctrl.Delete(context.Background(), pv); err != nil {
-		t.Fatal(err)
-	}
+	must(t, f.ctrl.Delete(context.Background(), pv))
 	if ev := <-events.Events; !strings.Contains(ev, "VolumeDataOnLostNode") || !strings.Contains(ev, testNode) {
 		t.Errorf("event = %q", ev)
 	}
@@ -755,9 +719,7 @@ func TestNodeLocalFailureReschedules(t *testing.T) {
 		},
 		"base not creatable": func(t *testing.T, f *fixture) string {
 			file := filepath.Join(f.base, "file")
-			if err := os.WriteFile(file, nil, 0o600); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.WriteFile(file, nil, 0o600))
 			f.base = filepath.Join(file, "base")
 			return "not a directory"
 		},

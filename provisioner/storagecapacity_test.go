@@ -31,9 +31,7 @@ func TestGetCapacityLocal(t *testing.T) {
 	if got := get(); got != 64<<20 {
 		t.Errorf("capacity of an empty 64 MiB base = %d, want %d", got, 64<<20)
 	}
-	if err := os.WriteFile(filepath.Join(f.base, "data"), make([]byte, 24<<20), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(f.base, "data"), make([]byte, 24<<20), 0o600))
 	if got := get(); got != 40<<20 {
 		t.Errorf("capacity after writing 24 MiB = %d, want %d", got, 40<<20)
 	}
@@ -52,9 +50,7 @@ func TestGetCapacityLocal(t *testing.T) {
 func TestGetCapacityRefusals(t *testing.T) {
 	f := newFixture(t)
 	outside := t.TempDir()
-	if err := os.Symlink(outside, filepath.Join(f.base, "link")); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Symlink(outside, filepath.Join(f.base, "link")))
 	for name, tc := range map[string]struct {
 		params map[string]string
 		want   codes.Code

@@ -44,9 +44,7 @@ func newTrashFixture(t *testing.T, timeout time.Duration) *trashFixture {
 	f := &trashFixture{m: exporttest.NewBindMounter(t), work: t.TempDir(), timeout: timeout}
 	f.src = f.m.Export(t, "nfs.example", "/export")
 	// tmpfs keeps 100k files off the shared disk.
-	if err := unix.Mount("tmpfs", f.src, "tmpfs", 0, "size=512m"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Mount("tmpfs", f.src, "tmpfs", 0, "size=512m"))
 	t.Cleanup(func() { unix.Unmount(f.src, unix.MNT_DETACH) })
 	f.class = &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: "nfs"}, Provisioner: testDriver,
 		Parameters: map[string]string{"backend": "nfs", "server": "nfs.example", "share": "/export"}}
@@ -61,9 +59,7 @@ func (f *trashFixture) start(t *testing.T) *Provisioner {
 	t.Helper()
 	p, err := New(Config{DriverName: testDriver, Role: RoleController, Client: fake.NewClientset(), Classes: f.lister,
 		Mounter: f.m, WorkDir: f.work, OperationTimeout: f.timeout})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -94,18 +90,12 @@ func fill(t *testing.T, dir string, files int) {
 	const perDir = 1000
 	for d := 0; d*perDir < files; d++ {
 		sub := filepath.Join(dir, "d"+strconv.Itoa(d))
-		if err := os.Mkdir(sub, 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.Mkdir(sub, 0o755))
 		fd, err := unix.Open(sub, unix.O_RDONLY|unix.O_DIRECTORY, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		for i := 0; i < perDir && d*perDir+i < files; i++ {
 			f, err := unix.Openat(fd, strconv.Itoa(i), unix.O_CREAT|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			unix.Close(f)
 		}
 		unix.Close(fd)
@@ -199,9 +189,7 @@ func TestTrashResumedAfterRestart(t *testing.T) {
 	fill(t, filepath.Join(f.src, pv.Spec.CSI.VolumeAttributes["path"]), 3000)
 	// The first controller's walk never gets going: it stops for shutdown instead.
 	first.exports.HoldSteps(func() { <-first.exports.ShuttingDown() })
-	if err := first.Delete(context.Background(), pv); err != nil {
-		t.Fatal(err)
-	}
+	must(t, first.Delete(context.Background(), pv))
 	first.exports.Close(context.Background())
 	if got := f.trashEntries(t); len(got) != 1 {
 		t.Fatalf("trash after the first controller stopped: %v, want the deleted volume", got)
@@ -302,9 +290,7 @@ func TestNFSDiscardedCopyGoesToTheTrash(t *testing.T) {
 	p := f.start(t)
 	pv := f.provision(t, p, "copy")
 	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	fill(t, filepath.Join(f.src, attrs.Path), files)
 	release := make(chan struct{})
 	p.exports.HoldSteps(func() { <-release })

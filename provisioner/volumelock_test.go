@@ -75,13 +75,9 @@ func TestRetriedDeleteSparesNewClaimAtSamePath(t *testing.T) {
 	class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}"})
 	old := claim("c")
 	pv, _, err := f.node.Provision(context.Background(), opts(class, old))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: old.Namespace, Name: old.Name, UID: old.UID}
-	if err := f.node.Delete(context.Background(), pv); err != nil {
-		t.Fatal(err)
-	}
+	must(t, f.node.Delete(context.Background(), pv))
 	rel := pv.Spec.CSI.VolumeAttributes[volume.AttrPath]
 	if _, err := os.Lstat(filepath.Join(f.base, rel)); !os.IsNotExist(err) {
 		t.Fatalf("volume directory after Delete: %v", err)
@@ -105,22 +101,16 @@ func TestRetriedDeleteSparesNewClaimAtSamePath(t *testing.T) {
 		provisioned <- err
 	}()
 	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if waitQueued(t, f.node, attrs, provisioned) {
 		provisioned <- nil
 	}
 	release()
 	for _, c := range []chan error{deleted, provisioned} {
-		if err := <-c; err != nil {
-			t.Fatal(err)
-		}
+		must(t, <-c)
 	}
 	root, err := volume.OpenRoot(f.base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer root.Close()
 	owner, _, err := root.VolumeOwner(rel)
 	if err != nil {
@@ -138,9 +128,7 @@ func TestDeleteWaitsForResizeOfSameVolume(t *testing.T) {
 	f := newFixtureOn(t, mnt)
 	pvc, pv := f.boundLocalVolume()
 	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	group := "0/" + strings.TrimPrefix(attrs.Quota, "btrfs/")
 	if limit := quotatest.Qgroups(t, mnt)[group]; limit == "" || limit == "none" {
 		t.Fatalf("volume's qgroup %s has limit %q, want one (qgroups %v)", group, limit, quotatest.Qgroups(t, mnt))
