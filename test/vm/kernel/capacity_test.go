@@ -78,9 +78,7 @@ func projects(t *testing.T, mnt string) map[uint64]project {
 func isXFS(t *testing.T, p string) bool {
 	t.Helper()
 	var sfs unix.Statfs_t
-	if err := unix.Statfs(p, &sfs); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Statfs(p, &sfs))
 	return uint32(sfs.Type) == unix.XFS_SUPER_MAGIC
 }
 
@@ -105,22 +103,16 @@ func TestQuotaReleaseAfterRemoval(t *testing.T) {
 		t.Run(fstype, func(t *testing.T) {
 			mnt := quotaFS(t, fstype)
 			root, err := volume.OpenRoot(mnt)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			defer root.Close()
 			fs, err := root.Quota()
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			const limit = 8 << 20
 			for i := range 10 {
 				name := "v" + strconv.Itoa(i)
 				claim := volume.Claim{UID: "uid-" + name, PVName: "pv-" + name}
 				_, id, err := root.MkdirAllLimited(name, volume.Owner{Mode: 0o777, UID: -1, GID: -1}, claim, limit)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				if failed, out := writeAsTenant(t, filepath.Join(mnt, name, "data"), 4); failed {
 					t.Fatalf("filling volume %s: %s", name, out)
 				}
@@ -130,9 +122,7 @@ func TestQuotaReleaseAfterRemoval(t *testing.T) {
 						t.Fatal(err)
 					}
 				}
-				if err := root.RemoveLimited(name, id); err != nil {
-					t.Fatal(err)
-				}
+				must(t, root.RemoveLimited(name, id))
 				u, err := fs.Usage(dirFd(t, mnt), id)
 				if err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ESRCH) {
 					t.Fatal(err)
@@ -166,9 +156,7 @@ func TestCrashHelper(t *testing.T) {
 		t.Skip("started by TestQuotaCrashLeavesNoLimit only")
 	}
 	root, err := volume.OpenRoot(base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	_, _, err = root.MkdirAllLimited("vol", volume.Owner{Mode: 0o777, UID: -1, GID: -1}, crashClaim, 8<<20)
 	t.Fatalf("MkdirAllLimited returned (%v): the failpoint %s did not kill the process", err, os.Getenv(failpoint.Env))
 }
@@ -180,9 +168,7 @@ func TestCrashHelper(t *testing.T) {
 // crashed attempt limited is cleared. Once the volume is removed, none is left.
 func TestQuotaCrashLeavesNoLimit(t *testing.T) {
 	self, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, fstype := range []string{"xfs", "ext4"} {
 		for _, point := range []string{failpoint.BeforeLimit, failpoint.BeforeRename} {
 			t.Run(fstype+" "+point, func(t *testing.T) {
@@ -204,9 +190,7 @@ func TestQuotaCrashLeavesNoLimit(t *testing.T) {
 				t.Logf("after the crash at %s: projects %v", point, projects(t, mnt))
 
 				root, err := volume.OpenRoot(mnt)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				defer root.Close()
 				const limit = 8 << 20
 				created, id, err := root.MkdirAllLimited("vol", volume.Owner{Mode: 0o777, UID: -1, GID: -1}, crashClaim, limit)
@@ -228,9 +212,7 @@ func TestQuotaCrashLeavesNoLimit(t *testing.T) {
 				if failed, out := writeAsTenant(t, filepath.Join(mnt, "vol", "big"), 16); !failed {
 					t.Errorf("16 MiB went into the 8 MiB volume: %s", out)
 				}
-				if err := root.RemoveLimited("vol", id); err != nil {
-					t.Fatal(err)
-				}
+				must(t, root.RemoveLimited("vol", id))
 				for n, p := range projects(t, mnt) {
 					if p.limited() {
 						t.Errorf("project %d still limited (%+v) once the only volume is gone", n, p)
@@ -245,9 +227,7 @@ func TestQuotaCrashLeavesNoLimit(t *testing.T) {
 func baseEntries(t *testing.T, mnt string) []string {
 	t.Helper()
 	ents, err := os.ReadDir(mnt)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	var out []string
 	for _, e := range ents {
 		if e.Name() != "lost+found" {
@@ -278,9 +258,7 @@ func TestNFSOverXFSProjectStatfs(t *testing.T) {
 			serverDir, share := exportDirFor(t, mnt, options, guest.NoRootSquash)
 			f := newController(t, time.Minute)
 			pv, err := f.provision(ctx, f.nfsClass("nfs", share, options, nil), "quota")
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			volDir := filepath.Join(serverDir, pv.Spec.CSI.VolumeAttributes["path"])
 			const limit, fill = 10 << 20, 4 << 20
 			runCmd(t, "xfs_quota", "-x", "-c", "project -s -p "+volDir+" 4242", "-c", "limit -p bhard=10m 4242", mnt)
@@ -297,12 +275,8 @@ func TestNFSOverXFSProjectStatfs(t *testing.T) {
 				node.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, TargetPath: target})
 			})
 			var sfs, whole unix.Statfs_t
-			if err := unix.Statfs(target, &sfs); err != nil {
-				t.Fatal(err)
-			}
-			if err := unix.Statfs(mnt, &whole); err != nil {
-				t.Fatal(err)
-			}
+			must(t, unix.Statfs(target, &sfs))
+			must(t, unix.Statfs(mnt, &whole))
 			size, used := sfs.Blocks*uint64(sfs.Bsize), (sfs.Blocks-sfs.Bfree)*uint64(sfs.Bsize)
 			t.Logf("statfs of the NFS-mounted volume (%s): size %d, used %d, avail %d; the XFS file system: size %d",
 				strings.Join(options, ","), size, used, sfs.Bavail*uint64(sfs.Bsize), whole.Blocks*uint64(whole.Bsize))
@@ -310,18 +284,14 @@ func TestNFSOverXFSProjectStatfs(t *testing.T) {
 				t.Errorf("statfs of the NFS-mounted volume: size %d, used %d; want the project's: size %d, used about %d", size, used, limit, fill)
 			}
 			stats, err := node.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: pv.Spec.CSI.VolumeHandle, VolumePath: target})
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			if b := stats.GetUsage()[0]; b.GetTotal() != limit || b.GetUsed() < fill || b.GetUsed() > fill+1<<20 {
 				t.Errorf("NodeGetVolumeStats of the NFS volume: %+v; want total %d, used about %d", b, limit, fill)
 			}
 
 			// A neighbour without a project reports the exported file system.
 			plain, err := f.provision(ctx, f.nfsClass("nfs-plain", share, options, nil), "plain")
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			plainTarget := filepath.Join(t.TempDir(), "pod")
 			if _, err := node.NodePublishVolume(ctx, publishRequest(plain, plainTarget, false)); err != nil {
 				t.Fatal(err)
@@ -329,9 +299,7 @@ func TestNFSOverXFSProjectStatfs(t *testing.T) {
 			t.Cleanup(func() {
 				node.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: plain.Spec.CSI.VolumeHandle, TargetPath: plainTarget})
 			})
-			if err := unix.Statfs(plainTarget, &sfs); err != nil {
-				t.Fatal(err)
-			}
+			must(t, unix.Statfs(plainTarget, &sfs))
 			if got, want := sfs.Blocks*uint64(sfs.Bsize), whole.Blocks*uint64(whole.Bsize); got+1<<20 < want || got > want+1<<20 {
 				t.Errorf("statfs of an NFS volume without a project: size %d; want the file system's, %d", got, want)
 			}

@@ -61,15 +61,11 @@ func nfsServer(t *testing.T) *guest.NFSServer {
 func exportDir(t *testing.T, dir string, options ...string) string {
 	t.Helper()
 	srv := nfsServer(t)
-	if err := os.Chmod(dir, 0o777); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Chmod(dir, 0o777))
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	unexport, err := srv.Export(ctx, dir, options...)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() {
 		if err := unexport(); err != nil {
 			t.Errorf("unexport %s: %v", dir, err)
@@ -110,9 +106,7 @@ func openExport(t *testing.T, share string, options []string) *volume.Root {
 		}
 	})
 	root, err := volume.OpenRoot(mnt)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { root.Close() })
 	return root
 }
@@ -134,9 +128,7 @@ func newController(t *testing.T, timeout time.Duration) *controllerFixture {
 		Client: fake.NewClientset(), Classes: storagelisters.NewStorageClassLister(f.classes),
 		Mounter: mount.New(""), WorkDir: f.work, OperationTimeout: timeout,
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { f.p.Run(ctx); close(done) }()
@@ -197,13 +189,19 @@ type unexpectedState struct{ s controller.ProvisioningState }
 
 func (e *unexpectedState) Error() string { return "provisioning state " + string(e.s) }
 
+// must stops the test on err.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 // nfsMounts are the NFS entries of the guest's /proc/mounts.
 func nfsMounts(t *testing.T) []mount.MountPoint {
 	t.Helper()
 	mps, err := mount.ListProcMounts("/proc/mounts")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return slices.DeleteFunc(mps, func(mp mount.MountPoint) bool { return !strings.HasPrefix(mp.Type, "nfs") })
 }
 
@@ -242,18 +240,12 @@ func nodePlugin(t *testing.T, timeout time.Duration) *nodeFixture {
 	tmp := t.TempDir()
 	sock := filepath.Join(tmp, "csi.sock")
 	n := &nodeFixture{localBase: filepath.Join(tmp, "local")}
-	if err := os.Mkdir(n.localBase, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(n.localBase, 0o755))
 	bases, err := volume.NewAllowedBases([]string{n.localBase}, filepath.Join(tmp, "kubelet"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	d, err := csinode.NewDriver(csinode.Options{DriverName: driverName, Version: "vm-test", NodeID: "dirpv-vm",
 		Endpoint: "unix://" + sock, Mounter: mount.New(""), OperationTimeout: timeout, LocalBases: bases})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	runErr := make(chan error, 1)
 	go func() { runErr <- d.Run(ctx) }()
@@ -269,9 +261,7 @@ func nodePlugin(t *testing.T, timeout time.Duration) *nodeFixture {
 		t.Fatalf("node plugin not serving: %v", err)
 	}
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { conn.Close() })
 	n.NodeClient = csi.NewNodeClient(conn)
 	return n
@@ -281,9 +271,7 @@ func nodePlugin(t *testing.T, timeout time.Duration) *nodeFixture {
 func (n *nodeFixture) localPV(t *testing.T, name string) *v1.PersistentVolume {
 	t.Helper()
 	root, err := volume.OpenRoot(n.localBase)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer root.Close()
 	if _, err := root.MkdirAll(name, volume.Owner{Mode: 0o777, UID: -1, GID: -1}, volume.Claim{UID: name, PVName: name}); err != nil {
 		t.Fatal(err)

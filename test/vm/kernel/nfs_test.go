@@ -94,23 +94,17 @@ func TestDeadServerHardMount(t *testing.T) {
 	f := newController(t, opTimeout)
 	class := f.nfsClass("nfs", share, options, nil)
 	pv, err := f.provision(ctx, class, "before")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	const nodeTimeout = 20 * time.Second
 	node := nodePlugin(t, nodeTimeout)
 	target := filepath.Join(t.TempDir(), "target")
 	if _, err := node.NodePublishVolume(ctx, publishRequest(pv, target, false)); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(target, "data"), []byte("x"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(target, "data"), []byte("x"), 0o644))
 
 	srv := nfsServer(t)
-	if err := srv.Kill(ctx); err != nil {
-		t.Fatal(err)
-	}
+	must(t, srv.Kill(ctx))
 	resumed := false
 	t.Cleanup(func() { // before the controller's and the export's cleanups
 		if !resumed {
@@ -238,9 +232,7 @@ func TestDeadServerHardMount(t *testing.T) {
 	}
 
 	// The server is back: the same calls, retried as the lib retries them, succeed.
-	if err := srv.Resume(ctx); err != nil {
-		t.Fatal(err)
-	}
+	must(t, srv.Resume(ctx))
 	resumed = true
 	var retried *v1.PersistentVolume
 	if err := framework.Poll(ctx, 3*time.Minute, func(ctx context.Context) (bool, error) {
@@ -378,9 +370,7 @@ func TestSameNameClaimsAcrossMounts(t *testing.T) {
 		f.nfsClass("nfs-b", share, optsB, pattern),
 	}
 	server, err := volume.OpenRoot(serverDir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer server.Close()
 	const rounds, claims = 10, 8
 	for round := range rounds {

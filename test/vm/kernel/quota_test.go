@@ -31,12 +31,8 @@ func makeFS(t *testing.T, fstype, options string) string {
 	t.Helper()
 	dir := t.TempDir()
 	img := filepath.Join(dir, fstype+".img")
-	if err := os.WriteFile(img, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(img, 320<<20); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(img, nil, 0o600))
+	must(t, os.Truncate(img, 320<<20))
 	switch fstype {
 	case "xfs":
 		runCmd(t, "mkfs.xfs", "-q", img)
@@ -44,9 +40,7 @@ func makeFS(t *testing.T, fstype, options string) string {
 		runCmd(t, "mkfs.ext4", "-q", "-O", "quota,project", img)
 	}
 	mnt := filepath.Join(dir, "mnt")
-	if err := os.Mkdir(mnt, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(mnt, 0o755))
 	runCmd(t, "mount", "-t", fstype, "-o", options, img, mnt)
 	t.Cleanup(func() {
 		// An exported file system stays busy a few seconds after its unexport: nfsd's file
@@ -80,9 +74,7 @@ func runCmd(t *testing.T, name string, args ...string) {
 func dirFd(t *testing.T, p string) int {
 	t.Helper()
 	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { unix.Close(fd) })
 	return fd
 }
@@ -107,24 +99,18 @@ func TestQuotaProjectLimits(t *testing.T) {
 			mnt := quotaFS(t, fstype)
 			base := dirFd(t, mnt)
 			fs, err := quota.Probe(base)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			if err := fs.Enforces(); err != nil || fs.Kind() != quota.Project {
 				t.Fatalf("%s with prjquota: Kind %q, Enforces %v", fstype, fs.Kind(), err)
 			}
 			const limit = 10 << 20
 			ids := map[string]quota.ID{}
 			for _, name := range []string{"a", "b"} {
-				if err := fs.Mkdir(base, name, 0o777); err != nil {
-					t.Fatal(err)
-				}
+				must(t, fs.Mkdir(base, name, 0o777))
 				// Closed at once: an open directory is not freed when removed, and its
 				// inode keeps the project charged.
 				fd, err := unix.Open(filepath.Join(mnt, name), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				var st unix.Stat_t
 				id, err := fs.SetLimit(fd, limit)
 				if err == nil {
@@ -134,9 +120,7 @@ func TestQuotaProjectLimits(t *testing.T) {
 					err = unix.Fstat(fd, &st)
 				}
 				unix.Close(fd)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				if id.Num != st.Ino {
 					t.Errorf("volume %s (inode %d) got project %v, want its inode number", name, st.Ino, id)
 				}
@@ -147,9 +131,7 @@ func TestQuotaProjectLimits(t *testing.T) {
 			}
 
 			var sfs unix.Statfs_t
-			if err := unix.Statfs(filepath.Join(mnt, "a"), &sfs); err != nil {
-				t.Fatal(err)
-			}
+			must(t, unix.Statfs(filepath.Join(mnt, "a"), &sfs))
 			if got := sfs.Blocks * uint64(sfs.Bsize); got != limit {
 				t.Errorf("statfs of the volume reports size %d, want the limit %d", got, limit)
 			}
@@ -166,9 +148,7 @@ func TestQuotaProjectLimits(t *testing.T) {
 				t.Errorf("neighbour volume: 8 MiB write failed: %s", out)
 			}
 			u, err := fs.Usage(base, ids["b"])
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			if u.LimitBytes != limit || u.UsedBytes < 8<<20 || u.UsedBytes > 9<<20 || !u.HasInodes || u.UsedInodes != 2 {
 				t.Errorf("neighbour holding one 8 MiB file: usage %+v; want limit %d, ~8 MiB and 2 inodes used", u, limit)
 			}
@@ -180,15 +160,11 @@ func TestQuotaProjectLimits(t *testing.T) {
 			if err := fs.Resize(a, ids["b"], 24<<20); err == nil {
 				t.Error("Resize of volume a with b's project ID succeeded, want a refusal")
 			}
-			if err := fs.Resize(a, ids["a"], 24<<20); err != nil {
-				t.Fatal(err)
-			}
+			must(t, fs.Resize(a, ids["a"], 24<<20))
 			if failed, out := writeAsTenant(t, filepath.Join(mnt, "a", "more"), 8); failed {
 				t.Errorf("8 MiB more into the volume resized from 10 to 24 MiB failed: %s", out)
 			}
-			if err := unix.Statfs(filepath.Join(mnt, "a"), &sfs); err != nil {
-				t.Fatal(err)
-			}
+			must(t, unix.Statfs(filepath.Join(mnt, "a"), &sfs))
 			if got := sfs.Blocks * uint64(sfs.Bsize); got != 24<<20 {
 				t.Errorf("statfs of the resized volume reports size %d, want %d", got, 24<<20)
 			}
@@ -196,16 +172,12 @@ func TestQuotaProjectLimits(t *testing.T) {
 				t.Errorf("neighbour's limit after a's resize: %+v, %v; want %d", u, err, limit)
 			}
 
-			if err := os.RemoveAll(filepath.Join(mnt, "b")); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.RemoveAll(filepath.Join(mnt, "b")))
 			// XFS frees removed inodes in the background: until then the project is still
 			// charged and Release leaves it alone, so it is retried as a retried Delete would.
 			deadline := time.Now().Add(30 * time.Second)
 			for {
-				if err := fs.Release(base, ids["b"]); err != nil {
-					t.Fatal(err)
-				}
+				must(t, fs.Release(base, ids["b"]))
 				u, err := fs.Usage(base, ids["b"])
 				if err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ESRCH) {
 					t.Fatalf("reading a released project: %v", err)
@@ -233,9 +205,7 @@ func TestQuotaProbeRefuses(t *testing.T) {
 		t.Run(tc.fstype+" "+tc.options, func(t *testing.T) {
 			mnt := makeFS(t, tc.fstype, tc.options)
 			fs, err := quota.Probe(dirFd(t, mnt))
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			err = fs.Enforces()
 			if !errors.Is(err, quota.ErrNotEnforceable) || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("Enforces = %v; want ErrNotEnforceable saying %q", err, tc.want)
@@ -254,25 +224,15 @@ func TestQuotaProjectIDInUseIsSkipped(t *testing.T) {
 			mnt := quotaFS(t, fstype)
 			base := dirFd(t, mnt)
 			fs, err := quota.Probe(base)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := fs.Mkdir(base, "vol", 0o755); err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
+			must(t, fs.Mkdir(base, "vol", 0o755))
 			var st unix.Stat_t
-			if err := unix.Stat(filepath.Join(mnt, "vol"), &st); err != nil {
-				t.Fatal(err)
-			}
+			must(t, unix.Stat(filepath.Join(mnt, "vol"), &st))
 			foreign := filepath.Join(mnt, "foreign")
-			if err := os.WriteFile(foreign, []byte("someone else's"), 0o644); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.WriteFile(foreign, []byte("someone else's"), 0o644))
 			runCmd(t, "chattr", "-p", strconv.FormatUint(st.Ino, 10), foreign)
 			id, err := fs.SetLimit(dirFd(t, filepath.Join(mnt, "vol")), 1<<20)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			if id.Num == st.Ino {
 				t.Fatalf("volume got project %d, which a foreign file is charged to", id.Num)
 			}
@@ -283,9 +243,7 @@ func TestQuotaProjectIDInUseIsSkipped(t *testing.T) {
 			var wg sync.WaitGroup
 			for i := range n {
 				name := "c" + strconv.Itoa(i)
-				if err := fs.Mkdir(base, name, 0o755); err != nil {
-					t.Fatal(err)
-				}
+				must(t, fs.Mkdir(base, name, 0o755))
 				fd := dirFd(t, filepath.Join(mnt, name))
 				wg.Go(func() {
 					id, err := fs.SetLimit(fd, 1<<20)
@@ -319,30 +277,20 @@ func TestQuotaReleaseRacingSetLimit(t *testing.T) {
 			var fss []*quota.FS
 			var bases []int
 			for _, name := range []string{"a", "b"} {
-				if err := os.Mkdir(filepath.Join(mnt, name), 0o755); err != nil {
-					t.Fatal(err)
-				}
+				must(t, os.Mkdir(filepath.Join(mnt, name), 0o755))
 				fd := dirFd(t, filepath.Join(mnt, name))
 				fs, err := quota.Probe(fd)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				fss, bases = append(fss, fs), append(bases, fd)
 			}
 			const limit = 4 << 20
 			for i := range 300 {
 				name := "v" + strconv.Itoa(i)
-				if err := fss[1].Mkdir(bases[1], name, 0o755); err != nil {
-					t.Fatal(err)
-				}
+				must(t, fss[1].Mkdir(bases[1], name, 0o755))
 				fd, err := unix.Open(filepath.Join(mnt, "b", name), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				var st unix.Stat_t
-				if err := unix.Fstat(fd, &st); err != nil {
-					t.Fatal(err)
-				}
+				must(t, unix.Fstat(fd, &st))
 				// The ID the new volume asks for first, and the one a's old volume had.
 				stale := quota.ID{Kind: quota.Project, Num: st.Ino}
 				stop := make(chan struct{})
@@ -364,13 +312,9 @@ func TestQuotaReleaseRacingSetLimit(t *testing.T) {
 				close(stop)
 				wg.Wait()
 				unix.Close(fd)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				u, err := fss[1].Usage(bases[1], id)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				if u.LimitBytes != limit {
 					t.Fatalf("iteration %d: volume in project %v (inode %d), with a Release of that ID racing its SetLimit, has limit %d; want %d", i, id, st.Ino, u.LimitBytes, limit)
 				}
@@ -389,17 +333,11 @@ func TestQuotaAdminProjectIsSkipped(t *testing.T) {
 				mnt := quotaFS(t, fstype)
 				base := dirFd(t, mnt)
 				fs, err := quota.Probe(base)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := fs.Mkdir(base, "vol", 0o755); err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
+				must(t, fs.Mkdir(base, "vol", 0o755))
 				fd := dirFd(t, filepath.Join(mnt, "vol"))
 				var st unix.Stat_t
-				if err := unix.Fstat(fd, &st); err != nil {
-					t.Fatal(err)
-				}
+				must(t, unix.Fstat(fd, &st))
 				proj := strconv.FormatUint(st.Ino, 10)
 				xq := []string{"-x"}
 				if fstype != "xfs" {
@@ -408,20 +346,14 @@ func TestQuotaAdminProjectIsSkipped(t *testing.T) {
 				runCmd(t, "xfs_quota", append(xq, "-c", "limit -p "+lim+" "+proj, mnt)...)
 				admin := quota.ID{Kind: quota.Project, Num: st.Ino}
 				before, err := fs.Usage(base, admin)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				id, err := fs.SetLimit(fd, 1<<20)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				if id == admin {
 					t.Fatalf("volume got project %v, which an admin set up with %s", id, lim)
 				}
 				after, err := fs.Usage(base, admin)
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				if after != before {
 					t.Errorf("admin's project %v: quota %+v after a volume was made, want it unchanged (%+v)", admin, after, before)
 				}

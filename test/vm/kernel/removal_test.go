@@ -19,23 +19,15 @@ func TestRemoveAllInBatchesOverNFS(t *testing.T) {
 			options := []string{vers}
 			serverDir, share := exportFor(t, options, guest.NoRootSquash)
 			const files, dirs, perDir = 2600, 4, 1300
-			if err := os.MkdirAll(filepath.Join(serverDir, "vol"), 0o755); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.MkdirAll(filepath.Join(serverDir, "vol"), 0o755))
 			for i := range files {
-				if err := os.WriteFile(filepath.Join(serverDir, "vol", "f"+strconv.Itoa(i)), nil, 0o644); err != nil {
-					t.Fatal(err)
-				}
+				must(t, os.WriteFile(filepath.Join(serverDir, "vol", "f"+strconv.Itoa(i)), nil, 0o644))
 			}
 			for d := range dirs {
 				dir := filepath.Join(serverDir, "vol", "d"+strconv.Itoa(d), "deeper")
-				if err := os.MkdirAll(dir, 0o755); err != nil {
-					t.Fatal(err)
-				}
+				must(t, os.MkdirAll(dir, 0o755))
 				for i := range perDir {
-					if err := os.WriteFile(filepath.Join(dir, "f"+strconv.Itoa(i)), nil, 0o644); err != nil {
-						t.Fatal(err)
-					}
+					must(t, os.WriteFile(filepath.Join(dir, "f"+strconv.Itoa(i)), nil, 0o644))
 				}
 			}
 			r := openExport(t, share, options)
