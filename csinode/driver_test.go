@@ -45,9 +45,7 @@ func waitReady(t *testing.T, d *Driver, runErr <-chan error) {
 func dial(t *testing.T, path string) *grpc.ClientConn {
 	t.Helper()
 	conn, err := grpc.NewClient("unix://"+path, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { conn.Close() })
 	return conn
 }
@@ -60,17 +58,13 @@ func TestRunAndRegistration(t *testing.T) {
 	registry := filepath.Join(dir, "plugins_registry")
 	csiSock := filepath.Join(dir, "plugins", "dirpv.io", "csi.sock")
 	// A stale socket from a previous instance must not stop the new one.
-	if err := os.MkdirAll(filepath.Dir(csiSock), 0o750); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(filepath.Dir(csiSock), 0o750))
 	d, err := NewDriver(Options{
 		DriverName: "dirpv.io", Version: "v0.1.0", NodeID: "node-1",
 		Endpoint: "unix://" + csiSock, RegistrationDir: registry,
 		Mounter: mount.NewFakeMounter(nil), OperationTimeout: time.Second, LocalBases: noLocalBases,
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	runErr := make(chan error, 1)
@@ -80,9 +74,7 @@ func TestRunAndRegistration(t *testing.T) {
 	regSock := filepath.Join(registry, "dirpv.io-reg.sock")
 	reg := registerapi.NewRegistrationClient(dial(t, regSock))
 	info, err := reg.GetInfo(ctx, &registerapi.InfoRequest{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if info.Type != registerapi.CSIPlugin || info.Name != "dirpv.io" || info.Endpoint != csiSock ||
 		!slices.Equal(info.SupportedVersions, []string{"1.0.0"}) {
 		t.Errorf("GetInfo = %+v", info)
@@ -137,13 +129,9 @@ func TestRunReplacesStaleSocketOnly(t *testing.T) {
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "csi.sock")
 	// A regular file where the socket should be is not ours to delete.
-	if err := os.WriteFile(sock, []byte("data"), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(sock, []byte("data"), 0o600))
 	d, err := NewDriver(Options{DriverName: "dirpv.io", Version: "v", NodeID: "n", Endpoint: "unix://" + sock, LocalBases: noLocalBases})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if err := d.Run(context.Background()); err == nil {
 		t.Fatal("Run replaced a regular file")
 	}
@@ -153,18 +141,14 @@ func TestRunReplacesStaleSocketOnly(t *testing.T) {
 	// A stale socket is replaced.
 	os.Remove(sock)
 	lis, err := listenUnix(sock)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	lis.Close()
 	ctx, cancel := context.WithCancel(context.Background())
 	runErr := make(chan error, 1)
 	go func() { runErr <- d.Run(ctx) }()
 	waitReady(t, d, runErr)
 	cancel()
-	if err := <-runErr; err != nil {
-		t.Fatal(err)
-	}
+	must(t, <-runErr)
 }
 
 func TestNewDriverValidates(t *testing.T) {

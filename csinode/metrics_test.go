@@ -22,14 +22,10 @@ func TestPublishMetrics(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "csi.sock")
 	base, attrs := localVolume(t, "vol")
 	bases, err := volume.NewAllowedBases([]string{base}, "/var/lib/kubelet")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	d, err := NewDriver(Options{DriverName: "dirpv.io", Version: "test", NodeID: "node-1",
 		Endpoint: "unix://" + sock, Mounter: mount.New(""), LocalBases: bases})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	reg := prometheus.NewPedanticRegistry()
 	reg.MustRegister(d.Collectors()...)
 	ctx, cancel := context.WithCancel(context.Background())

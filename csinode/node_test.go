@@ -31,17 +31,13 @@ func requireRoot(t *testing.T) {
 func newTestDriver(t *testing.T, m mount.Interface, timeout time.Duration) (*Driver, *nodeServer) {
 	t.Helper()
 	bases, err := volume.NewAllowedBases([]string{os.TempDir()}, filepath.Join(t.TempDir(), "kubelet"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	d, err := NewDriver(Options{
 		DriverName: "dirpv.io", Version: "test", NodeID: "node-1",
 		Endpoint: "unix://" + filepath.Join(t.TempDir(), "csi.sock"),
 		Mounter:  m, OperationTimeout: timeout, LocalBases: bases,
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return d, &nodeServer{d: d}
 }
 
@@ -50,9 +46,7 @@ func localVolume(t *testing.T, rel string) (base string, attrs volume.Attributes
 	t.Helper()
 	base = t.TempDir()
 	root, err := volume.OpenRoot(base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer root.Close()
 	if _, err := root.MkdirAll(rel, volume.Owner{Mode: 0o777, UID: -1, GID: -1}, volume.Claim{UID: "uid-test", PVName: "pv-test"}); err != nil {
 		t.Fatal(err)
@@ -79,9 +73,7 @@ func newTarget(t *testing.T) string {
 func isMounted(t *testing.T, target string) bool {
 	t.Helper()
 	infos, err := mount.ParseMountInfo("/proc/self/mountinfo")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return slices.ContainsFunc(infos, func(mi mount.MountInfo) bool { return mi.MountPoint == target })
 }
 
@@ -96,6 +88,14 @@ func publishReq(id, target string, attrs volume.Attributes, c *csi.VolumeCapabil
 	return &csi.NodePublishVolumeRequest{
 		VolumeId: id, TargetPath: target, VolumeCapability: c, Readonly: ro,
 		VolumeContext: attrs.Map(),
+	}
+}
+
+// must stops the test on err.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -119,9 +119,7 @@ func TestPublishLocalBindMount(t *testing.T) {
 			t.Fatalf("publish #%d: %v", i+1, err)
 		}
 	}
-	if err := os.WriteFile(filepath.Join(target, "hello"), []byte("hi"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(target, "hello"), []byte("hi"), 0o644))
 	if b, err := os.ReadFile(filepath.Join(base, "ns/vol-1/hello")); err != nil || string(b) != "hi" {
 		t.Fatalf("file written at target not in volume directory: %q, %v", b, err)
 	}
@@ -130,9 +128,7 @@ func TestPublishLocalBindMount(t *testing.T) {
 	wantCode(t, err, codes.AlreadyExists)
 
 	st, err := ns.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: "vol-1", VolumePath: target})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, u := range st.GetUsage() {
 		if u.GetTotal() <= 0 || u.GetUsed() < 0 || u.GetAvailable() < 0 {
 			t.Errorf("bad usage %v", u)
@@ -208,16 +204,10 @@ func TestPublishLocalRefusesSymlinks(t *testing.T) {
 	ctx := context.Background()
 	_, ns := newTestDriver(t, mount.New(""), 10*time.Second)
 	outside := t.TempDir()
-	if err := os.WriteFile(filepath.Join(outside, "secret"), []byte("x"), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(outside, "secret"), []byte("x"), 0o600))
 	base, _ := localVolume(t, "real")
-	if err := os.Symlink(outside, filepath.Join(base, "evil")); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Symlink(outside, filepath.Join(base, "evildir")); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Symlink(outside, filepath.Join(base, "evil")))
+	must(t, os.Symlink(outside, filepath.Join(base, "evildir")))
 	rw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
 	for _, rel := range []string{"evil", "evildir/inner"} {
 		t.Run(rel, func(t *testing.T) {
@@ -474,12 +464,8 @@ func TestPublishLocalBindsTheCheckedDirectory(t *testing.T) {
 	ctx := context.Background()
 	base, attrs := localVolume(t, "vol")
 	outside := t.TempDir()
-	if err := os.WriteFile(filepath.Join(outside, "secret"), nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(base, "vol", "mine"), nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(outside, "secret"), nil, 0o600))
+	must(t, os.WriteFile(filepath.Join(base, "vol", "mine"), nil, 0o600))
 	sm := &swappingMounter{Interface: mount.New(""), dir: filepath.Join(base, "vol"), outside: outside}
 	_, ns := newTestDriver(t, sm, 10*time.Second)
 	target := newTarget(t)

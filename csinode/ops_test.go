@@ -26,18 +26,14 @@ func TestSingleFlightRefusesPileUp(t *testing.T) {
 		t.Fatalf("second call: %v (started %t)", err, started)
 	}
 	// Other paths are independent.
-	if err := sf.do(ctx, "/q", "statfs /q", time.Second, func() error { return nil }); err != nil {
-		t.Fatal(err)
-	}
+	must(t, sf.do(ctx, "/q", "statfs /q", time.Second, func() error { return nil }))
 }
 
 func TestKeyedLockWaitsAndTimesOut(t *testing.T) {
 	l := newKeyedLock()
 	ctx := context.Background()
 	s1, err := l.lock(ctx, "k", time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	short, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
 	defer cancel()
 	if _, err := l.lock(short, "k", time.Second); codeOf(err) != codes.Aborted {

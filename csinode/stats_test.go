@@ -22,9 +22,7 @@ func TestVolumeStatsOfLimitedVolume(t *testing.T) {
 	ctx := context.Background()
 	base := quotatest.Btrfs(t, true)
 	root, err := volume.OpenRoot(base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer root.Close()
 	const limit = 20 << 20
 	owner := volume.Owner{Mode: 0o777, UID: -1, GID: -1}
@@ -36,9 +34,7 @@ func TestVolumeStatsOfLimitedVolume(t *testing.T) {
 		claim := volume.Claim{UID: "uid-" + name, PVName: "pv-" + name}
 		if limited {
 			_, id, err := root.MkdirAllLimited(name, owner, claim, limit)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			attrs.Quota = id.String()
 		} else if _, err := root.MkdirAll(name, owner, claim); err != nil {
 			t.Fatal(err)
@@ -53,17 +49,13 @@ func TestVolumeStatsOfLimitedVolume(t *testing.T) {
 		return target
 	}
 	half, empty, unlimited := publish("half", true), publish("empty", true), publish("unlimited", false)
-	if err := os.WriteFile(filepath.Join(half, "data"), make([]byte, 10<<20), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(half, "data"), make([]byte, 10<<20), 0o644))
 	unix.Sync() // btrfs accounts qgroups at transaction commit
 
 	stats := func(id, target string) (bytes, inodes *csi.VolumeUsage) {
 		t.Helper()
 		st, err := ns.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: target})
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		for _, u := range st.GetUsage() {
 			switch u.GetUnit() {
 			case csi.VolumeUsage_BYTES:
@@ -86,9 +78,7 @@ func TestVolumeStatsOfLimitedVolume(t *testing.T) {
 		t.Errorf("empty neighbour: %v; want total %d and next to nothing used", b, limit)
 	}
 	var sfs unix.Statfs_t
-	if err := unix.Statfs(base, &sfs); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Statfs(base, &sfs))
 	b, _ = stats("unlimited", unlimited)
 	if fsTotal := int64(sfs.Blocks) * sfs.Bsize; b.GetTotal() != fsTotal {
 		t.Errorf("volume without a limit: total %d, want the file system's %d", b.GetTotal(), fsTotal)

@@ -34,33 +34,23 @@ func newTrustLayout(t *testing.T) trustLayout {
 	top := t.TempDir()
 	l := trustLayout{top: top, kubelet: filepath.Join(top, "kubelet"), base: filepath.Join(top, "dirpv")}
 	for _, d := range []string{"kubelet/pods/uid/volumes/secret", "dirpv/tenant/vol", "dirpv2/vol", "etc/vol"} {
-		if err := os.MkdirAll(filepath.Join(top, d), 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.MkdirAll(filepath.Join(top, d), 0o755))
 	}
-	if err := os.WriteFile(filepath.Join(l.kubelet, "pods/uid/volumes/secret/token"), []byte("secret"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Symlink(l.kubelet, filepath.Join(l.base, "tenant/vol/escape")); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(l.kubelet, "pods/uid/volumes/secret/token"), []byte("secret"), 0o600))
+	must(t, os.Symlink(l.kubelet, filepath.Join(l.base, "tenant/vol/escape")))
 	return l
 }
 
 func (l trustLayout) driver(t *testing.T, allowed ...string) *nodeServer {
 	t.Helper()
 	bases, err := volume.NewAllowedBases(allowed, l.kubelet)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	d, err := NewDriver(Options{
 		DriverName: "dirpv.io", Version: "test", NodeID: "node-1",
 		Endpoint: "unix://" + filepath.Join(t.TempDir(), "csi.sock"),
 		Mounter:  mount.New(""), OperationTimeout: 10 * time.Second, LocalBases: bases,
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return &nodeServer{d: d}
 }
 
