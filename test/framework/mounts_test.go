@@ -27,6 +27,11 @@ func TestMountsUnder(t *testing.T) {
 		if err := unix.Mount(src, target, "", unix.MS_BIND, ""); err != nil {
 			t.Fatalf("bind mount %s: %v", target, err)
 		}
+		// Private: where / is shared (as after a kubelet ran here), the mount at a/b would
+		// also appear at src/b, through a's peer group.
+		if err := unix.Mount("", target, "", unix.MS_PRIVATE, ""); err != nil {
+			t.Fatal(err)
+		}
 		if target == a {
 			if err := os.MkdirAll(deep, 0o755); err != nil {
 				t.Fatal(err)
