@@ -55,9 +55,7 @@ func TestAdmissionPoliciesOnlyWhereServed(t *testing.T) {
 			}
 		}
 		out, err := HelmTemplateFor(t.Context(), helm, "dirpv", slices.DeleteFunc(slices.Clone(all), func(a string) bool { return a == p.api }), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		for name, objs := range map[string]objects{"a cluster without " + p.api: decode(t, out), p.value + ".enabled=false": helmObjs(t, helm, nil, p.value+".enabled=false")} {
 			for _, k := range policy {
 				if objs[k] != nil {
@@ -83,9 +81,7 @@ func TestNodeWritePolicyScopesTheNodeServiceAccount(t *testing.T) {
 		"deploy/overlays/nfs":  kustomizeObjs(t, kustomize, "deploy/overlays/nfs"),
 	}
 	out, err := HelmTemplate(t.Context(), helm, "storage", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	renders["helm -n storage"] = decode(t, out)
 	namespaces := map[string]string{"helm -n storage": "storage"}
 	for name, objs := range renders {
@@ -688,9 +684,7 @@ func TestNFSOverlay(t *testing.T) {
 func TestRenderE2ELocal(t *testing.T) {
 	kustomize, _ := tools(t)
 	out, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: "ghcr.io/dirpv/dirpv:e2e-1"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	// Every component reaches the apiserver at host:36443, set once in its environment.
 	podSpecs := func(objs objects, host string) map[string]corev1.PodSpec {
 		specs := map[string]corev1.PodSpec{"controller": deployment(t, objs).Spec.Template.Spec, "node": daemonSet(t, objs).Spec.Template.Spec,
@@ -733,9 +727,7 @@ func TestRenderE2ELocal(t *testing.T) {
 	// A node on another kernel (test/vm/node) reaches the apiserver at the host's address.
 	out, err = RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, APIServerHost: "192.168.254.1", Image: "ghcr.io/dirpv/dirpv:e2e-1",
 		NodeArgs: []string{"--quota-check-period=5s"}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	objs = decode(t, out)
 	podSpecs(objs, "192.168.254.1")
 	// A test's node flags (test/vm/node's quota check period) go at the end of the node's own.
@@ -748,9 +740,7 @@ func TestRenderE2ELocal(t *testing.T) {
 	// A digest pins the image too; no tag or latest does not.
 	const digest = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
 	out, err = RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: "registry.local:5000/dirpv@" + digest})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if c := container(t, deployment(t, decode(t, out)).Spec.Template.Spec); c.Image != "registry.local:5000/dirpv@"+digest {
 		t.Errorf("image %s", c.Image)
 	}
@@ -769,17 +759,11 @@ func TestRenderE2ELocalOnRelease(t *testing.T) {
 	kustomize, _ := tools(t)
 	const image = "ghcr.io/dirpv/dirpv@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
 	kind, err := RenderOverlay(t.Context(), kustomize, "kind", image)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	onRelease, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: image, Kind: kind})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	onTree, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: image})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if string(onRelease) != string(onTree) {
 		t.Errorf("e2e-local on the rendered kind overlay differs from e2e-local on the tree:\n%s", lineDiff(string(onTree), string(onRelease)))
 	}
@@ -824,9 +808,7 @@ func TestImagesArePinned(t *testing.T) {
 	all := variants(t)
 	kustomize, _ := tools(t)
 	out, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: "ghcr.io/dirpv/dirpv:local"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	all["e2e install"] = decode(t, out)
 	for name, objs := range all {
 		t.Run(name, func(t *testing.T) {
@@ -1053,9 +1035,7 @@ func TestControllerPDB(t *testing.T) {
 				t.Errorf("spec %+v, want %+v", pdb.Spec, want)
 			}
 			sel, err := metav1.LabelSelectorAsSelector(pdb.Spec.Selector)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			for k, covers := range podsSelected(objs, sel) {
 				if covers != (k == "Deployment dirpv/dirpv-controller") {
 					t.Errorf("budget covers %s's pods: %v", k, covers)

@@ -17,9 +17,7 @@ import (
 func TestDocsLinksResolve(t *testing.T) {
 	root := repoPath(t, ".")
 	docs, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	files := append([]string{filepath.Join(root, "README.md")}, docs...)
 	if len(docs) == 0 {
 		t.Fatal("no docs/*.md")
@@ -27,9 +25,7 @@ func TestDocsLinksResolve(t *testing.T) {
 	n := 0
 	for _, f := range files {
 		data, err := os.ReadFile(f)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		rel, _ := filepath.Rel(root, f)
 		for _, target := range markdownLinks(string(data)) {
 			n++

@@ -42,9 +42,7 @@ var strictDecoder = func() runtime.Decoder {
 func decodeStrict(t *testing.T, file string) []runtime.Object {
 	t.Helper()
 	data, err := os.ReadFile(file)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	r := utilyaml.NewYAMLReader(bufio.NewReader(bytes.NewReader(data)))
 	var objs []runtime.Object
 	for {

@@ -48,9 +48,7 @@ func TestMetricNames(t *testing.T) {
 // one of ExternalMetrics, and every one of those is still used.
 func TestMonitoringNamesLookServed(t *testing.T) {
 	exprs, err := MonitoringExprs(repoPath(t, "."))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	used := map[string]bool{}
 	for where, e := range exprs {
 		names := MetricNames(e)
@@ -80,9 +78,7 @@ func TestMonitoringOption(t *testing.T) {
 	withComponent := kustomizeObjs(t, kustomize, "test/deploy/testdata/monitoring")
 	out, err := HelmTemplateFor(t.Context(), helm, "dirpv", []string{PrometheusRuleAPI, MutatingAdmissionPolicyAPI, ValidatingAdmissionPolicyAPI},
 		[]string{"testdata/kind-values.yaml"}, "monitoring.enabled=true")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	sameObjects(t, withComponent, decode(t, out))
 
 	kind := kustomizeObjs(t, kustomize, "deploy/overlays/kind")
@@ -116,9 +112,7 @@ func TestMonitoringOption(t *testing.T) {
 		t.Errorf("monitoring.enabled on a cluster without %s: %v, want the dashboard and no PrometheusRule", PrometheusRuleAPI, got)
 	}
 	out, err = HelmTemplateFor(t.Context(), helm, "dirpv", []string{PrometheusRuleAPI}, nil, "monitoring.enabled=true", "monitoring.ruleLabels.release=prom")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	rule, ok := decode(t, out)["PrometheusRule dirpv/dirpv"]
 	if !ok || rule.GetLabels()["release"] != "prom" {
 		t.Errorf("monitoring.ruleLabels.release=prom: PrometheusRule %v", rule)
@@ -138,9 +132,7 @@ func TestMonitoringOption(t *testing.T) {
 // runbook_url that leads to a heading of a page in docs/ that exists in this checkout.
 func TestAlertsSayWhatToDo(t *testing.T) {
 	rules, err := ReadRules(repoPath(t, "."))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	const prefix = "https://github.com/dirpv/dirpv/blob/main/"
 	n := 0
 	for _, g := range rules.Groups {
@@ -186,24 +178,14 @@ func TestRulesPromtool(t *testing.T) {
 		}
 	}
 	rules, err := ReadRules(repoPath(t, "."))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	data, err := yaml.Marshal(rules)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	dir := t.TempDir()
-	if err := os.WriteFile(filepath.Join(dir, "rules.yaml"), data, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(dir, "rules.yaml"), data, 0o644))
 	tests, err := os.ReadFile("testdata/monitoring/rules_test.yaml")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(dir, "rules_test.yaml"), tests, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
+	must(t, os.WriteFile(filepath.Join(dir, "rules_test.yaml"), tests, 0o644))
 	for _, args := range [][]string{{"check", "rules", "rules.yaml"}, {"test", "rules", "rules_test.yaml"}} {
 		cmd := exec.CommandContext(t.Context(), promtool, args...)
 		cmd.Dir = dir

@@ -31,9 +31,7 @@ func tools(t *testing.T) (kustomize, helm string) {
 		if errors.Is(err, ErrToolMissing) {
 			t.Skipf("-short and %s is not built yet: %v", name, err)
 		}
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		paths[i] = p
 	}
 	return paths[0], paths[1]
@@ -43,9 +41,7 @@ func tools(t *testing.T) (kustomize, helm string) {
 func chartAppVersion(t *testing.T) string {
 	t.Helper()
 	data, err := os.ReadFile(repoPath(t, "deploy/helm/dirpv/Chart.yaml"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	var chart struct {
 		AppVersion string `json:"appVersion"`
 	}
@@ -58,27 +54,21 @@ func chartAppVersion(t *testing.T) string {
 func repoPath(t *testing.T, rel string) string {
 	t.Helper()
 	root, err := RepoDir()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return root + "/" + rel
 }
 
 func kustomizeObjs(t *testing.T, kustomize, dir string) objects {
 	t.Helper()
 	out, err := Kustomize(t.Context(), kustomize, repoPath(t, dir))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return decode(t, out)
 }
 
 func helmObjs(t *testing.T, helm string, valuesFiles []string, set ...string) objects {
 	t.Helper()
 	out, err := HelmTemplate(t.Context(), helm, "dirpv", valuesFiles, set...)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return decode(t, out)
 }
 
@@ -92,9 +82,7 @@ func key(u *unstructured.Unstructured) string {
 func decode(t *testing.T, data []byte) objects {
 	t.Helper()
 	list, err := Decode(data)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	objs := objects{}
 	for _, u := range list {
 		if _, dup := objs[key(u)]; dup {
@@ -267,4 +255,12 @@ func sortedCopy(s []string) []string {
 func joinRule(r rbacv1.PolicyRule) string {
 	return fmt.Sprintf("groups=%v resources=%v names=%v verbs=%v", sortedCopy(r.APIGroups), sortedCopy(r.Resources),
 		sortedCopy(r.ResourceNames), sortedCopy(r.Verbs))
+}
+
+// must stops the test on err.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
 }

@@ -103,9 +103,7 @@ func TestSnapshotCRDsAreUpstream(t *testing.T) {
 	}
 	upstream := filepath.Join(strings.TrimSpace(string(out)), "config", "crd")
 	root, err := RepoDir()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, dir := range []string{"deploy/components/snapshots/crds", "deploy/helm/dirpv/files/snapshot-crds"} {
 		files, err := filepath.Glob(filepath.Join(root, dir, "*.yaml"))
 		if err != nil || len(files) != 3 {
@@ -113,9 +111,7 @@ func TestSnapshotCRDsAreUpstream(t *testing.T) {
 		}
 		for _, f := range files {
 			mine, err := os.ReadFile(f)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			theirs, err := os.ReadFile(filepath.Join(upstream, filepath.Base(f)))
 			if err != nil {
 				t.Fatalf("%s has no upstream counterpart: %v", f, err)

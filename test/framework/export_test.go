@@ -16,27 +16,17 @@ import (
 // first on PATH): what the integration tier's NFS tests stand on.
 func TestExportMountWrapper(t *testing.T) {
 	w, err := NewWorkspace("dirpv-export-test-", NewCleanups(), false)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { DetachMountsUnder(w.Dir); os.RemoveAll(w.Dir) })
 	e, err := NewExport(w)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Setenv("PATH", strings.TrimPrefix(e.Env()[0], "PATH="))
-	if err := os.MkdirAll(filepath.Join(e.ExportDir, "vol"), 0o777); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(e.ExportDir, "vol", "f"), []byte("on the server"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(filepath.Join(e.ExportDir, "vol"), 0o777))
+	must(t, os.WriteFile(filepath.Join(e.ExportDir, "vol", "f"), []byte("on the server"), 0o644))
 	m := mount.New("")
 	target := func(name string) string {
 		d := filepath.Join(w.Dir, "mnt", name)
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.MkdirAll(d, 0o755))
 		return d
 	}
 
@@ -61,9 +51,7 @@ func TestExportMountWrapper(t *testing.T) {
 	}
 
 	got, err := e.MountsUnder(filepath.Join(w.Dir, "mnt"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	want := []ExportMount{
 		{Dir: vol, FSType: "nfs4", Source: e.Source("vol")},
 		{Dir: share, FSType: "nfs", Source: e.Source(""), Options: []string{"nolock", "actimeo=2"}},

@@ -17,9 +17,7 @@ func TestMountsUnder(t *testing.T) {
 	dir := t.TempDir()
 	src, a, deep, sibling := filepath.Join(dir, "src"), filepath.Join(dir, "a"), filepath.Join(dir, "a", "b"), dir+"-sibling"
 	for _, d := range []string{src, deep, sibling} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.MkdirAll(d, 0o755))
 	}
 	t.Cleanup(func() { DetachMountsUnder(dir); DetachMountsUnder(sibling); os.Remove(sibling) })
 	// a, then a/b inside it, and a directory whose name only starts like dir's.
@@ -29,20 +27,14 @@ func TestMountsUnder(t *testing.T) {
 		}
 		// Private: where / is shared (as after a kubelet ran here), the mount at a/b would
 		// also appear at src/b, through a's peer group.
-		if err := unix.Mount("", target, "", unix.MS_PRIVATE, ""); err != nil {
-			t.Fatal(err)
-		}
+		must(t, unix.Mount("", target, "", unix.MS_PRIVATE, ""))
 		if target == a {
-			if err := os.MkdirAll(deep, 0o755); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.MkdirAll(deep, 0o755))
 		}
 	}
 
 	got, err := MountsUnder(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if want := []string{deep, a}; !slices.Equal(got, want) {
 		t.Errorf("MountsUnder(%s) = %v, want %v (deepest first, not the sibling)", dir, got, want)
 	}

@@ -61,9 +61,7 @@ func TestCheckOnePVPerClaimFindsEachViolation(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			problems, err := CheckOnePVPerClaim(ctx, fake.NewClientset(tc.objects...), "ns", tc.dirs)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			if tc.want == "" {
 				if len(problems) != 0 {
 					t.Errorf("problems %q, want none", problems)
@@ -81,32 +79,22 @@ func TestCheckAdoptedNeedsTheSameDirectory(t *testing.T) {
 	ctx := context.Background()
 	base := t.TempDir()
 	for _, d := range []string{"ns-held", "ns-done", "ns-replaced"} {
-		if err := os.Mkdir(filepath.Join(base, d), 0o755); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.Mkdir(filepath.Join(base, d), 0o755))
 	}
 	atKill := fake.NewClientset(claim("done", "uid-done", "pv-done"), pv("pv-done", "done", "uid-done", "ns-done"),
 		claim("held", "uid-held", ""), claim("replaced", "uid-replaced", ""), claim("late", "uid-late", ""))
 	snap, err := TakeKillSnapshot(ctx, atKill, "ns", base, func(string) bool { return true })
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if snap.Bound != 1 || snap.Total != 4 || len(snap.Dirs) != 3 || !snap.PVPaths["ns-done"] {
 		t.Fatalf("snapshot: %+v", snap)
 	}
 	// After the restart: "late" got a directory that did not exist at the kill, "replaced" a
 	// new one under the old name.
-	if err := os.Mkdir(filepath.Join(base, "ns-late"), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(filepath.Join(base, "ns-late"), 0o755))
 	// Removed and made again: even if the file system gave it the old inode number, the canary
 	// planted at the kill is gone.
-	if err := os.RemoveAll(filepath.Join(base, "ns-replaced")); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Mkdir(filepath.Join(base, "ns-replaced"), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.RemoveAll(filepath.Join(base, "ns-replaced")))
+	must(t, os.Mkdir(filepath.Join(base, "ns-replaced"), 0o755))
 	after := fake.NewClientset(
 		claim("done", "uid-done", "pv-done"), pv("pv-done", "done", "uid-done", "ns-done"),
 		claim("held", "uid-held", "pv-held"), pv("pv-held", "held", "uid-held", "ns-held"),
@@ -119,14 +107,20 @@ func TestCheckAdoptedNeedsTheSameDirectory(t *testing.T) {
 		"done":     "already had a PV at the kill",
 	} {
 		problems, err := snap.CheckAdopted(ctx, after, "ns", []string{claimName})
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		switch {
 		case want == "" && len(problems) != 0:
 			t.Errorf("%s: problems %q, want none", claimName, problems)
 		case want != "" && (len(problems) != 1 || !strings.Contains(problems[0], want)):
 			t.Errorf("%s: problems %q, want one saying %q", claimName, problems, want)
 		}
+	}
+}
+
+// must stops the test on err.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
 	}
 }

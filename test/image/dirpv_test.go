@@ -74,9 +74,7 @@ func TestParseLdd(t *testing.T) {
 	/lib64/ld-linux-x86-64.so.2 (0x00007f691e533000)
 `
 	got, err := parseLdd(out, "/bin/mount")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	want := []string{"/lib/x86_64-linux-gnu/libmount.so.1", "/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2"}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("got %v, want %v", got, want)
@@ -105,9 +103,7 @@ func readImage(t *testing.T, tarPath string) (annotations map[string]string, con
 	if err := json.Unmarshal(files.Blob(t, index.Manifests[0].Digest), &manifest); err != nil || len(manifest.Layers) != 1 {
 		t.Fatalf("manifest: %v %+v", err, manifest)
 	}
-	if err := json.Unmarshal(files.Blob(t, manifest.Config.Digest), &config); err != nil {
-		t.Fatal(err)
-	}
+	must(t, json.Unmarshal(files.Blob(t, manifest.Config.Digest), &config))
 	return index.Manifests[0].Annotations, config, imagetest.ReadLayer(t, files.Blob(t, manifest.Layers[0].Digest))
 }
 
@@ -168,9 +164,7 @@ func TestWriteDirpvTar(t *testing.T) {
 			t.Errorf("%s -> %s: not an executable file", tool, real)
 		}
 		libs, err := lddPaths(t.Context(), tool)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if len(libs) == 0 {
 			continue // a static build of the tool
 		}

@@ -13,22 +13,16 @@ import (
 func TestWriteOCITar(t *testing.T) {
 	dir := t.TempDir()
 	host := filepath.Join(dir, "hello")
-	if err := os.WriteFile(host, []byte("#!/bin/sh\necho hi\n"), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(host, []byte("#!/bin/sh\necho hi\n"), 0o755))
 	out := filepath.Join(dir, "img.tar")
 	files := []File{
 		{HostPath: host, ImagePath: "/usr/bin/hello"},
 		{ImagePath: "/bin/hi", Symlink: "/usr/bin/hello"},
 		{ImagePath: "/tmp", Dir: true, Mode: 0o777 | os.ModeSticky},
 	}
-	if err := WriteOCITar(out, "dirpv.local/test:1", files, Config{Entrypoint: []string{"/usr/bin/hello"}}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, WriteOCITar(out, "dirpv.local/test:1", files, Config{Entrypoint: []string{"/usr/bin/hello"}}))
 	f, err := os.Open(out)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer f.Close()
 	tr := tar.NewReader(f)
 	names := map[string]bool{}
@@ -44,14 +38,10 @@ func TestWriteOCITar(t *testing.T) {
 		if err == io.EOF {
 			break
 		}
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		names[h.Name] = true
 		if h.Name == "index.json" {
-			if err := json.NewDecoder(tr).Decode(&index); err != nil {
-				t.Fatal(err)
-			}
+			must(t, json.NewDecoder(tr).Decode(&index))
 		}
 	}
 	if !names["oci-layout"] || !names["index.json"] {
@@ -72,9 +62,7 @@ func TestWriteOCITar(t *testing.T) {
 	}
 
 	entries, err := layerTar(files)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	lr := tar.NewReader(bytes.NewReader(entries))
 	got := map[string]*tar.Header{}
 	for {
@@ -82,9 +70,7 @@ func TestWriteOCITar(t *testing.T) {
 		if err == io.EOF {
 			break
 		}
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		got[h.Name] = h
 	}
 	for _, want := range []string{"usr/", "usr/bin/", "usr/bin/hello", "bin/", "bin/hi", "tmp/"} {
@@ -100,5 +86,13 @@ func TestWriteOCITar(t *testing.T) {
 	}
 	if h := got["tmp/"]; h != nil && h.Mode != 0o1777 {
 		t.Errorf("tmp mode %o", h.Mode)
+	}
+}
+
+// must stops the test on err.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
 	}
 }

@@ -109,9 +109,7 @@ func TestRootInUseSurvivesUnmount(t *testing.T) {
 	// Descriptors opened now may get the number the unmount freed.
 	for range 4 {
 		f, err := os.Open(t.TempDir())
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		defer f.Close()
 	}
 	close(proceed)
@@ -148,9 +146,7 @@ func TestHungUnmountBlocksNeitherSweepNorShutdown(t *testing.T) {
 		t.Helper()
 		for _, s := range []string{"dead.example", "live.example"} {
 			share := map[string]string{"dead.example": "/x", "live.example": "/y"}[s]
-			if err := e.Do(context.Background(), s, share, nil, noop); err != nil {
-				t.Fatal(err)
-			}
+			must(t, e.Do(context.Background(), s, share, nil, noop))
 		}
 	}
 	m.HangUnmounts("dead.example", "/x")
@@ -193,19 +189,13 @@ func TestLazyUnmountLeavesNoMount(t *testing.T) {
 	const timeout = time.Second
 	m := newBindMounter(t)
 	src := m.Export(t, "dead.example", "/x")
-	if err := os.WriteFile(filepath.Join(src, "busy"), nil, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(src, "busy"), nil, 0o644))
 	e := New(m, t.TempDir(), timeout)
 	defer e.Close(context.Background())
 	dir := exportDir(e, "dead.example", "/x")
-	if err := e.Do(context.Background(), "dead.example", "/x", nil, func(*volume.Root) error { return nil }); err != nil {
-		t.Fatal(err)
-	}
+	must(t, e.Do(context.Background(), "dead.example", "/x", nil, func(*volume.Root) error { return nil }))
 	busy, err := os.Open(filepath.Join(dir, "busy"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer busy.Close()
 	m.HangUnmounts("dead.example", "/x")
 
@@ -252,12 +242,8 @@ func TestLeftoverMountWithHungUnmountIsReplaced(t *testing.T) {
 	e := New(m, t.TempDir(), 2*time.Second)
 	defer e.Close(context.Background())
 	dir := exportDir(e, "nfs.example", "/export")
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	if err := m.Mount(volume.ExportSource("nfs.example", "/export"), dir, "nfs", nil); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(dir, 0o700))
+	must(t, m.Mount(volume.ExportSource("nfs.example", "/export"), dir, "nfs", nil))
 	m.HangUnmounts("nfs.example", "/export")
 	start := time.Now()
 	err := e.Do(context.Background(), "nfs.example", "/export", nil, func(root *volume.Root) error {
@@ -318,9 +304,7 @@ func TestStoppedCopyKeepsTheExport(t *testing.T) {
 			ref := Ref{"nfs.example", "/export", nil}
 			// Mounted before the copy starts, so that the copy's short deadline can only
 			// pass in the copy, never in the mount (which would read as a dead server).
-			if err := e.Do(context.Background(), "nfs.example", "/export", nil, func(*volume.Root) error { return nil }); err != nil {
-				t.Fatal(err)
-			}
+			must(t, e.Do(context.Background(), "nfs.example", "/export", nil, func(*volume.Root) error { return nil }))
 
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
@@ -435,4 +419,12 @@ func TestCopyThatDoesNotStopIsAbandoned(t *testing.T) {
 	eventually(t, 10*time.Second, func() (bool, string) {
 		return !isMounted(dir), "the export is still mounted after its copy was abandoned"
 	})
+}
+
+// must stops the test on err.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
 }

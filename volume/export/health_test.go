@@ -35,9 +35,7 @@ func TestHealthFailsWhileAnExportIsWedged(t *testing.T) {
 	const server, share = "nfs.example", "/export"
 
 	// A healthy server: calls come back, nothing is stuck.
-	if err := e.Do(context.Background(), server, share, nil, func(*volume.Root) error { return nil }); err != nil {
-		t.Fatal(err)
-	}
+	must(t, e.Do(context.Background(), server, share, nil, func(*volume.Root) error { return nil }))
 	if err := e.Healthy(time.Nanosecond); err != nil {
 		t.Fatalf("healthy export reported wedged: %v", err)
 	}

@@ -15,9 +15,7 @@ import (
 func openDir(t *testing.T, p string) int {
 	t.Helper()
 	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { unix.Close(fd) })
 	return fd
 }
@@ -25,22 +23,16 @@ func openDir(t *testing.T, p string) int {
 func probe(t *testing.T, fd int) *quota.FS {
 	t.Helper()
 	fs, err := quota.Probe(fd)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return fs
 }
 
 // makeLimited makes base/name with a limit of bytes and returns its ID.
 func makeLimited(t *testing.T, fs *quota.FS, base, name string, bytes uint64) quota.ID {
 	t.Helper()
-	if err := fs.Mkdir(openDir(t, base), name, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, fs.Mkdir(openDir(t, base), name, 0o755))
 	id, err := fs.SetLimit(openDir(t, filepath.Join(base, name)), bytes)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return id
 }
 
@@ -78,9 +70,7 @@ func TestBtrfsLimitStopsWritesAtTheLimit(t *testing.T) {
 	// btrfs accounts qgroups at transaction commit.
 	unix.Sync()
 	u, err := fs.Usage(openDir(t, mnt), neighbour)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if u.LimitBytes != limit {
 		t.Errorf("neighbour's limit reads %d, want %d", u.LimitBytes, limit)
 	}
@@ -95,19 +85,13 @@ func TestBtrfsReleaseAfterDelete(t *testing.T) {
 	fs := probe(t, base)
 	id := makeLimited(t, fs, mnt, "a", 1<<20)
 	// A plain directory would put the limit on the subvolume holding it: refused.
-	if err := os.Mkdir(filepath.Join(mnt, "plain"), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(filepath.Join(mnt, "plain"), 0o755))
 	if id, err := fs.SetLimit(openDir(t, filepath.Join(mnt, "plain")), 1<<20); err == nil {
 		t.Fatalf("SetLimit on a plain btrfs directory gave %v, want an error", id)
 	}
 	// rmdir of an empty subvolume deletes it, which is how volume.RemoveAll ends.
-	if err := os.Remove(filepath.Join(mnt, "a")); err != nil {
-		t.Fatal(err)
-	}
-	if err := fs.Release(base, id); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Remove(filepath.Join(mnt, "a")))
+	must(t, fs.Release(base, id))
 	if err := fs.Release(base, id); err != nil {
 		t.Fatalf("second Release: %v", err)
 	}
@@ -121,9 +105,7 @@ func TestProbeSaysWhyNot(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			d := dir(t)
 			var sfs unix.Statfs_t
-			if err := unix.Statfs(d, &sfs); err != nil {
-				t.Fatal(err)
-			}
+			must(t, unix.Statfs(d, &sfs))
 			fs := probe(t, openDir(t, d))
 			err := fs.Enforces()
 			if !errors.Is(err, quota.ErrNotEnforceable) {
@@ -159,9 +141,7 @@ func TestBtrfsResizeRaisesTheLimitOfOneVolume(t *testing.T) {
 
 	// One file, held open across the resize, as a pod's process would.
 	f, err := os.Create(filepath.Join(mnt, "a", "big"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer f.Close()
 	n, err := quotatest.WriteFull(f, 16<<20)
 	if !errors.Is(err, unix.EDQUOT) {
@@ -173,17 +153,13 @@ func TestBtrfsResizeRaisesTheLimitOfOneVolume(t *testing.T) {
 	if err := fs.Resize(openDir(t, filepath.Join(mnt, "a")), neighbour, 32<<20); err == nil {
 		t.Fatal("Resize of a volume with its neighbour's ID succeeded, want a refusal")
 	}
-	if err := fs.Resize(openDir(t, filepath.Join(mnt, "a")), id, 32<<20); err != nil {
-		t.Fatal(err)
-	}
+	must(t, fs.Resize(openDir(t, filepath.Join(mnt, "a")), id, 32<<20))
 	if m, err := quotatest.WriteFull(f, 12<<20); err != nil {
 		t.Fatalf("after resizing to 32 MiB, the same file took %d more bytes of 12 MiB: %v", m, err)
 	}
 	unix.Sync()
 	u, err := fs.Usage(openDir(t, mnt), id)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if u.LimitBytes != 32<<20 || u.UsedBytes <= limit {
 		t.Errorf("resized volume reads limit %d, used %d; want limit %d and more than %d used", u.LimitBytes, u.UsedBytes, 32<<20, limit)
 	}
@@ -202,9 +178,7 @@ func TestBtrfsIDOf(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	base := openDir(t, mnt)
 	fs := probe(t, base)
-	if err := fs.Mkdir(base, "sub", 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, fs.Mkdir(base, "sub", 0o755))
 	sub := openDir(t, filepath.Join(mnt, "sub"))
 	got, ok, err := fs.IDOf(base, sub)
 	if err != nil || !ok || got.Kind != quota.Btrfs {
@@ -214,9 +188,7 @@ func TestBtrfsIDOf(t *testing.T) {
 	if err != nil || id != got {
 		t.Errorf("SetLimit = %v, %v; want the ID IDOf named, %v", id, err, got)
 	}
-	if err := os.Mkdir(filepath.Join(mnt, "plain"), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(filepath.Join(mnt, "plain"), 0o755))
 	if id, ok, err := fs.IDOf(base, openDir(t, filepath.Join(mnt, "plain"))); err != nil || ok {
 		t.Errorf("IDOf a plain directory = %v, %v, %v; want none", id, ok, err)
 	}
@@ -236,9 +208,7 @@ func TestBtrfsUnlimit(t *testing.T) {
 		t.Fatalf("wrote %d bytes of 16 MiB: %v", n, err)
 	}
 	a := openDir(t, filepath.Join(mnt, "a"))
-	if err := fs.Resize(a, id, limit); err != nil {
-		t.Fatal(err)
-	}
+	must(t, fs.Resize(a, id, limit))
 	unix.Sync()
 	if err := fs.Unlimit(a, neighbour); err != nil {
 		t.Fatalf("Unlimit with the neighbour's ID: %v", err)
@@ -251,5 +221,13 @@ func TestBtrfsUnlimit(t *testing.T) {
 	}
 	if u, err := fs.Usage(base, id); err != nil || u.LimitBytes != 0 || u.UsedBytes < 16<<20 {
 		t.Errorf("after Unlimit: %+v, %v; want no limit and 16 MiB used", u, err)
+	}
+}
+
+// must stops the test on err.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
 	}
 }
