@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
 	"testing"
 	"time"
 
@@ -20,6 +19,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 
+	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/volume"
 	"github.com/dirpv/dirpv/volume/export"
 	"github.com/dirpv/dirpv/volume/export/exporttest"
@@ -84,24 +84,6 @@ func (f *trashFixture) provision(t *testing.T, p *Provisioner, name string) *v1.
 	return pv
 }
 
-// fill puts files empty files into dir on the server side, spread over subdirectories.
-func fill(t *testing.T, dir string, files int) {
-	t.Helper()
-	const perDir = 1000
-	for d := 0; d*perDir < files; d++ {
-		sub := filepath.Join(dir, "d"+strconv.Itoa(d))
-		must(t, os.Mkdir(sub, 0o755))
-		fd, err := unix.Open(sub, unix.O_RDONLY|unix.O_DIRECTORY, 0)
-		must(t, err)
-		for i := 0; i < perDir && d*perDir+i < files; i++ {
-			f, err := unix.Openat(fd, strconv.Itoa(i), unix.O_CREAT|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
-			must(t, err)
-			unix.Close(f)
-		}
-		unix.Close(fd)
-	}
-}
-
 func (f *trashFixture) trashEntries(t *testing.T) []string {
 	t.Helper()
 	entries, err := os.ReadDir(filepath.Join(f.src, export.TrashDir))
@@ -126,7 +108,7 @@ func TestLargeNFSDeleteReturnsAtOnce(t *testing.T) {
 	p := f.start(t)
 	pv := f.provision(t, p, "big")
 	rel := pv.Spec.CSI.VolumeAttributes["path"]
-	fill(t, filepath.Join(f.src, rel), files)
+	must(t, framework.FillEmptyFiles(filepath.Join(f.src, rel), files))
 
 	// Hold the walk, so that it outlasts the operation timeout whatever the machine's speed.
 	release := make(chan struct{})
@@ -186,7 +168,7 @@ func TestTrashResumedAfterRestart(t *testing.T) {
 	f := newTrashFixture(t, timeout)
 	first := f.start(t)
 	pv := f.provision(t, first, "old")
-	fill(t, filepath.Join(f.src, pv.Spec.CSI.VolumeAttributes["path"]), 3000)
+	must(t, framework.FillEmptyFiles(filepath.Join(f.src, pv.Spec.CSI.VolumeAttributes["path"]), 3000))
 	// The first controller's walk never gets going: it stops for shutdown instead.
 	first.exports.HoldSteps(func() { <-first.exports.ShuttingDown() })
 	must(t, first.Delete(context.Background(), pv))
@@ -226,7 +208,7 @@ func TestLargeNFSSnapshotDeleteReturnsAtOnce(t *testing.T) {
 	f := newTrashFixture(t, timeout)
 	p := f.start(t)
 	pv := f.provision(t, p, "big")
-	fill(t, filepath.Join(f.src, pv.Spec.CSI.VolumeAttributes["path"]), files)
+	must(t, framework.FillEmptyFiles(filepath.Join(f.src, pv.Spec.CSI.VolumeAttributes["path"]), files))
 	pvs := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
 	pvs.Add(pv)
 	s := p.Snapshotter(corelisters.NewPersistentVolumeLister(pvs))
@@ -291,7 +273,7 @@ func TestNFSDiscardedCopyGoesToTheTrash(t *testing.T) {
 	pv := f.provision(t, p, "copy")
 	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
 	must(t, err)
-	fill(t, filepath.Join(f.src, attrs.Path), files)
+	must(t, framework.FillEmptyFiles(filepath.Join(f.src, attrs.Path), files))
 	release := make(chan struct{})
 	p.exports.HoldSteps(func() { <-release })
 	start := time.Now()

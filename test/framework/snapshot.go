@@ -10,11 +10,38 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
 )
+
+// FillEmptyFiles creates n empty files under dir, a thousand to a subdirectory d0, d1, ...:
+// a tree of many names made fast, as a tenant's volume looks to whoever must copy or remove it.
+func FillEmptyFiles(dir string, n int) error {
+	const perDir = 1000
+	for d := 0; d*perDir < n; d++ {
+		sub := filepath.Join(dir, "d"+strconv.Itoa(d))
+		if err := os.Mkdir(sub, 0o755); err != nil {
+			return err
+		}
+		fd, err := unix.Open(sub, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		for i := 0; i < perDir && d*perDir+i < n; i++ {
+			f, err := unix.Openat(fd, strconv.Itoa(i), unix.O_CREAT|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
+			if err != nil {
+				unix.Close(fd)
+				return fmt.Errorf("create %s/%d: %w", sub, i, err)
+			}
+			unix.Close(f)
+		}
+		unix.Close(fd)
+	}
+	return nil
+}
 
 // SnapshotTree describes every entry under root (names, types, modes, owners, file contents and
 // symlink targets) without following symlinks, so that a test can show an attack changed

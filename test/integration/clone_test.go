@@ -342,7 +342,7 @@ func cloneStoppedAt(t *testing.T, node, point string, files int, env ...string) 
 	class, base := localClass(t, nil)
 	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(node))
 	_, srcPV := waitBound(t, ns, "src")
-	fillOnServer(t, volumeDir(srcPV), files)
+	must(t, framework.FillEmptyFiles(volumeDir(srcPV), files))
 	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(node), cloneOf("src"))
 	return proc, ns, base
 }

@@ -14,7 +14,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -109,28 +108,6 @@ func TestNFSManyClaimsShareOneMount(t *testing.T) {
 // removed (volume/export/trash.go).
 const trashOnServer = ".dirpv-trash"
 
-// fillOnServer creates files empty files under dir on the server's side of the export,
-// spread over subdirectories: fast, and what a tenant's volume looks like to the server.
-func fillOnServer(t *testing.T, dir string, files int) {
-	t.Helper()
-	const perDir = 1000
-	for d := 0; d*perDir < files; d++ {
-		sub := filepath.Join(dir, "d"+strconv.Itoa(d))
-		must(t, os.Mkdir(sub, 0o755))
-		fd, err := unix.Open(sub, unix.O_RDONLY|unix.O_DIRECTORY, 0)
-		must(t, err)
-		for i := 0; i < perDir && d*perDir+i < files; i++ {
-			f, err := unix.Openat(fd, strconv.Itoa(i), unix.O_CREAT|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
-			if err != nil {
-				unix.Close(fd)
-				t.Fatal(err)
-			}
-			unix.Close(f)
-		}
-		unix.Close(fd)
-	}
-}
-
 // holdFile creates path and makes it impossible to unlink (the immutable attribute) until
 // release is called: a removal that cannot finish, as one an NFS server is slow over would not,
 // on an export that is a local directory and removes 100k files in about a second.
@@ -172,7 +149,7 @@ func TestNFSLargeDeleteKeepsExportServing(t *testing.T) {
 	suite.CreateClaim(t, ns, "big", class.Name, framework.AccessModes(v1.ReadWriteMany))
 	_, pv := waitBound(t, ns, "big")
 	rel := pv.Spec.CSI.VolumeAttributes["path"]
-	fillOnServer(t, filepath.Join(suite.NFS.ExportDir, rel), files)
+	must(t, framework.FillEmptyFiles(filepath.Join(suite.NFS.ExportDir, rel), files))
 	release := holdFile(t, filepath.Join(suite.NFS.ExportDir, rel, "held"))
 
 	start := time.Now()
