@@ -3,6 +3,7 @@ package volume
 import (
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -27,7 +28,7 @@ func TestRemoveAllDeepTreeUsesBoundedDescriptors(t *testing.T) {
 		fd = next
 		must(t, unix.Mkdirat(fd, "d", 0o755))
 		if i%100 == 0 {
-			must(t, os.WriteFile("/proc/self/fd/"+itoa(fd)+"/f", []byte("x"), 0o644))
+			must(t, os.WriteFile("/proc/self/fd/"+strconv.Itoa(fd)+"/f", []byte("x"), 0o644))
 		}
 	}
 	unix.Close(fd)
@@ -48,15 +49,4 @@ func TestRemoveAllDeepTreeUsesBoundedDescriptors(t *testing.T) {
 	if _, err := os.Lstat(filepath.Join(base, "vol")); !os.IsNotExist(err) {
 		t.Fatalf("vol still exists: %v", err)
 	}
-}
-
-func itoa(n int) string {
-	if n == 0 {
-		return "0"
-	}
-	var b []byte
-	for ; n > 0; n /= 10 {
-		b = append([]byte{byte('0' + n%10)}, b...)
-	}
-	return string(b)
 }
