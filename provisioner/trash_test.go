@@ -97,6 +97,15 @@ func (f *trashFixture) trashEntries(t *testing.T) []string {
 	return names
 }
 
+// waitTrashEmpty waits until p has removed every tree in the export's trash.
+func (f *trashFixture) waitTrashEmpty(t *testing.T, p *Provisioner, within time.Duration) {
+	t.Helper()
+	eventually(t, within, func() (bool, string) {
+		got := f.trashEntries(t)
+		return len(got) == 0 && p.PendingDeletes() == 0, fmt.Sprintf("trash %v, %d pending", got, p.PendingDeletes())
+	})
+}
+
 // Deleting a volume of 100k files returns within the operation timeout, though removing the
 // tree takes longer: the directory leaves its name at once, other claims on the export are
 // served meanwhile, also while a step of the walk outlasts the timeout, a retried Delete
@@ -151,10 +160,7 @@ func TestLargeNFSDeleteReturnsAtOnce(t *testing.T) {
 	f.provision(t, p, "while-paused")
 	close(release)
 
-	eventually(t, 2*time.Minute, func() (bool, string) {
-		got := f.trashEntries(t)
-		return len(got) == 0 && p.PendingDeletes() == 0, fmt.Sprintf("trash %v, %d pending", got, p.PendingDeletes())
-	})
+	f.waitTrashEmpty(t, p, 2*time.Minute)
 	t.Logf("%d files removed %v after Delete returned", files, time.Since(start).Round(time.Millisecond))
 	if n := f.m.Mounts.Load(); n != 1 {
 		t.Errorf("export mounted %d times, want once: the walk must not make it look dead", n)
@@ -179,10 +185,7 @@ func TestTrashResumedAfterRestart(t *testing.T) {
 
 	second := f.start(t)
 	f.provision(t, second, "new")
-	eventually(t, time.Minute, func() (bool, string) {
-		got := f.trashEntries(t)
-		return len(got) == 0 && second.PendingDeletes() == 0, fmt.Sprintf("trash %v, %d pending", got, second.PendingDeletes())
-	})
+	f.waitTrashEmpty(t, second, time.Minute)
 }
 
 // No pathPattern can name a volume after dirpv's own directories.
@@ -254,10 +257,7 @@ func TestLargeNFSSnapshotDeleteReturnsAtOnce(t *testing.T) {
 	<-time.After(time.Until(start.Add(timeout + timeout/2)))
 	f.provision(t, p, "while-paused")
 	close(release)
-	eventually(t, 2*time.Minute, func() (bool, string) {
-		got := f.trashEntries(t)
-		return len(got) == 0 && p.PendingDeletes() == 0, fmt.Sprintf("trash %v, %d pending", got, p.PendingDeletes())
-	})
+	f.waitTrashEmpty(t, p, 2*time.Minute)
 	if n := f.m.Mounts.Load(); n != 1 {
 		t.Errorf("export mounted %d times, want once: the delete must not make it look dead", n)
 	}
@@ -288,10 +288,7 @@ func TestNFSDiscardedCopyGoesToTheTrash(t *testing.T) {
 		t.Errorf("trash = %v, want [%s], removed in the background", got, pv.Name)
 	}
 	close(release)
-	eventually(t, 2*time.Minute, func() (bool, string) {
-		got := f.trashEntries(t)
-		return len(got) == 0 && p.PendingDeletes() == 0, fmt.Sprintf("trash %v, %d pending", got, p.PendingDeletes())
-	})
+	f.waitTrashEmpty(t, p, 2*time.Minute)
 	if n := f.m.Mounts.Load(); n != 1 {
 		t.Errorf("export mounted %d times, want once", n)
 	}
