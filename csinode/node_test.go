@@ -307,8 +307,8 @@ func TestPublishValidation(t *testing.T) {
 	wantCode(t, err, codes.Unimplemented)
 }
 
-// TestPublishNFSOptions checks only what reaches mount(8) for an NFS volume; real NFS mounts
-// are exercised by the NFS suite through its mount helper.
+// TestPublishNFSOptions checks only what reaches mount(8) for an NFS volume; the kernel client
+// mounting it is tested in test/vm (TestNFSv3NolockReadOnlyOnGuestNode and others).
 func TestPublishNFSOptions(t *testing.T) {
 	ctx := context.Background()
 	fake := mount.NewFakeMounter(nil)
