@@ -22,7 +22,7 @@ const (
 	nfsCloneTarGoal = 3.0
 )
 
-var flagNFSCopyScale = flag.Int("nfs-copy-scale", 10, "the VM's NFS copy tree is the plain-copy tree (1 GiB + 110k files) divided by this: file operations over NFS under emulation take milliseconds each")
+var flagNFSCopyScale = flag.Int("nfs-copy-scale", 50, "the VM's NFS copy tree is the plain-copy tree (1 GiB + 110k files) divided by this: file operations over NFS under emulation take milliseconds each")
 
 // guestCopyReport is test/vm/kernel's CopyBenchReport.
 type guestCopyReport struct {
