@@ -191,9 +191,10 @@ up: cluster-bins
 down:
 	$(GO) run ./test/cluster/cmd/dirpv-cluster down
 
-## bench: dirpv against the binding ceiling on a real control plane (root; ~20 min), ending
+## bench: dirpv against the binding ceiling on a real control plane (root; ~35 min), ending
 ## with its targets table (docs/performance.md); its NFS phase runs through the kernel NFS
-## client and server of the VM node tier (test/vm/node TestBenchNFS, ~5 min of it).
+## client and server of the VM node tier (test/vm/node TestBenchNFS, ~5 min of it), its copy
+## phase's XFS reflink and NFSv4.2 clone rows in the VM too (test/vm/kernel TestBenchCopy).
 ## BENCH_N=500; BENCH_NODES: simulated cluster sizes.
 BENCH_N ?= 500
 BENCH_NODES ?= 10,50,100

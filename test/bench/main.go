@@ -59,7 +59,7 @@ var (
 	flagBin      = flag.String("dirpv-bin", "", "run this dirpv binary instead of building ./cmd/dirpv (e.g. to compare two builds)")
 	flagPlace    = flag.String("place", "create", `how a claim gets its node: "create" (made with the scheduler's selected-node annotation) or "scheduler" (made unplaced, then updated with it as the scheduler does)`)
 	flagPolicy   = flag.Bool("node-label-policy", true, "install deploy/'s MutatingAdmissionPolicy that labels placed local claims with their node, as deploy/ does; false: dirpv controller labels them (clusters before Kubernetes 1.36)")
-	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,limits,nfs,publish,nodes,rss,copy,stock); empty: all. ceiling is always run, but for -only nodes")
+	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,limits,nfs,publish,nodes,rss,copy,reflink,copyvm,stock); empty: all. ceiling is always run, but for -only nodes")
 )
 
 // Row is one measured figure with its reference.
@@ -195,6 +195,8 @@ func run() (err error) {
 		{"rss", "rss", b.rss},
 		{"copy", "dirpv clone of 1M names + 200k hard links (memory)", b.copyMemory},
 		{"copy", "dirpv clone against cp -a (ext4)", b.copyPlain},
+		{"reflink", "dirpv reflink clones, small and large source (btrfs)", b.copyReflink},
+		{"copyvm", "dirpv XFS reflink and NFSv4.2 clones (VM)", b.copyGuest},
 		{"stock", "stock kube-controller-manager", b.stock},
 	}
 	only := b.only
@@ -202,7 +204,7 @@ func run() (err error) {
 	ceiling := !(len(only) == 1 && only["nodes"])
 	for _, s := range steps {
 		wanted := len(only) == 0 || (s.group == "ceiling" && ceiling) || only[s.group] || (s.group == "ideal" && only["local"])
-		if (s.group == "nfs" && !*flagNFS) || !wanted {
+		if ((s.group == "nfs" || s.group == "copyvm") && !*flagNFS) || !wanted {
 			continue
 		}
 		if s.group == "publish" && !only["local"] && len(only) > 0 {
@@ -310,7 +312,12 @@ func (b *bench) prepare() error {
 	b.report.DirpvEnv = strings.Fields(*flagEnv)
 	b.report.DirpvBin = *flagBin
 	if len(b.only) == 0 || b.only["limits"] {
-		return b.mountLimitBases()
+		if err := b.mountLimitBases(); err != nil {
+			return err
+		}
+	}
+	if len(b.only) == 0 || b.only["reflink"] {
+		return b.mountReflinkBase()
 	}
 	return nil
 }
@@ -1128,6 +1135,21 @@ func (b *bench) goals() {
 	} {
 		ratio := b.ms[r.num] / b.ms[r.den]
 		g(r.what, fmt.Sprintf("<= %gx", r.limit), ratio, ratio <= r.limit)
+	}
+	for _, r := range []struct {
+		what, small, large string
+	}{
+		{"btrfs", "copy.reflink.btrfs.small", "copy.reflink.btrfs.large"},
+		{"XFS, VM", "copy.vm.reflink.xfs.small.clone", "copy.vm.reflink.xfs.large.clone"},
+	} {
+		small, large := b.ms[r.small], b.ms[r.large]
+		g(fmt.Sprintf("reflink clone of %d MiB create->Bound (%s), s", *flagReflinkSmallMiB, r.what), fmt.Sprintf("< %g", reflinkSmallGoalSec), small, small < reflinkSmallGoalSec)
+		g(fmt.Sprintf("reflink clone of %d MiB vs %d MiB (%s)", *flagReflinkLargeMiB, *flagReflinkSmallMiB, r.what), fmt.Sprintf("<= %gx", reflinkFlatGoal), large/small, large/small <= reflinkFlatGoal)
+	}
+	if clone := b.ms["copy.vm.nfs.clone"]; clone > 0 {
+		cp, tar := b.ms["copy.vm.nfs.cp"], b.ms["copy.vm.nfs.tar.c"]+b.ms["copy.vm.nfs.tar.x"]
+		g("clone over NFSv4.2 (VM) vs cp -a through the same mount", fmt.Sprintf("<= %gx", nfsCloneCpGoal), clone/cp, clone/cp <= nfsCloneCpGoal)
+		g("tar czf + tar xzf over NFSv4.2 (VM) vs dirpv's clone", fmt.Sprintf(">= %gx", nfsCloneTarGoal), tar/clone, tar/clone >= nfsCloneTarGoal)
 	}
 	if idle, ok := b.ms["copy.rss.idle"]; ok {
 		above := b.ms["copy.rss.peak"] - idle

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -172,11 +173,18 @@ func TestCloneOverNFS(t *testing.T) {
 			r := openExport(t, share, options)
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 			defer cancel()
+			copies := nfsOps(t, r.Path(), "COPY")
 			_, _, stats, err := r.MkdirAllFrom(ctx, "clone", volume.Claim{UID: "clone"}, 0, volume.Source{Root: r, Rel: "vol"})
 			if err != nil {
 				t.Fatalf("copy over NFS: %v", err)
 			}
 			t.Logf("stats %+v", stats)
+			// The data is copied by the server (NFSv4.2 COPY, what copy_file_range becomes),
+			// not read to the client and written back: one COPY at least per file with data
+			// (a/b/data, small, sparse's last extent).
+			if n := nfsOps(t, r.Path(), "COPY") - copies; vers == "nfsvers=4.2" && n < 3 {
+				t.Errorf("%d NFSv4.2 COPY operations for the clone, want 3 or more: its data went through the client", n)
+			}
 			sameTree(t, "clone over NFS", want, treeHash(t, filepath.Join(serverDir, "clone")))
 			if vers == "nfsvers=4.2" {
 				var st unix.Stat_t
@@ -186,4 +194,33 @@ func TestCloneOverNFS(t *testing.T) {
 			}
 		})
 	}
+}
+
+// nfsOps is how many op operations (COPY, READ...) the NFS mount at mnt has sent, from its
+// per-op statistics in /proc/self/mountstats; 0 for an op the mount's version does not have.
+func nfsOps(t *testing.T, mnt, op string) int64 {
+	t.Helper()
+	raw, err := os.ReadFile("/proc/self/mountstats")
+	if err != nil {
+		t.Fatal(err)
+	}
+	in, found := false, false
+	for _, l := range strings.Split(string(raw), "\n") {
+		if strings.HasPrefix(l, "device ") {
+			in = strings.Contains(l, " mounted on "+mnt+" with fstype nfs")
+			found = found || in
+			continue
+		}
+		if f := strings.Fields(l); in && len(f) > 1 && f[0] == op+":" {
+			n, err := strconv.ParseInt(f[1], 10, 64)
+			if err != nil {
+				t.Fatalf("mountstats of %s: %q: %v", mnt, l, err)
+			}
+			return n
+		}
+	}
+	if !found {
+		t.Fatalf("no NFS mount at %s in /proc/self/mountstats", mnt)
+	}
+	return 0
 }

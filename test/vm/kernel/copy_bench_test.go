@@ -1,0 +1,210 @@
+package kernel
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/test/vm/guest"
+	"github.com/dirpv/dirpv/volume"
+)
+
+// The guest's copy rows of `make bench` (issue 23), run by test/bench through vm.RunTest with
+// -dirpv.bench-copy: XFS reflink clones of a small and a large source (clone time flat in the
+// source's size), and a clone through the kernel NFSv4.2 client against `cp -a` and against
+// the tar snapshot of csi-driver-nfs. The figures go to CopyBenchFile in the results.
+var (
+	benchCopy      = flag.Bool("dirpv.bench-copy", false, "run TestBenchCopy (make bench)")
+	benchSmallMiB  = flag.Int("dirpv.bench-reflink-small-mib", 1024, "data in the small reflink source, MiB")
+	benchLargeMiB  = flag.Int("dirpv.bench-reflink-large-mib", 8192, "data in the large reflink source, MiB")
+	benchTreeScale = flag.Int("dirpv.bench-nfs-scale", 50, "the NFS tree is the plain-copy tree (1 GiB + 10,000 small + 100,000 empty files) divided by this")
+)
+
+// CopyBenchFile is the results file of TestBenchCopy: a CopyBenchReport in JSON.
+const CopyBenchFile = "copy-bench.json"
+
+// CopyBenchReport is what TestBenchCopy measured: seconds, MiB and operation counts by name
+// (test/bench reads it into its rows).
+type CopyBenchReport struct {
+	Figures map[string]float64 `json:"figures"`
+	Notes   map[string]string  `json:"notes"`
+}
+
+func TestBenchCopy(t *testing.T) {
+	if !*benchCopy {
+		t.Skip("a bench of make bench: -dirpv.bench-copy")
+	}
+	rep := CopyBenchReport{Figures: map[string]float64{}, Notes: map[string]string{}}
+	t.Run("nfs", func(t *testing.T) { benchNFSClone(t, &rep) })
+	t.Run("xfs-reflink", func(t *testing.T) { benchXFSReflink(t, &rep) })
+	raw, err := json.Marshal(rep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(guest.ResultsDir(), CopyBenchFile), raw, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// benchXFSReflink clones, with dirpv's copier, a source of a few files holding
+// -dirpv.bench-reflink-small-mib of written data (no holes, no unwritten extents) and one
+// holding -dirpv.bench-reflink-large-mib, on XFS with reflink. The file system is on a loop
+// file in the VM's writable share, a host file: the guest's own tmpfs is in its 2 GiB of RAM.
+func benchXFSReflink(t *testing.T, rep *CopyBenchReport) {
+	small, large := int64(*benchSmallMiB)<<20, int64(*benchLargeMiB)<<20
+	scratch, err := os.MkdirTemp(filepath.Dir(guest.ResultsDir()), "bench-xfs-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(scratch) })
+	img, mnt := filepath.Join(scratch, "xfs.img"), filepath.Join(scratch, "mnt")
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, small+large+2<<30); err != nil {
+		t.Fatal(err)
+	}
+	runCmd(t, "mkfs.xfs", "-q", "-m", "reflink=1", img)
+	if err := os.Mkdir(mnt, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	runCmd(t, "mount", "-t", "xfs", "-o", "loop", img, mnt)
+	t.Cleanup(func() {
+		if out, err := exec.Command("umount", mnt).CombinedOutput(); err != nil {
+			t.Errorf("umount %s: %v: %s", mnt, err, out)
+		}
+	})
+	r, err := volume.OpenRoot(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	ctx := context.Background()
+	for _, s := range []struct {
+		key  string
+		size int64
+	}{{"small", small}, {"large", large}} {
+		t0 := time.Now()
+		if err := framework.WriteDataFiles(filepath.Join(mnt, s.key), 4, s.size); err != nil {
+			t.Fatal(err)
+		}
+		unix.Sync() // the clone must not pay for writing the source back
+		rep.Figures["reflink.xfs."+s.key+".write"] = time.Since(t0).Seconds()
+		t.Logf("%d MiB written and synced in %.1fs", s.size>>20, rep.Figures["reflink.xfs."+s.key+".write"])
+		before := fsUsedMiB(t, mnt)
+		t0 = time.Now()
+		_, _, stats, err := r.MkdirAllFrom(ctx, s.key+"-clone", volume.Claim{UID: s.key + "-clone"}, 0, volume.Source{Root: r, Rel: s.key})
+		took := time.Since(t0)
+		if err != nil {
+			t.Fatalf("clone of %s: %v", s.key, err)
+		}
+		if stats.Method != volume.MethodReflink {
+			t.Errorf("clone of %s: method %q, want %q", s.key, stats.Method, volume.MethodReflink)
+		}
+		unix.Sync()
+		rep.Figures["reflink.xfs."+s.key+".mib"] = float64(s.size >> 20)
+		rep.Figures["reflink.xfs."+s.key+".clone"] = took.Seconds()
+		rep.Figures["reflink.xfs."+s.key+".spaceMiB"] = fsUsedMiB(t, mnt) - before
+		t.Logf("XFS reflink clone of %d MiB in 4 files: %v (source written in %.1fs), %.1f MiB more used",
+			s.size>>20, took, rep.Figures["reflink.xfs."+s.key+".write"], rep.Figures["reflink.xfs."+s.key+".spaceMiB"])
+	}
+}
+
+// fsUsedMiB is the space used on the file system of dir, from statfs.
+func fsUsedMiB(t *testing.T, dir string) float64 {
+	t.Helper()
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		t.Fatal(err)
+	}
+	return float64((st.Blocks-st.Bfree)*uint64(st.Bsize)) / (1 << 20)
+}
+
+// benchNFSClone times, through one NFSv4.2 mount of the guest's kernel client, `cp -a` of a
+// tree, dirpv's clone of it, and the tar snapshot and restore of csi-driver-nfs (tar czf of
+// the tree to a file on the share, tar xzf of it to a new directory), with the mount's COPY
+// operations during each. The export is on the guest's tmpfs.
+func benchNFSClone(t *testing.T, rep *CopyBenchReport) {
+	options := []string{"nfsvers=4.2"}
+	serverDir, share := exportFor(t, options, guest.NoRootSquash)
+	scale := *benchTreeScale
+	fillTree(t, filepath.Join(serverDir, "src"), 1<<30/scale, 10_000/scale, 100_000/scale)
+	r := openExport(t, share, options)
+	mnt := r.Path()
+	src := filepath.Join(mnt, "src")
+	run := func(name string, args ...string) time.Duration {
+		t.Helper()
+		t0 := time.Now()
+		if out, err := exec.Command(name, args...).CombinedOutput(); err != nil {
+			t.Fatalf("%s %v: %v: %s", name, args, err, out)
+		}
+		t.Logf("%s %v: %v", name, args, time.Since(t0))
+		return time.Since(t0)
+	}
+	// A first, untimed cp -a brings the source's metadata into the client's caches for both.
+	// The copies stay: removing them over NFS under emulation takes as long as making them.
+	run("cp", "-a", src, filepath.Join(mnt, "warm"))
+	copies := nfsOps(t, mnt, "COPY")
+	rep.Figures["nfs.cp"] = run("cp", "-a", src, filepath.Join(mnt, "cp")).Seconds()
+	rep.Figures["nfs.cp.copyOps"] = float64(nfsOps(t, mnt, "COPY") - copies)
+
+	copies = nfsOps(t, mnt, "COPY")
+	t0 := time.Now()
+	_, _, stats, err := r.MkdirAllFrom(context.Background(), "clone", volume.Claim{UID: "clone"}, 0, volume.Source{Root: r, Rel: "src"})
+	if err != nil {
+		t.Fatalf("clone over NFS: %v", err)
+	}
+	rep.Figures["nfs.clone"] = time.Since(t0).Seconds()
+	rep.Figures["nfs.clone.copyOps"] = float64(nfsOps(t, mnt, "COPY") - copies)
+	rep.Notes["nfs.clone.method"] = stats.Method
+	t.Logf("dirpv clone: %.1fs", rep.Figures["nfs.clone"])
+
+	tgz := filepath.Join(mnt, "snap.tgz")
+	rep.Figures["nfs.tar.c"] = run("tar", "czf", tgz, "-C", src, ".").Seconds()
+	if err := os.Mkdir(filepath.Join(mnt, "restored"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	rep.Figures["nfs.tar.x"] = run("tar", "xzf", tgz, "-C", filepath.Join(mnt, "restored")).Seconds()
+	rep.Figures["nfs.scale"] = float64(scale)
+	rep.Notes["nfs.tree"] = fmt.Sprintf("%d MiB file + %d files of 4-64 KiB + %d empty files", (1<<30/scale)>>20, 10_000/scale, 100_000/scale)
+	t.Logf("NFSv4.2 (%s): cp -a %.1fs (%v COPY), dirpv clone %.1fs (%v COPY, %s), tar czf %.1fs + tar xzf %.1fs",
+		rep.Notes["nfs.tree"], rep.Figures["nfs.cp"], rep.Figures["nfs.cp.copyOps"], rep.Figures["nfs.clone"],
+		rep.Figures["nfs.clone.copyOps"], stats.Method, rep.Figures["nfs.tar.c"], rep.Figures["nfs.tar.x"])
+}
+
+// fillTree makes dir with the shape of the bench's plain-copy tree (test/bench fillPlain):
+// one file of bigBytes of data, small files of 4 to 64 KiB under small/, empty files under
+// empty/.
+func fillTree(t *testing.T, dir string, bigBytes, small, empty int) {
+	t.Helper()
+	if err := framework.WriteDataFiles(dir, 1, int64(bigBytes)); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 64<<10)
+	for i := range buf {
+		buf[i] = byte(i*7 + i>>11)
+	}
+	for sub, n := range map[string]int{"small": small, "empty": empty} {
+		if err := os.Mkdir(filepath.Join(dir, sub), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		for i := range n {
+			size := 0
+			if sub == "small" {
+				size = 4<<10 + (i*7919)%(60<<10)
+			}
+			if err := os.WriteFile(filepath.Join(dir, sub, fmt.Sprintf("f%06d", i)), buf[:size], 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
