@@ -42,9 +42,17 @@ func nextEvent(t *testing.T, events *record.FakeRecorder) string {
 func TestCopyProgressEvents(t *testing.T) {
 	shortProgress(t, 40*time.Millisecond, 100*time.Millisecond)
 	events := record.NewFakeRecorder(100)
-	claim := &v1.ObjectReference{Kind: kindPVC, Namespace: "ns", Name: "copy"}
-	snap := &v1.ObjectReference{Kind: "VolumeSnapshot", Namespace: "ns", Name: "snap"}
-	w := &copyWatch{what: "volume a into snapshot s", to: []*v1.ObjectReference{claim, snap}}
+	events.IncludeObject = true
+	claim := &v1.ObjectReference{Kind: kindPVC, APIVersion: "v1", Namespace: "ns", Name: "copy"}
+	snap := &v1.ObjectReference{Kind: "VolumeSnapshot", APIVersion: snapshotAPIVersion, Namespace: "ns", Name: "snap"}
+	// The snapshot is found once the copy has started, as a Snapshotter finds it.
+	w := &copyWatch{what: "volume a into snapshot s", to: []*v1.ObjectReference{claim},
+		more: func(context.Context) []*v1.ObjectReference { return []*v1.ObjectReference{snap} }}
+	on := func(e string) string {
+		_, kind, _ := strings.Cut(e, " involvedObject{kind=")
+		kind, _, _ = strings.Cut(kind, ",")
+		return kind
+	}
 
 	// A copy that ends before it starts walking (refused) is not reported.
 	_, stop := reportCopy(context.Background(), events, w)
@@ -76,10 +84,16 @@ func TestCopyProgressEvents(t *testing.T) {
 	if _, _, _, err := root.MkdirAllFrom(ctx, "dst", volume.Claim{UID: "u"}, 0, volume.Source{Root: root, Rel: src}); err != nil {
 		t.Fatal(err)
 	}
+	got := map[string]bool{}
 	for range 2 {
-		if e := nextEvent(t, events); e != "Normal CopyStarted Copying volume a into snapshot s" {
+		e := nextEvent(t, events)
+		if !strings.HasPrefix(e, "Normal CopyStarted Copying volume a into snapshot s involvedObject") {
 			t.Errorf("event %q, want CopyStarted", e)
 		}
+		got[on(e)] = true
+	}
+	if !got[kindPVC] || !got["VolumeSnapshot"] {
+		t.Errorf("CopyStarted on %v, want the claim and the VolumeSnapshot", got)
 	}
 	// The copy is done: each report says all it copied (10 files and their directory;
 	// 10,000 bytes), the first after copyProgressFirst, the next ones up to copyProgressMax apart.
@@ -88,7 +102,7 @@ func TestCopyProgressEvents(t *testing.T) {
 	for range 4 {
 		for range 2 {
 			e := nextEvent(t, events)
-			if !strings.HasPrefix(e, "Normal CopyProgress Copying volume a into snapshot s: copied 9.8 KiB in 11 files so far, in ") {
+			if !strings.HasPrefix(e, "Normal CopyProgress Copying volume a into snapshot s: copied 9.8 KiB in 11 files so far, in ") || on(e) == "" {
 				t.Errorf("event %q, want CopyProgress with what was copied", e)
 			}
 		}
