@@ -62,6 +62,8 @@ type sourceTree struct {
 	// snapshot names the snapshot to copy, which attrs' store holds (restore); empty for a
 	// volume's directory.
 	snapshot string
+	// watch, if set, is who is told how the copy goes (reportCopy).
+	watch *copyWatch
 }
 
 // checkSourceOwner refuses a source tree whose marker names another claim than src.owner.
@@ -293,6 +295,7 @@ func (p *Provisioner) copyVolume(ctx context.Context, claim *v1.PersistentVolume
 		}
 	}
 	ns, name, uid := claim.Namespace, claim.Name, claim.UID
+	src.watch = &copyWatch{what: src.what + " into the new volume", to: []*v1.ObjectReference{claimRef(claim)}}
 	copyAndCheck := func(ctx context.Context) (made, error) {
 		m, err := fn(ctx)
 		if err == nil && p.claimGone(ns, name, uid) {
@@ -318,6 +321,11 @@ func (p *Provisioner) copyVolume(ctx context.Context, claim *v1.PersistentVolume
 	klog.FromContext(ctx).Info("Copied data source into the new volume", "source", src.what,
 		"copy", describeCopy(job.result.stats, time.Since(job.started)))
 	return job.result, controller.ProvisioningFinished, nil
+}
+
+// claimRef is the reference of an event on the claim.
+func claimRef(c *v1.PersistentVolumeClaim) *v1.ObjectReference {
+	return &v1.ObjectReference{Kind: kindPVC, APIVersion: "v1", Namespace: c.Namespace, Name: c.Name, UID: c.UID}
 }
 
 // claimGone reports whether the claim of uid no longer exists (deleted, or made anew under
@@ -421,7 +429,12 @@ func describeCopy(st volume.CopyStats, took time.Duration) string {
 func (p *Provisioner) onStores(ctx context.Context, attrs volume.Attributes, mountOptions []string, src *sourceTree,
 	fn func(ctx context.Context, root, from *volume.Root) error,
 ) error {
-	fn, done := p.copying.track(fn)
+	copyFn := fn
+	fn, done := p.copying.track(func(ctx context.Context, root, from *volume.Root) error {
+		ctx, stop := reportCopy(ctx, p.cfg.Events, src.watch)
+		defer stop()
+		return copyFn(ctx, root, from)
+	})
 	defer done()
 	switch attrs.Backend {
 	case volume.BackendNFS:

@@ -7,10 +7,12 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kubernetes-csi/external-snapshotter/v8/pkg/snapshotter"
 	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/klog/v2"
 
@@ -38,7 +40,24 @@ type Snapshotter struct {
 	// noRoomRetryMin and noRoomRetryMax bound the back-off of a copy that was not started
 	// for lack of space.
 	noRoomRetryMin, noRoomRetryMax time.Duration
+	// usage is the size of each complete snapshot seen, by handle (dirpv_snapshot_used_bytes).
+	usage map[string]uint64
+	// learning is set while a look-up of the sizes metrics miss runs (learnUsage).
+	learning atomic.Bool
+	// spaceChanged, if set, is called once a copy took space on a store or a deletion gave
+	// some back, for the published capacity to follow at once (SetSpaceChanged).
+	spaceChanged func()
 }
+
+// SnapshotNamePrefix is the sidecar's --snapshot-name-prefix, as dirpv runs it: a snapshot
+// is named SnapshotNamePrefix-<VolumeSnapshot UID>.
+const SnapshotNamePrefix = "snapshot"
+
+// The snapshot API's kinds, for events.
+const (
+	snapshotAPIVersion = "snapshot.storage.k8s.io/v1"
+	kindContent        = "VolumeSnapshotContent"
+)
 
 // The back-off of a snapshot whose copy the base has no room for: the sidecar asks again
 // within seconds (it polls copies under way), and each answer that started the check again
@@ -64,7 +83,21 @@ var _ snapshotter.Snapshotter = (*Snapshotter)(nil)
 // Snapshotter returns the Provisioner's Snapshotter. It reads source volumes from pvs; each
 // copy is bounded by Config.CloneTimeout. Start it, then hand it to the sidecar controller.
 func (p *Provisioner) Snapshotter(pvs corelisters.PersistentVolumeLister) *Snapshotter {
-	return &Snapshotter{p: p, pvs: pvs, jobs: map[string]*snapshotJob{}, noRoomRetryMin: noRoomRetryMin, noRoomRetryMax: noRoomRetryMax}
+	return &Snapshotter{p: p, pvs: pvs, jobs: map[string]*snapshotJob{}, noRoomRetryMin: noRoomRetryMin, noRoomRetryMax: noRoomRetryMax,
+		usage: map[string]uint64{}}
+}
+
+// SetSpaceChanged has fn called whenever a snapshot's copy ended (a complete copy took space;
+// a failed one gave it back) or a snapshot was deleted: the capacity published for the store
+// is then refreshed at once, as after a Provision or Delete, not at the next poll. Call it
+// before Start.
+func (s *Snapshotter) SetSpaceChanged(fn func()) { s.spaceChanged = fn }
+
+// changedSpace calls spaceChanged, if set.
+func (s *Snapshotter) changedSpace() {
+	if s.spaceChanged != nil {
+		s.spaceChanged()
+	}
 }
 
 // Start lets copies start until ctx is done. The function it returns waits for that, then
@@ -205,10 +238,18 @@ func (s *Snapshotter) start(ctx context.Context, id string, h volume.SnapshotHan
 		defer cancel()
 		defer close(job.done)
 		start := time.Now()
+		watch := &copyWatch{what: fmt.Sprintf("volume %s into snapshot %s", rel, h.Name),
+			more: func(ctx context.Context) []*v1.ObjectReference { return s.snapshotObjects(ctx, h.Name) }}
+		var source *v1.ObjectReference
+		if claimRef != nil {
+			source = &v1.ObjectReference{Kind: kindPVC, APIVersion: "v1", Namespace: claimRef.Namespace, Name: claimRef.Name, UID: claimRef.UID}
+			watch.what = fmt.Sprintf("%s %s/%s into snapshot %s", kindPVC, claimRef.Namespace, claimRef.Name, h.Name)
+			watch.to = append(watch.to, source)
+		}
 		// Through onStores, as a clone's copy: on NFS under the copy's deadline rather than
 		// the operation timeout.
 		store := h.Store(rel)
-		err := s.p.onStores(copyCtx, store, h.MountOptions, &sourceTree{attrs: store, mountOptions: h.MountOptions},
+		err := s.p.onStores(copyCtx, store, h.MountOptions, &sourceTree{attrs: store, mountOptions: h.MountOptions, watch: watch},
 			func(ctx context.Context, root, _ *volume.Root) error {
 				// A copy is held under the source's size where the base enforces limits. On NFS a
 				// failed copy is left for the next attempt, or the delete's trash, to remove.
@@ -222,13 +263,13 @@ func (s *Snapshotter) start(ctx context.Context, id string, h volume.SnapshotHan
 			job.retryAt = time.Now().Add(wait)
 			job.err = fmt.Errorf("snapshot %s of %s in %s not started: %w; trying again in %v", h.Name, rel, storeName(h.Store(rel)), err, wait)
 			klog.FromContext(copyCtx).Info("Snapshot not started: no room for its copy", "reason", err.Error(), "retryIn", wait)
-			if s.p.cfg.Events != nil && claimRef != nil {
-				s.p.cfg.Events.Event(&v1.ObjectReference{Kind: "PersistentVolumeClaim", APIVersion: "v1",
-					Namespace: claimRef.Namespace, Name: claimRef.Name, UID: claimRef.UID},
-					v1.EventTypeWarning, ReasonNoRoomForCopy, job.err.Error())
+			if s.p.cfg.Events != nil && source != nil {
+				s.p.cfg.Events.Event(source, v1.EventTypeWarning, ReasonNoRoomForCopy, job.err.Error())
 			}
 			return
 		}
+		// Whether it failed or not, the copy changed the store's free space.
+		defer s.changedSpace()
 		if err != nil {
 			job.err = fmt.Errorf("snapshot of %s in %s: %w", rel, storeName(h.Store(rel)), err)
 			klog.FromContext(copyCtx).Error(err, "Snapshot failed")
@@ -250,6 +291,9 @@ func (s *Snapshotter) status(ctx context.Context, h volume.SnapshotHandle) (read
 			return err
 		}
 		ready, created = true, info.CreatedAt
+		s.mu.Lock()
+		s.usage[h.String()] = info.Size
+		s.mu.Unlock()
 		return nil
 	})
 	if isNotExist(err) {
@@ -289,6 +333,7 @@ func (s *Snapshotter) DeleteSnapshot(ctx context.Context, snapshotID string, _ m
 	s.mu.Lock()
 	job, ok := s.jobs[snapshotID]
 	delete(s.jobs, snapshotID)
+	delete(s.usage, snapshotID)
 	s.mu.Unlock()
 	if ok {
 		job.cancel()
@@ -311,7 +356,31 @@ func (s *Snapshotter) DeleteSnapshot(ctx context.Context, snapshotID string, _ m
 		return fmt.Errorf("delete snapshot %s in %s: %w", h.Name, storeName(h.Store(h.Name)), err)
 	}
 	klog.FromContext(ctx).Info("Deleted snapshot", "snapshot", h.Name, "store", storeName(h.Store(h.Name)))
+	s.changedSpace()
 	return nil
+}
+
+// snapshotObjects returns the references of the VolumeSnapshotContent and VolumeSnapshot of
+// the snapshot name, which the sidecar named after the VolumeSnapshot's UID; the common
+// controller names a dynamic snapshot's content after it too. None if they cannot be read:
+// the events then go on the source claim only.
+func (s *Snapshotter) snapshotObjects(ctx context.Context, name string) []*v1.ObjectReference {
+	uid, ok := strings.CutPrefix(name, SnapshotNamePrefix+"-")
+	if !ok || s.p.cfg.Snapshots == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, apiTimeout)
+	defer cancel()
+	c, err := s.p.cfg.Snapshots.SnapshotV1().VolumeSnapshotContents().Get(ctx, "snapcontent-"+uid, metav1.GetOptions{})
+	if err != nil || string(c.Spec.VolumeSnapshotRef.UID) != uid {
+		klog.FromContext(ctx).V(2).Info("No VolumeSnapshotContent to report the snapshot's copy on", "err", err)
+		return nil
+	}
+	ref := c.Spec.VolumeSnapshotRef
+	return []*v1.ObjectReference{
+		{Kind: kindContent, APIVersion: snapshotAPIVersion, Name: c.Name, UID: c.UID},
+		{Kind: kindVolumeSnapshot.kind, APIVersion: snapshotAPIVersion, Namespace: ref.Namespace, Name: ref.Name, UID: ref.UID},
+	}
 }
 
 // GetSnapshotStatus reports a snapshot the sidecar did not create (a pre-provisioned

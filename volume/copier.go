@@ -21,6 +21,8 @@ type devIno struct{ dev, ino uint64 }
 type copier struct {
 	ctx   context.Context
 	stats *CopyStats
+	// count is the copy's own counter (WithCopyCounter), nil if it has none.
+	count *CopyCounter
 	// srcCur and dstCur are the directories being copied; dstRoot is the target's root, from
 	// which hard links are made by path.
 	srcCur, dstCur, dstRoot int
@@ -76,7 +78,44 @@ var linkTableBytes = 4 << 20
 const linkEntryBytes = 96
 
 // copyProgress counts what the process's copies made, as they go (CopyProgress).
-var copyProgress struct{ files, bytes atomic.Int64 }
+var copyProgress CopyCounter
+
+// CopyCounter counts what one copy made so far, read while the copy runs (for progress
+// events): a copy whose context carries one (WithCopyCounter) adds to it as it goes, as it
+// adds to the process's (CopyProgress).
+type CopyCounter struct {
+	files, bytes atomic.Int64
+	started      atomic.Bool
+}
+
+// Load returns the files (of every kind) and bytes of file data copied so far, and whether
+// the copy has started walking its source: it starts after the room check, so a copy
+// refused for lack of space never started.
+func (c *CopyCounter) Load() (files, bytes int64, started bool) {
+	return c.files.Load(), c.bytes.Load(), c.started.Load()
+}
+
+type copyCounterKey struct{}
+
+// WithCopyCounter returns ctx for a copy that counts into c as well.
+func WithCopyCounter(ctx context.Context, c *CopyCounter) context.Context {
+	return context.WithValue(ctx, copyCounterKey{}, c)
+}
+
+// addFiles and addBytes count into the process's counter and the copy's own, if it has one.
+func (c *copier) addFiles(n int64) {
+	copyProgress.files.Add(n)
+	if c.count != nil {
+		c.count.files.Add(n)
+	}
+}
+
+func (c *copier) addBytes(n int64) {
+	copyProgress.bytes.Add(n)
+	if c.count != nil {
+		c.count.bytes.Add(n)
+	}
+}
 
 // CopyProgress returns how many files (of every kind, directories and hard links included)
 // and bytes of file data (holes left out; a cloned file's size) the process's copies have
@@ -86,7 +125,8 @@ func CopyProgress() (files, bytes int64) {
 }
 
 func newCopier(ctx context.Context, stats *CopyStats, srcFd, dstFd int, skipXattr string) (*copier, error) {
-	c := &copier{ctx: ctx, stats: stats, srcCur: -1, dstCur: -1, dstRoot: -1,
+	count, _ := ctx.Value(copyCounterKey{}).(*CopyCounter)
+	c := &copier{ctx: ctx, stats: stats, count: count, srcCur: -1, dstCur: -1, dstRoot: -1,
 		links: map[devIno]*linkGroup{}, skipXattr: map[string]bool{volumeMarker: true, skipXattr: true}}
 	var err error
 	if c.srcMnt, err = mountID(srcFd); err != nil {
@@ -127,6 +167,9 @@ func newCopier(ctx context.Context, stats *CopyStats, srcFd, dstFd int, skipXatt
 	}
 	c.stats.Allocated += sst.Blocks * 512
 	c.stack = []copyLevel{{src: devIno{sst.Dev, sst.Ino}, dst: c.dstDir, times: statTimes(&sst)}}
+	if c.count != nil {
+		c.count.started.Store(true)
+	}
 	return c, nil
 }
 
@@ -311,7 +354,7 @@ func (c *copier) copyEntry(name string) error {
 				return fmt.Errorf("link to %s: %w", g.path, err)
 			}
 			c.stats.HardLinks++
-			copyProgress.files.Add(1)
+			c.addFiles(1)
 			if g.left--; g.left == 0 {
 				delete(c.links, key)
 				c.linkBytes -= linkEntryBytes + len(g.path)
@@ -333,7 +376,7 @@ func (c *copier) copyEntry(name string) error {
 		return err
 	}
 	c.stats.Allocated += st.Blocks * 512
-	copyProgress.files.Add(1)
+	c.addFiles(1)
 	if st.Nlink > 1 {
 		c.keepLink(key, name, uint64(st.Nlink)-1)
 	}
@@ -436,7 +479,7 @@ func (c *copier) enterDir(name string) error {
 	}
 	c.stats.Dirs++
 	c.stats.Allocated += st.Blocks * 512
-	copyProgress.files.Add(1)
+	c.addFiles(1)
 	unix.Close(c.srcCur)
 	unix.Close(c.dstCur)
 	c.srcCur, c.dstCur, keep = sfd, dfd, true

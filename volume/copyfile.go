@@ -59,7 +59,7 @@ func (c *copier) copyData(dst, src int, size int64) error {
 		switch {
 		case err == nil:
 			c.reflinked++
-			copyProgress.bytes.Add(size)
+			c.addBytes(size)
 			return nil
 		case errors.Is(err, unix.EXDEV), errors.Is(err, unix.EOPNOTSUPP), errors.Is(err, unix.ENOTTY),
 			errors.Is(err, unix.ENOSYS), errors.Is(err, unix.EBADF):
@@ -113,7 +113,7 @@ func (c *copier) copyRange(dst, src int, off, end int64) error {
 				return nil // the file shrank while it was copied
 			case err == nil:
 				off += int64(got)
-				copyProgress.bytes.Add(int64(got))
+				c.addBytes(int64(got))
 				continue
 			case errors.Is(err, unix.EXDEV), errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOSYS),
 				errors.Is(err, unix.EOPNOTSUPP), errors.Is(err, unix.EBADF):
@@ -137,7 +137,7 @@ func (c *copier) copyRange(dst, src int, off, end int64) error {
 			return fmt.Errorf("write data: %w", err)
 		}
 		off += int64(got)
-		copyProgress.bytes.Add(int64(got))
+		c.addBytes(int64(got))
 	}
 	return nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"sync/atomic"
 	"time"
@@ -246,6 +247,34 @@ func (c *capacityPublisher) wrap(p controller.Provisioner) controller.Provisione
 		return p
 	}
 	return &refreshing{Provisioner: p, pub: c}
+}
+
+// errSpaceChanged is the outcome refresh hands the library: not a Provision's, so that it
+// refreshes by class.
+var errSpaceChanged = errors.New("space on the storage changed")
+
+// refresh has every object of this instance refreshed now, rather than at the next poll:
+// the space on its storage changed other than by a Provision or Delete (a snapshot was made
+// or deleted). The library refreshes objects for a failed Provision by class, which is what
+// this hands it, for each class the instance publishes. A nil publisher does nothing.
+func (c *capacityPublisher) refresh() {
+	if c == nil {
+		return
+	}
+	ctrl := c.ctrl.Load()
+	if ctrl == nil {
+		return
+	}
+	classes, err := c.classes.Lister().List(labels.Everything())
+	if err != nil {
+		return
+	}
+	w := capacity.NewProvisionWrapper(outcome{state: v11.ProvisioningFinished, err: errSpaceChanged}, ctrl)
+	for _, class := range classes {
+		if c.p.PublishesCapacity(class) {
+			w.Provision(context.Background(), v11.ProvisionOptions{StorageClass: class})
+		}
+	}
 }
 
 // podOwner is the owner reference of the node instance's objects, nil outside a pod. A pod

@@ -227,7 +227,7 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 	}
 	// Resizing and snapshotting NFS volumes are the leader's too (provisioning): each claim has
 	// one instance that resizes it, each snapshot one that takes it.
-	snapshots := snapshotting(snapClient, client, p.Snapshotter(factory.Core().V1().PersistentVolumes().Lister()), "", cfg.Provisioner)
+	snapshots := snapshotting(snapClient, client, p.Snapshotter(factory.Core().V1().PersistentVolumes().Lister()), "", cfg.Provisioner, reg, pub)
 	provision := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub, snapshots)
 	// The leader labels local claims and PVs with their node: node instances see nothing else.
 	router, err := route.New(client, DriverName, cfg.Provisioner.OperationTimeout, factory.Core().V1().PersistentVolumeClaims(),

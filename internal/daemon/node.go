@@ -138,7 +138,7 @@ func RunNode(ctx context.Context, cfg NodeConfig) error {
 		}
 		// Snapshots of this node's local volumes: the common controller labels their
 		// VolumeSnapshotContents with the node (distributed snapshotting).
-		snapshots := snapshotting(snapClient, client, p.Snapshotter(factory.Core().V1().PersistentVolumes().Lister()), cfg.NodeName, cfg.Provisioner)
+		snapshots := snapshotting(snapClient, client, p.Snapshotter(factory.Core().V1().PersistentVolumes().Lister()), cfg.NodeName, cfg.Provisioner, reg, pub)
 		lead := provisioning(ctx, client, factory, p, cfg.Provisioner, reg, pub, nodeAlso(cfg, client, factory, snapshots)...)
 		fns = append(fns, func(ctx context.Context) error {
 			lead(ctx)

@@ -6,17 +6,20 @@ import (
 	"fmt"
 	"math"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	snapclientset "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
 	snapscheme "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned/scheme"
 	snapinformers "github.com/kubernetes-csi/external-snapshotter/client/v8/informers/externalversions"
+	snaplisters "github.com/kubernetes-csi/external-snapshotter/client/v8/listers/volumesnapshot/v1"
 	commoncontroller "github.com/kubernetes-csi/external-snapshotter/v8/pkg/common-controller"
 	snapfeatures "github.com/kubernetes-csi/external-snapshotter/v8/pkg/features"
 	snapmetrics "github.com/kubernetes-csi/external-snapshotter/v8/pkg/metrics"
 	sidecarcontroller "github.com/kubernetes-csi/external-snapshotter/v8/pkg/sidecar-controller"
 	snaputils "github.com/kubernetes-csi/external-snapshotter/v8/pkg/utils"
+	"github.com/prometheus/client_golang/prometheus"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/selection"
@@ -100,8 +103,21 @@ func waitForSnapshotAPI(ctx context.Context, d discovery.DiscoveryInterface) boo
 // serves the contents without that label: NFS volumes'. Its informers are its own, since
 // contents and classes are no part of the process's shared factory. What it returns comes
 // back once the sidecar's workers and s's copies have stopped.
-func snapshotting(snapClient snapclientset.Interface, client kubernetes.Interface, s *provisioner.Snapshotter, managedBy string, cfg ProvisionerConfig) func(context.Context) {
+//
+// It registers dirpv_snapshot_used_bytes on reg, read from the sidecar's contents while it runs,
+// and has pub refresh its capacity when a snapshot takes or frees space.
+func snapshotting(snapClient snapclientset.Interface, client kubernetes.Interface, s *provisioner.Snapshotter, managedBy string, cfg ProvisionerConfig,
+	reg prometheus.Registerer, pub *capacityPublisher,
+) func(context.Context) {
 	setupSnapshots()
+	s.SetSpaceChanged(pub.refresh)
+	var running atomic.Pointer[snaplisters.VolumeSnapshotContentLister]
+	reg.MustRegister(s.SnapshotsCollector(func() snaplisters.VolumeSnapshotContentLister {
+		if l := running.Load(); l != nil {
+			return *l
+		}
+		return nil
+	}))
 	return func(ctx context.Context) {
 		copies, stopCopies := context.WithCancel(context.WithoutCancel(ctx))
 		waitCopies := s.Start(copies)
@@ -149,10 +165,13 @@ func snapshotting(snapClient snapclientset.Interface, client kubernetes.Interfac
 			contents.Snapshot().V1().VolumeSnapshotContents(), classes.Snapshot().V1().VolumeSnapshotClasses(),
 			s, nil, cfg.OperationTimeout, cfg.Resync,
 			// The sidecar's defaults: snapshot-<VolumeSnapshot UID>.
-			"snapshot", -1, "groupsnapshot", -1,
+			provisioner.SnapshotNamePrefix, -1, "groupsnapshot", -1,
 			false, workqueue.NewTypedItemExponentialFailureRateLimiter[string](snapshotRetryStart, snapshotRetryMax),
 			// No volume group snapshots: dirpv has no consistency across volumes to offer.
 			false, nil, nil, workqueue.NewTypedItemExponentialFailureRateLimiter[string](snapshotRetryStart, snapshotRetryMax))
+		lister := contents.Snapshot().V1().VolumeSnapshotContents().Lister()
+		running.Store(&lister)
+		defer running.Store(nil)
 		classes.Start(ctx.Done())
 		contents.Start(ctx.Done())
 		if unlabelled != nil {

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -30,6 +31,8 @@ type capacityNode struct {
 	wrapper, work string
 	proc          *framework.Process
 	owner         *v1.Pod
+	// flags are given to the node's instance after the test's defaults, which they override.
+	flags []string
 }
 
 // baseDir is where the node's base is, seen from the host.
@@ -41,14 +44,14 @@ const capacityLabel = "dirpv.io/capacity-test"
 
 // startCapacityNode creates the node, the Pod that stands for its dirpv pod (bound to it; fake
 // nodes run nothing) and the node instance, owned by that Pod, with fill bytes already used
-// on its base.
-func startCapacityNode(t *testing.T, ns, name, base string, fill int) *capacityNode {
+// on its base and the extra flags.
+func startCapacityNode(t *testing.T, ns, name, base string, fill int, flags ...string) *capacityNode {
 	t.Helper()
 	ctx := context.Background()
 	must(t, suite.Cluster.CreateReadyNode(ctx, name, map[string]string{"kubernetes.io/hostname": "host-" + name, capacityLabel: "yes"}))
 	t.Cleanup(func() { suite.Client.CoreV1().Nodes().Delete(context.Background(), name, metav1.DeleteOptions{}) })
 	must(t, suite.Cluster.RegisterCSIDriver(ctx, name, "dirpv.io"))
-	n := &capacityNode{name: name, ns: ns, wrapper: filepath.Join(t.TempDir(), "dirpv-"+name), work: t.TempDir()}
+	n := &capacityNode{name: name, ns: ns, wrapper: filepath.Join(t.TempDir(), "dirpv-"+name), work: t.TempDir(), flags: flags}
 	script := fmt.Sprintf("#!/bin/sh\nexec unshare --mount --propagation private -- /bin/sh -ec "+
 		"'mount -t tmpfs -o size=64m tmpfs \"$0\"; head -c %d /dev/zero > \"$0/filler\"; exec %s \"$@\"' %s \"$@\"\n",
 		fill, suite.Dirpv, base)
@@ -67,10 +70,10 @@ func (n *capacityNode) start(t *testing.T, base, pod string) {
 			Tolerations: []v1.Toleration{{Operator: v1.TolerationOpExists}}},
 	}, metav1.CreateOptions{})
 	must(t, err)
-	proc, err := suite.StartDirpvBin(ctx, n.wrapper, pod, "node",
+	proc, err := suite.StartDirpvBin(ctx, n.wrapper, pod, "node", append([]string{
 		"--v=2", "--node-name", n.name, "--allowed-base-paths", base,
-		"--csi-endpoint", "unix://"+filepath.Join(n.work, "csi.sock"), "--plugin-registration-dir", "-",
-		"--capacity-poll-interval=2s", "--capacity-namespace", n.ns, "--pod-name", owner.Name, "--pod-uid", string(owner.UID))
+		"--csi-endpoint", "unix://" + filepath.Join(n.work, "csi.sock"), "--plugin-registration-dir", "-",
+		"--capacity-poll-interval=2s", "--capacity-namespace", n.ns, "--pod-name", owner.Name, "--pod-uid", string(owner.UID)}, n.flags...)...)
 	must(t, err)
 	t.Cleanup(func() { proc.Stop(10 * time.Second) })
 	n.proc, n.owner = proc, owner
@@ -364,5 +367,83 @@ func TestUnservableLocalClassIsReportedBeforeScheduling(t *testing.T) {
 	}
 	if got := entries(t, base); len(got) != 0 {
 		t.Errorf("unservable claim left %v in the base", got)
+	}
+}
+
+// A snapshot's copy takes space on its base, and deleting it gives the space back: the
+// node's published free space follows at once, as it does after a Provision or a Delete, not
+// at the next poll (an hour here), and dirpv_snapshot_used_bytes reports what the snapshot
+// holds, under its VolumeSnapshot and content, until it is deleted. On this tmpfs base, as on
+// every base (quota limits reserve nothing), the published figure is the file system's free
+// space, which counts the copy's blocks.
+func TestSnapshotCountsInPublishedCapacity(t *testing.T) {
+	ctx := context.Background()
+	ns := suite.NewNamespace(t)
+	csiDriverFromDeploy(t)
+	base := filepath.Join(suite.Work.BaseRoot, "capacity-snapshot")
+	if err := os.MkdirAll(base, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	n := startCapacityNode(t, ns, "cap-snap", base, 0, "--capacity-poll-interval=1h")
+	class := suite.CreateClass(t, "capacity-snapshot", map[string]string{"backend": "local", "basePath": base})
+	waitCapacity(t, ns, class.Name, "64Mi on cap-snap", func(c map[string]storagev1.CSIStorageCapacity) bool {
+		return bytesOf(c[n.name]) == 64<<20
+	})
+	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(n.name), framework.Request("16Mi"))
+	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, "src", timeout)
+	if err != nil {
+		t.Fatalf("%v\n--- cap-snap log tail:\n%s", err, n.proc.Tail(3000))
+	}
+	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const data = 12 << 20
+	if err := os.WriteFile(filepath.Join(n.baseDir(base), pv.Spec.CSI.VolumeAttributes["path"], "data"), make([]byte, data), 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	// 64 MiB less the data and its copy (and a few KiB of the snapshot's record, rounded
+	// down to the MiB).
+	vs, content := takeSnapshot(t, ns, "snap", "src", snapshotClass(t, snapshotv1.VolumeSnapshotContentDelete))
+	waitCapacity(t, ns, class.Name, "at most 40Mi on cap-snap once the snapshot holds a copy of 12 MiB", func(c map[string]storagev1.CSIStorageCapacity) bool {
+		b := bytesOf(c[n.name])
+		return b >= 38<<20 && b <= 40<<20
+	})
+	series := fmt.Sprintf(`dirpv_snapshot_used_bytes{namespace=%q,volumesnapshot=%q,volumesnapshotcontent=%q}`, ns, vs.Name, content.Name)
+	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		m, err := framework.Scrape(ctx, n.proc)
+		if err != nil {
+			return false, err
+		}
+		v, ok := m[series]
+		if !ok {
+			return false, fmt.Errorf("no %s on /metrics", series)
+		}
+		if v < data || v > data+1<<20 {
+			return false, fmt.Errorf("%s is %v, want the copy's %d bytes and at most a MiB more", series, v, data)
+		}
+		return true, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	if err := snaps.SnapshotV1().VolumeSnapshots(ns).Delete(ctx, vs.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitCapacity(t, ns, class.Name, "52Mi on cap-snap once the snapshot is deleted", func(c map[string]storagev1.CSIStorageCapacity) bool {
+		b := bytesOf(c[n.name])
+		return b >= 51<<20 && b <= 52<<20
+	})
+	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		m, err := framework.Scrape(ctx, n.proc)
+		if _, ok := m[series]; err == nil && ok {
+			return false, fmt.Errorf("%s is still on /metrics", series)
+		}
+		return err == nil, err
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }

@@ -4,18 +4,23 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/dirpv/dirpv/internal/failpoint"
+	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/volume"
 )
@@ -52,6 +57,15 @@ func takeSnapshot(t *testing.T, ns, name, claim, class string) (*snapshotv1.Volu
 	if _, err := snaps.SnapshotV1().VolumeSnapshots(ns).Create(ctx, vs, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	return waitSnapshotReady(t, ns, name)
+}
+
+// waitSnapshotReady waits until the VolumeSnapshot is ready to use; it returns it and its
+// bound content.
+func waitSnapshotReady(t *testing.T, ns, name string) (*snapshotv1.VolumeSnapshot, *snapshotv1.VolumeSnapshotContent) {
+	t.Helper()
+	ctx := context.Background()
+	var vs *snapshotv1.VolumeSnapshot
 	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 		var err error
 		vs, err = snaps.SnapshotV1().VolumeSnapshots(ns).Get(ctx, name, metav1.GetOptions{})
@@ -397,4 +411,80 @@ func TestSnapshotWhileWritingPlainCopy(t *testing.T) {
 	if n == 0 {
 		t.Error("restore holds none of the files written before the snapshot")
 	}
+}
+
+// A long copy tells the user how it goes, on the objects they watch. A snapshot's copy, held
+// halfway (failpoint.PauseDuringCopy): a CopyStarted event on the VolumeSnapshot, its content
+// and the source claim, then a CopyProgress event saying what it copied so far (30 s in); the
+// snapshot is ready once the copy goes on. A clone's copy held the same way: CopyStarted on the
+// new claim.
+func TestLongCopiesReportProgress(t *testing.T) {
+	ctx := context.Background()
+	const (
+		files = 200
+		point = failpoint.PauseDuringCopy
+	)
+	release := filepath.Join(t.TempDir(), "release")
+	node := uniqueName("node-copy-progress")
+	proc := startNodeInstance(t, node, suite.Work.BaseRoot, failpoint.Env+"="+point+":"+fmt.Sprint(files/2), failpoint.ReleaseEnv+"="+release)
+	ns := suite.NewNamespace(t)
+	class, _ := localClass(t, nil)
+	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(node))
+	_, srcPV := waitBound(t, ns, "src")
+	must(t, framework.FillEmptyFiles(volumeDir(srcPV), files))
+	waitEvent := func(ns, kind, name, reason, substr string, within time.Duration) *v1.Event {
+		t.Helper()
+		e, err := framework.WaitForEvent(ctx, suite.Client, ns, kind, name, reason, substr, within)
+		if err != nil {
+			t.Fatalf("%v\n--- node log tail:\n%s", err, proc.Tail(3000))
+		}
+		return e
+	}
+	held := func() {
+		t.Helper()
+		err := framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
+			return strings.Contains(proc.Tail(4000), "failpoint "+point+" reached"), errors.New("the copy did not reach the failpoint")
+		})
+		if err != nil {
+			t.Fatalf("%v\n--- log tail:\n%s", err, proc.Tail(3000))
+		}
+	}
+
+	vsClass := snapshotClass(t, snapshotv1.VolumeSnapshotContentDelete)
+	claim := "src"
+	vs := &snapshotv1.VolumeSnapshot{
+		ObjectMeta: metav1.ObjectMeta{Name: "snap", Namespace: ns},
+		Spec: snapshotv1.VolumeSnapshotSpec{
+			Source:                  snapshotv1.VolumeSnapshotSource{PersistentVolumeClaimName: &claim},
+			VolumeSnapshotClassName: &vsClass,
+		},
+	}
+	vs, err := snaps.SnapshotV1().VolumeSnapshots(ns).Create(ctx, vs, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	held()
+	content := "snapcontent-" + string(vs.UID)
+	want := "into snapshot snapshot-" + string(vs.UID)
+	waitEvent(ns, "VolumeSnapshot", "snap", provisioner.ReasonCopyStarted, want, timeout)
+	waitEvent(metav1.NamespaceDefault, "VolumeSnapshotContent", content, provisioner.ReasonCopyStarted, want, timeout)
+	waitEvent(ns, "PersistentVolumeClaim", "src", provisioner.ReasonCopyStarted, want, timeout)
+	e := waitEvent(ns, "VolumeSnapshot", "snap", provisioner.ReasonCopyProgress, "files so far", timeout)
+	if !regexp.MustCompile(`copied [0-9.]+ (B|KiB|MiB) in [0-9,]+ files so far`).MatchString(e.Message) || e.Type != v1.EventTypeNormal {
+		t.Errorf("progress event %s %q, want a Normal one saying what was copied", e.Type, e.Message)
+	}
+	if err := os.WriteFile(release, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	waitSnapshotReady(t, ns, "snap")
+	if err := os.Remove(release); err != nil {
+		t.Fatal(err)
+	}
+
+	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(node), cloneOf("src"))
+	waitEvent(ns, "PersistentVolumeClaim", "copy", provisioner.ReasonCopyStarted, "PersistentVolumeClaim "+ns+"/src into the new volume", timeout)
+	if err := os.WriteFile(release, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	waitBound(t, ns, "copy")
 }
