@@ -94,6 +94,23 @@ func (k KubeConfig) client() (kubernetes.Interface, error) {
 	return withEventsApart(client, events), nil
 }
 
+// leaseClient is the client of leader election: a clientset of its own, and so a rate limiter
+// of its own, as external-provisioner's. On the provisioning client a renewal waited its turn
+// behind every call of a busy leader's workers, and a leader whose calls were throttled for
+// longer than the renew deadline lost its lease and exited in the middle of its work.
+func (k KubeConfig) leaseClient() (kubernetes.Interface, error) {
+	cfg, err := k.restConfig()
+	if err != nil {
+		return nil, err
+	}
+	// A few calls every retry period: the process's own limits are ample for them.
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes client for leader election: %w", err)
+	}
+	return client, nil
+}
+
 // ProvisionerConfig tunes the provisioning controller in either process.
 type ProvisionerConfig struct {
 	Workers          int
@@ -256,8 +273,12 @@ func RunController(ctx context.Context, cfg ControllerConfig) error {
 		return nil
 	}
 	if cfg.LeaderElection.Enabled {
+		leases, err := cfg.Kube.leaseClient()
+		if err != nil {
+			return err
+		}
 		run = func(ctx context.Context) error {
-			return runElected(ctx, client, cfg.LeaderElection, events, lead)
+			return runElected(ctx, leases, cfg.LeaderElection, events, lead)
 		}
 	}
 	healthy := func() error { return p.Healthy(cfg.WedgedExportLimit) }

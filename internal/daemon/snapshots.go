@@ -301,8 +301,12 @@ func RunSnapshotController(ctx context.Context, cfg SnapshotControllerConfig) er
 		return nil
 	}
 	if cfg.LeaderElection.Enabled {
+		leases, err := cfg.Kube.leaseClient()
+		if err != nil {
+			return err
+		}
 		run = func(ctx context.Context) error {
-			return runElected(ctx, client, cfg.LeaderElection, nil, lead)
+			return runElected(ctx, leases, cfg.LeaderElection, nil, lead)
 		}
 	}
 	return runAll(ctx, httpConfig{address: cfg.HTTPAddress}, newRegistry(), nil, run)

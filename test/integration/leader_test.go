@@ -232,3 +232,63 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	}
 	handBack(t, standby, standbyWorkDir)
 }
+
+// A leader whose API calls are throttled keeps its lease: a controller with a small client
+// budget (--kube-api-qps=2, as a cluster short of API capacity would set it) provisions 40
+// NFS claims at once, its 16 workers queued on that budget for many times its renew deadline
+// (3 s here), and stays the leader until every claim is Bound, without exiting or losing
+// the lease.
+func TestThrottledLeaderKeepsItsLease(t *testing.T) {
+	ctx := context.Background()
+	// The suite's controller hands the lease over at once on SIGTERM.
+	if !ctrlProc.Stop(30 * time.Second) {
+		t.Fatalf("the suite's controller did not stop on SIGTERM:\n%s", ctrlProc.Tail(2000))
+	}
+	workDir := filepath.Join(t.TempDir(), "controller")
+	throttled, err := suite.StartDirpv(ctx, "controller-throttled", "controller",
+		"--v=2", "--operation-timeout=10s", "--work-dir", workDir,
+		"--kube-api-qps=2", "--kube-api-burst=2",
+		"--leader-election=true", "--leader-election-namespace=kube-system",
+		"--leader-election-lease-duration=5s", "--leader-election-renew-deadline=3s", "--leader-election-retry-period=1s")
+	if err != nil {
+		ctrlProc.Restart()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		throttled.Stop(10 * time.Second)
+		if exited, _ := ctrlProc.Exited(); exited {
+			ctrlProc.Restart()
+		}
+	})
+	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
+		return acquisitions(throttled) > 0, fmt.Errorf("the throttled controller has not taken the lease")
+	})
+	if err != nil {
+		t.Fatalf("%v\n%s", err, throttled.Tail(3000))
+	}
+
+	ns := suite.NewNamespace(t)
+	class := nfsClass(t, suite.NFS, nil, nil)
+	const n = 40
+	for i := range n {
+		suite.CreateClaim(t, ns, fmt.Sprintf("c-%02d", i), class.Name, framework.AccessModes(v1.ReadWriteMany))
+	}
+	err = framework.Poll(ctx, 4*time.Minute, func(ctx context.Context) (bool, error) {
+		// An exit ends the wait: no claim binds after it.
+		if exited, _ := throttled.Exited(); exited {
+			return true, nil
+		}
+		bound, _, err := framework.BoundClaims(ctx, suite.Client, ns)
+		return bound == n, fmt.Errorf("%d of %d claims Bound (err %v)", bound, n, err)
+	})
+	if exited, exitErr := throttled.Exited(); exited {
+		t.Fatalf("the throttled controller exited (%v) while provisioning:\n%s", exitErr, throttled.Tail(4000))
+	}
+	if err != nil {
+		t.Fatalf("%v\n--- throttled controller's log tail:\n%s", err, throttled.Tail(4000))
+	}
+	if log := strings.ToLower(throttled.Tail(1 << 30)); strings.Contains(log, "failed to renew lease") || strings.Contains(log, "stopped leading") {
+		t.Errorf("the throttled controller stopped leading while it provisioned:\n%s", throttled.Tail(4000))
+	}
+	handBack(t, throttled, workDir)
+}
