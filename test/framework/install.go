@@ -300,6 +300,9 @@ func (inst *Installation) Existing(ctx context.Context) ([]*unstructured.Unstruc
 	var got []*unstructured.Unstructured
 	for _, o := range inst.Objects {
 		r, err := inst.resource(o)
+		if meta.IsNoMatchError(errors.Unwrap(err)) {
+			continue // a kind the API server does not serve (its CRD is gone): none there
+		}
 		if err != nil {
 			return nil, err
 		}
@@ -340,6 +343,9 @@ func (inst *Installation) deleteAndWait(ctx context.Context, objs []*unstructure
 	fg := metav1.DeletePropagationForeground
 	for _, o := range objs {
 		r, err := inst.resource(o)
+		if meta.IsNoMatchError(errors.Unwrap(err)) {
+			continue // a kind the API server does not serve (its CRD is gone): none there
+		}
 		if err != nil {
 			return err
 		}
@@ -350,6 +356,9 @@ func (inst *Installation) deleteAndWait(ctx context.Context, objs []*unstructure
 	return Poll(ctx, 2*time.Minute, func(ctx context.Context) (bool, error) {
 		for _, o := range objs {
 			r, err := inst.resource(o)
+			if meta.IsNoMatchError(errors.Unwrap(err)) {
+				continue
+			}
 			if err != nil {
 				return false, err
 			}
