@@ -146,6 +146,10 @@ type E2ELocalOptions struct {
 	// Root is the checkout whose deploy/ is rendered (another commit's, for the upgrade
 	// test); empty means this one.
 	Root string
+	// NoSurge replaces the Deployments one pod at a time (maxSurge 0): on the host network a
+	// new pod wants its predecessor's port, which an older deploy/ did not account for, and
+	// on one node it would wait for ever (docs/operations.md, "Downgrading").
+	NoSurge bool
 }
 
 // RenderE2ELocal renders deploy/overlays/e2e-local for a cluster whose apiserver listens on
@@ -158,25 +162,53 @@ type E2ELocalOptions struct {
 //	patches: one strategic-merge patch per workload setting env KUBERNETES_SERVICE_PORT (and
 //	         KUBERNETES_SERVICE_HOST with APIServerHost)
 func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptions) ([]byte, error) {
-	if opts.APIServerPort <= 0 || opts.APIServerPort > 65535 {
-		return nil, fmt.Errorf("deploy: e2e-local: APIServerPort %d out of range", opts.APIServerPort)
-	}
-	root := opts.Root
-	if root == "" {
-		var err error
-		if root, err = RepoDir(); err != nil {
-			return nil, err
-		}
-	}
 	dir, err := os.MkdirTemp("", "dirpv-e2e-overlay-")
 	if err != nil {
 		return nil, fmt.Errorf("deploy: %w", err)
 	}
 	defer os.RemoveAll(dir)
+	if err := writeE2ELocal(opts, dir); err != nil {
+		return nil, err
+	}
+	return Kustomize(ctx, kustomizeBin, dir)
+}
+
+// E2ELocalPostRenderer writes into dir a helm post-renderer (helm install --post-renderer)
+// that makes of the chart's output what RenderE2ELocal makes of a release's kind manifest
+// (opts.Kind): the chart, rendered with snapshots.enabled false, stands for the kind overlay.
+// It returns the post-renderer's path; dir must outlive its use.
+func E2ELocalPostRenderer(kustomizeBin string, opts E2ELocalOptions, dir string) (string, error) {
+	opts.Kind = []byte("# replaced by the chart's output\n")
+	if err := writeE2ELocal(opts, dir); err != nil {
+		return "", err
+	}
+	quote := func(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
+	script := "#!/bin/sh\nset -e\ncat > " + quote(filepath.Join(dir, "e2e-local", "rendered.yaml")) + "\n" +
+		"exec " + quote(kustomizeBin) + " build " + quote(dir) + "\n"
+	path := filepath.Join(dir, "post-render.sh")
+	if err := os.WriteFile(path, []byte(script), 0o755); err != nil {
+		return "", fmt.Errorf("deploy: %w", err)
+	}
+	return path, nil
+}
+
+// writeE2ELocal writes RenderE2ELocal's kustomization into dir.
+func writeE2ELocal(opts E2ELocalOptions, dir string) error {
+	if opts.APIServerPort <= 0 || opts.APIServerPort > 65535 {
+		return fmt.Errorf("deploy: e2e-local: APIServerPort %d out of range", opts.APIServerPort)
+	}
+	root := opts.Root
+	if root == "" {
+		var err error
+		if root, err = RepoDir(); err != nil {
+			return err
+		}
+	}
+	var err error
 	env := "            - name: KUBERNETES_SERVICE_PORT\n              value: " + strconv.Quote(strconv.Itoa(opts.APIServerPort)) + "\n"
 	if opts.APIServerHost != "" {
 		if net.ParseIP(opts.APIServerHost) == nil {
-			return nil, fmt.Errorf("deploy: e2e-local: APIServerHost %q is not an IP address", opts.APIServerHost)
+			return fmt.Errorf("deploy: e2e-local: APIServerHost %q is not an IP address", opts.APIServerHost)
 		}
 		env += "            - name: KUBERNETES_SERVICE_HOST\n              value: " + strconv.Quote(opts.APIServerHost) + "\n"
 	}
@@ -184,19 +216,19 @@ func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptio
 	e2eLocal := filepath.Join(root, "deploy", "overlays", "e2e-local")
 	if opts.Kind != nil {
 		if e2eLocal, err = rebaseOnRendered(e2eLocal, "../kind", opts.Kind, filepath.Join(dir, "e2e-local")); err != nil {
-			return nil, err
+			return err
 		}
 	}
 	// kustomize refuses an absolute path to another kustomization; a relative one may climb.
 	overlay, err := filepath.Rel(dir, e2eLocal)
 	if err != nil {
-		return nil, fmt.Errorf("deploy: %w", err)
+		return fmt.Errorf("deploy: %w", err)
 	}
 	fmt.Fprintf(&k, "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - %s\n", overlay)
 	if opts.Image != "" {
 		images, err := imagesField(opts.Image)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		k.WriteString(images)
 	}
@@ -206,7 +238,7 @@ func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptio
 			"spec:\n  template:\n    spec:\n      containers:\n        - name: dirpv\n          env:\n%s", w.kind, w.name, env)
 		file := w.name + "-port.yaml"
 		if err := os.WriteFile(filepath.Join(dir, file), []byte(patch), 0o644); err != nil {
-			return nil, fmt.Errorf("deploy: %w", err)
+			return fmt.Errorf("deploy: %w", err)
 		}
 		fmt.Fprintf(&k, "  - path: %s\n", file)
 	}
@@ -217,17 +249,22 @@ func RenderE2ELocal(ctx context.Context, kustomizeBin string, opts E2ELocalOptio
 		}
 		b, err := json.Marshal(ops)
 		if err != nil {
-			return nil, fmt.Errorf("deploy: %w", err)
+			return fmt.Errorf("deploy: %w", err)
 		}
 		if err := os.WriteFile(filepath.Join(dir, "node-args.json"), b, 0o644); err != nil {
-			return nil, fmt.Errorf("deploy: %w", err)
+			return fmt.Errorf("deploy: %w", err)
 		}
 		k.WriteString("  - path: node-args.json\n    target:\n      kind: DaemonSet\n      name: dirpv-node\n")
 	}
-	if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(k.String()), 0o644); err != nil {
-		return nil, fmt.Errorf("deploy: %w", err)
+	if opts.NoSurge {
+		k.WriteString("  - patch: '[{\"op\": \"add\", \"path\": \"/spec/strategy\", \"value\": " +
+			"{\"type\": \"RollingUpdate\", \"rollingUpdate\": {\"maxSurge\": 0, \"maxUnavailable\": 1}}}]'\n" +
+			"    target:\n      kind: Deployment\n")
 	}
-	return Kustomize(ctx, kustomizeBin, dir)
+	if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(k.String()), 0o644); err != nil {
+		return fmt.Errorf("deploy: %w", err)
+	}
+	return nil
 }
 
 // RenderOverlay renders deploy/overlays/<overlay> with image (repository:tag or

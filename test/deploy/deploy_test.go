@@ -1,9 +1,11 @@
 package deploy
 
 import (
+	"bytes"
 	"cmp"
 	"fmt"
 	"maps"
+	"os/exec"
 	"path"
 	"reflect"
 	"slices"
@@ -773,6 +775,61 @@ func TestRenderE2ELocalOnRelease(t *testing.T) {
 	// An overlay whose base is not the one replaced is refused rather than half rebased.
 	if _, err := rebaseOnRendered(repoPath(t, "deploy/overlays/e2e-local"), "../nfs", kind, t.TempDir()); err == nil {
 		t.Error("rebaseOnRendered replaced ../nfs in an overlay of ../kind")
+	}
+}
+
+// TestE2ELocalPostRenderer: the chart through the post-renderer (what the helm run of the
+// upgrade test installs) gives the objects e2e-local gives on the kind overlay, adapted alike;
+// the chart does not create the namespace (helm install --create-namespace does).
+func TestE2ELocalPostRenderer(t *testing.T) {
+	kustomize, helm := tools(t)
+	opts := E2ELocalOptions{APIServerPort: 36443, Image: "ghcr.io/dirpv/dirpv:e2e-1", NodeArgs: []string{"--quota-check-period=5s"}}
+	post, err := E2ELocalPostRenderer(kustomize, opts, t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	chart, err := HelmTemplate(t.Context(), helm, "dirpv", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.CommandContext(t.Context(), post)
+	cmd.Stdin = bytes.NewReader(chart)
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("post-renderer: %v", err)
+	}
+	tree, err := RenderE2ELocal(t.Context(), kustomize, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, want := decode(t, out), decode(t, tree)
+	delete(want, "Namespace /dirpv")
+	if !slices.Equal(slices.Sorted(maps.Keys(got)), slices.Sorted(maps.Keys(want))) {
+		t.Errorf("post-rendered chart has %v, e2e-local %v", slices.Sorted(maps.Keys(got)), slices.Sorted(maps.Keys(want)))
+	}
+	spec := deployment(t, got).Spec.Template.Spec
+	if port, _ := envValue(container(t, spec), "KUBERNETES_SERVICE_PORT"); !spec.HostNetwork || port.Value != "36443" {
+		t.Errorf("controller: hostNetwork %v, apiserver port %q", spec.HostNetwork, port.Value)
+	}
+	if args := container(t, daemonSet(t, got).Spec.Template.Spec).Args; args[len(args)-1] != "--quota-check-period=5s" {
+		t.Errorf("node args %q", args)
+	}
+}
+
+// TestRenderE2ELocalNoSurge: both host-network Deployments of an older deploy/ are replaced
+// one pod at a time with NoSurge (the upgrade test's downgrade).
+func TestRenderE2ELocalNoSurge(t *testing.T) {
+	kustomize, _ := tools(t)
+	out, err := RenderE2ELocal(t.Context(), kustomize, E2ELocalOptions{APIServerPort: 36443, Image: "ghcr.io/dirpv/dirpv:e2e-1", NoSurge: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs := decode(t, out)
+	for _, name := range []string{"dirpv-controller", "dirpv-snapshot-controller"} {
+		s := get[*appsv1.Deployment](t, objs, "Deployment dirpv/"+name).Spec.Strategy
+		if s.RollingUpdate == nil || s.RollingUpdate.MaxSurge.String() != "0" || s.RollingUpdate.MaxUnavailable.String() != "1" {
+			t.Errorf("%s: strategy %+v", name, s)
+		}
 	}
 }
 

@@ -180,9 +180,10 @@ func Poll(ctx context.Context, timeout time.Duration, cond func(ctx context.Cont
 	var last error
 	err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, timeout, true, func(ctx context.Context) (bool, error) {
 		ok, err := cond(ctx)
-		// A call cut short by the deadline says nothing about what we waited for: keep the
-		// complaint from before.
-		if err != nil && ctx.Err() == nil {
+		// A call cut short by the deadline, or refused by the client's rate limiter because it
+		// would wait past it, says nothing about what we waited for: keep the complaint from
+		// before.
+		if err != nil && ctx.Err() == nil && !strings.Contains(err.Error(), "would exceed context deadline") {
 			last = err
 		}
 		return ok, nil

@@ -285,6 +285,37 @@ func (inst *Installation) apply(ctx context.Context, o *unstructured.Unstructure
 	return nil
 }
 
+// Installed returns the Installation of objs, which another tool applied (helm, from a chart
+// that renders the same objects), so that they are looked at and uninstalled as Install's are.
+func Installed(kubeconfig string, objs []*unstructured.Unstructured) (*Installation, error) {
+	cfg, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	return newInstallation(cfg, objs)
+}
+
+// Existing returns those of the Installation's objects that the cluster has.
+func (inst *Installation) Existing(ctx context.Context) ([]*unstructured.Unstructured, error) {
+	var got []*unstructured.Unstructured
+	for _, o := range inst.Objects {
+		r, err := inst.resource(o)
+		if meta.IsNoMatchError(errors.Unwrap(err)) {
+			continue // a kind the API server does not serve (its CRD is gone): none there
+		}
+		if err != nil {
+			return nil, err
+		}
+		switch _, err := r.Get(ctx, o.GetName(), metav1.GetOptions{}); {
+		case err == nil:
+			got = append(got, o)
+		case !apierrors.IsNotFound(err):
+			return nil, fmt.Errorf("get %s %s: %w", o.GetKind(), o.GetName(), err)
+		}
+	}
+	return got, nil
+}
+
 // Uninstall stops dirpv's pods, then deletes the rest of what Install applied, in reverse
 // order, and waits until it is gone. The workloads go first, and their pods must be gone
 // before their RBAC is deleted: a pod still shutting down would otherwise make calls that
@@ -312,6 +343,9 @@ func (inst *Installation) deleteAndWait(ctx context.Context, objs []*unstructure
 	fg := metav1.DeletePropagationForeground
 	for _, o := range objs {
 		r, err := inst.resource(o)
+		if meta.IsNoMatchError(errors.Unwrap(err)) {
+			continue // a kind the API server does not serve (its CRD is gone): none there
+		}
 		if err != nil {
 			return err
 		}
@@ -322,13 +356,17 @@ func (inst *Installation) deleteAndWait(ctx context.Context, objs []*unstructure
 	return Poll(ctx, 2*time.Minute, func(ctx context.Context) (bool, error) {
 		for _, o := range objs {
 			r, err := inst.resource(o)
+			if meta.IsNoMatchError(errors.Unwrap(err)) {
+				continue
+			}
 			if err != nil {
 				return false, err
 			}
-			_, err = r.Get(ctx, o.GetName(), metav1.GetOptions{})
+			got, err := r.Get(ctx, o.GetName(), metav1.GetOptions{})
 			switch {
 			case err == nil:
-				return false, fmt.Errorf("%s %s still exists", o.GetKind(), o.GetName())
+				return false, fmt.Errorf("%s %s still exists (deleted at %v, finalizers %v, owners %v)", o.GetKind(), o.GetName(),
+					got.GetDeletionTimestamp(), got.GetFinalizers(), got.GetOwnerReferences())
 			case !apierrors.IsNotFound(err):
 				return false, fmt.Errorf("get %s %s: %w", o.GetKind(), o.GetName(), err)
 			}

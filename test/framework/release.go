@@ -143,6 +143,18 @@ func RenderInstall(ctx context.Context, c *cluster.Cluster, opts deploy.E2ELocal
 	return deploy.Decode(manifests)
 }
 
+// HelmPostRenderer writes into dir the helm post-renderer (deploy.E2ELocalPostRenderer) that
+// adapts dirpv's chart to the cluster as RenderInstall adapts the kind overlay, and returns its
+// path.
+func HelmPostRenderer(ctx context.Context, c *cluster.Cluster, opts deploy.E2ELocalOptions, dir string) (string, error) {
+	kustomize, err := deploy.Tool(ctx, "kustomize", true)
+	if err != nil {
+		return "", err
+	}
+	opts.APIServerPort, opts.APIServerHost = c.APIServerPort, c.APIServerHost
+	return deploy.E2ELocalPostRenderer(kustomize, opts, dir)
+}
+
 // WaitRolledOut waits until every Deployment and DaemonSet in namespace has rolled out its
 // current spec, as `kubectl rollout status` says, and every pod of theirs runs imageName and
 // is ready: the pods of an earlier version are gone.
