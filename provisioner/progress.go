@@ -9,6 +9,7 @@ import (
 
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/tools/record"
+	"k8s.io/utils/clock"
 
 	"github.com/dirpv/dirpv/volume"
 )
@@ -23,13 +24,16 @@ const (
 // The spacing of progress events: the first after copyProgressFirst, each next one twice as
 // long after the last, up to copyProgressMax. The recorder lets an object have 25 events at
 // once and one more every 5 minutes (client-go's spam filter): copies of hours stay within
-// it, and their last events are not dropped. Variables for tests.
-var (
+// it, and their last events are not dropped.
+const (
 	copyProgressFirst = 30 * time.Second
 	copyProgressMax   = 5 * time.Minute
 	// copyStartPoll is how often the reporter looks whether the copy has started walking.
 	copyStartPoll = time.Second
 )
+
+// copyClock times the progress events; a variable so that a test can step a fake one.
+var copyClock clock.WithTicker = clock.RealClock{}
 
 // copyWatch says who is told how a copy goes: what is copied ("PersistentVolumeClaim ns/a
 // into the new volume"), and the objects the events go on.
@@ -55,19 +59,23 @@ func reportCopy(ctx context.Context, events record.EventRecorder, w *copyWatch) 
 	stopped := make(chan struct{})
 	go func() {
 		defer close(stopped)
-		poll := time.NewTicker(copyStartPoll)
-		defer poll.Stop()
+		clk := copyClock
+		poll := clk.NewTicker(copyStartPoll)
+		// It looks at each tick only, not at once: a copy over within a tick is not reported,
+		// and a fake clock's step decides when the start is seen.
 		for {
+			select {
+			case <-done:
+				poll.Stop()
+				return
+			case <-poll.C():
+			}
 			if _, _, started := count.Load(); started {
 				break
 			}
-			select {
-			case <-done:
-				return
-			case <-poll.C:
-			}
 		}
-		start := time.Now()
+		poll.Stop()
+		start := clk.Now()
 		to := w.to
 		if w.more != nil {
 			to = append(w.more(ctx), to...)
@@ -76,17 +84,17 @@ func reportCopy(ctx context.Context, events record.EventRecorder, w *copyWatch) 
 			events.Eventf(o, v1.EventTypeNormal, ReasonCopyStarted, "Copying %s", w.what)
 		}
 		for wait := copyProgressFirst; ; wait = min(2*wait, copyProgressMax) {
-			t := time.NewTimer(wait)
+			t := clk.NewTimer(wait)
 			select {
 			case <-done:
 				t.Stop()
 				return
-			case <-t.C:
+			case <-t.C():
 			}
 			files, bytes, _ := count.Load()
 			for _, o := range to {
 				events.Eventf(o, v1.EventTypeNormal, ReasonCopyProgress, "Copying %s: copied %s in %s files so far, in %s",
-					w.what, formatBytes(bytes), formatCount(files), time.Since(start).Round(time.Second))
+					w.what, formatBytes(bytes), formatCount(files), clk.Since(start).Round(time.Second))
 			}
 		}
 	}()

@@ -10,17 +10,33 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/tools/record"
+	clocktesting "k8s.io/utils/clock/testing"
 
 	"github.com/dirpv/dirpv/volume"
 )
 
-// shortProgress shortens the progress events' spacing for a test.
-func shortProgress(t *testing.T, first, most time.Duration) {
+// fakeCopyClock makes the progress reports run on a fake clock for a test.
+func fakeCopyClock(t *testing.T) *clocktesting.FakeClock {
 	t.Helper()
-	oldFirst, oldMax, oldPoll := copyProgressFirst, copyProgressMax, copyStartPoll
-	copyProgressFirst, copyProgressMax, copyStartPoll = first, most, time.Millisecond
-	t.Cleanup(func() { copyProgressFirst, copyProgressMax, copyStartPoll = oldFirst, oldMax, oldPoll })
+	clk := clocktesting.NewFakeClock(time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC))
+	old := copyClock
+	copyClock = clk
+	t.Cleanup(func() { copyClock = old })
+	return clk
+}
+
+// waitWaiters waits until n timers and tickers wait on clk: the reporter is blocked on it,
+// so that a step is seen by it.
+func waitWaiters(t *testing.T, clk *clocktesting.FakeClock, n int) {
+	t.Helper()
+	err := wait.PollUntilContextTimeout(context.Background(), time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
+		return clk.Waiters() == n, nil
+	})
+	if err != nil {
+		t.Fatalf("%d waiters on the clock, want %d", clk.Waiters(), n)
+	}
 }
 
 // nextEvent returns the next event recorded, failing the test if none comes within a while.
@@ -37,10 +53,9 @@ func nextEvent(t *testing.T, events *record.FakeRecorder) string {
 
 // A copy reported on two objects: nothing before it starts walking its source (a copy refused
 // for lack of space stops before), then CopyStarted on each object, then CopyProgress with
-// what it copied so far, spaced out twice as much each time up to the cap, and nothing once
-// stopped.
+// what it copied so far, at 30 s, then spaced twice as much each time up to 5 min, and
+// nothing once stopped.
 func TestCopyProgressEvents(t *testing.T) {
-	shortProgress(t, 40*time.Millisecond, 100*time.Millisecond)
 	events := record.NewFakeRecorder(100)
 	events.IncludeObject = true
 	claim := &v1.ObjectReference{Kind: kindPVC, APIVersion: "v1", Namespace: "ns", Name: "copy"}
@@ -54,11 +69,15 @@ func TestCopyProgressEvents(t *testing.T) {
 		return kind
 	}
 
-	// A copy that ends before it starts walking (refused) is not reported.
+	// A copy that ends before it starts walking (refused) is not reported, however long the
+	// reporter looks.
+	clk := fakeCopyClock(t)
 	_, stop := reportCopy(context.Background(), events, w)
-	// A window for a wrong event: a reporter that did not wait for the start would send one
-	// at once.
-	time.Sleep(20 * time.Millisecond)
+	waitWaiters(t, clk, 1)
+	for range 5 {
+		clk.Step(copyStartPoll)
+	}
+	// stop returns once the reporter has ended: all it sent is recorded.
 	stop()
 	if n := len(events.Events); n != 0 {
 		t.Fatalf("%d events for a copy that never started, want none: %s", n, <-events.Events)
@@ -79,11 +98,15 @@ func TestCopyProgressEvents(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	clk = fakeCopyClock(t)
 	ctx, stop := reportCopy(context.Background(), events, w)
 	defer stop()
 	if _, _, _, err := root.MkdirAllFrom(ctx, "dst", volume.Claim{UID: "u"}, 0, volume.Source{Root: root, Rel: src}); err != nil {
 		t.Fatal(err)
 	}
+	// The reporter sees the start at its next look, a tick after.
+	waitWaiters(t, clk, 1)
+	clk.Step(copyStartPoll)
 	got := map[string]bool{}
 	for range 2 {
 		e := nextEvent(t, events)
@@ -96,29 +119,29 @@ func TestCopyProgressEvents(t *testing.T) {
 		t.Errorf("CopyStarted on %v, want the claim and the VolumeSnapshot", got)
 	}
 	// The copy is done: each report says all it copied (10 files and their directory;
-	// 10,000 bytes), the first after copyProgressFirst, the next ones up to copyProgressMax apart.
-	var at []time.Time
-	start := time.Now()
-	for range 4 {
+	// 10,000 bytes) and how long since it started. Time moves a second at a time; a report
+	// is due only at these times since the start (30 s, then 1, 2, 4, 5, 5 min apart).
+	due := map[time.Duration]bool{}
+	for _, d := range []time.Duration{30 * time.Second, 90 * time.Second, 210 * time.Second, 450 * time.Second, 750 * time.Second, 1050 * time.Second} {
+		due[d] = true
+	}
+	for since := time.Second; since <= 20*time.Minute; since += time.Second {
+		// The start's ticker, which a fake clock keeps after Stop, and the next report's timer.
+		waitWaiters(t, clk, 2)
+		clk.Step(time.Second)
+		if !due[since] {
+			continue
+		}
 		for range 2 {
-			e := nextEvent(t, events)
-			if !strings.HasPrefix(e, "Normal CopyProgress Copying volume a into snapshot s: copied 9.8 KiB in 11 files so far, in ") || on(e) == "" {
-				t.Errorf("event %q, want CopyProgress with what was copied", e)
+			want := "Normal CopyProgress Copying volume a into snapshot s: copied 9.8 KiB in 11 files so far, in " + since.String() + " involvedObject"
+			if e := nextEvent(t, events); !strings.HasPrefix(e, want) || on(e) == "" {
+				t.Fatalf("event %q, want %q", e, want)
 			}
 		}
-		at = append(at, time.Now())
 	}
 	stop()
-	gaps := []time.Duration{at[0].Sub(start), at[1].Sub(at[0]), at[2].Sub(at[1]), at[3].Sub(at[2])}
-	// 40ms, 80ms, 100ms (the cap), 100ms, each at least that long apart (the first counted
-	// from a little after the start).
-	for i, want := range []time.Duration{20 * time.Millisecond, 80 * time.Millisecond, 100 * time.Millisecond, 100 * time.Millisecond} {
-		if gaps[i] < want {
-			t.Errorf("progress event %d came %v after the one before, want at least %v (gaps %v)", i+1, gaps[i], want, gaps)
-		}
-	}
-	if n := len(events.Events); n > 2 {
-		t.Errorf("%d events after stop, want none (but a report under way)", n)
+	if n := len(events.Events); n != 0 {
+		t.Errorf("%d events not due, want none: %s", n, <-events.Events)
 	}
 }
 

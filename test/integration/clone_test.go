@@ -337,14 +337,22 @@ func TestCloneNFSClaim(t *testing.T) {
 // under its name, and a test judges what the log says.
 func cloneStoppedAt(t *testing.T, node, point string, files int, env ...string) (*framework.Process, string, string) {
 	t.Helper()
-	proc := startNodeInstance(t, node, suite.Work.BaseRoot, append([]string{failpoint.Env + "=" + point + ":" + fmt.Sprint(files/2)}, env...)...)
-	ns := suite.NewNamespace(t)
-	class, base := localClass(t, nil)
-	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(node))
+	proc, ns, class, base := sourceStoppedAt(t, node, point, files, env...)
+	suite.CreateClaim(t, ns, "copy", class, framework.OnNode(node), cloneOf("src"))
+	return proc, ns, base
+}
+
+// sourceStoppedAt is cloneStoppedAt without the clone: the instance, the namespace, the
+// class's name and base, for a test that copies "src" its own way.
+func sourceStoppedAt(t *testing.T, node, point string, files int, env ...string) (proc *framework.Process, ns, class, base string) {
+	t.Helper()
+	proc = startNodeInstance(t, node, suite.Work.BaseRoot, append([]string{failpoint.Env + "=" + point + ":" + fmt.Sprint(files/2)}, env...)...)
+	ns = suite.NewNamespace(t)
+	c, base := localClass(t, nil)
+	suite.CreateClaim(t, ns, "src", c.Name, framework.OnNode(node))
 	_, srcPV := waitBound(t, ns, "src")
 	must(t, framework.FillEmptyFiles(volumeDir(srcPV), files))
-	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(node), cloneOf("src"))
-	return proc, ns, base
+	return proc, ns, c.Name, base
 }
 
 // A node instance killed in the middle of a clone's copy (failpoint.DuringCopy), then
@@ -389,11 +397,7 @@ func TestCloneCancelledWhenItsClaimIsDeleted(t *testing.T) {
 		point = failpoint.PauseDuringCopy
 	)
 	proc, ns, base := cloneStoppedAt(t, uniqueName("node-clone-cancel"), point, files)
-	if err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
-		return strings.Contains(proc.Tail(4000), "failpoint "+point+" reached"), errors.New("the copy did not reach the failpoint")
-	}); err != nil {
-		t.Fatalf("%v\n--- log tail:\n%s", err, proc.Tail(3000))
-	}
+	waitHeldAt(t, proc, point)
 	temps := tempDirs(t, base)
 	if len(temps) != 1 {
 		t.Fatalf("base during the copy holds %v, want the source and one temporary directory", entries(t, base))

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -426,12 +425,7 @@ func TestLongCopiesReportProgress(t *testing.T) {
 	)
 	release := filepath.Join(t.TempDir(), "release")
 	node := uniqueName("node-copy-progress")
-	proc := startNodeInstance(t, node, suite.Work.BaseRoot, failpoint.Env+"="+point+":"+fmt.Sprint(files/2), failpoint.ReleaseEnv+"="+release)
-	ns := suite.NewNamespace(t)
-	class, _ := localClass(t, nil)
-	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(node))
-	_, srcPV := waitBound(t, ns, "src")
-	must(t, framework.FillEmptyFiles(volumeDir(srcPV), files))
+	proc, ns, class, _ := sourceStoppedAt(t, node, point, files, failpoint.ReleaseEnv+"="+release)
 	waitEvent := func(ns, kind, name, reason, substr string, within time.Duration) *v1.Event {
 		t.Helper()
 		e, err := framework.WaitForEvent(ctx, suite.Client, ns, kind, name, reason, substr, within)
@@ -439,15 +433,6 @@ func TestLongCopiesReportProgress(t *testing.T) {
 			t.Fatalf("%v\n--- node log tail:\n%s", err, proc.Tail(3000))
 		}
 		return e
-	}
-	held := func() {
-		t.Helper()
-		err := framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
-			return strings.Contains(proc.Tail(4000), "failpoint "+point+" reached"), errors.New("the copy did not reach the failpoint")
-		})
-		if err != nil {
-			t.Fatalf("%v\n--- log tail:\n%s", err, proc.Tail(3000))
-		}
 	}
 
 	vsClass := snapshotClass(t, snapshotv1.VolumeSnapshotContentDelete)
@@ -463,7 +448,7 @@ func TestLongCopiesReportProgress(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	held()
+	waitHeldAt(t, proc, point)
 	content := "snapcontent-" + string(vs.UID)
 	want := "into snapshot snapshot-" + string(vs.UID)
 	waitEvent(ns, "VolumeSnapshot", "snap", provisioner.ReasonCopyStarted, want, timeout)
@@ -481,7 +466,7 @@ func TestLongCopiesReportProgress(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(node), cloneOf("src"))
+	suite.CreateClaim(t, ns, "copy", class, framework.OnNode(node), cloneOf("src"))
 	waitEvent(ns, "PersistentVolumeClaim", "copy", provisioner.ReasonCopyStarted, "PersistentVolumeClaim "+ns+"/src into the new volume", timeout)
 	if err := os.WriteFile(release, nil, 0o644); err != nil {
 		t.Fatal(err)

@@ -293,6 +293,18 @@ func claimClass(t *testing.T, ns, name string) string {
 	return ptr.Deref(c.Spec.StorageClassName, "")
 }
 
+// deletePod deletes the pod, if it is there, and waits until it is gone.
+func deletePod(t *testing.T, ns, pod string) {
+	t.Helper()
+	ctx := context.Background()
+	if err := suite.Client.CoreV1().Pods(ns).Delete(ctx, pod, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil && !apierrors.IsNotFound(err) {
+		t.Fatal(err)
+	}
+	if err := framework.WaitForPodDeleted(ctx, suite.Client, ns, pod, timeout); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // deletePodAndClaim deletes the pod (if pod is not "") and then the claim, as the examples'
 // comments tell users to, and waits until the claim's PV is gone: dirpv has then done what
 // the class's onDelete says to the directory.
@@ -301,12 +313,7 @@ func deletePodAndClaim(t *testing.T, ns, pod, claim string) {
 	ctx := context.Background()
 	c := suite.Client.CoreV1()
 	if pod != "" {
-		if err := c.Pods(ns).Delete(ctx, pod, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil && !apierrors.IsNotFound(err) {
-			t.Fatal(err)
-		}
-		if err := framework.WaitForPodDeleted(ctx, suite.Client, ns, pod, timeout); err != nil {
-			t.Fatal(err)
-		}
+		deletePod(t, ns, pod)
 	}
 	pvc, err := c.PersistentVolumeClaims(ns).Get(ctx, claim, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {

@@ -340,12 +340,7 @@ func upgradeFromRelease(t *testing.T, env upgradeEnv, m upgradeMethod) {
 		t.Errorf("a new pod on the old version's clone reads %q, want seed", out)
 	}
 	// Pods that ended still hold their claim (kube-controller-manager's PVC protection).
-	if err := c.CoreV1().Pods(ns).Delete(ctx, "clone-reader", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if err := framework.WaitForPodDeleted(ctx, c, ns, "clone-reader", timeout); err != nil {
-		t.Fatal(err)
-	}
+	deletePod(t, ns, "clone-reader")
 	deletePodAndClaim(t, ns, "clone-reader-new", "clone")
 	if _, err := os.Stat(cloneDir); !os.IsNotExist(err) {
 		t.Errorf("deleting the old version's clone left %s: %v", cloneDir, err)
@@ -422,12 +417,7 @@ func upgradeFromRelease(t *testing.T, env upgradeEnv, m upgradeMethod) {
 		t.Errorf("after the downgrade a pod on a claim of this version reads %q, want fresh", out)
 	}
 	// A pod that ended still holds its claim (kube-controller-manager's PVC protection).
-	if err := c.CoreV1().Pods(ns).Delete(ctx, "fresh-writer", metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if err := framework.WaitForPodDeleted(ctx, c, ns, "fresh-writer", timeout); err != nil {
-		t.Fatal(err)
-	}
+	deletePod(t, ns, "fresh-writer")
 	deletePodAndClaim(t, ns, "fresh-reader", "fresh")
 	if _, err := os.Stat(freshDir); !os.IsNotExist(err) {
 		t.Errorf("after the downgrade, deleting a claim of this version left %s: %v", freshDir, err)
