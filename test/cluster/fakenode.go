@@ -119,6 +119,10 @@ func (c *Cluster) CreateReadyNode(ctx context.Context, name string, labels map[s
 				_, err = cs.CoordinationV1().Leases(corev1.NamespaceNodeLease).Update(rctx, l, metav1.UpdateOptions{})
 			}
 			rcancel()
+			if apierrors.IsNotFound(err) {
+				// The test deleted its node, and the lease went with it.
+				return
+			}
 			if err != nil && beatCtx.Err() == nil {
 				c.logf("renew lease of fake node %s: %v", name, err)
 			}
