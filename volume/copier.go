@@ -43,8 +43,13 @@ type copier struct {
 	noReflink, noCopyRange bool
 	reflinked, copied      int64
 	entries                int64
-	buf                    []byte
-	xbuf                   []byte
+	// files copies regular files with a single name, several at once; nil in its workers,
+	// and where copyWorkers is 1.
+	files *filePool
+	// inDir is, in a worker of files, the path of the directory of the file it copies.
+	inDir string
+	buf   []byte
+	xbuf  []byte
 }
 
 type copyLevel struct {
@@ -167,13 +172,28 @@ func newCopier(ctx context.Context, stats *CopyStats, srcFd, dstFd int, skipXatt
 	}
 	c.stats.Allocated += sst.Blocks * 512
 	c.stack = []copyLevel{{src: devIno{sst.Dev, sst.Ino}, dst: c.dstDir, times: statTimes(&sst)}}
+	if copyWorkers > 1 {
+		c.files = newFilePool(c, copyWorkers)
+	}
 	if c.count != nil {
 		c.count.started.Store(true)
 	}
 	return c, nil
 }
 
+// waitFiles waits for the files the pool is copying, if it has one.
+func (c *copier) waitFiles() error {
+	if c.files == nil {
+		return nil
+	}
+	return c.files.wait(c)
+}
+
 func (c *copier) close() {
+	if c.files != nil {
+		c.files.stop()
+		c.files = nil
+	}
 	for _, fd := range []int{c.srcCur, c.dstCur, c.dstRoot} {
 		if fd >= 0 {
 			unix.Close(fd)
@@ -194,6 +214,9 @@ func (c *copier) method() string {
 
 // where names child of the current directory relative to the copy's root.
 func (c *copier) where(child string) string {
+	if c.stack == nil { // a worker of the file pool
+		return c.inDir + child
+	}
 	var b strings.Builder
 	for _, l := range c.stack[1:] {
 		b.WriteString(l.name)
@@ -213,6 +236,9 @@ func (c *copier) copyTree() error {
 			}
 			if !more {
 				// A directory's times are set once its entries are made, which changed them.
+				if err := c.waitFiles(); err != nil {
+					return err
+				}
 				if err := futimens(c.dstCur, &top.times); err != nil {
 					return fmt.Errorf("copy %s: set times: %w", c.where(""), err)
 				}
@@ -229,6 +255,11 @@ func (c *copier) copyTree() error {
 		top.children = top.children[1:]
 		top.off = child.off
 		name := child.name
+		if c.files != nil {
+			if err := c.files.failed(); err != nil {
+				return err
+			}
+		}
 		if err := c.ctx.Err(); err != nil {
 			return fmt.Errorf("copy %s: %w", c.where(name), err)
 		}
@@ -242,10 +273,7 @@ func (c *copier) copyTree() error {
 		failpoint.HitAfter(failpoint.DuringCopy, c.entries)
 		failpoint.PauseAt(c.ctx, failpoint.PauseDuringCopy, c.entries)
 		if err := c.copyEntry(name); err != nil {
-			if errors.Is(err, unix.EDQUOT) || errors.Is(err, unix.ENOSPC) {
-				return fmt.Errorf("copy %s: the new volume is full: %w", c.where(name), err)
-			}
-			return fmt.Errorf("copy %s: %w", c.where(name), err)
+			return entryError(c.where(name), err)
 		}
 	}
 }
@@ -361,6 +389,9 @@ func (c *copier) copyEntry(name string) error {
 			}
 			return nil
 		}
+	}
+	if kind == unix.S_IFREG && st.Nlink == 1 && c.files != nil {
+		return c.files.start(c, name, &st)
 	}
 	var made bool
 	var err error

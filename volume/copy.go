@@ -84,9 +84,11 @@ var ErrSourceMoved = errors.New("was moved while it was being copied")
 //
 // The walk never follows a symlink, never leaves either tree (every lookup is openat2 beneath
 // the directory it starts from, without symlinks; going back up checks the directory is the
-// one it left) and never crosses a mount (ErrMountInSource). It holds a constant number of
-// descriptors whatever the tree's size or depth, and memory that does not grow with the
-// tree's size: it reads dirBatch names of a directory at a time (a level's batch is dropped
+// one it left) and never crosses a mount (ErrMountInSource). Regular files with a single name
+// are copied a few at a time (copyWorkers), so that the round trips of each to an NFS server
+// overlap; a directory's times are set once all its entries are made. It holds a constant
+// number of descriptors whatever the tree's size or depth, and memory that does not grow with
+// the tree's size: it reads dirBatch names of a directory at a time (a level's batch is dropped
 // when it descends, and read on from where it stopped when it comes back), and its hard-link
 // table holds at most linkTableBytes (LinksNotKept); what grows with depth is one small record
 // per level, as in RemoveAll. The source may be written meanwhile: an entry that goes or

@@ -1,6 +1,7 @@
 package volume
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -159,4 +160,64 @@ func TestCopyWhereOffsetsAreLost(t *testing.T) {
 	if n := int64(len(want)) - 1; stats.Dirs+stats.Files+stats.Symlinks+stats.HardLinks+stats.Special != n {
 		t.Errorf("stats %+v: want %d entries made, each once", stats, n)
 	}
+}
+
+// TestMkdirAllFromCopiesFilesAtOnce: a copy makes several regular files at once, so that on a
+// target where every call waits for a server (NFS) the waits of different files overlap, and
+// still copies every file whole with its attributes.
+func TestMkdirAllFromCopiesFilesAtOnce(t *testing.T) {
+	dir := t.TempDir()
+	r, err := OpenRoot(dir)
+	must(t, err)
+	defer r.Close()
+	_, err = r.MkdirAll("src", Owner{Mode: 0o755}, Claim{UID: "src"})
+	must(t, err)
+	for i := range 32 {
+		p := filepath.Join(dir, "src", fmt.Sprintf("f%02d", i))
+		must(t, os.WriteFile(p, bytes.Repeat([]byte{byte(i)}, i*1000), 0o640))
+		must(t, os.Chown(p, 1000+i, 2000))
+		must(t, os.Chtimes(p, oldTime, oldTime))
+	}
+	want := treeHash(t, filepath.Join(dir, "src"))
+
+	var mu sync.Mutex
+	running, most := 0, 0
+	var gaveUp bool
+	copyFileStarted = func() {
+		mu.Lock()
+		running++
+		most = max(most, running)
+		mu.Unlock()
+		// Each file waits until another one's copy has started; a copy of one file at a
+		// time never starts another, and the first wait gives up after a second.
+		deadline := time.Now().Add(time.Second)
+		for {
+			mu.Lock()
+			done := most > 1 || gaveUp
+			if !done && time.Now().After(deadline) {
+				gaveUp, done = true, true
+			}
+			mu.Unlock()
+			if done {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+		mu.Lock()
+		running--
+		mu.Unlock()
+	}
+	t.Cleanup(func() { copyFileStarted = nil })
+
+	_, _, stats, err := r.MkdirAllFrom(context.Background(), "copy", Claim{UID: "copy"}, 0, Source{Root: r, Rel: "src"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if most < 2 {
+		t.Errorf("at most %d file copied at once, want 2 or more", most)
+	}
+	if stats.Files != 32 || stats.Bytes != 31*32/2*1000 {
+		t.Errorf("stats %+v, want 32 files of %d bytes in all", stats, 31*32/2*1000)
+	}
+	diffTrees(t, want, treeHash(t, filepath.Join(dir, "copy")))
 }

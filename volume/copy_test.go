@@ -60,7 +60,9 @@ func writeEveryKind(t testing.TB, dir, outside string) {
 	p := func(rel string) string { return filepath.Join(dir, rel) }
 	must(t, os.MkdirAll(p("a/b/c"), 0o755))
 	must(t, os.WriteFile(p("a/b/c/file"), []byte("hello"), 0o644))
-	must(t, os.WriteFile(p("empty"), nil, 0o600))
+	must(t, os.WriteFile(p("empty"), nil, 0o640))
+	must(t, os.Lchown(p("empty"), 4242, 2424))
+	must(t, unix.Setxattr(p("empty"), "user.empty", []byte("an empty file's"), 0))
 	f, err := os.Create(p("sparse"))
 	must(t, err)
 	_, err = f.WriteAt([]byte(strings.Repeat("x", 4096)), 0)
@@ -252,6 +254,14 @@ func TestMkdirAllFromDoesNotCrossMounts(t *testing.T) {
 		{"file", func(t *testing.T, mnt string) {
 			secret := filepath.Join(t.TempDir(), "secret")
 			must(t, os.WriteFile(secret, []byte("a file outside the source"), 0o644))
+			must(t, os.WriteFile(mnt, nil, 0o644))
+			must(t, unix.Mount(secret, mnt, "", unix.MS_BIND, ""))
+			t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
+		}},
+		{"empty file", func(t *testing.T, mnt string) { // copied without being opened
+			secret := filepath.Join(t.TempDir(), "empty")
+			must(t, os.WriteFile(secret, nil, 0o600))
+			must(t, unix.Setxattr(secret, "user.secret", []byte("outside"), 0))
 			must(t, os.WriteFile(mnt, nil, 0o644))
 			must(t, unix.Mount(secret, mnt, "", unix.MS_BIND, ""))
 			t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })

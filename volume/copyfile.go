@@ -11,7 +11,17 @@ import (
 	"k8s.io/klog/v2"
 )
 
+// copyFileStarted, if set, is called as the copy of each regular file starts: tests see
+// how many are copied at once.
+var copyFileStarted func()
+
 func (c *copier) copyFile(name string, lst *unix.Stat_t) (bool, error) {
+	if copyFileStarted != nil {
+		copyFileStarted()
+	}
+	if lst.Size == 0 {
+		return c.copyEmptyFile(name, lst)
+	}
 	var st unix.Stat_t
 	// O_NONBLOCK: should a FIFO take the file's place, the open must not wait for a writer.
 	sfd, ok, err := c.openSource(name, unix.O_RDONLY|unix.O_NONBLOCK, unix.S_IFREG, &st)
@@ -31,21 +41,53 @@ func (c *copier) copyFile(name string, lst *unix.Stat_t) (bool, error) {
 	if err := c.copyData(dfd, sfd, st.Size); err != nil {
 		return false, err
 	}
+	return true, c.finishFile(dfd, &st, fdXattrs(sfd), name)
+}
+
+// copyEmptyFile copies the regular file name, empty when it was stat'ed (st), without opening
+// it: there is no data to read, and on NFS the open and the close of the source are each a
+// round trip, for what are often most of a tree's files. Its attributes are read through its
+// name, never following it (namedXattrs). A file that was written meanwhile is copied as the
+// stat saw it, empty, as a copy of a file written while it is copied may be.
+func (c *copier) copyEmptyFile(name string, st *unix.Stat_t) (bool, error) {
+	var stx unix.Statx_t
+	switch err := unix.Statx(c.srcCur, name, unix.AT_SYMLINK_NOFOLLOW|unix.AT_STATX_DONT_SYNC, unix.STATX_MNT_ID, &stx); {
+	case errors.Is(err, unix.ENOENT):
+		c.stats.Vanished++
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("statx: %w", err)
+	case stx.Mask&unix.STATX_MNT_ID == 0:
+		return false, fmt.Errorf("statx: kernel did not report a mount id")
+	case stx.Mnt_id != c.srcMnt:
+		return false, fmt.Errorf("%s %w", c.where(name), ErrMountInSource)
+	}
+	dfd, err := openBeneath(c.dstCur, name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL)
+	if err != nil {
+		return false, fmt.Errorf("create: %w", err)
+	}
+	defer unix.Close(dfd)
+	return true, c.finishFile(dfd, st, namedXattrs(c.srcCur, name), name)
+}
+
+// finishFile gives the file name just made and open at dfd st's owner, mode, attributes (read
+// from src) and times, and counts it.
+func (c *copier) finishFile(dfd int, st *unix.Stat_t, src xattrIO, name string) error {
 	// chown before chmod: chown clears setuid and setgid, and file capabilities
 	// (security.capability), which the attributes copied after it bring back.
-	if err := setOwnerMode(dfd, &st); err != nil {
-		return false, err
+	if err := setOwnerMode(dfd, st); err != nil {
+		return err
 	}
-	if err := c.copyXattrs(fdXattrs(sfd), fdXattrs(dfd), name); err != nil {
-		return false, err
+	if err := c.copyXattrs(src, fdXattrs(dfd), name); err != nil {
+		return err
 	}
-	times := statTimes(&st)
+	times := statTimes(st)
 	if err := futimens(dfd, &times); err != nil {
-		return false, fmt.Errorf("set times: %w", err)
+		return fmt.Errorf("set times: %w", err)
 	}
 	c.stats.Files++
 	c.stats.Bytes += st.Size
-	return true, nil
+	return nil
 }
 
 // copyData makes the file open at dst hold the data of src, size bytes: a clone of it where
@@ -195,11 +237,20 @@ func (c *copier) finishNamed(name string, st *unix.Stat_t, withMode bool) error 
 	return nil
 }
 
-// setOwnerMode gives the file open at fd st's owner, then its mode: chown clears setuid and
-// setgid, and the mode the file was made with went through the umask.
+// setOwnerMode gives the file or directory open at fd, just made, st's owner, then its mode:
+// chown clears setuid and setgid, and the mode the file was made with went through the umask.
 func setOwnerMode(fd int, st *unix.Stat_t) error {
-	if err := unix.Fchown(fd, int(st.Uid), int(st.Gid)); err != nil {
-		return fmt.Errorf("chown to %d:%d: %w", st.Uid, st.Gid, err)
+	// A file made by root is often already the source's (root's): a chown that changes
+	// nothing is a round trip on NFS. The new file has no setuid, setgid or capability for
+	// the chown to clear.
+	var now unix.Stat_t
+	if err := unix.Fstat(fd, &now); err != nil {
+		return fmt.Errorf("stat: %w", err)
+	}
+	if now.Uid != st.Uid || now.Gid != st.Gid {
+		if err := unix.Fchown(fd, int(st.Uid), int(st.Gid)); err != nil {
+			return fmt.Errorf("chown to %d:%d: %w", st.Uid, st.Gid, err)
+		}
 	}
 	if err := unix.Fchmod(fd, st.Mode&0o7777); err != nil {
 		return fmt.Errorf("chmod to %o: %w", st.Mode&0o7777, err)

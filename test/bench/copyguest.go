@@ -71,10 +71,12 @@ func (b *bench) copyGuest() error {
 	small, large := f["reflink.xfs.small.clone"], f["reflink.xfs.large.clone"]
 	b.add(Row{Name: fmt.Sprintf("VM: dirpv clone, %.0f MiB in %d files (XFS reflink)", f["reflink.xfs.small.mib"], reflinkFiles),
 		Value: small * 1000, Unit: "ms", Ref: fmt.Sprintf("goal %gs", reflinkSmallGoalSec), RefValue: reflinkSmallGoalSec * 1000,
-		Note: fmt.Sprintf("%.1f MiB more used after it", f["reflink.xfs.small.spaceMiB"])})
+		Note: fmt.Sprintf("median of %.0f clones; source in %.0f extents; %.1f MiB more used by each",
+			f["reflink.xfs.samples"], f["reflink.xfs.small.extents"], f["reflink.xfs.small.spaceMiB"])})
 	b.add(Row{Name: fmt.Sprintf("VM: dirpv clone, %.0f MiB in %d files (XFS reflink)", f["reflink.xfs.large.mib"], reflinkFiles),
 		Value: large * 1000, Unit: "ms", Ref: fmt.Sprintf("clone of %.0f MiB", f["reflink.xfs.small.mib"]), RefValue: small * 1000,
-		Note: fmt.Sprintf("%.1f MiB more used after it; source written in %.0fs", f["reflink.xfs.large.spaceMiB"], f["reflink.xfs.large.write"])})
+		Note: fmt.Sprintf("median of %.0f clones; source in %.0f extents, written in %.0fs; %.1f MiB more used by each",
+			f["reflink.xfs.samples"], f["reflink.xfs.large.extents"], f["reflink.xfs.large.write"], f["reflink.xfs.large.spaceMiB"])})
 	tree := rep.Notes["nfs.tree"]
 	clone, tar := f["nfs.clone"], f["nfs.tar.c"]+f["nfs.tar.x"]
 	b.add(Row{Name: "VM: dirpv clone over NFSv4.2, " + tree, Value: clone, Unit: "s", Ref: "cp -a", RefValue: f["nfs.cp"],

@@ -3,6 +3,7 @@ package kernel
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -196,31 +197,95 @@ func TestCloneOverNFS(t *testing.T) {
 	}
 }
 
+// TestCloneOverNFSRoundTrips: an NFSv4.2 clone of empty files owned by the user dirpv runs as
+// sends each file's create and the calls that give it its mode and times, and no more: the
+// source of an empty file is not opened (an OPEN and a CLOSE to the server each), and a chown
+// that would change nothing is not sent (a SETATTR). Most files of many trees are empty, and
+// over NFS a clone's time is its round trips.
+func TestCloneOverNFSRoundTrips(t *testing.T) {
+	options := []string{"nfsvers=4.2"}
+	serverDir, share := exportFor(t, options, guest.NoRootSquash)
+	const n = 40
+	src := filepath.Join(serverDir, "vol")
+	if err := os.Mkdir(src, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for i := range n {
+		if err := os.WriteFile(filepath.Join(src, fmt.Sprintf("e%02d", i)), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := treeHash(t, src)
+	r := openExport(t, share, options)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	before := nfsOpCounts(t, r.Path())
+	if _, _, _, err := r.MkdirAllFrom(ctx, "clone", volume.Claim{UID: "clone"}, 0, volume.Source{Root: r, Rel: "vol"}); err != nil {
+		t.Fatalf("copy over NFS: %v", err)
+	}
+	ops := opsSince(before, nfsOpCounts(t, r.Path()))
+	t.Logf("NFS operations of the clone of %d empty files: %v", n, ops)
+	// Per file: an OPEN that creates it, and SETATTRs for the times an exclusive create
+	// leaves, its mode and its times; a few more for the volume's directory and its owner
+	// record. Opening each source would add n OPENs, a chown each n SETATTRs.
+	if opens := ops["OPEN"] + ops["OPEN_NOATTR"]; opens > n+5 {
+		t.Errorf("%d OPEN operations for %d empty files, want at most %d: the sources were opened", opens, n, n+5)
+	}
+	if sets := ops["SETATTR"]; sets > 3*n+10 {
+		t.Errorf("%d SETATTR operations for %d empty files, want at most %d", sets, n, 3*n+10)
+	}
+	sameTree(t, "clone over NFS", want, treeHash(t, filepath.Join(serverDir, "clone")))
+}
+
 // nfsOps is how many op operations (COPY, READ...) the NFS mount at mnt has sent, from its
 // per-op statistics in /proc/self/mountstats; 0 for an op the mount's version does not have.
 func nfsOps(t *testing.T, mnt, op string) int64 {
 	t.Helper()
+	return nfsOpCounts(t, mnt)[op]
+}
+
+// nfsOpCounts is how many operations of each kind the NFS mount at mnt has sent, from its
+// /proc/self/mountstats.
+func nfsOpCounts(t *testing.T, mnt string) map[string]int64 {
+	t.Helper()
+	ops := map[string]int64{}
 	raw, err := os.ReadFile("/proc/self/mountstats")
 	if err != nil {
 		t.Fatal(err)
 	}
-	in, found := false, false
+	in, perOp, found := false, false, false
 	for _, l := range strings.Split(string(raw), "\n") {
 		if strings.HasPrefix(l, "device ") {
-			in = strings.Contains(l, " mounted on "+mnt+" with fstype nfs")
+			in, perOp = strings.Contains(l, " mounted on "+mnt+" with fstype nfs"), false
 			found = found || in
 			continue
 		}
-		if f := strings.Fields(l); in && len(f) > 1 && f[0] == op+":" {
+		if in && strings.Contains(l, "per-op statistics") {
+			perOp = true
+			continue
+		}
+		// "OP: ops transmissions timeouts bytes-sent bytes-received queue rtt execute [errors]"
+		if f := strings.Fields(l); perOp && len(f) >= 9 && strings.HasSuffix(f[0], ":") {
 			n, err := strconv.ParseInt(f[1], 10, 64)
 			if err != nil {
 				t.Fatalf("mountstats of %s: %q: %v", mnt, l, err)
 			}
-			return n
+			ops[strings.TrimSuffix(f[0], ":")] = n
 		}
 	}
 	if !found {
 		t.Fatalf("no NFS mount at %s in /proc/self/mountstats", mnt)
 	}
-	return 0
+	return ops
+}
+
+// opsSince is the operations of each kind sent since before (nfsOpCounts), those sent at all.
+func opsSince(before, after map[string]int64) map[string]int64 {
+	d := map[string]int64{}
+	for op, n := range after {
+		if n -= before[op]; n > 0 {
+			d[op] = n
+		}
+	}
+	return d
 }
