@@ -103,7 +103,9 @@ func TestNFSUpgradeFromRelease(t *testing.T) {
 	// to, and claims of classes that delete and archive, which a pod writes once.
 	ns = suite.NewNamespace(t)
 	waitServiceAccount(ctx, t, ns)
-	options := []string{"nfsvers=4.2", "hard"}
+	// Options a mount without them would not show (the default is 4.2, relatime), so that the
+	// new pod's mount shows that this version takes them from the old PV.
+	options := []string{"nfsvers=4.1", "hard", "noatime"}
 	class := suite.CreateClass(t, "nfs-upgrade-"+ns, map[string]string{"backend": "nfs", "server": node.NFSAddr, "share": "/"},
 		framework.Immediate, framework.MountOptions(options...))
 	suite.CreateClaim(t, ns, "shared", class.Name, framework.AccessModes(corev1.ReadWriteMany), framework.Request("16Mi"))
@@ -171,7 +173,7 @@ func TestNFSUpgradeFromRelease(t *testing.T) {
 	} else if m := strings.Fields(l[1]); len(m) < 4 || m[0] != source || m[1] != "/data" || m[2] != "nfs4" {
 		t.Errorf("new pod on the old claim: mount %q, want %s on /data of type nfs4", l[1], source)
 	} else {
-		for _, want := range []string{"rw", "vers=4.2", "hard"} {
+		for _, want := range []string{"rw", "vers=4.1", "hard", "noatime"} {
 			if !slices.Contains(strings.Split(m[3], ","), want) {
 				t.Errorf("new pod on the old claim: mount options %s: no %s (class mountOptions %v)", m[3], want, options)
 			}
