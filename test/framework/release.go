@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -216,4 +217,65 @@ func podReady(p *corev1.Pod) bool {
 		}
 	}
 	return false
+}
+
+// OldRelease is what users ran before this version: the upgrade tests (test/e2e/install, and
+// NFS in test/vm/node) install it, make volumes with it, and upgrade to this checkout
+// (docs/operations.md, "Upgrading").
+const OldRelease = "61921de"
+
+// WriterScript writes a seed file, then appends a counter to /data/log until a write fails:
+// the pod then ends (Failed) saying so, which an I/O error through a mount whose node plugin
+// went away would cause. CheckWriting follows it.
+const WriterScript = `echo seed > /data/seed; i=0; while echo $i >> /data/log; do i=$((i+1)); sleep 0.05; done; echo "write $i failed"; exit 1`
+
+// CheckCounting waits up to timeout until WriterScript's log, as read returns it (from the
+// node's disk, or from an NFS server's export), holds more than after lines, and returns their
+// number. Lines other than the counter 0, 1, 2, ... (a gap, a repeat) fail it at once: the
+// writer's file is not the one it wrote all along.
+func CheckCounting(ctx context.Context, read func(context.Context) ([]byte, error), after int, timeout time.Duration) (int, error) {
+	var n int
+	var wrong error
+	err := Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		b, err := read(ctx)
+		if err != nil {
+			return false, err
+		}
+		lines := strings.Split(string(b), "\n")
+		lines = lines[:len(lines)-1] // a line being written, or "" after the last newline
+		for i, l := range lines {
+			if l != strconv.Itoa(i) {
+				wrong = fmt.Errorf("the writer's log: line %d is %q: not the file it wrote all along", i, l)
+				return true, nil
+			}
+		}
+		n = len(lines)
+		return n > after, fmt.Errorf("the writer's log has %d lines, want more than %d", n, after)
+	})
+	if wrong != nil {
+		return n, wrong
+	}
+	return n, err
+}
+
+// CheckWriting checks that the WriterScript pod runs, never restarted, and still appends to
+// the same file (read, as CheckCounting), and returns the log's lines, more than after.
+func CheckWriting(ctx context.Context, c kubernetes.Interface, ns, pod string, read func(context.Context) ([]byte, error), after int, timeout time.Duration) (int, error) {
+	// Past after, then past that: the writer writes on now, not only before it was looked at.
+	n, err := CheckCounting(ctx, read, after, timeout)
+	if err == nil {
+		n, err = CheckCounting(ctx, read, n, timeout)
+	}
+	if err != nil {
+		return n, fmt.Errorf("writer %s/%s: %w", ns, pod, err)
+	}
+	p, err := c.CoreV1().Pods(ns).Get(ctx, pod, metav1.GetOptions{})
+	if err != nil {
+		return n, err
+	}
+	if p.Status.Phase != corev1.PodRunning || len(p.Status.ContainerStatuses) != 1 || p.Status.ContainerStatuses[0].RestartCount != 0 {
+		b, _ := c.CoreV1().Pods(ns).GetLogs(pod, &corev1.PodLogOptions{}).DoRaw(ctx)
+		return n, fmt.Errorf("writer %s/%s: phase %s, statuses %+v, log %q", ns, pod, p.Status.Phase, p.Status.ContainerStatuses, b)
+	}
+	return n, nil
 }

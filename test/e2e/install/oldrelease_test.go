@@ -7,7 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -26,25 +25,16 @@ import (
 	"github.com/dirpv/dirpv/test/framework"
 )
 
-// oldRelease is what users ran before this version: the upgrade test installs it, makes
-// volumes with it, and upgrades to this checkout (docs/operations.md, "Upgrading").
-const oldRelease = "61921de"
-
-// writerScript writes a seed file, then appends a counter to /data/log until a write fails:
-// the pod then ends (Failed) saying so, which an I/O error through a mount whose node plugin
-// went away would cause.
-const writerScript = `echo seed > /data/seed; i=0; while echo $i >> /data/log; do i=$((i+1)); sleep 0.05; done; echo "write $i failed"; exit 1`
-
-// An install of oldRelease, with volumes of every kind and pods writing to two of them, is
+// An install of framework.OldRelease, with volumes of every kind and pods writing to two of them, is
 // upgraded in place to this checkout as docs/operations.md says, then downgraded again: once
 // with the kustomize overlays applied over each other, once with helm upgrade from
-// oldRelease's chart to this one (the same checks, upgradeFromRelease). Runs after the tests
-// of the suite's earlier files (file order): it replaces the suite's install by oldRelease's
+// OldRelease's chart to this one (the same checks, upgradeFromRelease). Runs after the tests
+// of the suite's earlier files (file order): it replaces the suite's install by OldRelease's
 // and leaves this checkout's installed again.
 func TestUpgradeFromRelease(t *testing.T) {
 	ctx := context.Background()
 	start := time.Now()
-	rel, err := framework.PrepareRelease(ctx, oldRelease, t.TempDir(), t.Logf)
+	rel, err := framework.PrepareRelease(ctx, framework.OldRelease, t.TempDir(), t.Logf)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -58,7 +48,7 @@ func TestUpgradeFromRelease(t *testing.T) {
 	newImage := ds.Spec.Template.Spec.Containers[0].Image
 	newOpts := deploy.E2ELocalOptions{Image: newImage, NodeArgs: []string{"--quota-check-period=" + quotaCheckPeriod.String()}}
 	oldOpts := deploy.E2ELocalOptions{Root: rel.DeployRoot, Image: rel.Image}
-	// oldRelease's host-network Deployments lack the one-at-a-time rollout: on this one-node
+	// OldRelease's host-network Deployments lack the one-at-a-time rollout: on this one-node
 	// cluster the downgrade adds it, as docs/operations.md ("Downgrading") tells users to,
 	// else it would wait for ever on a Pending pod.
 	downOpts := oldOpts
@@ -86,7 +76,7 @@ func TestUpgradeFromRelease(t *testing.T) {
 		upgradeFromRelease(t, env, upgradeMethod{install: apply(oldObjs), upgrade: apply(newObjs), downgrade: apply(downObjs)})
 	})
 
-	// helm install of oldRelease's chart, helm upgrade to this checkout's, and back, each with
+	// helm install of OldRelease's chart, helm upgrade to this checkout's, and back, each with
 	// a post-renderer that adapts the chart to this cluster as the overlays are adapted.
 	helmBin, err := deploy.Tool(ctx, "helm", true)
 	if err != nil {
@@ -156,7 +146,7 @@ type upgradeEnv struct {
 	newObjs, oldObjs []*unstructured.Unstructured
 }
 
-// upgradeMethod is how a user installs oldRelease on a cluster without dirpv, upgrades it to
+// upgradeMethod is how a user installs OldRelease on a cluster without dirpv, upgrades it to
 // this checkout, and downgrades it again.
 type upgradeMethod struct {
 	install, upgrade, downgrade func(t *testing.T)
@@ -167,7 +157,7 @@ type upgradeMethod struct {
 	afterUpgrade func(t *testing.T)
 }
 
-// upgradeFromRelease installs oldRelease with m, makes volumes of every kind with it, and
+// upgradeFromRelease installs OldRelease with m, makes volumes of every kind with it, and
 // checks them through m's upgrade and downgrade.
 //
 // Through the upgrade: the writing pods keep running with no failed write, appending to the
@@ -248,9 +238,9 @@ func upgradeFromRelease(t *testing.T, env upgradeEnv, m upgradeMethod) {
 	suite.CreateClass(t, "upgrade-retain", map[string]string{"backend": "local", "basePath": basePath, "onDelete": "retain"})
 	suite.CreateClass(t, "upgrade-archive", map[string]string{"backend": "local", "basePath": basePath, "onDelete": "archive"})
 	suite.CreateClaim(t, ns, "host", "")
-	suite.CreatePod(t, suite.BusyboxPod(ns, "host-writer", "host", writerScript, false))
+	suite.CreatePod(t, suite.BusyboxPod(ns, "host-writer", "host", framework.WriterScript, false))
 	suite.CreateClaim(t, ns, "btrfs", "upgrade-btrfs", framework.Request("32Mi"))
-	suite.CreatePod(t, suite.BusyboxPod(ns, "btrfs-writer", "btrfs", writerScript, false))
+	suite.CreatePod(t, suite.BusyboxPod(ns, "btrfs-writer", "btrfs", framework.WriterScript, false))
 	for claim, class := range map[string]string{"gone": "", "kept": "upgrade-retain", "archived": "upgrade-archive"} {
 		suite.CreateClaim(t, ns, claim, class)
 		suite.CreatePod(t, suite.BusyboxPod(ns, claim, claim, "echo seed > /data/seed", false))
@@ -558,24 +548,9 @@ func checkWarnings(t *testing.T, before map[types.UID]int32, what string) {
 // no repeat, and returns its number of complete lines, which must be more than after.
 func checkCounting(t *testing.T, path string, after int) int {
 	t.Helper()
-	var n int
-	err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
-		b, err := os.ReadFile(path)
-		if err != nil {
-			return false, err
-		}
-		lines := strings.Split(string(b), "\n")
-		lines = lines[:len(lines)-1] // a line being written, or "" after the last newline
-		for i, l := range lines {
-			if l != strconv.Itoa(i) {
-				t.Fatalf("%s: line %d is %q: the writer's file is not the one it wrote all along", path, i, l)
-			}
-		}
-		n = len(lines)
-		return n > after, fmt.Errorf("%s has %d lines, want more than %d", path, n, after)
-	})
+	n, err := framework.CheckCounting(context.Background(), readFile(path), after, timeout)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("%s: %v", path, err)
 	}
 	return n
 }
@@ -584,17 +559,15 @@ func checkCounting(t *testing.T, path string, after int) int {
 // same file on the node, and returns its lines.
 func checkWriting(t *testing.T, ns, pod, path string, after int) int {
 	t.Helper()
-	// Past after, then past that: the writer writes on now, not only before it was looked at.
-	n := checkCounting(t, path, checkCounting(t, path, after))
-	p, err := suite.Client.CoreV1().Pods(ns).Get(context.Background(), pod, metav1.GetOptions{})
+	n, err := framework.CheckWriting(context.Background(), suite.Client, ns, pod, readFile(path), after, timeout)
 	if err != nil {
-		t.Fatal(err)
-	}
-	if p.Status.Phase != v1.PodRunning || len(p.Status.ContainerStatuses) != 1 || p.Status.ContainerStatuses[0].RestartCount != 0 {
-		b, _ := suite.Client.CoreV1().Pods(ns).GetLogs(pod, &v1.PodLogOptions{}).DoRaw(context.Background())
-		t.Errorf("writer %s: phase %s, statuses %+v, log %q", pod, p.Status.Phase, p.Status.ContainerStatuses, b)
+		t.Fatalf("%s: %v", path, err)
 	}
 	return n
+}
+
+func readFile(path string) func(context.Context) ([]byte, error) {
+	return func(context.Context) ([]byte, error) { return os.ReadFile(path) }
 }
 
 // checkNoOrphans checks that every directory of ns's volumes, in both bases, belongs to one
