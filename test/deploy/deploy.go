@@ -18,6 +18,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -92,13 +93,15 @@ func HelmTemplate(ctx context.Context, helmBin, namespace string, valuesFiles []
 }
 
 // HelmTemplateFor is HelmTemplate for a cluster that serves, beyond helm's built-in API
-// versions, apiVersions ("group/version/Kind").
+// versions, apiVersions ("group/version/Kind"). The output has the CRDs helm install would
+// create from the crds/ directories of the chart's enabled subcharts, as well as the release's
+// objects.
 func HelmTemplateFor(ctx context.Context, helmBin, namespace string, apiVersions, valuesFiles []string, set ...string) ([]byte, error) {
 	root, err := RepoDir()
 	if err != nil {
 		return nil, err
 	}
-	args := []string{"template", "dirpv", filepath.Join(root, "deploy", "helm", "dirpv"), "--namespace", namespace}
+	args := []string{"template", "dirpv", filepath.Join(root, "deploy", "helm", "dirpv"), "--namespace", namespace, "--include-crds"}
 	for _, v := range apiVersions {
 		args = append(args, "--api-versions", v)
 	}
@@ -150,6 +153,9 @@ type E2ELocalOptions struct {
 	// new pod wants its predecessor's port, which an older deploy/ did not account for, and
 	// on one node it would wait for ever (docs/operations.md, "Downgrading").
 	NoSurge bool
+	// ChartSnapshots: the chart renders the snapshot objects itself (snapshots.enabled=true), so
+	// E2ELocalPostRenderer leaves the overlay's components/snapshots out.
+	ChartSnapshots bool
 }
 
 // RenderE2ELocal renders deploy/overlays/e2e-local for a cluster whose apiserver listens on
@@ -215,7 +221,11 @@ func writeE2ELocal(opts E2ELocalOptions, dir string) error {
 	var k strings.Builder
 	e2eLocal := filepath.Join(root, "deploy", "overlays", "e2e-local")
 	if opts.Kind != nil {
-		if e2eLocal, err = rebaseOnRendered(e2eLocal, "../kind", opts.Kind, filepath.Join(dir, "e2e-local")); err != nil {
+		var without []string
+		if opts.ChartSnapshots {
+			without = append(without, "../../components/snapshots")
+		}
+		if e2eLocal, err = rebaseOnRendered(e2eLocal, "../kind", opts.Kind, filepath.Join(dir, "e2e-local"), without...); err != nil {
 			return err
 		}
 	}
@@ -307,8 +317,8 @@ func imagesField(image string) (string, error) {
 // rebaseOnRendered copies the kustomization in dir to dst with its resource base (a directory
 // such as ../kind) replaced by rendered, that directory's rendered output, and its other
 // relative references pointing back at where they are: the same overlay, on top of a release's
-// manifest instead of the tree. It returns dst.
-func rebaseOnRendered(dir, base string, rendered []byte, dst string) (string, error) {
+// manifest instead of the tree, without the components named in without. It returns dst.
+func rebaseOnRendered(dir, base string, rendered []byte, dst string, without ...string) (string, error) {
 	b, err := os.ReadFile(filepath.Join(dir, "kustomization.yaml"))
 	if err != nil {
 		return "", fmt.Errorf("deploy: %w", err)
@@ -328,10 +338,22 @@ func rebaseOnRendered(dir, base string, rendered []byte, dst string) (string, er
 		return "", fmt.Errorf("deploy: %w", err)
 	}
 	components, _ := k["components"].([]any)
-	for i, c := range components {
-		if components[i], err = filepath.Rel(dst, filepath.Join(dir, fmt.Sprint(c))); err != nil {
+	var kept []any
+	for _, c := range components {
+		if slices.Contains(without, fmt.Sprint(c)) {
+			continue
+		}
+		rel, err := filepath.Rel(dst, filepath.Join(dir, fmt.Sprint(c)))
+		if err != nil {
 			return "", fmt.Errorf("deploy: %w", err)
 		}
+		kept = append(kept, rel)
+	}
+	if len(kept) < len(components)-len(without) {
+		return "", fmt.Errorf("deploy: %s: components %v lack some of %v", dir, components, without)
+	}
+	if components != nil {
+		k["components"] = kept
 	}
 	// Patches are files of the overlay, which kustomize loads only from beneath its own root.
 	patches, _ := k["patches"].([]any)

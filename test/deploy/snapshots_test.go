@@ -53,7 +53,35 @@ var snapshotControllerRules = map[string][]rbacv1.PolicyRule{
 func TestSnapshotsOption(t *testing.T) {
 	kustomize, helm := tools(t)
 	withComponent := kustomizeObjs(t, kustomize, "test/deploy/testdata/snapshots")
-	sameObjects(t, withComponent, helmObjs(t, helm, []string{"testdata/kind-values.yaml"}, "snapshots.enabled=true"))
+	chart := helmObjs(t, helm, []string{"testdata/kind-values.yaml"}, "snapshots.enabled=true")
+	// The chart's CRDs are its subchart's crds/ as vendored (TestSnapshotCRDsAreUpstream): helm
+	// creates them when they are missing and leaves them alone after, so they carry no label of
+	// the release; the component's are labelled as dirpv's other objects.
+	for k, o := range chart {
+		if o.GetKind() != "CustomResourceDefinition" {
+			continue
+		}
+		if len(o.GetLabels()) > 0 {
+			t.Errorf("helm %s has labels %v; want crds/ as vendored", k, o.GetLabels())
+		}
+		if c := withComponent[k]; c == nil {
+			t.Errorf("helm renders %s, the component does not", k)
+		} else {
+			c = c.DeepCopy()
+			c.SetLabels(nil)
+			if d := diff("", c.Object, o.Object); len(d) > 0 {
+				t.Errorf("%s differs (kustomize without its labels != helm):\n  %s", k, strings.Join(d, "\n  "))
+			}
+		}
+		delete(chart, k)
+	}
+	kustomizeRest := objects{}
+	for k, o := range withComponent {
+		if o.GetKind() != "CustomResourceDefinition" {
+			kustomizeRest[k] = o
+		}
+	}
+	sameObjects(t, kustomizeRest, chart)
 
 	kind := kustomizeObjs(t, kustomize, "deploy/overlays/kind")
 	var added []string
@@ -104,7 +132,7 @@ func TestSnapshotCRDsAreUpstream(t *testing.T) {
 	upstream := filepath.Join(strings.TrimSpace(string(out)), "config", "crd")
 	root, err := RepoDir()
 	must(t, err)
-	for _, dir := range []string{"deploy/components/snapshots/crds", "deploy/helm/dirpv/files/snapshot-crds"} {
+	for _, dir := range []string{"deploy/components/snapshots/crds", "deploy/helm/dirpv/charts/snapshot-crds/crds"} {
 		files, err := filepath.Glob(filepath.Join(root, dir, "*.yaml"))
 		if err != nil || len(files) != 3 {
 			t.Fatalf("%s: %d CRD files (%v), want 3", dir, len(files), err)

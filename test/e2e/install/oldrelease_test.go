@@ -17,7 +17,9 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/utils/ptr"
 
@@ -83,6 +85,7 @@ func TestUpgradeFromRelease(t *testing.T) {
 		t.Fatal(err)
 	}
 	helm := func(chartRoot string, opts deploy.E2ELocalOptions, args ...string) func(t *testing.T) {
+		opts.ChartSnapshots = true
 		return func(t *testing.T) {
 			post, err := framework.HelmPostRenderer(ctx, suite.Cluster, opts, t.TempDir())
 			if err != nil {
@@ -95,14 +98,19 @@ func TestUpgradeFromRelease(t *testing.T) {
 			}
 		}
 	}
-	// A value set at install (logLevel) is kept: --reset-then-reuse-values takes this chart's
-	// defaults for values the old chart lacked, which --reuse-values would leave unset.
+	// Values set at install (logLevel, snapshots.enabled) are kept: --reset-then-reuse-values
+	// takes this chart's defaults for values the old chart lacked, which --reuse-values would
+	// leave unset.
 	//
-	// The snapshot CRDs go first, labelled for the release to adopt: helm maps every object
-	// of a release before it creates any ("ensure CRDs are installed first"), and the
-	// release's VolumeSnapshotClasses need the CRDs the same release holds (as with the
-	// chart's own snapshots.enabled, which renders both too).
-	installOld := helm(rel.DeployRoot, oldOpts, "install", "--create-namespace", "--set", "logLevel=3")
+	// The old chart's snapshots.enabled rendered the snapshot CRDs in its templates, next to
+	// the VolumeSnapshotClasses that need them, and helm maps every object of a release before
+	// it creates any ("ensure CRDs are installed first"): its users had to create the CRDs
+	// first, labelled for the release to adopt. The release then owns them, which this chart's
+	// upgrade must not delete them for (charts/snapshot-crds/templates/release-owned-crds.yaml).
+	installOld := helm(rel.DeployRoot, oldOpts, "install", "--create-namespace", "--set", "logLevel=3", "--set", "snapshots.enabled=true")
+	// This chart installed as a user does on a cluster without the CRDs (helm creates them
+	// from crds/), in place of the suite's install that the test replaced.
+	installNew := helm(framework.RepoRoot(), newOpts, "install", "--create-namespace", "--set", "snapshots.enabled=true")
 	t.Run("helm", func(t *testing.T) {
 		upgradeFromRelease(t, env, upgradeMethod{
 			install: func(t *testing.T) {
@@ -124,6 +132,7 @@ func TestUpgradeFromRelease(t *testing.T) {
 			upgrade:   helm(framework.RepoRoot(), newOpts, "upgrade", "--reset-then-reuse-values"),
 			downgrade: helm(rel.DeployRoot, downOpts, "upgrade", "--reset-then-reuse-values"),
 			helm:      true,
+			reinstall: installNew,
 			afterUpgrade: func(t *testing.T) {
 				ds, err := suite.Client.AppsV1().DaemonSets("dirpv").Get(ctx, "dirpv-node", metav1.GetOptions{})
 				if err != nil {
@@ -135,7 +144,61 @@ func TestUpgradeFromRelease(t *testing.T) {
 			},
 		})
 	})
+	checkFreshHelmInstall(t)
 	t.Logf("upgrade tests took %s", time.Since(start).Round(time.Millisecond))
+}
+
+// checkFreshHelmInstall checks what the helm subtest's reinstall (a helm install with
+// snapshots.enabled on a cluster without the snapshot CRDs) left: the CRDs, which the release
+// does not own (its uninstall must not delete other installs' snapshots), the classes, and a
+// snapshot of a claim made with them.
+func checkFreshHelmInstall(t *testing.T) {
+	ctx := context.Background()
+	start := time.Now()
+	cfg, err := clientcmd.BuildConfigFromFlags("", suite.Cluster.Kubeconfig)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dyn, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	crds := dyn.Resource(schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"})
+	for _, name := range []string{"volumesnapshotclasses", "volumesnapshotcontents", "volumesnapshots"} {
+		crd, err := crds.Get(ctx, name+".snapshot.storage.k8s.io", metav1.GetOptions{})
+		if err != nil {
+			t.Fatalf("after helm install with snapshots.enabled: %v", err)
+		}
+		if owner := crd.GetAnnotations()["meta.helm.sh/release-name"]; owner != "" {
+			t.Errorf("CRD %s belongs to helm release %q; want it outside the release (crds/)", crd.GetName(), owner)
+		}
+	}
+	snaps := snapClient(t)
+	for _, name := range []string{"dirpv-local", "dirpv-nfs"} {
+		if _, err := snaps.SnapshotV1().VolumeSnapshotClasses().Get(ctx, name, metav1.GetOptions{}); err != nil {
+			t.Errorf("after helm install with snapshots.enabled: %v", err)
+		}
+	}
+	ns := suite.NewNamespace(t)
+	suite.CreateClaim(t, ns, "data", "")
+	suite.CreatePod(t, suite.BusyboxPod(ns, "writer", "data", "echo data > /data/file", false))
+	podDone(t, ns, "writer")
+	if _, err := snaps.SnapshotV1().VolumeSnapshots(ns).Create(ctx, &snapv1.VolumeSnapshot{
+		ObjectMeta: metav1.ObjectMeta{Name: "snap", Namespace: ns},
+		Spec:       snapv1.VolumeSnapshotSpec{Source: snapv1.VolumeSnapshotSource{PersistentVolumeClaimName: ptr.To("data")}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitSnapshotReady(t, ns, "snap")
+	// dirpv must be running to remove the finalizers of the snapshot and its content: the
+	// namespace goes now, not when the test ends (the suite's uninstall follows).
+	if err := suite.Client.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := waitNamespaceGone(ctx, ns); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("the fresh helm install's snapshot checked in %s", time.Since(start).Round(time.Millisecond))
 }
 
 // upgradeEnv is what both runs of TestUpgradeFromRelease share: the old release and the
@@ -155,6 +218,8 @@ type upgradeMethod struct {
 	helm bool
 	// afterUpgrade, if set, checks what is particular to the method after the upgrade.
 	afterUpgrade func(t *testing.T)
+	// reinstall installs this checkout again at the end; nil applies its overlay.
+	reinstall func(t *testing.T)
 }
 
 // upgradeFromRelease installs OldRelease with m, makes volumes of every kind with it, and
@@ -216,9 +281,12 @@ func upgradeFromRelease(t *testing.T, env upgradeEnv, m upgradeMethod) {
 				t.Errorf("uninstall the helm release: %v", err)
 			}
 		}
-		if _, err := framework.ApplyObjects(ctx, suite.Cluster.Kubeconfig, newObjs, ""); err != nil {
+		if m.reinstall != nil {
+			m.reinstall(t)
+		} else if _, err := framework.ApplyObjects(ctx, suite.Cluster.Kubeconfig, newObjs, ""); err != nil {
 			t.Errorf("reinstall this checkout: %v", err)
-		} else if err := framework.WaitRolledOut(ctx, c, "dirpv", newImage, timeout); err != nil {
+		}
+		if err := framework.WaitRolledOut(ctx, c, "dirpv", newImage, timeout); err != nil {
 			t.Errorf("reinstall this checkout: %v", err)
 		}
 	})
