@@ -182,26 +182,24 @@ func TestMkdirAllFromCopiesFilesAtOnce(t *testing.T) {
 
 	var mu sync.Mutex
 	running, most := 0, 0
-	var gaveUp bool
+	overlap := make(chan struct{})
+	// A copier that makes one file at a time never starts another while one waits: each
+	// waits for the overlap until one shared deadline, then the rest go through at once.
+	wait, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
 	copyFileStarted = func() {
 		mu.Lock()
 		running++
-		most = max(most, running)
+		if running > most {
+			most = running
+			if most == 2 {
+				close(overlap)
+			}
+		}
 		mu.Unlock()
-		// Each file waits until another one's copy has started; a copy of one file at a
-		// time never starts another, and the first wait gives up after a second.
-		deadline := time.Now().Add(time.Second)
-		for {
-			mu.Lock()
-			done := most > 1 || gaveUp
-			if !done && time.Now().After(deadline) {
-				gaveUp, done = true, true
-			}
-			mu.Unlock()
-			if done {
-				break
-			}
-			time.Sleep(time.Millisecond)
+		select {
+		case <-overlap:
+		case <-wait.Done():
 		}
 		mu.Lock()
 		running--
