@@ -12,7 +12,7 @@ ACTIONLINT  := github.com/rhysd/actionlint/cmd/actionlint@v1.7.12
 UNIT_PKGS   := $(shell $(GO) list ./... | grep -v -e /test/integration -e /test/e2e -e /test/external-e2e -e /test/cluster -e /test/vm)
 FUZZTIME    ?= 10m
 
-.PHONY: all build test test-unit test-integration test-e2e test-vm conformance cluster-bins deploy-tools lint fmt up down bench fuzz image-tar release clean
+.PHONY: all build test test-unit test-integration test-e2e test-vm conformance cluster-bins e2e-bins deploy-tools lint fmt up down bench fuzz image-tar release clean
 
 all: build
 
@@ -35,7 +35,7 @@ test:
 	      rc=1; failed="$$failed $$name"; \
 	      if [ $$(( $$(date +%s) - t )) -ge $$((bound * 60)) ]; then echo "make test: $$name stopped at its bound of $$bound min"; fi; }; \
 	    times="$$times $$name $$(( $$(date +%s) - t ))s,"; }; \
-	  step builds 45 lint cluster-bins deploy-tools; \
+	  step builds 45 lint cluster-bins e2e-bins deploy-tools; \
 	  step unit+sanity 25 test-unit; \
 	  step integration 15 test-integration; \
 	  step e2e 15 test-e2e; \
@@ -63,7 +63,7 @@ test-e2e: cluster-bins deploy-tools
 ## namespace, reached over a tap device). `make test` runs it too. A machine where the VM cannot
 ## start fails the tier with the reason (TestRun*: "the VM cannot start on this machine: ...").
 ## VM_RUN=regexp picks guest tests.
-test-vm: cluster-bins
+test-vm: e2e-bins
 	@start=$$(date +%s); rc=0; \
 	  DIRPV_VM_RUN='$(VM_RUN)' $(GO) test -count=1 -timeout $(TIER_TIMEOUT) -v ./test/vm/ || rc=1; t1=$$(date +%s); \
 	  $(GO) test -count=1 -timeout $(TIER_TIMEOUT) -v ./test/vm/node/ || rc=1; \
@@ -76,7 +76,7 @@ test-vm: cluster-bins
 ## e2e.test and agnhost are built into the cluster-bins cache on first use.
 ## CONFORMANCE_FOCUS=regexp runs a part of the suite.
 CONFORMANCE_FOCUS ?= External.Storage
-conformance: cluster-bins deploy-tools image-debs
+conformance: e2e-bins deploy-tools image-debs
 	@start=$$(date +%s); rc=0; \
 	  $(GO) test -count=1 -timeout $(TIER_TIMEOUT) -v -run TestExternalStorage ./test/external-e2e/ -args -focus='$(CONFORMANCE_FOCUS)' || rc=1; \
 	  echo "conformance: $$(($$(date +%s)-start))s"; exit $$rc
@@ -84,6 +84,12 @@ conformance: cluster-bins deploy-tools image-debs
 ## cluster-bins: build etcd and Kubernetes from the Go module proxy (cold ~15 min, cached).
 cluster-bins:
 	bash test/cluster/build.sh >/dev/null
+
+## e2e-bins: cluster-bins and Kubernetes' e2e.test, agnhost and ginkgo (cached), which the VM node
+## tier and the conformance tier run. Built here, before any tier: the VM node tier's tests run
+## in a network namespace of their own, where the Go module proxy cannot be reached.
+e2e-bins:
+	bash test/cluster/build.sh e2e >/dev/null
 
 ## deploy-tools: pinned helm v3.22.0 + kustomize v5.8.2 from the Go module proxy, cached, and
 ## local-path-provisioner v0.0.30, which the e2e tier runs as the provisioner dirpv takes over
