@@ -98,7 +98,9 @@ if [[ " ${missing[*]} " == *" kube"* || " ${missing[*]} " == *" e2e.test "* || "
     else
       log "resolving k8s.io/kubernetes/test/e2e's test imports, agnhost and ginkgo (module proxy)"
       mv tools_e2e.go.tmp tools_e2e.go
-      go mod tidy >&2
+      # A failed tidy (no network) must not leave the new list looking resolved: the next run
+      # would skip the tidy and fail on go.sum.
+      go mod tidy >&2 || { rm -f tools_e2e.go; exit 1; }
     fi
   fi
   major=1
