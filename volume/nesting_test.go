@@ -9,6 +9,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/dirpv/dirpv/test/framework"
 )
 
 var (
@@ -99,52 +101,19 @@ func TestMkdirAllRefusesToNestInsideAnotherVolume(t *testing.T) {
 	})
 }
 
-type treeEntry struct {
-	mode     os.FileMode
-	uid, gid uint32
-	data     string
-}
-
-// tree records everything under dir (names, modes, owners, file contents), to show that a
-// refusal changed nothing.
-func tree(t *testing.T, dir string) map[string]treeEntry {
+// tree describes everything under dir (names, types, modes, owners, file contents), to show
+// that a refusal changed nothing.
+func tree(t *testing.T, dir string) map[string]string {
 	t.Helper()
-	out := map[string]treeEntry{}
-	err := filepath.Walk(dir, func(p string, fi os.FileInfo, err error) error {
-		if err != nil {
-			return err
-		}
-		e := treeEntry{mode: fi.Mode()}
-		var s unix.Stat_t
-		if err := unix.Lstat(p, &s); err != nil {
-			return err
-		}
-		e.uid, e.gid = s.Uid, s.Gid
-		if fi.Mode().IsRegular() {
-			b, err := os.ReadFile(p)
-			if err != nil {
-				return err
-			}
-			e.data = string(b)
-		}
-		out[strings.TrimPrefix(p, dir)] = e
-		return nil
-	})
+	out, err := framework.SnapshotTree(dir, nil)
 	must(t, err)
 	return out
 }
 
-func sameTree(t *testing.T, what string, before, after map[string]treeEntry) {
+func sameTree(t *testing.T, what string, before, after map[string]string) {
 	t.Helper()
-	for p, e := range before {
-		if a, ok := after[p]; !ok || a != e {
-			t.Errorf("%s: %q was %+v, is %+v (present %v)", what, p, e, a, ok)
-		}
-	}
-	for p := range after {
-		if _, ok := before[p]; !ok {
-			t.Errorf("%s: %q appeared", what, p)
-		}
+	for _, d := range framework.DiffSnapshots(before, after) {
+		t.Errorf("%s: %s", what, d)
 	}
 }
 

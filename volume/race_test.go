@@ -1,14 +1,10 @@
 package volume
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"path/filepath"
-	"sort"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -16,49 +12,9 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-)
 
-// snapshotOutside describes every entry under root except skip (relative path, type, mode,
-// size, content hash or link target), so that any creation, removal or change shows.
-func snapshotOutside(t *testing.T, root, skip string) map[string]string {
-	t.Helper()
-	out := map[string]string{}
-	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, _ := filepath.Rel(root, p)
-		if rel == skip {
-			return filepath.SkipDir
-		}
-		fi, err := os.Lstat(p)
-		if err != nil {
-			return err
-		}
-		desc := fmt.Sprintf("%s %o %d", fi.Mode().Type(), fi.Mode().Perm(), fi.Size())
-		switch {
-		case fi.Mode()&fs.ModeSymlink != 0:
-			target, err := os.Readlink(p)
-			if err != nil {
-				return err
-			}
-			desc += " -> " + target
-		case fi.Mode().IsRegular():
-			b, err := os.ReadFile(p)
-			if err != nil {
-				return err
-			}
-			sum := sha256.Sum256(b)
-			desc += " " + hex.EncodeToString(sum[:])
-		case fi.IsDir():
-			desc = fmt.Sprintf("%s %o", fi.Mode().Type(), fi.Mode().Perm())
-		}
-		out[rel] = desc
-		return nil
-	})
-	must(t, err)
-	return out
-}
+	"github.com/dirpv/dirpv/test/framework"
+)
 
 // swapper flips name in dir between a real directory and a symlink to outside with
 // renameat2(RENAME_EXCHANGE), so the name always exists and is one or the other at any
@@ -142,7 +98,7 @@ func TestMkdirAllAndRemoveAllRacedWithSymlinkSwaps(t *testing.T) {
 	for _, l := range links {
 		swappers = append(swappers, &swapper{dirFd: openDirFd(t, l.dir), name: l.name, link: l.name + "-link", target: l.target})
 	}
-	before := snapshotOutside(t, top, "base")
+	before := outsideBase(t, top)
 
 	r, err := OpenRoot(base)
 	must(t, err)
@@ -261,22 +217,18 @@ func TestMkdirAllAndRemoveAllRacedWithSymlinkSwaps(t *testing.T) {
 		}
 	}
 
-	after := snapshotOutside(t, top, "base")
-	var diff []string
-	for k, v := range before {
-		if after[k] != v {
-			diff = append(diff, fmt.Sprintf("%s: %q -> %q", k, v, after[k]))
-		}
-	}
-	for k, v := range after {
-		if _, ok := before[k]; !ok {
-			diff = append(diff, fmt.Sprintf("%s: created %q", k, v))
-		}
-	}
-	sort.Strings(diff)
-	for _, d := range diff {
+	for _, d := range framework.DiffSnapshots(before, outsideBase(t, top)) {
 		t.Errorf("outside the base: %s", d)
 	}
+}
+
+// outsideBase describes every entry under top but those of top/base, so that any creation,
+// removal or change outside the base shows.
+func outsideBase(t *testing.T, top string) map[string]string {
+	t.Helper()
+	out, err := framework.SnapshotTree(top, func(rel string) bool { return rel == "base" })
+	must(t, err)
+	return out
 }
 
 // unwrapAll names the innermost error, for a tally of error kinds.
