@@ -9,22 +9,10 @@ import (
 	"testing"
 	"time"
 
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/mount-utils"
 
 	"github.com/dirpv/dirpv/volume"
 )
-
-// pollUntil polls cond every 20 ms until it holds or within passes.
-func pollUntil(t *testing.T, within time.Duration, what string, cond func() bool) {
-	t.Helper()
-	err := wait.PollUntilContextTimeout(context.Background(), 20*time.Millisecond, within, true, func(context.Context) (bool, error) {
-		return cond(), nil
-	})
-	if err != nil {
-		t.Fatalf("%s: not within %s", what, within)
-	}
-}
 
 // An export whose every call slot is held by calls the server never answers makes the
 // controller unhealthy once that has lasted longer than the limit, and healthy again when the
@@ -66,15 +54,16 @@ func TestHealthFailsWhileAnExportIsWedged(t *testing.T) {
 		t.Errorf("saturated for less than the limit, yet unhealthy: %v", err)
 	}
 	const limit = 300 * time.Millisecond
-	pollUntil(t, 5*time.Second, "unhealthy after the limit", func() bool { return e.Healthy(limit) != nil })
+	eventually(t, 5*time.Second, func() (bool, string) { return e.Healthy(limit) != nil, "healthy after the limit" })
 	if err := e.Healthy(limit); !strings.Contains(err.Error(), server+":"+share) {
 		t.Errorf("health error does not name the export: %v", err)
 	}
 
 	close(answer)
-	pollUntil(t, 5*time.Second, "healthy, nothing stuck, once the server answers", func() bool {
+	eventually(t, 5*time.Second, func() (bool, string) {
 		st := e.Status()
-		return e.Healthy(limit) == nil && len(st) == 1 && st[0].Stuck == 0 && !st[0].Saturated
+		return e.Healthy(limit) == nil && len(st) == 1 && st[0].Stuck == 0 && !st[0].Saturated,
+			fmt.Sprintf("once the server answers: %v, exports %+v; want healthy, nothing stuck", e.Healthy(limit), st)
 	})
 }
 
@@ -98,11 +87,15 @@ func TestHealthFailsWhileAMountHoldsTheLock(t *testing.T) {
 	if !errors.Is(err, ErrUnresponsive) {
 		t.Fatalf("call against a hung mount: %v, want ErrUnresponsive", err)
 	}
-	pollUntil(t, 5*time.Second, "unhealthy while the mount hangs", func() bool {
+	eventually(t, 5*time.Second, func() (bool, string) {
 		err := e.Healthy(limit)
-		return err != nil && strings.Contains(err.Error(), "nfs.example:/export (mount lock held since")
+		return err != nil && strings.Contains(err.Error(), "nfs.example:/export (mount lock held since"),
+			fmt.Sprintf("while the mount hangs: %v, want unhealthy for the held mount lock", err)
 	})
 	close(m.release)
 	released = true
-	pollUntil(t, 5*time.Second, "healthy once the mount returned", func() bool { return e.Healthy(limit) == nil })
+	eventually(t, 5*time.Second, func() (bool, string) {
+		err := e.Healthy(limit)
+		return err == nil, fmt.Sprintf("once the mount returned: %v, want healthy", err)
+	})
 }
