@@ -63,12 +63,8 @@ func (f *baseFixture) unmount() {
 // open opens the base as the provisioner does: what its path leads to now.
 func (f *baseFixture) open() *Root {
 	f.t.Helper()
-	r, err := OpenRoot(f.base)
-	if err != nil {
-		f.t.Fatal(err)
-	}
+	r := rootAt(f.t, f.base)
 	r.xattr = f.xattr
-	f.t.Cleanup(func() { r.Close() })
 	return r
 }
 
@@ -194,9 +190,7 @@ func TestBaseFirstSeenWithEntriesCountsAsHeld(t *testing.T) {
 			for _, n := range tc.names {
 				must(t, os.Mkdir(filepath.Join(base, n), 0o755))
 			}
-			r, err := OpenRoot(base)
-			must(t, err)
-			defer r.Close()
+			r := rootAt(t, base)
 			records := NewBaseRecords(t.TempDir())
 			must(t, records.Check(base, r))
 			if held, err := records.Held(base); held != tc.held || err != nil {
@@ -225,9 +219,7 @@ func TestBaseAdoptedOnceByConcurrentChecks(t *testing.T) {
 	}
 	wg.Wait()
 	must(t, errors.Join(errs...))
-	r, err := OpenRoot(base)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, base)
 	id, err := r.BaseID()
 	must(t, err)
 	rec, err := records.read(base)
@@ -241,10 +233,8 @@ func TestBaseAdoptedOnceByConcurrentChecks(t *testing.T) {
 func TestBaseIDNotDirpvsIsAnError(t *testing.T) {
 	base := t.TempDir()
 	must(t, unix.Setxattr(base, baseMarker, []byte("../../etc"), 0))
-	r, err := OpenRoot(base)
-	must(t, err)
-	defer r.Close()
-	err = NewBaseRecords(t.TempDir()).Check(base, r)
+	r := rootAt(t, base)
+	err := NewBaseRecords(t.TempDir()).Check(base, r)
 	if err == nil || errors.Is(err, ErrBaseChanged) || !strings.Contains(err.Error(), "not an ID dirpv made") {
 		t.Errorf("check = %v, want an error saying the ID is not dirpv's", err)
 	}

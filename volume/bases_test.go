@@ -102,9 +102,7 @@ func TestLocate(t *testing.T) {
 func TestOpenSubRootFollowsNoSymlink(t *testing.T) {
 	top := t.TempDir()
 	outside := t.TempDir()
-	root, err := OpenRoot(top)
-	must(t, err)
-	defer root.Close()
+	root := rootAt(t, top)
 	sub, err := root.OpenSubRoot("a/b", true)
 	must(t, err)
 	sub.Close()

@@ -151,9 +151,7 @@ func TestCheckedVolumeRemovalResumed(t *testing.T) {
 // Remove of a limited volume gives its limit back, as RemoveLimited does.
 func TestCheckedVolumeRemoveReleasesLimit(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
-	r, err := OpenRoot(mnt)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, mnt)
 	_, id, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA, 5<<20)
 	must(t, err)
 	group := "0/" + strconv.FormatUint(id.Num, 10)

@@ -35,9 +35,7 @@ func projectOfPath(t *testing.T, p string) uint32 {
 // the limit itself.)
 func TestFindEscapesMovesFilesBackIntoTheirProject(t *testing.T) {
 	mnt := quotatest.XFS(t)
-	r, err := OpenRoot(mnt)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, mnt)
 	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755, UID: 1000, GID: 1000}, claimA); err != nil {
 		t.Fatal(err)
 	}
@@ -114,9 +112,7 @@ echo new > a/new
 // them), with the path of one of them relative to the volume, and leaves them as they are.
 func TestFindEscapesReportsNestedSubvolumes(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
-	r, err := OpenRoot(mnt)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, mnt)
 	if _, _, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o755, UID: 1000, GID: 1000}, claimA, 16<<20); err != nil {
 		t.Fatal(err)
 	}

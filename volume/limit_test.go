@@ -15,9 +15,7 @@ import (
 // subvolume) and the ID can be released.
 func TestMkdirAllLimitedOnBtrfs(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
-	r, err := OpenRoot(mnt)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, mnt)
 	claim := Claim{UID: "uid-a", PVName: "pv-a"}
 	created, id, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o2770, UID: 1234, GID: 5678}, claim, 5<<20)
 	if err != nil || !created || id.Kind != quota.Btrfs {
@@ -66,10 +64,8 @@ func TestMkdirAllLimitedOnBtrfs(t *testing.T) {
 // made and the error says so.
 func TestMkdirAllLimitedRefusedWhereNotEnforceable(t *testing.T) {
 	base := t.TempDir()
-	r, err := OpenRoot(base)
-	must(t, err)
-	defer r.Close()
-	_, _, err = r.MkdirAllLimited("vol", Owner{Mode: 0o755}, Claim{UID: "u", PVName: "p"}, 1<<20)
+	r := rootAt(t, base)
+	_, _, err := r.MkdirAllLimited("vol", Owner{Mode: 0o755}, Claim{UID: "u", PVName: "p"}, 1<<20)
 	if !errors.Is(err, quota.ErrNotEnforceable) {
 		t.Fatalf("MkdirAllLimited on %s = %v, want ErrNotEnforceable", base, err)
 	}
@@ -83,9 +79,7 @@ func TestMkdirAllLimitedRefusedWhereNotEnforceable(t *testing.T) {
 // attempt, which makes the volume in place with its own limit.
 func TestMkdirAllLimitedAfterCrash(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
-	r, err := OpenRoot(mnt)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, mnt)
 	fs, err := r.Quota()
 	must(t, err)
 	claim := Claim{UID: "uid-a", PVName: "pv-a"}
@@ -120,9 +114,7 @@ func TestMkdirAllLimitedAfterCrash(t *testing.T) {
 // limit; a symlink in the volume's place is refused; a volume without a limit is only recorded.
 func TestResizeOnBtrfs(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
-	r, err := OpenRoot(mnt)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, mnt)
 	claim := Claim{UID: "uid-a", PVName: "pv-a"}
 	_, id, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o755, UID: -1, GID: -1}, claim, 4<<20)
 	must(t, err)

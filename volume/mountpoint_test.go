@@ -35,9 +35,7 @@ func TestIsMountPoint(t *testing.T) {
 	for _, d := range []string{plain, bound, subMounted, filepath.Join(dir, "src")} {
 		must(t, os.Mkdir(d, 0o755))
 	}
-	before, err := OpenRoot(bound)
-	must(t, err)
-	defer before.Close()
+	before := rootAt(t, bound)
 	for _, m := range [][2]string{{filepath.Join(dir, "src"), bound}, {sub, subMounted}} {
 		if err := unix.Mount(m[0], m[1], "", unix.MS_BIND, ""); err != nil {
 			t.Fatalf("bind %s on %s: %v", m[0], m[1], err)
@@ -63,15 +61,11 @@ func TestIsMountPoint(t *testing.T) {
 	if got, err := before.IsMountPoint(); err != nil || got {
 		t.Errorf("IsMountPoint of %s opened before the mount = %v, %v; want false: it holds the directory underneath", bound, got, err)
 	}
-	now, err := OpenRoot(bound)
-	must(t, err)
-	defer now.Close()
+	now := rootAt(t, bound)
 	if same, err := before.SameDirectory(now); err != nil || same {
 		t.Errorf("SameDirectory of %s before and after the mount = %v, %v; want false", bound, same, err)
 	}
-	again, err := OpenRoot(bound)
-	must(t, err)
-	defer again.Close()
+	again := rootAt(t, bound)
 	if same, err := now.SameDirectory(again); err != nil || !same {
 		t.Errorf("SameDirectory of %s opened twice = %v, %v; want true", bound, same, err)
 	}

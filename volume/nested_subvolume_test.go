@@ -62,9 +62,7 @@ func subvolumeID(t *testing.T, fs *quota.FS, p string) uint64 {
 // empty and unlimited, and fail this test's last qgroup check).
 func TestRemoveLimitedVolumeWithNestedSubvolumesAtItsLimit(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
-	r, err := OpenRoot(mnt)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, mnt)
 	const limit = 16 << 20
 	_, id, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o755, UID: 1000, GID: 1000}, claimA, limit)
 	must(t, err)

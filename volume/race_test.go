@@ -100,9 +100,7 @@ func TestMkdirAllAndRemoveAllRacedWithSymlinkSwaps(t *testing.T) {
 	}
 	before := outsideBase(t, top)
 
-	r, err := OpenRoot(base)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, base)
 
 	stop := make(chan struct{})
 	var swapWG sync.WaitGroup

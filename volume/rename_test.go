@@ -41,17 +41,15 @@ func withoutNoReplace(t *testing.T) {
 func TestMkdirAllWithoutNoReplaceOneClaimWins(t *testing.T) {
 	withoutNoReplace(t)
 	base := t.TempDir()
-	top, err := OpenRoot(base)
-	must(t, err)
-	defer top.Close()
+	top := rootAt(t, base)
 	const rounds, claims = 50, 8
 	for round := range rounds {
 		rel := fmt.Sprintf("data-%d", round)
 		roots := make([]*Root, claims)
 		for i := range roots {
-			if roots[i], err = top.Dup(); err != nil {
-				t.Fatal(err)
-			}
+			r, err := top.Dup()
+			must(t, err)
+			roots[i] = r
 		}
 		var (
 			wg      sync.WaitGroup
@@ -100,9 +98,7 @@ func TestMkdirAllWithoutNoReplaceOneClaimWins(t *testing.T) {
 func TestRenameWithoutNoReplaceKeepsEmptyTarget(t *testing.T) {
 	withoutNoReplace(t)
 	base := t.TempDir()
-	r, err := OpenRoot(base)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, base)
 	for _, d := range []string{"vol", "vol/file-dir", "taken"} {
 		must(t, r.Mkdir(d, 0o755))
 	}

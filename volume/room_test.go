@@ -28,10 +28,7 @@ func mountTmpfs(t *testing.T, options string) string {
 func smallBase(t *testing.T, size string) (string, *Root) {
 	t.Helper()
 	dir := mountTmpfs(t, "size="+size)
-	r, err := OpenRoot(dir)
-	must(t, err)
-	t.Cleanup(func() { r.Close() })
-	return dir, r
+	return dir, rootAt(t, dir)
 }
 
 // duBlocks is what du counts for dir: the blocks of every entry, links not followed.
@@ -101,9 +98,7 @@ func TestCheckRoomForCopy(t *testing.T) {
 // data and needs no room for it, however big the source.
 func TestCheckRoomForCopyReflinks(t *testing.T) {
 	mnt := quotatest.Btrfs(t, false)
-	r, err := OpenRoot(mnt)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, mnt)
 	free, err := r.Available()
 	must(t, err)
 	must(t, os.Mkdir(filepath.Join(mnt, "src"), 0o755))

@@ -9,13 +9,19 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// newRoot opens a Root on a new temporary directory for the test's lifetime.
 func newRoot(t *testing.T) (*Root, string) {
-	t.Helper()
 	base := t.TempDir()
-	r, err := OpenRoot(base)
+	return rootAt(t, base), base
+}
+
+// rootAt opens a Root on dir for the test's lifetime.
+func rootAt(t *testing.T, dir string) *Root {
+	t.Helper()
+	r, err := OpenRoot(dir)
 	must(t, err)
 	t.Cleanup(func() { r.Close() })
-	return r, base
+	return r
 }
 
 func TestRefusesBadRelativePaths(t *testing.T) {
@@ -73,14 +79,7 @@ func TestSymlinksAreNeverFollowed(t *testing.T) {
 }
 
 func TestAvailableIsTheBaseFileSystemsFreeSpace(t *testing.T) {
-	base := t.TempDir()
-	if err := unix.Mount("tmpfs", base, "tmpfs", 0, "size=8m"); err != nil {
-		t.Fatalf("mount tmpfs: %v", err)
-	}
-	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })
-	r, err := OpenRoot(base)
-	must(t, err)
-	defer r.Close()
+	base, r := smallBase(t, "8m")
 	before, err := r.Available()
 	must(t, err)
 	if before > 8<<20 || before < 7<<20 {
@@ -100,9 +99,7 @@ func TestMovedAfterAMountOverTheBase(t *testing.T) {
 	must(t, os.Mkdir(base, 0o755))
 	link := filepath.Join(dir, "link")
 	must(t, os.Symlink(base, link))
-	r, err := OpenRoot(link)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, link)
 	if moved, err := r.Moved(); err != nil || moved {
 		t.Fatalf("Moved of a base reached through a symlink, unchanged = %v, %v; want false", moved, err)
 	}

@@ -23,9 +23,7 @@ func btrfsCopyBase(t *testing.T) (*copyBase, quota.ID) {
 	mnt := quotatest.Btrfs(t, true)
 	b := &copyBase{base: mnt, outside: filepath.Join(t.TempDir(), "outside")}
 	must(t, os.WriteFile(b.outside, []byte("secret"), 0o600))
-	r, err := OpenRoot(mnt)
-	must(t, err)
-	t.Cleanup(func() { r.Close() })
+	r := rootAt(t, mnt)
 	b.root = r
 	_, id, err := r.MkdirAllLimited("ns/src", Owner{Mode: 0o2750, UID: 1000, GID: 2000}, Claim{UID: "src-uid"}, 64<<20)
 	must(t, err)
@@ -143,10 +141,8 @@ func TestBtrfsNestedSubvolumesAreCopied(t *testing.T) {
 // (reflink), into a plain directory and into a limited subvolume.
 func TestMkdirAllFromReflinkOnBtrfs(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
-	r, err := OpenRoot(mnt)
-	must(t, err)
-	defer r.Close()
-	_, err = r.MkdirAll("ns/src", Owner{Mode: 0o755, UID: 1, GID: 2}, Claim{UID: "src"})
+	r := rootAt(t, mnt)
+	_, err := r.MkdirAll("ns/src", Owner{Mode: 0o755, UID: 1, GID: 2}, Claim{UID: "src"})
 	must(t, err)
 	outside := filepath.Join(t.TempDir(), "outside")
 	writeEveryKind(t, filepath.Join(mnt, "ns/src"), outside)
@@ -374,10 +370,8 @@ func TestSnapshotKeepFailed(t *testing.T) {
 // own, which its deletion gives back.
 func TestSnapshotCopyLimited(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
-	r, err := OpenRoot(mnt)
-	must(t, err)
-	defer r.Close()
-	_, err = r.MkdirAll("ns/src", Owner{Mode: 0o755, UID: -1, GID: -1}, Claim{UID: "src"})
+	r := rootAt(t, mnt)
+	_, err := r.MkdirAll("ns/src", Owner{Mode: 0o755, UID: -1, GID: -1}, Claim{UID: "src"})
 	must(t, err)
 	must(t, os.WriteFile(filepath.Join(mnt, "ns/src/big"), make([]byte, 4<<20), 0o644))
 	before := quotatest.Qgroups(t, mnt)
