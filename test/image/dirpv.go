@@ -44,9 +44,6 @@ type DirpvOptions struct {
 	Binary string
 	// Output is the tar's path; empty means <ModuleDir>/bin/dirpv-image.tar.
 	Output string
-	// HostTools are the programs copied into the image, from each platform's Root, with the
-	// shared libraries they load; nil means DefaultHostTools.
-	HostTools []HostTool
 }
 
 // HostTool is a host program to carry into the image. Every one is required: an image without
@@ -232,9 +229,6 @@ func (opts *DirpvOptions) complete(ctx context.Context) error {
 	if opts.Output == "" {
 		opts.Output = filepath.Join(opts.ModuleDir, "bin", "dirpv-image.tar")
 	}
-	if opts.HostTools == nil {
-		opts.HostTools = DefaultHostTools
-	}
 	if err := os.MkdirAll(filepath.Dir(opts.Output), 0o755); err != nil {
 		return fmt.Errorf("dirpv image: %w", err)
 	}
@@ -247,7 +241,7 @@ func (opts *DirpvOptions) complete(ctx context.Context) error {
 func dirpvFiles(ctx context.Context, opts DirpvOptions, p Platform, tmp string) ([]File, error) {
 	root := filepath.Clean(p.Root)
 	exists := func(f string) error { _, err := os.Stat(filepath.Join(root, f)); return err }
-	if err := checkHost(opts.HostTools, exists); err != nil {
+	if err := checkHost(DefaultHostTools, exists); err != nil {
 		if root != "/" {
 			return nil, fmt.Errorf("linux/%s tree %s is incomplete (make image-debs-%s unpacks it): %w", p.Arch, root, p.Arch, err)
 		}
@@ -270,7 +264,7 @@ func dirpvFiles(ctx context.Context, opts DirpvOptions, p Platform, tmp string) 
 	if err != nil {
 		return nil, fmt.Errorf("dirpv image: %w", err)
 	}
-	for _, t := range opts.HostTools {
+	for _, t := range DefaultHostTools {
 		if err := c.addBinary(t.Path); err != nil {
 			return nil, fmt.Errorf("dirpv image: linux/%s: %w", p.Arch, err)
 		}

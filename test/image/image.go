@@ -44,7 +44,6 @@ type Config struct {
 	Entrypoint []string
 	Cmd        []string
 	Env        []string
-	WorkingDir string
 	User       string
 	Labels     map[string]string
 }
@@ -132,7 +131,6 @@ func buildImage(arch string, files []File, cfg Config) (v1.Image, error) {
 	if len(cf.Config.Env) == 0 {
 		cf.Config.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 	}
-	cf.Config.WorkingDir = cfg.WorkingDir
 	cf.Config.User = cfg.User
 	cf.Config.Labels = cfg.Labels
 	img, err = mutate.ConfigFile(img, cf)
