@@ -36,49 +36,6 @@ func makeLimited(t *testing.T, fs *quota.FS, base, name string, bytes uint64) qu
 	return id
 }
 
-func TestBtrfsLimitStopsWritesAtTheLimit(t *testing.T) {
-	mnt := quotatest.Btrfs(t, true)
-	fs := probe(t, openDir(t, mnt))
-	if err := fs.Enforces(); err != nil || fs.Kind() != quota.Btrfs {
-		t.Fatalf("btrfs with quota: Kind %q, Enforces %v; want btrfs, nil", fs.Kind(), err)
-	}
-	const limit = 10 << 20
-	id := makeLimited(t, fs, mnt, "a", limit)
-	neighbour := makeLimited(t, fs, mnt, "b", limit)
-	if id == neighbour || id.Kind != quota.Btrfs {
-		t.Fatalf("IDs %v and %v: want two distinct btrfs IDs", id, neighbour)
-	}
-	round, err := quota.ParseID(id.String())
-	if err != nil || round != id {
-		t.Fatalf("ParseID(%q) = %v, %v", id.String(), round, err)
-	}
-
-	n, err := quotatest.Fill(t, filepath.Join(mnt, "a", "big"), 20<<20)
-	if !errors.Is(err, unix.EDQUOT) {
-		t.Fatalf("writing 20 MiB into a 10 MiB volume: wrote %d bytes, err %v; want EDQUOT", n, err)
-	}
-	if n > limit {
-		t.Errorf("wrote %d bytes into a volume limited to %d", n, limit)
-	}
-	if n < limit/2 {
-		t.Errorf("only %d bytes went into a volume limited to %d", n, limit)
-	}
-	// The neighbour on the same file system still takes its full size.
-	if n, err := quotatest.Fill(t, filepath.Join(mnt, "b", "file"), 8<<20); err != nil {
-		t.Fatalf("neighbour volume: wrote %d bytes of 8 MiB: %v", n, err)
-	}
-	// btrfs accounts qgroups at transaction commit.
-	unix.Sync()
-	u, err := fs.Usage(openDir(t, mnt), neighbour)
-	must(t, err)
-	if u.LimitBytes != limit {
-		t.Errorf("neighbour's limit reads %d, want %d", u.LimitBytes, limit)
-	}
-	if u.UsedBytes < 8<<20 || u.UsedBytes > 9<<20 {
-		t.Errorf("neighbour holding 8 MiB reads %d bytes used", u.UsedBytes)
-	}
-}
-
 func TestBtrfsReleaseAfterDelete(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	base := openDir(t, mnt)
