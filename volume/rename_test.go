@@ -3,13 +3,11 @@ package volume
 import (
 	"context"
 	"errors"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -32,65 +30,6 @@ func withoutNoReplace(t *testing.T) {
 		return orig(olddirfd, oldpath, newdirfd, newpath, flags)
 	}
 	t.Cleanup(func() { renameat2 = orig })
-}
-
-// TestMkdirAllWithoutNoReplaceOneClaimWins is two claims named alike in two namespaces,
-// provisioned at once by different workers, each on its own handle on the export (as every NFS
-// call is): exactly one of them gets the directory, every other claim is refused, and the
-// directory is the winner's.
-func TestMkdirAllWithoutNoReplaceOneClaimWins(t *testing.T) {
-	withoutNoReplace(t)
-	base := t.TempDir()
-	top := rootAt(t, base)
-	const rounds, claims = 50, 8
-	for round := range rounds {
-		rel := fmt.Sprintf("data-%d", round)
-		roots := make([]*Root, claims)
-		for i := range roots {
-			r, err := top.Dup()
-			must(t, err)
-			roots[i] = r
-		}
-		var (
-			wg      sync.WaitGroup
-			start   = make(chan struct{})
-			created = make([]bool, claims)
-			errs    = make([]error, claims)
-		)
-		for i := range claims {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer roots[i].Close()
-				<-start
-				created[i], errs[i] = roots[i].MkdirAll(rel, Owner{Mode: 0o755, UID: -1, GID: -1},
-					Claim{UID: fmt.Sprintf("uid-%d", i), PVName: fmt.Sprintf("pv-%d", i)})
-			}()
-		}
-		close(start)
-		wg.Wait()
-		winner := -1
-		for i := range claims {
-			var exists *ExistsError
-			switch {
-			case errs[i] == nil && created[i]:
-				if winner >= 0 {
-					t.Fatalf("round %d: claims %d and %d both created %s", round, winner, i, rel)
-				}
-				winner = i
-			case errors.As(errs[i], &exists):
-			default:
-				t.Fatalf("round %d: claim %d: created %v, err %v; want created or *ExistsError", round, i, created[i], errs[i])
-			}
-		}
-		if winner < 0 {
-			t.Fatalf("round %d: no claim created %s", round, rel)
-		}
-		owner, marked, err := top.VolumeOwner(rel)
-		if err != nil || !marked || owner.UID != fmt.Sprintf("uid-%d", winner) {
-			t.Fatalf("round %d: %s is owned by %+v (marked %v, err %v), want uid-%d", round, rel, owner, marked, err, winner)
-		}
-	}
 }
 
 // TestRenameWithoutNoReplaceKeepsEmptyTarget is an archive rename onto a name taken by an
