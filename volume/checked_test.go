@@ -4,12 +4,10 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/dirpv/dirpv/volume/quota"
-	"github.com/dirpv/dirpv/volume/quota/quotatest"
 )
 
 // moveVolume opens rel and moves it as the provisioner moves a checked volume.
@@ -101,33 +99,15 @@ func TestCheckedVolumeReplacedIsLeftAlone(t *testing.T) {
 	}
 }
 
-// Remove takes the checked volume's whole tree and leaves no name behind, its private one
-// included; a second Remove finds nothing to remove.
-func TestCheckedVolumeRemove(t *testing.T) {
-	forEachMarker(t, func(t *testing.T, r *Root, base string) {
-		if _, err := r.MkdirAll("ns/a", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA); err != nil {
-			t.Fatal(err)
-		}
-		must(t, os.MkdirAll(filepath.Join(base, "ns/a/sub"), 0o755))
-		v, err := r.OpenVolume("ns/a")
-		must(t, err)
-		must(t, v.Remove("pvc-uid-a", quota.ID{}))
-		if entries, err := os.ReadDir(filepath.Join(base, "ns")); err != nil || len(entries) != 0 {
-			t.Errorf("ns holds %v (%v) after Remove", entries, err)
-		}
-		if _, err := r.OpenVolume("ns/a"); !errors.Is(err, os.ErrNotExist) {
-			t.Errorf("OpenVolume after Remove: %v, want ErrNotExist", err)
-		}
-	})
-}
-
 // A Remove stopped after the volume took its private name (a crash) leaves it where a retry
-// with the same key finds it, and the retry finishes the job.
+// with the same key finds it, and the retry finishes the job: the whole tree gone, and no name
+// left behind, the private one included.
 func TestCheckedVolumeRemovalResumed(t *testing.T) {
 	forEachMarker(t, func(t *testing.T, r *Root, base string) {
 		if _, err := r.MkdirAll("ns/a", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA); err != nil {
 			t.Fatal(err)
 		}
+		must(t, os.MkdirAll(filepath.Join(base, "ns/a/sub"), 0o755))
 		v, err := r.OpenVolume("ns/a")
 		must(t, err)
 		// What Remove does before it removes anything.
@@ -146,25 +126,4 @@ func TestCheckedVolumeRemovalResumed(t *testing.T) {
 			t.Errorf("ns holds %v (%v) after the resumed Remove", entries, err)
 		}
 	})
-}
-
-// Remove of a limited volume gives its limit back, as RemoveLimited does.
-func TestCheckedVolumeRemoveReleasesLimit(t *testing.T) {
-	mnt := quotatest.Btrfs(t, true)
-	r := rootAt(t, mnt)
-	_, id, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA, 5<<20)
-	must(t, err)
-	group := "0/" + strconv.FormatUint(id.Num, 10)
-	if limit := quotatest.Qgroups(t, mnt)[group]; limit == "" || limit == "none" {
-		t.Fatalf("qgroup %s has limit %q, want one", group, limit)
-	}
-	v, err := r.OpenVolume("ns/vol")
-	must(t, err)
-	must(t, v.Remove("pvc-uid-a", id))
-	if entries, err := os.ReadDir(filepath.Join(mnt, "ns")); err != nil || len(entries) != 0 {
-		t.Errorf("ns holds %v (%v) after Remove", entries, err)
-	}
-	if limit, ok := quotatest.Qgroups(t, mnt)[group]; ok && limit != "none" {
-		t.Errorf("qgroup %s of the removed volume still has limit %s", group, limit)
-	}
 }
