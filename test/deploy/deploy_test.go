@@ -228,25 +228,37 @@ func variants(t *testing.T) map[string]objects {
 	}
 }
 
-// TestObjectsAreValid: every rendered object converts to its API type with no unknown field.
-func TestObjectsAreValid(t *testing.T) {
+// TestVariants runs, on each variant, rendered once, the checks every rendering a user can
+// install must pass.
+func TestVariants(t *testing.T) {
+	checks := map[string]func(t *testing.T, variant string, objs objects){
+		"ObjectsAreValid": checkObjectsAreValid, "RBACLeastPrivilege": checkRBACLeastPrivilege, "CSIDriver": checkCSIDriver,
+		"ControllerDeployment": checkControllerDeployment, "NodeDaemonSet": checkNodeDaemonSet, "StorageClasses": checkStorageClasses,
+		"ImagesArePinned": checkImagesArePinned, "ControllerPDB": checkControllerPDB, "MetricsServices": checkMetricsServices,
+		"NoServiceMonitor": checkNoServiceMonitor,
+	}
 	for name, objs := range variants(t) {
-		t.Run(name, func(t *testing.T) {
-			for _, k := range objs.keys() {
-				// The snapshot option's CRDs and classes are not client-go types; the CRDs are
-				// upstream's (TestSnapshotCRDsAreUpstream).
-				if kind := objs[k].GetKind(); kind == "CustomResourceDefinition" || kind == "VolumeSnapshotClass" {
-					continue
-				}
-				typed(t, objs[k])
-			}
-			for _, want := range []string{"CSIDriver /dirpv.io", "ServiceAccount dirpv/dirpv-node", "DaemonSet dirpv/dirpv-node",
-				"ServiceAccount dirpv/dirpv-controller", "Deployment dirpv/dirpv-controller"} {
-				if objs[want] == nil {
-					t.Errorf("missing %s", want)
-				}
-			}
-		})
+		for check, f := range checks {
+			t.Run(name+"/"+check, func(t *testing.T) { f(t, name, objs) })
+		}
+	}
+}
+
+// checkObjectsAreValid: every rendered object converts to its API type with no unknown field.
+func checkObjectsAreValid(t *testing.T, name string, objs objects) {
+	for _, k := range objs.keys() {
+		// The snapshot option's CRDs and classes are not client-go types; the CRDs are
+		// upstream's (TestSnapshotCRDsAreUpstream).
+		if kind := objs[k].GetKind(); kind == "CustomResourceDefinition" || kind == "VolumeSnapshotClass" {
+			continue
+		}
+		typed(t, objs[k])
+	}
+	for _, want := range []string{"CSIDriver /dirpv.io", "ServiceAccount dirpv/dirpv-node", "DaemonSet dirpv/dirpv-node",
+		"ServiceAccount dirpv/dirpv-controller", "Deployment dirpv/dirpv-controller"} {
+		if objs[want] == nil {
+			t.Errorf("missing %s", want)
+		}
 	}
 }
 
@@ -303,119 +315,111 @@ var capacityRules = []rbacv1.PolicyRule{
 	{APIGroups: []string{"storage.k8s.io"}, Resources: []string{"csistoragecapacities"}, Verbs: []string{"list", "watch", "create", "update", "delete"}},
 }
 
-func TestRBACLeastPrivilege(t *testing.T) {
-	for name, objs := range variants(t) {
-		t.Run(name, func(t *testing.T) {
-			roles := map[string]bool{}
-			for _, kind := range []string{"ClusterRole", "Role"} {
-				for _, n := range objs.ofKind(kind) {
-					roles[kind+" "+n] = true
+func checkRBACLeastPrivilege(t *testing.T, name string, objs objects) {
+	roles := map[string]bool{}
+	for _, kind := range []string{"ClusterRole", "Role"} {
+		for _, n := range objs.ofKind(kind) {
+			roles[kind+" "+n] = true
+		}
+	}
+	all := maps.Clone(wantRules)
+	if objs["ClusterRole /dirpv-snapshot-controller"] != nil {
+		// The snapshots option (e2e-local has it).
+		maps.Copy(all, snapshotControllerRules)
+	}
+	for role, want := range all {
+		if !roles[role] {
+			t.Errorf("missing %s", role)
+			continue
+		}
+		delete(roles, role)
+		kind, n, _ := strings.Cut(role, " ")
+		got := rulesOf(t, objs, kind, "dirpv", n)
+		var g, w []string
+		for _, r := range got {
+			g = append(g, joinRule(r))
+			for _, s := range append(append(append([]string(nil), r.Verbs...), r.Resources...), r.APIGroups...) {
+				if s == "*" {
+					t.Errorf("%s: wildcard in %s", role, joinRule(r))
 				}
 			}
-			all := maps.Clone(wantRules)
-			if objs["ClusterRole /dirpv-snapshot-controller"] != nil {
-				// The snapshots option (e2e-local has it).
-				maps.Copy(all, snapshotControllerRules)
-			}
-			for role, want := range all {
-				if !roles[role] {
-					t.Errorf("missing %s", role)
-					continue
-				}
-				delete(roles, role)
-				kind, n, _ := strings.Cut(role, " ")
-				got := rulesOf(t, objs, kind, "dirpv", n)
-				var g, w []string
-				for _, r := range got {
-					g = append(g, joinRule(r))
-					for _, s := range append(append(append([]string(nil), r.Verbs...), r.Resources...), r.APIGroups...) {
-						if s == "*" {
-							t.Errorf("%s: wildcard in %s", role, joinRule(r))
-						}
-					}
-					for _, res := range r.Resources {
-						// The subresources: external-resizer's controller patches claims' status,
-						// the snapshot sidecar its contents'.
-						if res == "secrets" || res == "configmaps" || (strings.Contains(res, "/") &&
-							res != "persistentvolumeclaims/status" && res != "volumesnapshotcontents/status" && res != "volumesnapshots/status") {
-							t.Errorf("%s: needs no %s", role, res)
-						}
-					}
-					for _, v := range r.Verbs {
-						if v == "escalate" || v == "bind" || v == "impersonate" || v == "deletecollection" {
-							t.Errorf("%s: verb %s", role, v)
-						}
-					}
-				}
-				for _, r := range want {
-					w = append(w, joinRule(r))
-				}
-				if !reflect.DeepEqual(g, w) {
-					t.Errorf("%s rules:\n got  %v\n want %v", role, g, w)
+			for _, res := range r.Resources {
+				// The subresources: external-resizer's controller patches claims' status,
+				// the snapshot sidecar its contents'.
+				if res == "secrets" || res == "configmaps" || (strings.Contains(res, "/") &&
+					res != "persistentvolumeclaims/status" && res != "volumesnapshotcontents/status" && res != "volumesnapshots/status") {
+					t.Errorf("%s: needs no %s", role, res)
 				}
 			}
-			for extra := range roles {
-				t.Errorf("unexpected %s", extra)
-			}
-			// Each binding grants its role to the component's own service account only.
-			binds := map[string]string{
-				"ClusterRoleBinding /dirpv-controller":               "dirpv-controller",
-				"ClusterRoleBinding /dirpv-node":                     "dirpv-node",
-				"RoleBinding dirpv/dirpv-controller-leader-election": "dirpv-controller",
-				"RoleBinding dirpv/dirpv-controller-capacity":        "dirpv-controller",
-				"RoleBinding dirpv/dirpv-node-capacity":              "dirpv-node",
-			}
-			if objs["ClusterRole /dirpv-snapshot-controller"] != nil {
-				binds["ClusterRoleBinding /dirpv-snapshot-controller"] = "dirpv-snapshot-controller"
-				binds["RoleBinding dirpv/dirpv-snapshot-controller-leader-election"] = "dirpv-snapshot-controller"
-			}
-			for k, sa := range binds {
-				var subjects []rbacv1.Subject
-				var ref rbacv1.RoleRef
-				if strings.HasPrefix(k, "Cluster") {
-					b := get[*rbacv1.ClusterRoleBinding](t, objs, k)
-					subjects, ref = b.Subjects, b.RoleRef
-				} else {
-					b := get[*rbacv1.RoleBinding](t, objs, k)
-					subjects, ref = b.Subjects, b.RoleRef
-				}
-				want := []rbacv1.Subject{{Kind: "ServiceAccount", Name: sa, Namespace: "dirpv"}}
-				if !reflect.DeepEqual(subjects, want) {
-					t.Errorf("%s subjects %+v, want %+v", k, subjects, want)
-				}
-				if _, name, _ := strings.Cut(k, "/"); ref.Name != name {
-					t.Errorf("%s binds %s", k, ref.Name)
+			for _, v := range r.Verbs {
+				if v == "escalate" || v == "bind" || v == "impersonate" || v == "deletecollection" {
+					t.Errorf("%s: verb %s", role, v)
 				}
 			}
-			if sa := deployment(t, objs).Spec.Template.Spec.ServiceAccountName; sa != "dirpv-controller" {
-				t.Errorf("controller runs as %q", sa)
-			}
-			if sa := daemonSet(t, objs).Spec.Template.Spec.ServiceAccountName; sa != "dirpv-node" {
-				t.Errorf("node runs as %q", sa)
-			}
-		})
+		}
+		for _, r := range want {
+			w = append(w, joinRule(r))
+		}
+		if !reflect.DeepEqual(g, w) {
+			t.Errorf("%s rules:\n got  %v\n want %v", role, g, w)
+		}
+	}
+	for extra := range roles {
+		t.Errorf("unexpected %s", extra)
+	}
+	// Each binding grants its role to the component's own service account only.
+	binds := map[string]string{
+		"ClusterRoleBinding /dirpv-controller":               "dirpv-controller",
+		"ClusterRoleBinding /dirpv-node":                     "dirpv-node",
+		"RoleBinding dirpv/dirpv-controller-leader-election": "dirpv-controller",
+		"RoleBinding dirpv/dirpv-controller-capacity":        "dirpv-controller",
+		"RoleBinding dirpv/dirpv-node-capacity":              "dirpv-node",
+	}
+	if objs["ClusterRole /dirpv-snapshot-controller"] != nil {
+		binds["ClusterRoleBinding /dirpv-snapshot-controller"] = "dirpv-snapshot-controller"
+		binds["RoleBinding dirpv/dirpv-snapshot-controller-leader-election"] = "dirpv-snapshot-controller"
+	}
+	for k, sa := range binds {
+		var subjects []rbacv1.Subject
+		var ref rbacv1.RoleRef
+		if strings.HasPrefix(k, "Cluster") {
+			b := get[*rbacv1.ClusterRoleBinding](t, objs, k)
+			subjects, ref = b.Subjects, b.RoleRef
+		} else {
+			b := get[*rbacv1.RoleBinding](t, objs, k)
+			subjects, ref = b.Subjects, b.RoleRef
+		}
+		want := []rbacv1.Subject{{Kind: "ServiceAccount", Name: sa, Namespace: "dirpv"}}
+		if !reflect.DeepEqual(subjects, want) {
+			t.Errorf("%s subjects %+v, want %+v", k, subjects, want)
+		}
+		if _, name, _ := strings.Cut(k, "/"); ref.Name != name {
+			t.Errorf("%s binds %s", k, ref.Name)
+		}
+	}
+	if sa := deployment(t, objs).Spec.Template.Spec.ServiceAccountName; sa != "dirpv-controller" {
+		t.Errorf("controller runs as %q", sa)
+	}
+	if sa := daemonSet(t, objs).Spec.Template.Spec.ServiceAccountName; sa != "dirpv-node" {
+		t.Errorf("node runs as %q", sa)
 	}
 }
 
-func TestCSIDriver(t *testing.T) {
-	for name, objs := range variants(t) {
-		t.Run(name, func(t *testing.T) {
-			d := get[*storagev1.CSIDriver](t, objs, "CSIDriver /dirpv.io")
-			f, tr := false, true
-			file := storagev1.FileFSGroupPolicy
-			want := storagev1.CSIDriverSpec{
-				AttachRequired:       &f,
-				PodInfoOnMount:       &tr,
-				FSGroupPolicy:        &file,
-				VolumeLifecycleModes: []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent},
-				RequiresRepublish:    &f,
-				// The scheduler checks CSIStorageCapacity for WaitForFirstConsumer claims.
-				StorageCapacity: &tr,
-			}
-			if !reflect.DeepEqual(d.Spec, want) {
-				t.Errorf("CSIDriver spec %+v, want %+v", d.Spec, want)
-			}
-		})
+func checkCSIDriver(t *testing.T, name string, objs objects) {
+	d := get[*storagev1.CSIDriver](t, objs, "CSIDriver /dirpv.io")
+	f, tr := false, true
+	file := storagev1.FileFSGroupPolicy
+	want := storagev1.CSIDriverSpec{
+		AttachRequired:       &f,
+		PodInfoOnMount:       &tr,
+		FSGroupPolicy:        &file,
+		VolumeLifecycleModes: []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent},
+		RequiresRepublish:    &f,
+		// The scheduler checks CSIStorageCapacity for WaitForFirstConsumer claims.
+		StorageCapacity: &tr,
+	}
+	if !reflect.DeepEqual(d.Spec, want) {
+		t.Errorf("CSIDriver spec %+v, want %+v", d.Spec, want)
 	}
 }
 
@@ -450,163 +454,155 @@ func checkProbes(t *testing.T, what string, c corev1.Container) {
 	}
 }
 
-func TestControllerDeployment(t *testing.T) {
-	for name, objs := range variants(t) {
-		t.Run(name, func(t *testing.T) {
-			d := deployment(t, objs)
-			spec := d.Spec.Template.Spec
-			c := container(t, spec)
-			if len(c.Args) == 0 || c.Args[0] != "controller" {
-				t.Errorf("args %v", c.Args)
-			}
-			for _, a := range c.Args {
-				if strings.HasPrefix(a, "--leader-election=false") || strings.HasPrefix(a, "--kubeconfig") {
-					t.Errorf("arg %s: the controller must run in-cluster with leader election", a)
-				}
-			}
-			if e, ok := envValue(c, "POD_NAMESPACE"); !ok || e.ValueFrom == nil || e.ValueFrom.FieldRef == nil || e.ValueFrom.FieldRef.FieldPath != "metadata.namespace" {
-				t.Errorf("POD_NAMESPACE %+v", e)
-			}
-			checkProbes(t, "controller", c)
-			// A leader killed before it has drained and unmounted keeps the lease, and the
-			// standby waits out the lease duration: the grace period covers a worker's
-			// --operation-timeout (30 s) plus the bounded unmounts (~50 s with dead servers).
-			if g := spec.TerminationGracePeriodSeconds; g == nil || *g < 80 {
-				t.Errorf("terminationGracePeriodSeconds %v, want at least 80", g)
-			}
-			// The controller's NFS mounts live in its own mount namespace: nothing of the host.
-			for _, v := range spec.Volumes {
-				if v.HostPath != nil {
-					t.Errorf("controller has hostPath volume %s (%s)", v.Name, v.HostPath.Path)
-				}
-			}
-			for _, m := range c.VolumeMounts {
-				if m.MountPropagation != nil {
-					t.Errorf("controller mount %s has propagation %s", m.Name, *m.MountPropagation)
-				}
-			}
-			if spec.HostPID || spec.HostIPC {
-				t.Error("controller shares host PID or IPC namespace")
-			}
-			sc := c.SecurityContext
-			if sc == nil || sc.Capabilities == nil {
-				t.Fatal("controller has no securityContext with capabilities")
-			}
-			if sc.Privileged != nil && *sc.Privileged {
-				t.Error("controller is privileged; CAP_SYS_ADMIN is enough for NFS mounts")
-			}
-			if !reflect.DeepEqual(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) {
-				t.Errorf("drop %v, want [ALL]", sc.Capabilities.Drop)
-			}
-			allowed := map[corev1.Capability]bool{"SYS_ADMIN": true, "CHOWN": true, "FOWNER": true, "DAC_OVERRIDE": true, "NET_BIND_SERVICE": true}
-			for _, c := range sc.Capabilities.Add {
-				if !allowed[c] {
-					t.Errorf("controller adds capability %s", c)
-				}
-			}
-			if sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
-				t.Error("controller root filesystem is writable")
-			}
-			if sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
-				t.Errorf("seccomp %+v", sc.SeccompProfile)
-			}
-			if !strings.HasPrefix(c.Image, "ghcr.io/dirpv/dirpv:") {
-				t.Errorf("image %s", c.Image)
-			}
-		})
+func checkControllerDeployment(t *testing.T, name string, objs objects) {
+	d := deployment(t, objs)
+	spec := d.Spec.Template.Spec
+	c := container(t, spec)
+	if len(c.Args) == 0 || c.Args[0] != "controller" {
+		t.Errorf("args %v", c.Args)
+	}
+	for _, a := range c.Args {
+		if strings.HasPrefix(a, "--leader-election=false") || strings.HasPrefix(a, "--kubeconfig") {
+			t.Errorf("arg %s: the controller must run in-cluster with leader election", a)
+		}
+	}
+	if e, ok := envValue(c, "POD_NAMESPACE"); !ok || e.ValueFrom == nil || e.ValueFrom.FieldRef == nil || e.ValueFrom.FieldRef.FieldPath != "metadata.namespace" {
+		t.Errorf("POD_NAMESPACE %+v", e)
+	}
+	checkProbes(t, "controller", c)
+	// A leader killed before it has drained and unmounted keeps the lease, and the
+	// standby waits out the lease duration: the grace period covers a worker's
+	// --operation-timeout (30 s) plus the bounded unmounts (~50 s with dead servers).
+	if g := spec.TerminationGracePeriodSeconds; g == nil || *g < 80 {
+		t.Errorf("terminationGracePeriodSeconds %v, want at least 80", g)
+	}
+	// The controller's NFS mounts live in its own mount namespace: nothing of the host.
+	for _, v := range spec.Volumes {
+		if v.HostPath != nil {
+			t.Errorf("controller has hostPath volume %s (%s)", v.Name, v.HostPath.Path)
+		}
+	}
+	for _, m := range c.VolumeMounts {
+		if m.MountPropagation != nil {
+			t.Errorf("controller mount %s has propagation %s", m.Name, *m.MountPropagation)
+		}
+	}
+	if spec.HostPID || spec.HostIPC {
+		t.Error("controller shares host PID or IPC namespace")
+	}
+	sc := c.SecurityContext
+	if sc == nil || sc.Capabilities == nil {
+		t.Fatal("controller has no securityContext with capabilities")
+	}
+	if sc.Privileged != nil && *sc.Privileged {
+		t.Error("controller is privileged; CAP_SYS_ADMIN is enough for NFS mounts")
+	}
+	if !reflect.DeepEqual(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) {
+		t.Errorf("drop %v, want [ALL]", sc.Capabilities.Drop)
+	}
+	allowed := map[corev1.Capability]bool{"SYS_ADMIN": true, "CHOWN": true, "FOWNER": true, "DAC_OVERRIDE": true, "NET_BIND_SERVICE": true}
+	for _, c := range sc.Capabilities.Add {
+		if !allowed[c] {
+			t.Errorf("controller adds capability %s", c)
+		}
+	}
+	if sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+		t.Error("controller root filesystem is writable")
+	}
+	if sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		t.Errorf("seccomp %+v", sc.SeccompProfile)
+	}
+	if !strings.HasPrefix(c.Image, "ghcr.io/dirpv/dirpv:") {
+		t.Errorf("image %s", c.Image)
 	}
 }
 
-func TestNodeDaemonSet(t *testing.T) {
-	for name, objs := range variants(t) {
-		t.Run(name, func(t *testing.T) {
-			ds := daemonSet(t, objs)
-			spec := ds.Spec.Template.Spec
-			c := container(t, spec)
-			if len(c.Args) == 0 || c.Args[0] != "node" {
-				t.Fatalf("args %v", c.Args)
-			}
-			root := "/var/lib/kubelet"
-			for _, a := range c.Args {
-				if v, ok := strings.CutPrefix(a, "--kubelet-root-dir="); ok {
-					root = v
-				}
-				if strings.HasPrefix(a, "--csi-endpoint") || strings.HasPrefix(a, "--plugin-registration-dir") {
-					t.Errorf("arg %s: the defaults under --kubelet-root-dir are what the volumes mount", a)
-				}
-			}
-			if e, ok := envValue(c, "NODE_NAME"); !ok || e.ValueFrom == nil || e.ValueFrom.FieldRef == nil || e.ValueFrom.FieldRef.FieldPath != "spec.nodeName" {
-				t.Errorf("NODE_NAME %+v", e)
-			}
-			checkProbes(t, "node", c)
-			if sc := c.SecurityContext; sc == nil || sc.Privileged == nil || !*sc.Privileged {
-				t.Error("node plugin not privileged: Bidirectional propagation needs it")
-			}
-			if !spec.HostNetwork {
-				t.Error("node plugin not on the host network: NFS mounts would lose their network with the pod")
-			}
-			if len(spec.Tolerations) != 1 || spec.Tolerations[0].Operator != corev1.TolerationOpExists || spec.Tolerations[0].Key != "" {
-				t.Errorf("tolerations %+v: want one that tolerates every taint", spec.Tolerations)
-			}
-
-			hostPaths := map[string]string{} // volume name -> host path
-			for _, v := range spec.Volumes {
-				if v.HostPath != nil {
-					hostPaths[v.Name] = v.HostPath.Path
-				}
-			}
-			mounts := map[string]corev1.VolumeMount{} // host path -> mount
-			for _, m := range c.VolumeMounts {
-				hp, ok := hostPaths[m.Name]
-				if !ok {
-					continue
-				}
-				if hp != m.MountPath {
-					t.Errorf("volume %s: host %s mounted at %s; kubelet passes host paths, so they must match", m.Name, hp, m.MountPath)
-				}
-				mounts[hp] = m
-			}
-			propagation := func(p string) corev1.MountPropagationMode {
-				m, ok := mounts[p]
-				if !ok {
-					t.Errorf("%s not mounted (have %v)", p, mounts)
-					return ""
-				}
-				if m.MountPropagation == nil {
-					return corev1.MountPropagationNone
-				}
-				return *m.MountPropagation
-			}
-			if p := propagation(root + "/pods"); p != corev1.MountPropagationBidirectional {
-				t.Errorf("%s/pods propagation %q, want Bidirectional (pods' target paths live there)", root, p)
-			}
-			propagation(root + "/plugins/dirpv.io")
-			propagation(root + "/plugins_registry")
-			// Host mounts must not nest: a mount below a Bidirectional one propagates back to the
-			// host and accumulates there on every restart.
-			for a := range mounts {
-				for b := range mounts {
-					if a != b && strings.HasPrefix(b+"/", a+"/") {
-						t.Errorf("host path %s is mounted inside %s", b, a)
-					}
-				}
-			}
-			// Every local class's basePath must be visible to the node plugin at the same path.
-			for _, sc := range storageClasses(t, objs) {
-				if sc.Parameters["backend"] != "local" {
-					continue
-				}
-				bp := sc.Parameters["basePath"]
-				if bp == "" {
-					bp = "/var/lib/dirpv"
-				}
-				if p := propagation(bp); p == corev1.MountPropagationNone {
-					t.Errorf("class %s basePath %s propagation None: a disk mounted there later would stay hidden", sc.Name, bp)
-				}
-			}
-			checkAllowedBases(t, c, spec, root, storageClasses(t, objs))
-		})
+func checkNodeDaemonSet(t *testing.T, name string, objs objects) {
+	ds := daemonSet(t, objs)
+	spec := ds.Spec.Template.Spec
+	c := container(t, spec)
+	if len(c.Args) == 0 || c.Args[0] != "node" {
+		t.Fatalf("args %v", c.Args)
 	}
+	root := "/var/lib/kubelet"
+	for _, a := range c.Args {
+		if v, ok := strings.CutPrefix(a, "--kubelet-root-dir="); ok {
+			root = v
+		}
+		if strings.HasPrefix(a, "--csi-endpoint") || strings.HasPrefix(a, "--plugin-registration-dir") {
+			t.Errorf("arg %s: the defaults under --kubelet-root-dir are what the volumes mount", a)
+		}
+	}
+	if e, ok := envValue(c, "NODE_NAME"); !ok || e.ValueFrom == nil || e.ValueFrom.FieldRef == nil || e.ValueFrom.FieldRef.FieldPath != "spec.nodeName" {
+		t.Errorf("NODE_NAME %+v", e)
+	}
+	checkProbes(t, "node", c)
+	if sc := c.SecurityContext; sc == nil || sc.Privileged == nil || !*sc.Privileged {
+		t.Error("node plugin not privileged: Bidirectional propagation needs it")
+	}
+	if !spec.HostNetwork {
+		t.Error("node plugin not on the host network: NFS mounts would lose their network with the pod")
+	}
+	if len(spec.Tolerations) != 1 || spec.Tolerations[0].Operator != corev1.TolerationOpExists || spec.Tolerations[0].Key != "" {
+		t.Errorf("tolerations %+v: want one that tolerates every taint", spec.Tolerations)
+	}
+
+	hostPaths := map[string]string{} // volume name -> host path
+	for _, v := range spec.Volumes {
+		if v.HostPath != nil {
+			hostPaths[v.Name] = v.HostPath.Path
+		}
+	}
+	mounts := map[string]corev1.VolumeMount{} // host path -> mount
+	for _, m := range c.VolumeMounts {
+		hp, ok := hostPaths[m.Name]
+		if !ok {
+			continue
+		}
+		if hp != m.MountPath {
+			t.Errorf("volume %s: host %s mounted at %s; kubelet passes host paths, so they must match", m.Name, hp, m.MountPath)
+		}
+		mounts[hp] = m
+	}
+	propagation := func(p string) corev1.MountPropagationMode {
+		m, ok := mounts[p]
+		if !ok {
+			t.Errorf("%s not mounted (have %v)", p, mounts)
+			return ""
+		}
+		if m.MountPropagation == nil {
+			return corev1.MountPropagationNone
+		}
+		return *m.MountPropagation
+	}
+	if p := propagation(root + "/pods"); p != corev1.MountPropagationBidirectional {
+		t.Errorf("%s/pods propagation %q, want Bidirectional (pods' target paths live there)", root, p)
+	}
+	propagation(root + "/plugins/dirpv.io")
+	propagation(root + "/plugins_registry")
+	// Host mounts must not nest: a mount below a Bidirectional one propagates back to the
+	// host and accumulates there on every restart.
+	for a := range mounts {
+		for b := range mounts {
+			if a != b && strings.HasPrefix(b+"/", a+"/") {
+				t.Errorf("host path %s is mounted inside %s", b, a)
+			}
+		}
+	}
+	// Every local class's basePath must be visible to the node plugin at the same path.
+	for _, sc := range storageClasses(t, objs) {
+		if sc.Parameters["backend"] != "local" {
+			continue
+		}
+		bp := sc.Parameters["basePath"]
+		if bp == "" {
+			bp = "/var/lib/dirpv"
+		}
+		if p := propagation(bp); p == corev1.MountPropagationNone {
+			t.Errorf("class %s basePath %s propagation None: a disk mounted there later would stay hidden", sc.Name, bp)
+		}
+	}
+	checkAllowedBases(t, c, spec, root, storageClasses(t, objs))
 }
 
 // checkAllowedBases: the node plugin is told to allow exactly the base paths its DaemonSet
@@ -650,43 +646,39 @@ func checkAllowedBases(t *testing.T, c corev1.Container, spec corev1.PodSpec, ku
 	}
 }
 
-func TestStorageClasses(t *testing.T) {
-	for name, objs := range variants(t) {
-		t.Run(name, func(t *testing.T) {
-			defaults := 0
-			for _, sc := range storageClasses(t, objs) {
-				if sc.Provisioner != "dirpv.io" {
-					t.Errorf("%s provisioner %s", sc.Name, sc.Provisioner)
-				}
-				if sc.Annotations["storageclass.kubernetes.io/is-default-class"] == "true" {
-					defaults++
-				}
-				mode := storagev1.VolumeBindingImmediate
-				if sc.VolumeBindingMode != nil {
-					mode = *sc.VolumeBindingMode
-				}
-				switch sc.Parameters["backend"] {
-				case "local":
-					if mode != storagev1.VolumeBindingWaitForFirstConsumer {
-						t.Errorf("local class %s binding %s", sc.Name, mode)
-					}
-				case "nfs":
-					if sc.Parameters["server"] == "" || sc.Parameters["share"] == "" || strings.HasSuffix(sc.Parameters["server"], ".invalid") {
-						t.Errorf("nfs class %s export %s:%s", sc.Name, sc.Parameters["server"], sc.Parameters["share"])
-					}
-				default:
-					t.Errorf("%s backend %q", sc.Name, sc.Parameters["backend"])
-				}
-				checkParameters(t, sc)
-				// helm custom turns it off on one class (TestHelmCustomValues).
-				if name != "helm custom" && (sc.AllowVolumeExpansion == nil || !*sc.AllowVolumeExpansion) {
-					t.Errorf("class %s does not allow volume expansion", sc.Name)
-				}
+func checkStorageClasses(t *testing.T, name string, objs objects) {
+	defaults := 0
+	for _, sc := range storageClasses(t, objs) {
+		if sc.Provisioner != "dirpv.io" {
+			t.Errorf("%s provisioner %s", sc.Name, sc.Provisioner)
+		}
+		if sc.Annotations["storageclass.kubernetes.io/is-default-class"] == "true" {
+			defaults++
+		}
+		mode := storagev1.VolumeBindingImmediate
+		if sc.VolumeBindingMode != nil {
+			mode = *sc.VolumeBindingMode
+		}
+		switch sc.Parameters["backend"] {
+		case "local":
+			if mode != storagev1.VolumeBindingWaitForFirstConsumer {
+				t.Errorf("local class %s binding %s", sc.Name, mode)
 			}
-			if defaults > 1 {
-				t.Errorf("%d default classes", defaults)
+		case "nfs":
+			if sc.Parameters["server"] == "" || sc.Parameters["share"] == "" || strings.HasSuffix(sc.Parameters["server"], ".invalid") {
+				t.Errorf("nfs class %s export %s:%s", sc.Name, sc.Parameters["server"], sc.Parameters["share"])
 			}
-		})
+		default:
+			t.Errorf("%s backend %q", sc.Name, sc.Parameters["backend"])
+		}
+		checkParameters(t, sc)
+		// helm custom turns it off on one class (TestHelmCustomValues).
+		if name != "helm custom" && (sc.AllowVolumeExpansion == nil || !*sc.AllowVolumeExpansion) {
+			t.Errorf("class %s does not allow volume expansion", sc.Name)
+		}
+	}
+	if defaults > 1 {
+		t.Errorf("%d default classes", defaults)
 	}
 }
 
@@ -791,25 +783,21 @@ func TestRenderE2ELocalOnRelease(t *testing.T) {
 	}
 }
 
-// TestImagesArePinned: no variant a user installs, nor the e2e install, runs an image by
+// checkImagesArePinned: no variant a user installs, the e2e install included, runs an image by
 // "latest" or without a tag (which means latest): a node that already has an image under such
 // a name keeps running it, whatever was released since.
-func TestImagesArePinned(t *testing.T) {
-	for name, objs := range variants(t) {
-		t.Run(name, func(t *testing.T) {
-			n := 0
-			for _, k := range objs.keys() {
-				for _, img := range images(objs[k].Object) {
-					n++
-					if err := pinnedImage(img); err != nil {
-						t.Errorf("%s: %v", k, err)
-					}
-				}
+func checkImagesArePinned(t *testing.T, name string, objs objects) {
+	n := 0
+	for _, k := range objs.keys() {
+		for _, img := range images(objs[k].Object) {
+			n++
+			if err := pinnedImage(img); err != nil {
+				t.Errorf("%s: %v", k, err)
 			}
-			if n < 2 {
-				t.Errorf("found %d images, want at least the controller's and the node's", n)
-			}
-		})
+		}
+	}
+	if n < 2 {
+		t.Errorf("found %d images, want at least the controller's and the node's", n)
 	}
 }
 
@@ -991,32 +979,33 @@ func checkParameters(t *testing.T, sc *storagev1.StorageClass) {
 	}
 }
 
-// TestControllerPDB: drains take at most one controller replica at a time, the budget covers
+// checkControllerPDB: drains take at most one controller replica at a time, the budget covers
 // exactly the controller's pods, and neither one replica nor a wedged replica blocks a drain.
-func TestControllerPDB(t *testing.T) {
+func checkControllerPDB(t *testing.T, name string, objs objects) {
 	one := intstr.FromInt32(1)
 	alwaysAllow := policyv1.AlwaysAllow
-	for name, objs := range variants(t) {
-		t.Run(name, func(t *testing.T) {
-			pdb := get[*policyv1.PodDisruptionBudget](t, objs, "PodDisruptionBudget dirpv/dirpv-controller")
-			want := policyv1.PodDisruptionBudgetSpec{
-				MaxUnavailable:             &one,
-				UnhealthyPodEvictionPolicy: &alwaysAllow,
-				Selector: &metav1.LabelSelector{MatchLabels: map[string]string{
-					"app.kubernetes.io/name": "dirpv", "app.kubernetes.io/component": "controller"}},
-			}
-			if !reflect.DeepEqual(pdb.Spec, want) {
-				t.Errorf("spec %+v, want %+v", pdb.Spec, want)
-			}
-			sel, err := metav1.LabelSelectorAsSelector(pdb.Spec.Selector)
-			must(t, err)
-			for k, covers := range podsSelected(objs, sel) {
-				if covers != (k == "Deployment dirpv/dirpv-controller") {
-					t.Errorf("budget covers %s's pods: %v", k, covers)
-				}
-			}
-		})
+	pdb := get[*policyv1.PodDisruptionBudget](t, objs, "PodDisruptionBudget dirpv/dirpv-controller")
+	want := policyv1.PodDisruptionBudgetSpec{
+		MaxUnavailable:             &one,
+		UnhealthyPodEvictionPolicy: &alwaysAllow,
+		Selector: &metav1.LabelSelector{MatchLabels: map[string]string{
+			"app.kubernetes.io/name": "dirpv", "app.kubernetes.io/component": "controller"}},
 	}
+	if !reflect.DeepEqual(pdb.Spec, want) {
+		t.Errorf("spec %+v, want %+v", pdb.Spec, want)
+	}
+	sel, err := metav1.LabelSelectorAsSelector(pdb.Spec.Selector)
+	must(t, err)
+	for k, covers := range podsSelected(objs, sel) {
+		if covers != (k == "Deployment dirpv/dirpv-controller") {
+			t.Errorf("budget covers %s's pods: %v", k, covers)
+		}
+	}
+}
+
+// TestControllerPDB: the chart's values turn the budget off or change its maxUnavailable, but
+// never to 0, which blocks every drain.
+func TestControllerPDB(t *testing.T) {
 	_, helm := tools(t)
 	for _, set := range [][]string{{"controller.podDisruptionBudget.enabled=false"}, {"controller.enabled=false"}} {
 		if objs := helmObjs(t, helm, nil, set...); len(objs.ofKind("PodDisruptionBudget")) != 0 {
@@ -1032,43 +1021,44 @@ func TestControllerPDB(t *testing.T) {
 	}
 }
 
-// TestMetricsServices: each component has a headless Service whose http-metrics port reaches
+// checkMetricsServices: each component has a headless Service whose http-metrics port reaches
 // the port its pods serve /metrics on, and that selects that component's pods only.
-func TestMetricsServices(t *testing.T) {
-	for name, objs := range variants(t) {
-		t.Run(name, func(t *testing.T) {
-			workloads := map[string]string{"controller": "Deployment dirpv/dirpv-controller", "node": "DaemonSet dirpv/dirpv-node"}
-			if got := objs.ofKind("Service"); !reflect.DeepEqual(got, []string{"dirpv-controller-metrics", "dirpv-node-metrics"}) {
-				t.Fatalf("services %v", got)
-			}
-			for component, workload := range workloads {
-				svc := get[*corev1.Service](t, objs, "Service dirpv/dirpv-"+component+"-metrics")
-				if svc.Spec.ClusterIP != corev1.ClusterIPNone || svc.Spec.Type != "" {
-					t.Errorf("%s: clusterIP %q type %q, want headless", svc.Name, svc.Spec.ClusterIP, svc.Spec.Type)
-				}
-				if svc.Labels["app.kubernetes.io/component"] != component {
-					t.Errorf("%s labels %v", svc.Name, svc.Labels)
-				}
-				for k, selects := range podsSelected(objs, labels.SelectorFromSet(svc.Spec.Selector)) {
-					if selects != (k == workload) {
-						t.Errorf("%s selects %s's pods: %v", svc.Name, k, selects)
-					}
-				}
-				var spec corev1.PodSpec
-				if component == "controller" {
-					spec = deployment(t, objs).Spec.Template.Spec
-				} else {
-					spec = daemonSet(t, objs).Spec.Template.Spec
-				}
-				c := container(t, spec)
-				served := httpPort(c)
-				want := []corev1.ServicePort{{Name: "http-metrics", Port: served, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP}}
-				if !reflect.DeepEqual(svc.Spec.Ports, want) || !slices.Contains(c.Args, fmt.Sprintf("--http-address=:%d", served)) {
-					t.Errorf("%s ports %+v, want %+v (args %v)", svc.Name, svc.Spec.Ports, want, c.Args)
-				}
-			}
-		})
+func checkMetricsServices(t *testing.T, name string, objs objects) {
+	workloads := map[string]string{"controller": "Deployment dirpv/dirpv-controller", "node": "DaemonSet dirpv/dirpv-node"}
+	if got := objs.ofKind("Service"); !reflect.DeepEqual(got, []string{"dirpv-controller-metrics", "dirpv-node-metrics"}) {
+		t.Fatalf("services %v", got)
 	}
+	for component, workload := range workloads {
+		svc := get[*corev1.Service](t, objs, "Service dirpv/dirpv-"+component+"-metrics")
+		if svc.Spec.ClusterIP != corev1.ClusterIPNone || svc.Spec.Type != "" {
+			t.Errorf("%s: clusterIP %q type %q, want headless", svc.Name, svc.Spec.ClusterIP, svc.Spec.Type)
+		}
+		if svc.Labels["app.kubernetes.io/component"] != component {
+			t.Errorf("%s labels %v", svc.Name, svc.Labels)
+		}
+		for k, selects := range podsSelected(objs, labels.SelectorFromSet(svc.Spec.Selector)) {
+			if selects != (k == workload) {
+				t.Errorf("%s selects %s's pods: %v", svc.Name, k, selects)
+			}
+		}
+		var spec corev1.PodSpec
+		if component == "controller" {
+			spec = deployment(t, objs).Spec.Template.Spec
+		} else {
+			spec = daemonSet(t, objs).Spec.Template.Spec
+		}
+		c := container(t, spec)
+		served := httpPort(c)
+		want := []corev1.ServicePort{{Name: "http-metrics", Port: served, TargetPort: intstr.FromString("http"), Protocol: corev1.ProtocolTCP}}
+		if !reflect.DeepEqual(svc.Spec.Ports, want) || !slices.Contains(c.Args, fmt.Sprintf("--http-address=:%d", served)) {
+			t.Errorf("%s ports %+v, want %+v (args %v)", svc.Name, svc.Spec.Ports, want, c.Args)
+		}
+	}
+}
+
+// TestMetricsServices: the chart's values move the controller's metrics port and leave out
+// the Services, or the controller's.
+func TestMetricsServices(t *testing.T) {
 	_, helm := tools(t)
 	objs := helmObjs(t, helm, nil, "controller.httpPort=9999")
 	if p := get[*corev1.Service](t, objs, "Service dirpv/dirpv-controller-metrics").Spec.Ports[0].Port; p != 9999 {
@@ -1082,14 +1072,16 @@ func TestMetricsServices(t *testing.T) {
 	}
 }
 
-// TestServiceMonitor: off by default; when on, one ServiceMonitor that scrapes /metrics on
-// http-metrics of exactly the metrics Services, carrying the labels a Prometheus selects by.
-func TestServiceMonitor(t *testing.T) {
-	for name, objs := range variants(t) {
-		if got := objs.ofKind("ServiceMonitor"); len(got) != 0 {
-			t.Errorf("%s: ServiceMonitor %v by default", name, got)
-		}
+// checkNoServiceMonitor: no variant renders a ServiceMonitor by default.
+func checkNoServiceMonitor(t *testing.T, _ string, objs objects) {
+	if got := objs.ofKind("ServiceMonitor"); len(got) != 0 {
+		t.Errorf("ServiceMonitor %v by default", got)
 	}
+}
+
+// TestServiceMonitor: when on, one ServiceMonitor that scrapes /metrics on http-metrics of
+// exactly the metrics Services, carrying the labels a Prometheus selects by.
+func TestServiceMonitor(t *testing.T) {
 	_, helm := tools(t)
 	objs := helmObjs(t, helm, nil, "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom",
 		"metrics.serviceMonitor.interval=30s")
