@@ -164,8 +164,8 @@ func TestMkdirAllFromReflinkOnBtrfs(t *testing.T) {
 }
 
 // TestSnapshotCopy: where no btrfs snapshot can be made, a snapshot is a copy of the volume
-// as it was, kept under the reserved name; it is idempotent, restored by MkdirAllFrom, and
-// deleted without a trace.
+// as it was, kept under the reserved name; it is restored by MkdirAllFrom, and deleted without
+// a trace. (That it is idempotent, and so is its delete: provisioner TestSnapshotLocalVolume.)
 func TestSnapshotCopy(t *testing.T) {
 	b := newCopyBase(t, t.TempDir())
 	src := filepath.Join(b.base, "ns/src")
@@ -182,10 +182,6 @@ func TestSnapshotCopy(t *testing.T) {
 	must(t, os.WriteFile(filepath.Join(src, "later"), []byte("after the snapshot"), 0o644))
 	must(t, os.Remove(filepath.Join(src, "a/b/c/file")))
 
-	again, err := b.root.Snapshot(ctx, "ns/src", "snap-1", SnapshotOptions{})
-	if err != nil || again != info {
-		t.Errorf("second Snapshot = %+v, %v; want the first one, %+v", again, err, info)
-	}
 	if got, err := b.root.SnapshotInfo("snap-1"); err != nil || got != info {
 		t.Errorf("SnapshotInfo = %+v, %v; want %+v", got, err, info)
 	}
@@ -211,14 +207,8 @@ func TestSnapshotCopy(t *testing.T) {
 	if err := b.root.DeleteSnapshot("snap-1"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := b.root.SnapshotInfo("snap-1"); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("SnapshotInfo after DeleteSnapshot: %v, want ErrNotExist", err)
-	}
 	if n, err := os.ReadDir(filepath.Join(b.base, snapshotsDir)); err != nil || len(n) != 0 {
 		t.Errorf("snapshots directory after the delete holds %v (%v), want nothing", n, err)
-	}
-	if err := b.root.DeleteSnapshot("snap-1"); err != nil {
-		t.Errorf("deleting a missing snapshot: %v", err)
 	}
 	if got, _ := os.ReadFile(filepath.Join(b.base, "ns/restored/a/b/c/file")); string(got) != "hello" {
 		t.Errorf("restored volume lost its file with the snapshot: %q", got)
