@@ -107,24 +107,3 @@ func TestCheckRoomForCopyReflinks(t *testing.T) {
 		t.Errorf("a reflink copy on btrfs: %v, want no check", err)
 	}
 }
-
-// TestSnapshotWithoutRoom: a snapshot the base has no room for is not started, leaves
-// nothing, and is made once there is room.
-func TestSnapshotWithoutRoom(t *testing.T) {
-	dir, r := smallBase(t, "12m")
-	_, err := r.MkdirAll("ns/src", Owner{Mode: 0o755, UID: -1, GID: -1}, Claim{UID: "src"})
-	must(t, err)
-	big := filepath.Join(dir, "ns/src/big")
-	must(t, os.WriteFile(big, make([]byte, 8<<20), 0o644))
-	_, err = r.Snapshot(context.Background(), "ns/src", "s", SnapshotOptions{})
-	if !errors.Is(err, ErrNoRoomForCopy) {
-		t.Fatalf("a snapshot of 8 MiB with 4 MiB free: %v, want ErrNoRoomForCopy", err)
-	}
-	if names, _ := os.ReadDir(filepath.Join(dir, snapshotsDir)); len(names) != 0 {
-		t.Errorf("the refused snapshot left %v", names)
-	}
-	must(t, os.Truncate(big, 1<<20))
-	if _, err := r.Snapshot(context.Background(), "ns/src", "s", SnapshotOptions{Margin: 1 << 20}); err != nil {
-		t.Errorf("snapshot with room: %v", err)
-	}
-}
