@@ -93,14 +93,7 @@ func decode(t *testing.T, data []byte) objects {
 	return objs
 }
 
-func (o objects) keys() []string {
-	var ks []string
-	for k := range o {
-		ks = append(ks, k)
-	}
-	sort.Strings(ks)
-	return ks
-}
+func (o objects) keys() []string { return slices.Sorted(maps.Keys(o)) }
 
 // ofKind returns the names of the objects of one kind, sorted.
 func (o objects) ofKind(kind string) []string {
