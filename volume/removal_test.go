@@ -105,24 +105,6 @@ func TestRemovalHoldsAtMostOneBatchOfNames(t *testing.T) {
 	t.Logf("at most %d names held at once", most)
 }
 
-func TestRemoveAllDeepTree(t *testing.T) {
-	r, base := newRoot(t)
-	if _, err := r.MkdirAll("vol", Owner{Mode: 0o755}, claimA); err != nil {
-		t.Fatal(err)
-	}
-	dir := filepath.Join(base, "vol")
-	for i := 0; i < 300; i++ {
-		must(t, os.WriteFile(filepath.Join(dir, "f"+string(rune('a'+i%26))+string(rune('a'+i/26))), nil, 0o644))
-	}
-	deep := filepath.Join(dir, "a/b/c/d")
-	must(t, os.MkdirAll(deep, 0o500))
-	must(t, os.Chmod(filepath.Join(dir, "a"), 0))
-	must(t, r.RemoveAll("vol"))
-	if _, err := os.Lstat(dir); !os.IsNotExist(err) {
-		t.Errorf("volume still there: %v", err)
-	}
-}
-
 // A mount inside a volume (a pod's bind mount, or one a tenant arranged) stops the removal:
 // crossing it could delete data that is not the volume's.
 func TestRemoveAllStopsAtMountPoints(t *testing.T) {

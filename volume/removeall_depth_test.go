@@ -10,10 +10,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// A tenant controls what is inside its volume, depth included. RemoveAll must not need one
-// open file per level: a tree deeper than the process's file limit would otherwise make
-// Delete fail forever and, while it runs, starve every other operation of the node plugin or
-// controller of file descriptors.
+// A tenant controls what is inside its volume, depth and modes included. RemoveAll must not
+// need one open file per level: a tree deeper than the process's file limit would otherwise
+// make Delete fail forever and, while it runs, starve every other operation of the node plugin
+// or controller of file descriptors.
 func TestRemoveAllDeepTreeUsesBoundedDescriptors(t *testing.T) {
 	r, base := newRoot(t)
 	const depth = 1200
@@ -32,6 +32,8 @@ func TestRemoveAllDeepTreeUsesBoundedDescriptors(t *testing.T) {
 		}
 	}
 	unix.Close(fd)
+	// A tenant may also take every permission off a directory: root removes it all the same.
+	must(t, os.Chmod(filepath.Join(base, "vol/d"), 0))
 
 	var old unix.Rlimit
 	must(t, unix.Getrlimit(unix.RLIMIT_NOFILE, &old))
