@@ -307,9 +307,10 @@ func TestCrashAfterPlaceholderIsRetried(t *testing.T) {
 	})
 }
 
-// Archiving renames a volume and deleting removes it; the marker goes with the directory and
-// no record is left behind.
-func TestMarkerFollowsRenameAndRemove(t *testing.T) {
+// Archiving renames a volume, an NFS delete moves it into another directory (the trash), and
+// deleting removes it: the marker goes with the directory, and no record is left behind in
+// any directory it was in.
+func TestMarkerFollowsItsVolume(t *testing.T) {
 	forEachMarker(t, func(t *testing.T, r *Root, base string) {
 		owner := Owner{Mode: 0o755, UID: -1, GID: -1}
 		for _, rel := range []string{"ns/a", "ns/b"} {
@@ -318,40 +319,23 @@ func TestMarkerFollowsRenameAndRemove(t *testing.T) {
 			}
 		}
 		must(t, renameVolume(r, "ns/a", "archived-a"))
-		if got, marked, err := r.VolumeOwner("ns/archived-a"); err != nil || !marked || got != claimA {
-			t.Errorf("archived volume's owner %+v marked %v (%v)", got, marked, err)
+		must(t, r.Mkdir(".dirpv-trash", 0o700))
+		must(t, moveVolume(r, "ns/b", ".dirpv-trash", "pv-b"))
+		for _, rel := range []string{"ns/archived-a", ".dirpv-trash/pv-b"} {
+			if got, marked, err := r.VolumeOwner(rel); err != nil || !marked || got != claimA {
+				t.Errorf("%s's owner %+v marked %v (%v)", rel, got, marked, err)
+			}
 		}
 		if _, err := r.MkdirAll("ns/archived-a/x", owner, claimB); !errors.Is(err, ErrInsideVolume) {
 			t.Errorf("volume inside an archived one: %v, want ErrInsideVolume", err)
 		}
-		for _, rel := range []string{"ns/archived-a", "ns/b"} {
+		for _, rel := range []string{"ns/archived-a", ".dirpv-trash/pv-b"} {
 			must(t, r.RemoveAll(rel))
 		}
-		if entries, err := os.ReadDir(filepath.Join(base, "ns")); err != nil || len(entries) != 0 {
-			t.Errorf("ns holds %v (%v) after both volumes were removed", entries, err)
-		}
-	})
-}
-
-// A volume moved into another directory (NFS deletes move it to the trash) stays marked there,
-// and removing it there leaves no record behind in either directory.
-func TestMarkerFollowsMoveToAnotherDirectory(t *testing.T) {
-	forEachMarker(t, func(t *testing.T, r *Root, base string) {
-		owner := Owner{Mode: 0o755, UID: -1, GID: -1}
-		if _, err := r.MkdirAll("ns/a", owner, claimA); err != nil {
-			t.Fatal(err)
-		}
-		must(t, r.Mkdir(".dirpv-trash", 0o700))
-		must(t, moveVolume(r, "ns/a", ".dirpv-trash", "pv-a"))
-		if got, marked, err := r.VolumeOwner(".dirpv-trash/pv-a"); err != nil || !marked || got != claimA {
-			t.Errorf("moved volume's owner %+v marked %v (%v)", got, marked, err)
-		}
-		if entries, err := os.ReadDir(filepath.Join(base, "ns")); err != nil || len(entries) != 0 {
-			t.Errorf("ns holds %v (%v) after its only volume moved away", entries, err)
-		}
-		must(t, r.RemoveAll(".dirpv-trash/pv-a"))
-		if entries, err := os.ReadDir(filepath.Join(base, ".dirpv-trash")); err != nil || len(entries) != 0 {
-			t.Errorf("trash holds %v (%v) after the moved volume was removed", entries, err)
+		for _, dir := range []string{"ns", ".dirpv-trash"} {
+			if entries, err := os.ReadDir(filepath.Join(base, dir)); err != nil || len(entries) != 0 {
+				t.Errorf("%s holds %v (%v) after its volumes were removed", dir, entries, err)
+			}
 		}
 	})
 }
