@@ -215,18 +215,14 @@ func TestSnapshotCopy(t *testing.T) {
 	}
 }
 
-// TestSnapshotLeftovers: what a crash left of a snapshot being made or deleted is removed by
-// the next Snapshot or DeleteSnapshot of the name.
+// TestSnapshotLeftovers: what a crash left of a snapshot being deleted is removed by the next
+// DeleteSnapshot of the name. (Of one being made, by the next Snapshot: TestSnapshotKeepFailed.)
 func TestSnapshotLeftovers(t *testing.T) {
 	b := newCopyBase(t, t.TempDir())
 	dir := filepath.Join(b.base, snapshotsDir)
-	must(t, os.MkdirAll(filepath.Join(dir, snapshotTemp("s"), snapshotTree, "half"), 0o755))
 	must(t, os.MkdirAll(filepath.Join(dir, snapshotGonePrefix+nameHash("s"), snapshotTree, "half"), 0o755))
 	if _, err := b.root.Snapshot(context.Background(), "ns/src", "s", SnapshotOptions{}); err != nil {
 		t.Fatal(err)
-	}
-	if _, err := os.Stat(filepath.Join(dir, snapshotTemp("s"))); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("the half-made snapshot is still there: %v", err)
 	}
 	if err := b.root.DeleteSnapshot("s"); err != nil {
 		t.Fatal(err)
