@@ -50,6 +50,8 @@ func TestHelmMatchesKustomize(t *testing.T) {
 			changes: map[string][]string{"Deployment dirpv/dirpv-controller": {
 				".spec.strategy: <nil> != map[rollingUpdate:map[maxSurge:0 maxUnavailable:1] type:RollingUpdate]",
 				".spec.template.spec.dnsPolicy: <nil> != ClusterFirstWithHostNet", ".spec.template.spec.hostNetwork: <nil> != true"}}},
+		// The chart cannot read files outside itself: deploy/helm/dirpv/files/monitoring must be a
+		// copy of the component's dashboard and rules.
 		{name: "monitoring", overlay: "test/deploy/testdata/monitoring", apis: []string{PrometheusRuleAPI}, set: []string{"monitoring.enabled=true"},
 			adds: []string{"ConfigMap dirpv/dirpv-dashboard", "PrometheusRule dirpv/dirpv"}},
 		{name: "snapshots", overlay: "test/deploy/testdata/snapshots", set: []string{"snapshots.enabled=true"}, adds: snapshotObjects},
