@@ -5,7 +5,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"reflect"
 	"strings"
 	"testing"
 
@@ -44,35 +43,6 @@ var snapshotControllerRules = map[string][]rbacv1.PolicyRule{
 		{APIGroups: []string{"coordination.k8s.io"}, Resources: []string{"leases"}, Verbs: []string{"create"}},
 		{APIGroups: []string{"coordination.k8s.io"}, Resources: []string{"leases"}, ResourceNames: []string{"dirpv-snapshot-controller"}, Verbs: []string{"get", "update"}},
 	},
-}
-
-// TestSnapshotsOption: the common snapshot controller the snapshots option adds (what else it
-// adds and that the chart's snapshots.enabled renders the same: TestHelmMatchesKustomize) has
-// exactly its rules, valid objects and pinned images.
-func TestSnapshotsOption(t *testing.T) {
-	kustomize, _ := tools(t)
-	withComponent := kustomizeObjs(t, kustomize, "test/deploy/testdata/snapshots")
-	for role, want := range snapshotControllerRules {
-		kind, name, _ := strings.Cut(role, " ")
-		var g, w []string
-		for _, r := range rulesOf(t, withComponent, kind, "dirpv", name) {
-			g = append(g, joinRule(r))
-		}
-		for _, r := range want {
-			w = append(w, joinRule(r))
-		}
-		if !reflect.DeepEqual(g, w) {
-			t.Errorf("%s rules:\n got  %v\n want %v", role, g, w)
-		}
-	}
-	for _, k := range []string{"Deployment dirpv/dirpv-snapshot-controller", "ServiceAccount dirpv/dirpv-snapshot-controller"} {
-		typed(t, withComponent[k])
-	}
-	for _, img := range images(withComponent["Deployment dirpv/dirpv-snapshot-controller"].Object) {
-		if err := pinnedImage(img); err != nil {
-			t.Error(err)
-		}
-	}
 }
 
 // TestSnapshotCRDsAreUpstream: both vendored copies of the snapshot CRDs are byte for byte the
