@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -36,11 +37,22 @@ func (m *slowMounter) Mount(source, target, fstype string, options []string) err
 
 // A mount that completes after its caller gave up is adopted by the next call: neither left
 // mounted with an open root nobody closes (which made every later unmount fail with "target is
-// busy" on a real NFS mount), nor mounted a second time on top.
+// busy" on a real NFS mount), nor mounted a second time on top. While it hangs it holds the
+// export's mount lock, so every later call waits for it in vain while only one of the export's
+// call slots is taken: the controller turns unhealthy once the lock has been held longer than
+// the limit, and healthy again once the mount returns.
 func TestLateMountIsAdopted(t *testing.T) {
 	m := &slowMounter{FakeMounter: mount.NewFakeMounter(nil), release: make(chan struct{})}
 	e := New(m, t.TempDir(), 200*time.Millisecond)
+	t.Cleanup(func() { e.Close(context.Background()) })
+	released := false
+	t.Cleanup(func() {
+		if !released {
+			close(m.release)
+		}
+	})
 	noop := func(*volume.Root) error { return nil }
+	const limit = 400 * time.Millisecond
 
 	err := e.Do(context.Background(), "nfs.example", "/export", []string{"nolock"}, noop)
 	if !errors.Is(err, ErrUnresponsive) {
@@ -51,7 +63,17 @@ func TestLateMountIsAdopted(t *testing.T) {
 	if !errors.Is(err, ErrUnresponsive) {
 		t.Fatalf("call while the first mount still runs: %v, want ErrUnresponsive", err)
 	}
+	eventually(t, 5*time.Second, func() (bool, string) {
+		err := e.Healthy(limit)
+		return err != nil && strings.Contains(err.Error(), "nfs.example:/export (mount lock held since"),
+			fmt.Sprintf("while the mount hangs: %v, want unhealthy for the held mount lock", err)
+	})
 	close(m.release)
+	released = true
+	eventually(t, 5*time.Second, func() (bool, string) {
+		err := e.Healthy(limit)
+		return err == nil, fmt.Sprintf("once the mount returned: %v, want healthy", err)
+	})
 	err = e.Do(context.Background(), "nfs.example", "/export", []string{"nolock"}, noop)
 	if err != nil {
 		t.Fatalf("call after the server answered: %v", err)
@@ -62,7 +84,6 @@ func TestLateMountIsAdopted(t *testing.T) {
 	if mps, _ := m.List(); len(mps) != 1 {
 		t.Errorf("mounts: %v, want exactly one", mps)
 	}
-	e.Close(context.Background())
 }
 
 // Test helpers shared with the tests of the packages above (provisioner).

@@ -66,36 +66,3 @@ func TestHealthFailsWhileAnExportIsWedged(t *testing.T) {
 			fmt.Sprintf("once the server answers: %v, exports %+v; want healthy, nothing stuck", e.Healthy(limit), st)
 	})
 }
-
-// A mount that never returns holds the export's mount lock, so every later call on the export
-// waits for it in vain while only one of its call slots is taken: the controller turns
-// unhealthy once the lock has been held longer than the limit, and healthy again once the
-// mount returns.
-func TestHealthFailsWhileAMountHoldsTheLock(t *testing.T) {
-	m := &slowMounter{FakeMounter: mount.NewFakeMounter(nil), release: make(chan struct{})}
-	e := New(m, t.TempDir(), 200*time.Millisecond)
-	t.Cleanup(func() { e.Close(context.Background()) })
-	released := false
-	t.Cleanup(func() {
-		if !released {
-			close(m.release)
-		}
-	})
-	const limit = 400 * time.Millisecond
-
-	err := e.Do(context.Background(), "nfs.example", "/export", nil, func(*volume.Root) error { return nil })
-	if !errors.Is(err, ErrUnresponsive) {
-		t.Fatalf("call against a hung mount: %v, want ErrUnresponsive", err)
-	}
-	eventually(t, 5*time.Second, func() (bool, string) {
-		err := e.Healthy(limit)
-		return err != nil && strings.Contains(err.Error(), "nfs.example:/export (mount lock held since"),
-			fmt.Sprintf("while the mount hangs: %v, want unhealthy for the held mount lock", err)
-	})
-	close(m.release)
-	released = true
-	eventually(t, 5*time.Second, func() (bool, string) {
-		err := e.Healthy(limit)
-		return err == nil, fmt.Sprintf("once the mount returned: %v, want healthy", err)
-	})
-}
