@@ -17,6 +17,8 @@ import (
 	"strings"
 	"testing"
 
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+
 	"github.com/dirpv/dirpv/test/deploy"
 	"github.com/dirpv/dirpv/test/image/imagetest"
 )
@@ -176,9 +178,12 @@ func TestRelease(t *testing.T) {
 				if o.GetKind() == "StorageClass" {
 					classes = append(classes, o.GetName())
 				}
-				for _, field := range [][]string{{"spec", "template", "spec", "containers"}, {"spec", "template", "spec", "initContainers"}} {
-					for _, c := range objectList(o.Object, field...) {
-						images = append(images, c["image"].(string))
+				for _, field := range []string{"containers", "initContainers"} {
+					cs, _, _ := unstructured.NestedSlice(o.Object, "spec", "template", "spec", field)
+					for _, c := range cs {
+						m, _ := c.(map[string]any)
+						img, _, _ := unstructured.NestedString(m, "image")
+						images = append(images, img)
 					}
 				}
 			}
@@ -213,23 +218,6 @@ func TestChartVersion(t *testing.T) {
 			t.Errorf("ChartVersion(%q) = %q, want %q", version, got, want)
 		}
 	}
-}
-
-// objectList returns the list of objects at fields of obj (none when there is none).
-func objectList(obj map[string]any, fields ...string) []map[string]any {
-	var cur any = obj
-	for _, f := range fields {
-		m, _ := cur.(map[string]any)
-		cur = m[f]
-	}
-	list, _ := cur.([]any)
-	var out []map[string]any
-	for _, e := range list {
-		if m, ok := e.(map[string]any); ok {
-			out = append(out, m)
-		}
-	}
-	return out
 }
 
 // readChartYAML returns dirpv/Chart.yaml of a packaged chart.
