@@ -14,6 +14,14 @@ import (
 
 const timeout = 2 * time.Minute
 
+// must stops the test on err.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 // waitPodPhase waits for the pod to reach phase.
 func waitPodPhase(t *testing.T, ns, name string, phase v1.PodPhase) *v1.Pod {
 	t.Helper()
@@ -37,20 +45,14 @@ func podLogs(t *testing.T, ns, name string) string {
 func deletePod(t *testing.T, ns, name string) {
 	t.Helper()
 	ctx := context.Background()
-	if err := suite.Client.CoreV1().Pods(ns).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if err := framework.WaitForPodDeleted(ctx, suite.Client, ns, name, timeout); err != nil {
-		t.Fatal(err)
-	}
+	must(t, suite.Client.CoreV1().Pods(ns).Delete(ctx, name, metav1.DeleteOptions{}))
+	must(t, framework.WaitForPodDeleted(ctx, suite.Client, ns, name, timeout))
 }
 
 func boundPV(t *testing.T, ns, claim string) *v1.PersistentVolume {
 	t.Helper()
 	pv, err := framework.WaitForBoundPV(context.Background(), suite.Client, ns, claim, timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return pv
 }
 
@@ -63,9 +65,7 @@ func volumeTarget(pod *v1.Pod, pvName string) string {
 func mountsUnder(t *testing.T, dir string) []string {
 	t.Helper()
 	m, err := framework.MountsUnder(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return m
 }
 

@@ -33,12 +33,8 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 	decoy := filepath.Join(top, "decoy")
 	for f, content := range map[string]string{"decoy/data": "beside the base", "decoy/sub/deeper": "deeper"} {
 		p := filepath.Join(top, f)
-		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(p, []byte(content), 0o640); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.MkdirAll(filepath.Dir(p), 0o755))
+		must(t, os.WriteFile(p, []byte(content), 0o640))
 	}
 	suite.CreateClass(t, "e2e-symlink-delete", map[string]string{"backend": "local", "basePath": base, "onDelete": "delete"})
 	suite.CreateClass(t, "e2e-symlink-archive", map[string]string{"backend": "local", "basePath": base, "onDelete": "archive"})
@@ -135,9 +131,7 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 	// NodeGetVolumeStats, through the node plugin's own CSI socket as kubelet calls it.
 	sock := filepath.Join(suite.Cluster.KubeletRootDir, "plugins", "dirpv.io", "csi.sock")
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer conn.Close()
 	node := csi.NewNodeClient(conn)
 	for _, a := range attackers {
@@ -177,9 +171,7 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 	for _, a := range attackers {
 		deletePod(t, ns, a.claim)
 		waitNoMountsUnder(t, filepath.Dir(volumeTarget(a.pod, a.pv.Name)))
-		if err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), a.claim, metav1.DeleteOptions{}); err != nil {
-			t.Fatal(err)
-		}
+		must(t, suite.Client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), a.claim, metav1.DeleteOptions{}))
 	}
 	for _, a := range attackers {
 		if err := framework.WaitForPVDeleted(context.Background(), suite.Client, a.pv.Name, timeout); err != nil {
@@ -211,8 +203,6 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 func snapshotHostTree(t *testing.T, root string, skip func(rel string) bool) map[string]string {
 	t.Helper()
 	s, err := framework.SnapshotTree(root, skip)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return s
 }

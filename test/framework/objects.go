@@ -19,15 +19,21 @@ import (
 	"sigs.k8s.io/yaml"
 )
 
+// must stops the test on err: the suites' object helpers fail their caller at once.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 // NewNamespace creates a namespace named <suite>-<random> for one test and deletes it after
 // the test.
 func (s *Suite) NewNamespace(t testing.TB) string {
 	t.Helper()
 	ns, err := s.Client.CoreV1().Namespaces().Create(context.Background(),
 		&v1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: s.Options.Name + "-"}}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() {
 		s.Client.CoreV1().Namespaces().Delete(context.Background(), ns.Name, metav1.DeleteOptions{})
 	})
@@ -81,9 +87,7 @@ func NewClass(name string, params map[string]string, opts ...ClassOption) *stora
 func (s *Suite) CreateClass(t testing.TB, name string, params map[string]string, opts ...ClassOption) *storagev1.StorageClass {
 	t.Helper()
 	c, err := s.Client.StorageV1().StorageClasses().Create(context.Background(), NewClass(name, params, opts...), metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() {
 		s.Client.StorageV1().StorageClasses().Delete(context.Background(), c.Name, metav1.DeleteOptions{})
 	})
@@ -144,9 +148,7 @@ func NewClaim(ns, name, class string, opts ...ClaimOption) *v1.PersistentVolumeC
 func (s *Suite) CreateClaim(t testing.TB, ns, name, class string, opts ...ClaimOption) *v1.PersistentVolumeClaim {
 	t.Helper()
 	c, err := s.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), NewClaim(ns, name, class, opts...), metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return c
 }
 
@@ -154,9 +156,7 @@ func (s *Suite) CreateClaim(t testing.TB, ns, name, class string, opts ...ClaimO
 func (s *Suite) CreatePod(t testing.TB, pod *v1.Pod) *v1.Pod {
 	t.Helper()
 	p, err := s.Client.CoreV1().Pods(pod.Namespace).Create(context.Background(), pod, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return p
 }
 

@@ -116,11 +116,3 @@ func TestCheckAdoptedNeedsTheSameDirectory(t *testing.T) {
 		}
 	}
 }
-
-// must stops the test on err.
-func must(t testing.TB, err error) {
-	t.Helper()
-	if err != nil {
-		t.Fatal(err)
-	}
-}

@@ -381,9 +381,7 @@ func TestSnapshotCountsInPublishedCapacity(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	csiDriverFromDeploy(t)
 	base := filepath.Join(suite.Work.BaseRoot, "capacity-snapshot")
-	if err := os.MkdirAll(base, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(base, 0o755))
 	n := startCapacityNode(t, ns, "cap-snap", base, 0, "--capacity-poll-interval=1h")
 	class := suite.CreateClass(t, "capacity-snapshot", map[string]string{"backend": "local", "basePath": base})
 	waitCapacity(t, ns, class.Name, "64Mi on cap-snap", func(c map[string]storagev1.CSIStorageCapacity) bool {
@@ -395,13 +393,9 @@ func TestSnapshotCountsInPublishedCapacity(t *testing.T) {
 		t.Fatalf("%v\n--- cap-snap log tail:\n%s", err, n.proc.Tail(3000))
 	}
 	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	const data = 12 << 20
-	if err := os.WriteFile(filepath.Join(n.baseDir(base), pv.Spec.CSI.VolumeAttributes["path"], "data"), make([]byte, data), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(n.baseDir(base), pv.Spec.CSI.VolumeAttributes["path"], "data"), make([]byte, data), 0o644))
 
 	// 64 MiB less the data and its copy (and a few KiB of the snapshot's record, rounded
 	// down to the MiB).
@@ -425,13 +419,9 @@ func TestSnapshotCountsInPublishedCapacity(t *testing.T) {
 		}
 		return true, nil
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 
-	if err := snaps.SnapshotV1().VolumeSnapshots(ns).Delete(ctx, vs.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, snaps.SnapshotV1().VolumeSnapshots(ns).Delete(ctx, vs.Name, metav1.DeleteOptions{}))
 	waitCapacity(t, ns, class.Name, "52Mi on cap-snap once the snapshot is deleted", func(c map[string]storagev1.CSIStorageCapacity) bool {
 		b := bytesOf(c[n.name])
 		return b >= 51<<20 && b <= 52<<20
@@ -443,7 +433,5 @@ func TestSnapshotCountsInPublishedCapacity(t *testing.T) {
 		}
 		return err == nil, err
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 }

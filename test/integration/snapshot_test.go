@@ -78,9 +78,7 @@ func waitSnapshotReady(t *testing.T, ns, name string) (*snapshotv1.VolumeSnapsho
 			framework.EventsOf(ctx, suite.Client, ns, "VolumeSnapshot", name), nodeProc.Tail(3000))
 	}
 	content, err := snaps.SnapshotV1().VolumeSnapshotContents().Get(ctx, *vs.Status.BoundVolumeSnapshotContentName, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return vs, content
 }
 
@@ -91,9 +89,7 @@ func snapshotDir(t *testing.T, content *snapshotv1.VolumeSnapshotContent) string
 		t.Fatalf("content %s has no snapshot handle", content.Name)
 	}
 	h, err := volume.ParseSnapshotHandle(*content.Status.SnapshotHandle)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if h.Backend == volume.BackendNFS {
 		return filepath.Join(suite.NFS.ExportDir, strings.TrimPrefix(h.Share, suite.NFS.Share), ".dirpv-snapshots", h.Name, "tree")
 	}
@@ -124,9 +120,7 @@ func TestLocalSnapshotDeletionPolicy(t *testing.T) {
 			suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(nodeA), framework.Request("2Gi"))
 			_, pv := waitBound(t, ns, "src")
 			src := filepath.Join(base, pv.Spec.CSI.VolumeAttributes["path"])
-			if err := os.WriteFile(filepath.Join(src, "data"), []byte("hello"), 0o644); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.WriteFile(filepath.Join(src, "data"), []byte("hello"), 0o644))
 
 			vs, content := takeSnapshot(t, ns, "snap", "src", vsClass)
 			if want := resource.MustParse("2Gi"); vs.Status.RestoreSize == nil || vs.Status.RestoreSize.Cmp(want) != 0 {
@@ -140,17 +134,13 @@ func TestLocalSnapshotDeletionPolicy(t *testing.T) {
 				t.Fatalf("snapshot directory %s missing or outside the base %s", dir, base)
 			}
 
-			if err := snaps.SnapshotV1().VolumeSnapshots(ns).Delete(ctx, "snap", metav1.DeleteOptions{}); err != nil {
-				t.Fatal(err)
-			}
+			must(t, snaps.SnapshotV1().VolumeSnapshots(ns).Delete(ctx, "snap", metav1.DeleteOptions{}))
 			if policy == snapshotv1.VolumeSnapshotContentDelete {
 				err := framework.WaitForDeleted(ctx, timeout, "content "+content.Name, func(ctx context.Context) (string, error) {
 					_, err := snaps.SnapshotV1().VolumeSnapshotContents().Get(ctx, content.Name, metav1.GetOptions{})
 					return "", err
 				})
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				if exists(t, dir) {
 					t.Errorf("snapshot directory %s left after its VolumeSnapshot was deleted (Delete)", dir)
 				}
@@ -161,9 +151,7 @@ func TestLocalSnapshotDeletionPolicy(t *testing.T) {
 				_, err := snaps.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "snap", metav1.GetOptions{})
 				return "", err
 			})
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			if _, err := snaps.SnapshotV1().VolumeSnapshotContents().Get(ctx, content.Name, metav1.GetOptions{}); err != nil {
 				t.Errorf("content of a Retain snapshot: %v", err)
 			}
@@ -235,9 +223,7 @@ func TestSnapshotRestoreLocal(t *testing.T) {
 	_, content := takeSnapshot(t, ns, "snap", "src", vsClass)
 	snapDir := snapshotDir(t, content)
 	checkSameTree(t, volumeDir(srcPV), snapDir)
-	if err := os.WriteFile(filepath.Join(volumeDir(srcPV), "written-after"), []byte("later"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(volumeDir(srcPV), "written-after"), []byte("later"), 0o644))
 
 	suite.CreateClaim(t, ns, "small", class.Name, framework.OnNode(nodeA), framework.Request("500Mi"), restoreOf("snap"))
 	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "small", "ProvisioningFailed", "request at least 1Gi", timeout); err != nil {
@@ -359,13 +345,9 @@ func snapshotWhileWriting(t *testing.T, ns, class string) (string, string) {
 	<-done
 	total := written.Load()
 	info, err := os.ReadFile(filepath.Join(filepath.Dir(snapshotDir(t, content)), "info.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	var meta struct{ Method string }
-	if err := json.Unmarshal(info, &meta); err != nil {
-		t.Fatal(err)
-	}
+	must(t, json.Unmarshal(info, &meta))
 	suite.CreateClaim(t, ns, "restored", class, framework.OnNode(nodeA), framework.Request("200Mi"), restoreOf("snap"))
 	_, pv := waitBound(t, ns, "restored")
 	t.Logf("writer wrote %d files in all; snapshot method %s", total, meta.Method)
@@ -380,12 +362,8 @@ func snapshotWhileWriting(t *testing.T, ns, class string) (string, string) {
 func TestSnapshotWhileWritingBtrfsIsPointInTime(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	base := filepath.Join(suite.Work.BaseRoot, "btrfs-snapshot")
-	if err := os.MkdirAll(base, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := suite.MountBtrfs(base, 1<<30, true); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(base, 0o755))
+	must(t, suite.MountBtrfs(base, 1<<30, true))
 	class := suite.CreateClass(t, "btrfs-snapshot", map[string]string{"backend": "local", "basePath": base})
 	dir, method := snapshotWhileWriting(t, ns, class.Name)
 	if method != volume.MethodBtrfsSnapshot {
@@ -445,9 +423,7 @@ func TestLongCopiesReportProgress(t *testing.T) {
 		},
 	}
 	vs, err := snaps.SnapshotV1().VolumeSnapshots(ns).Create(ctx, vs, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	waitHeldAt(t, proc, point)
 	content := "snapcontent-" + string(vs.UID)
 	want := "into snapshot snapshot-" + string(vs.UID)
@@ -458,18 +434,12 @@ func TestLongCopiesReportProgress(t *testing.T) {
 	if !regexp.MustCompile(`copied [0-9.]+ (B|KiB|MiB) in [0-9,]+ files so far`).MatchString(e.Message) || e.Type != v1.EventTypeNormal {
 		t.Errorf("progress event %s %q, want a Normal one saying what was copied", e.Type, e.Message)
 	}
-	if err := os.WriteFile(release, nil, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(release, nil, 0o644))
 	waitSnapshotReady(t, ns, "snap")
-	if err := os.Remove(release); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Remove(release))
 
 	suite.CreateClaim(t, ns, "copy", class, framework.OnNode(node), cloneOf("src"))
 	waitEvent(ns, "PersistentVolumeClaim", "copy", provisioner.ReasonCopyStarted, "PersistentVolumeClaim "+ns+"/src into the new volume", timeout)
-	if err := os.WriteFile(release, nil, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(release, nil, 0o644))
 	waitBound(t, ns, "copy")
 }

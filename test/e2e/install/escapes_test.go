@@ -32,12 +32,8 @@ func TestPodNestedSubvolumeIsReported(t *testing.T) {
 	suite.CreateClaim(t, ns, "data", "install-subvolume", framework.Request("16Mi"))
 
 	tools := filepath.Join(suite.Work.Dir, "tenant-tool")
-	if err := os.MkdirAll(tools, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := framework.BuildTenantTool(ctx, tools); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(tools, 0o755))
+	must(t, framework.BuildTenantTool(ctx, tools))
 	pod := suite.BusyboxPod(ns, "tenant", "data", `T=/tools/tenant
 mkdir /data/d; echo "subvolume: $($T subvolume /data/d/sub)"
 dd if=/dev/zero of=/data/d/sub/big bs=1M count=32 conv=fsync 2>&1; echo "dd exit $?"`, false)
@@ -60,9 +56,7 @@ dd if=/dev/zero of=/data/d/sub/big bs=1M count=32 conv=fsync 2>&1; echo "dd exit
 
 	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "data", provisioner.ReasonQuotaEscape,
 		`holds 1 nested btrfs subvolume(s), e.g. "d/sub"`, 10*quotaCheckPeriod+timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if ev.Type != v1.EventTypeWarning {
 		t.Errorf("event %s: %s, want a Warning", ev.Type, ev.Message)
 	}
