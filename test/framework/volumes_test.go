@@ -16,7 +16,7 @@ import (
 )
 
 // The kill tests' checks must be able to fail. These run them on a fake API (the real one is
-// what test/integration and test/e2e use) against states that break each invariant.
+// what test/integration and test/e2e/install use) against states that break each invariant.
 
 func claim(name, uid, volume string) *v1.PersistentVolumeClaim {
 	c := &v1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name, UID: types.UID(uid)}}
