@@ -63,9 +63,8 @@ func boundToAdopted(t *testing.T, ns, name, class, by string, src func(pv string
 		suite.Client.CoreV1().PersistentVolumes().Patch(ctx, pv.Name, types.MergePatchType, []byte(`{"metadata":{"finalizers":null}}`), metav1.PatchOptions{})
 		suite.Client.CoreV1().PersistentVolumes().Delete(ctx, pv.Name, metav1.DeleteOptions{})
 	})
-	if _, err := framework.WaitForPVCBound(ctx, suite.Client, ns, name, timeout); err != nil {
-		t.Fatal(err)
-	}
+	_, err = framework.WaitForPVCBound(ctx, suite.Client, ns, name, timeout)
+	must(t, err)
 	return pv
 }
 

@@ -89,9 +89,8 @@ func csiDriverFromDeploy(t *testing.T) {
 		t.Fatalf("deploy/base/csidriver.yaml: storageCapacity is not true")
 	}
 	ctx := context.Background()
-	if _, err := suite.Client.StorageV1().CSIDrivers().Create(ctx, d, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err = suite.Client.StorageV1().CSIDrivers().Create(ctx, d, metav1.CreateOptions{})
+	must(t, err)
 	t.Cleanup(func() {
 		suite.Client.StorageV1().CSIDrivers().Delete(context.Background(), d.Name, metav1.DeleteOptions{})
 		framework.WaitForDeleted(context.Background(), timeout, "CSIDriver "+d.Name, func(ctx context.Context) (string, error) {
@@ -188,9 +187,8 @@ func TestCapacitySteersScheduling(t *testing.T) {
 				Volumes: []v1.Volume{{Name: "data", VolumeSource: v1.VolumeSource{
 					PersistentVolumeClaim: &v1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}}}},
 		}
-		if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, p, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
+		_, err := suite.Client.CoreV1().Pods(ns).Create(ctx, p, metav1.CreateOptions{})
+		must(t, err)
 	}
 	// Either node would do but for capacity.
 	suite.CreateClaim(t, ns, "fits", class.Name, size)

@@ -71,9 +71,8 @@ func TestNestedSubvolumeIsReported(t *testing.T) {
 	class, base, _ := btrfsClass(t, map[string]string{"capacityEnforcement": "required", "uid": "1000", "gid": "1000"})
 	claim := framework.NewClaim(ns, "data", class, framework.OnNode(nodeA))
 	claim.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("16Mi")
-	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim, metav1.CreateOptions{})
+	must(t, err)
 	_, pv := waitBound(t, ns, "data")
 	if !strings.HasPrefix(pv.Spec.CSI.VolumeAttributes["quota"], "btrfs/") {
 		t.Fatalf("PV attributes %v name no btrfs qgroup", pv.Spec.CSI.VolumeAttributes)

@@ -105,9 +105,8 @@ func TestRejectionsAreEventsAndTouchNothing(t *testing.T) {
 				opts = append([]framework.ClaimOption{func(c *v1.PersistentVolumeClaim) { c.Annotations = map[string]string{} }}, opts...)
 			}
 			suite.CreateClaim(t, ns, "c", class.Name, opts...)
-			if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", tc.want, timeout); err != nil {
-				t.Fatal(err)
-			}
+			_, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", tc.want, timeout)
+			must(t, err)
 			if got := entries(t, base); len(got) != 0 {
 				t.Errorf("refused claim left %v in the base", got)
 			}
@@ -119,9 +118,8 @@ func TestNFSClassWithoutServerIsRefused(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	class := suite.CreateClass(t, "nfs-no-server", map[string]string{"backend": "nfs", "share": "/export"}, framework.Immediate)
 	suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
-	if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "server and share", timeout); err != nil {
-		t.Fatal(err)
-	}
+	_, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "server and share", timeout)
+	must(t, err)
 }
 
 // A claim placed on a node without a dirpv instance is left alone by node-a's instance.

@@ -54,12 +54,10 @@ func denyPVsFor(t *testing.T, ns string) (allow func()) {
 		},
 	}
 	vap := suite.Client.AdmissionregistrationV1()
-	if _, err := vap.ValidatingAdmissionPolicies().Create(ctx, policy, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := vap.ValidatingAdmissionPolicyBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err := vap.ValidatingAdmissionPolicies().Create(ctx, policy, metav1.CreateOptions{})
+	must(t, err)
+	_, err = vap.ValidatingAdmissionPolicyBindings().Create(ctx, binding, metav1.CreateOptions{})
+	must(t, err)
 	allow = func() {
 		vap.ValidatingAdmissionPolicyBindings().Delete(ctx, name, metav1.DeleteOptions{})
 		vap.ValidatingAdmissionPolicies().Delete(ctx, name, metav1.DeleteOptions{})
@@ -75,7 +73,7 @@ func denyPVsFor(t *testing.T, ns string) (allow func()) {
 			PersistentVolumeSource: v1.PersistentVolumeSource{HostPath: &v1.HostPathVolumeSource{Path: "/nonexistent"}},
 		},
 	}
-	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 		_, err := suite.Client.CoreV1().PersistentVolumes().Create(ctx, probe, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
 		return err != nil && strings.Contains(err.Error(), "PVs of this namespace are refused"), fmt.Errorf("dry-run PV create: %v", err)
 	})
@@ -187,9 +185,8 @@ func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
 			stale.Spec.CSI.VolumeHandle = volume.Handle(volume.Backend(b.name), stale.Name)
 			stale.Spec.ClaimRef = &v1.ObjectReference{Namespace: ns, Name: "stale"}
 			stale.Status = v1.PersistentVolumeStatus{}
-			if _, err := suite.Client.CoreV1().PersistentVolumes().Create(context.Background(), stale, metav1.CreateOptions{}); err != nil {
-				t.Fatal(err)
-			}
+			_, err := suite.Client.CoreV1().PersistentVolumes().Create(context.Background(), stale, metav1.CreateOptions{})
+			must(t, err)
 			t.Cleanup(func() {
 				ctx := context.Background()
 				patch := []byte(`{"metadata":{"finalizers":null},"spec":{"persistentVolumeReclaimPolicy":"Retain"}}`)
@@ -198,9 +195,8 @@ func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
 			})
 			claim := framework.NewClaim(ns, "stale", class, b.claim...)
 			claim.Spec.VolumeName = stale.Name
-			if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), claim, metav1.CreateOptions{}); err != nil {
-				t.Fatal(err)
-			}
+			_, err = suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), claim, metav1.CreateOptions{})
+			must(t, err)
 			waitBound(t, ns, "stale")
 			deleteClaim(t, ns, "stale")
 			ev, err := framework.WaitForEvent(context.Background(), suite.Client, "", "PersistentVolume", stale.Name, "VolumeFailedDelete",

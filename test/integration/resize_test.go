@@ -69,9 +69,8 @@ func TestLocalClaimExpandsOnline(t *testing.T) {
 	claim := framework.NewClaim(ns, "data", class, framework.OnNode(nodeA))
 	claim.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("16Mi")
 	ctx := context.Background()
-	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim, metav1.CreateOptions{})
+	must(t, err)
 	_, pv := waitBound(t, ns, "data")
 	if pv.Spec.CSI.VolumeAttributes["quota"] == "" {
 		t.Fatalf("PV attributes %v name no quota", pv.Spec.CSI.VolumeAttributes)

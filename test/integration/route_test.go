@@ -129,9 +129,8 @@ func TestClaimRelabelledWhenSelectedNodeChanges(t *testing.T) {
 		`{"metadata":{"annotations":{"volume.kubernetes.io/selected-node":null}}}`,
 		`{"metadata":{"annotations":{"volume.kubernetes.io/selected-node":"` + nodeA + `"}}}`,
 	} {
-		if _, err := claims.Patch(ctx, "moved", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
-			t.Fatal(err)
-		}
+		_, err := claims.Patch(ctx, "moved", types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+		must(t, err)
 	}
 	waitLabel(t, ns, "moved", nodeA)
 	_, pv := waitBound(t, ns, "moved")
@@ -159,12 +158,10 @@ func TestUnlabelledClaimsAndVolumesAreLabelledAtStart(t *testing.T) {
 		}
 	})
 	unlabel := []byte(`{"metadata":{"labels":{"` + provisioner.LabelNode + `":null}}}`)
-	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, "old", types.MergePatchType, unlabel, metav1.PatchOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := suite.Client.CoreV1().PersistentVolumes().Patch(ctx, pv.Name, types.MergePatchType, unlabel, metav1.PatchOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, "old", types.MergePatchType, unlabel, metav1.PatchOptions{})
+	must(t, err)
+	_, err = suite.Client.CoreV1().PersistentVolumes().Patch(ctx, pv.Name, types.MergePatchType, unlabel, metav1.PatchOptions{})
+	must(t, err)
 	suite.CreateClaim(t, ns, "new", class.Name, framework.OnNode(nodeA))
 
 	must(t, ctrlProc.Restart())

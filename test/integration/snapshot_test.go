@@ -32,9 +32,8 @@ func snapshotClass(t *testing.T, policy snapshotv1.DeletionPolicy) string {
 		name = strings.Trim(name[len(name)-60:], "-")
 	}
 	c := &snapshotv1.VolumeSnapshotClass{ObjectMeta: metav1.ObjectMeta{Name: name}, Driver: "dirpv.io", DeletionPolicy: policy}
-	if _, err := snaps.SnapshotV1().VolumeSnapshotClasses().Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err := snaps.SnapshotV1().VolumeSnapshotClasses().Create(context.Background(), c, metav1.CreateOptions{})
+	must(t, err)
 	t.Cleanup(func() {
 		snaps.SnapshotV1().VolumeSnapshotClasses().Delete(context.Background(), name, metav1.DeleteOptions{})
 	})
@@ -53,9 +52,8 @@ func takeSnapshot(t *testing.T, ns, name, claim, class string) (*snapshotv1.Volu
 			VolumeSnapshotClassName: &class,
 		},
 	}
-	if _, err := snaps.SnapshotV1().VolumeSnapshots(ns).Create(ctx, vs, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err := snaps.SnapshotV1().VolumeSnapshots(ns).Create(ctx, vs, metav1.CreateOptions{})
+	must(t, err)
 	return waitSnapshotReady(t, ns, name)
 }
 
@@ -168,9 +166,8 @@ func TestLocalSnapshotDeletionPolicy(t *testing.T) {
 					VolumeSnapshotRef: v1.ObjectReference{Namespace: ns, Name: "imported"},
 				},
 			}
-			if _, err := snaps.SnapshotV1().VolumeSnapshotContents().Create(ctx, pre, metav1.CreateOptions{}); err != nil {
-				t.Fatal(err)
-			}
+			_, err = snaps.SnapshotV1().VolumeSnapshotContents().Create(ctx, pre, metav1.CreateOptions{})
+			must(t, err)
 			t.Cleanup(func() {
 				snaps.SnapshotV1().VolumeSnapshotContents().Delete(context.Background(), pre.Name, metav1.DeleteOptions{})
 			})
@@ -178,9 +175,8 @@ func TestLocalSnapshotDeletionPolicy(t *testing.T) {
 				ObjectMeta: metav1.ObjectMeta{Name: "imported", Namespace: ns},
 				Spec:       snapshotv1.VolumeSnapshotSpec{Source: snapshotv1.VolumeSnapshotSource{VolumeSnapshotContentName: &pre.Name}},
 			}
-			if _, err := snaps.SnapshotV1().VolumeSnapshots(ns).Create(ctx, imported, metav1.CreateOptions{}); err != nil {
-				t.Fatal(err)
-			}
+			_, err = snaps.SnapshotV1().VolumeSnapshots(ns).Create(ctx, imported, metav1.CreateOptions{})
+			must(t, err)
 			err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 				vs, err := snaps.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "imported", metav1.GetOptions{})
 				return err == nil && vs.Status != nil && vs.Status.ReadyToUse != nil && *vs.Status.ReadyToUse, err

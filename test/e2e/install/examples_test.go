@@ -95,9 +95,8 @@ var exampleChecks = map[string]func(t *testing.T, ns string){
 		if why := fs.Enforces(); why != nil {
 			t.Logf("%s cannot enforce sizes (%v): the pod must stay unscheduled", basePath, why)
 			ctx := context.Background()
-			if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "Pod", "sized-writer", "FailedScheduling", "did not have enough free storage", timeout); err != nil {
-				t.Fatal(err)
-			}
+			_, err := framework.WaitForEvent(ctx, suite.Client, ns, "Pod", "sized-writer", "FailedScheduling", "did not have enough free storage", timeout)
+			must(t, err)
 			if c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "sized", metav1.GetOptions{}); err != nil || c.Status.Phase == v1.ClaimBound {
 				t.Errorf("claim sized on a base that cannot enforce its size: %v, %v; want it not Bound", c.Status.Phase, err)
 			}
@@ -171,9 +170,8 @@ func TestExamplesRunAsWritten(t *testing.T) {
 				}
 			}
 			if len(source) > 0 {
-				if _, err := framework.ApplyObjects(ctx, suite.Cluster.Kubeconfig, source, ns); err != nil {
-					t.Fatal(err)
-				}
+				_, err := framework.ApplyObjects(ctx, suite.Cluster.Kubeconfig, source, ns)
+				must(t, err)
 				for _, o := range source {
 					if o.GetKind() == "Pod" {
 						examplePodReady(t, ns, o.GetName())

@@ -113,9 +113,8 @@ func volumeDir(t *testing.T, ns, name string) string {
 
 func waitRunning(t *testing.T, ns, name string) {
 	t.Helper()
-	if _, err := framework.WaitForPodPhase(context.Background(), suite.Client, ns, name, v1.PodRunning, timeout); err != nil {
-		t.Fatal(err)
-	}
+	_, err := framework.WaitForPodPhase(context.Background(), suite.Client, ns, name, v1.PodRunning, timeout)
+	must(t, err)
 }
 
 // readGrows waits until the file's size exceeds from, i.e. the pod is still writing through

@@ -55,12 +55,10 @@ func startLocalPath(t *testing.T, ns string) (stop func()) {
 	bin, err := deploy.Tool(ctx, "local-path-provisioner", true)
 	must(t, err)
 	cm := localPathConfig(ns, suite.Cluster.BusyboxImage)
-	if _, err := suite.Client.CoreV1().ConfigMaps(ns).Create(ctx, cm, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := suite.Client.CoreV1().ServiceAccounts(ns).Create(ctx, &v1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "local-path-provisioner-service-account"}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err = suite.Client.CoreV1().ConfigMaps(ns).Create(ctx, cm, metav1.CreateOptions{})
+	must(t, err)
+	_, err = suite.Client.CoreV1().ServiceAccounts(ns).Create(ctx, &v1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "local-path-provisioner-service-account"}}, metav1.CreateOptions{})
+	must(t, err)
 	dir := t.TempDir()
 	for name, data := range map[string]string{"config.json": cm.Data["config.json"], "helperPod.yaml": cm.Data["helperPod.yaml"]} {
 		must(t, os.WriteFile(filepath.Join(dir, name), []byte(data), 0o644))
@@ -93,12 +91,10 @@ func adopt(t *testing.T, name string) {
 	patch, err := json.Marshal([]map[string]string{{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": "--adopt-provisioners=" + name}})
 	must(t, err)
 	apps := suite.Client.AppsV1()
-	if _, err := apps.Deployments("dirpv").Patch(ctx, "dirpv-controller", types.JSONPatchType, patch, metav1.PatchOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := apps.DaemonSets("dirpv").Patch(ctx, "dirpv-node", types.JSONPatchType, patch, metav1.PatchOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err = apps.Deployments("dirpv").Patch(ctx, "dirpv-controller", types.JSONPatchType, patch, metav1.PatchOptions{})
+	must(t, err)
+	_, err = apps.DaemonSets("dirpv").Patch(ctx, "dirpv-node", types.JSONPatchType, patch, metav1.PatchOptions{})
+	must(t, err)
 	ds, err := apps.DaemonSets("dirpv").Get(ctx, "dirpv-node", metav1.GetOptions{})
 	must(t, err)
 	if err := framework.WaitRolledOut(ctx, suite.Client, "dirpv", ds.Spec.Template.Spec.Containers[0].Image, 3*time.Minute); err != nil {
@@ -145,9 +141,8 @@ func TestTakeOverFromRunningLocalPath(t *testing.T) {
 	stopLocalPath()
 	dirpv, err := framework.BuildDirpv(ctx, suite.Work.Dir)
 	must(t, err)
-	if _, err := framework.ReplaceClass(ctx, suite.Client, dirpv, class, "--base-path="+localPathBase); err != nil {
-		t.Fatal(err)
-	}
+	_, err = framework.ReplaceClass(ctx, suite.Client, dirpv, class, "--base-path="+localPathBase)
+	must(t, err)
 	adopt(t, "rancher.io/local-path")
 	size = readGrows(t, filepath.Join(dir, "log"), size)
 

@@ -61,9 +61,8 @@ func TestUpgradeFromRelease(t *testing.T) {
 	// kubectl apply --server-side of each version's overlay over the other's.
 	apply := func(objs []*unstructured.Unstructured) func(t *testing.T) {
 		return func(t *testing.T) {
-			if _, err := framework.ApplyObjects(ctx, suite.Cluster.Kubeconfig, objs, ""); err != nil {
-				t.Fatal(err)
-			}
+			_, err := framework.ApplyObjects(ctx, suite.Cluster.Kubeconfig, objs, "")
+			must(t, err)
 		}
 	}
 	t.Run("kustomize", func(t *testing.T) {
