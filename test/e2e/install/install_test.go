@@ -198,44 +198,6 @@ func TestInstalledIsTheRelease(t *testing.T) {
 	}
 }
 
-// Replacing the node plugin pod (an upgrade, a crash) must not take running pods' volumes.
-func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
-	ctx := context.Background()
-	ns := suite.NewNamespace(t)
-	suite.CreateClaim(t, ns, "data", "")
-	suite.CreatePod(t, suite.BusyboxPod(ns, "writer", "data", "while true; do date >> /data/log; sleep 1; done", false))
-	waitRunning(t, ns, "writer")
-	logFile := filepath.Join(volumeDir(t, ns, "data"), "log")
-	size := readGrows(t, logFile, 0)
-
-	old, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
-	if err != nil || len(old.Items) != 1 {
-		t.Fatalf("node plugin pods: %v, %v", old, err)
-	}
-	must(t, suite.Client.CoreV1().Pods("dirpv").Delete(ctx, old.Items[0].Name, metav1.DeleteOptions{}))
-	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		pods, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
-		if err != nil {
-			return false, err
-		}
-		for _, p := range pods.Items {
-			if p.UID != old.Items[0].UID && p.Status.Phase == v1.PodRunning && len(p.Status.ContainerStatuses) == 1 && p.Status.ContainerStatuses[0].Ready {
-				return true, nil
-			}
-		}
-		return false, fmt.Errorf("no new ready node plugin pod yet")
-	})
-	must(t, err)
-	must(t, framework.WaitForDriverRegistered(ctx, suite.Client, suite.Cluster.NodeName, timeout))
-	readGrows(t, logFile, size)
-	// The workload keeps writing, and a new pod on the same claim still reads its data.
-	// The claim is RWO on one node: a second pod on the same node may use it.
-	suite.CreatePod(t, suite.BusyboxPod(ns, "reader", "data", "test -s /data/log", false))
-	if _, err := framework.WaitForPodPhase(ctx, suite.Client, ns, "reader", v1.PodSucceeded, timeout); err != nil {
-		t.Errorf("a new pod could not use the claim after the node plugin restarted: %v", err)
-	}
-}
-
 // nodePlugin returns the node plugin's pod, which must have its one container running.
 func nodePlugin(ctx context.Context, t *testing.T) (*v1.Pod, v1.ContainerStatus) {
 	t.Helper()
