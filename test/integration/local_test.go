@@ -7,48 +7,11 @@ import (
 	"slices"
 	"testing"
 
-	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/dirpv/dirpv/test/framework"
 )
-
-// A user creates a claim and a pod; the real scheduler picks node-a, dirpv's node-a instance
-// creates the directory there with the class's mode and owner, and the claim binds.
-func TestLocalClaimBindsOnScheduledNode(t *testing.T) {
-	ns := suite.NewNamespace(t)
-	class, base := localClass(t, map[string]string{"mode": "2770", "uid": "1001", "gid": "2002"})
-	suite.CreateClaim(t, ns, "data", class.Name)
-	createPod(t, ns, "app", "data", nodeA)
-	pvc, pv := waitBound(t, ns, "data")
-
-	if got := pvc.Annotations["volume.kubernetes.io/selected-node"]; got != nodeA {
-		t.Errorf("selected node = %q, want %q (set by the scheduler)", got, nodeA)
-	}
-	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != "dirpv.io" {
-		t.Fatalf("PV source = %+v, want CSI dirpv.io", pv.Spec.PersistentVolumeSource)
-	}
-	rel := ns + "-data-" + pv.Name
-	attrs := pv.Spec.CSI.VolumeAttributes
-	if attrs["backend"] != "local" || attrs["basePath"] != base || attrs["path"] != rel {
-		t.Errorf("volume attributes = %v", attrs)
-	}
-	terms := pv.Spec.NodeAffinity.Required.NodeSelectorTerms
-	if len(terms) != 1 || !slices.Equal(terms[0].MatchExpressions[0].Values, []string{"host-" + nodeA}) {
-		t.Errorf("node affinity = %+v, want kubernetes.io/hostname=host-node-a", terms)
-	}
-	var st unix.Stat_t
-	if err := unix.Stat(filepath.Join(base, rel), &st); err != nil {
-		t.Fatalf("volume directory: %v", err)
-	}
-	if st.Mode&0o7777 != 0o2770 || st.Uid != 1001 || st.Gid != 2002 {
-		t.Errorf("directory mode %o owner %d:%d, want 2770 1001:2002", st.Mode&0o7777, st.Uid, st.Gid)
-	}
-	if pv.Spec.PersistentVolumeReclaimPolicy != v1.PersistentVolumeReclaimDelete {
-		t.Errorf("reclaim policy = %s", pv.Spec.PersistentVolumeReclaimPolicy)
-	}
-}
 
 // A class with reclaimPolicy Retain: Kubernetes keeps the PV Released and never asks dirpv to
 // delete, so the directory stays whatever onDelete says, also once an admin deletes the PV.
