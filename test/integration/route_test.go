@@ -189,25 +189,6 @@ func TestUnlabelledClaimsAndVolumesAreLabelledAtStart(t *testing.T) {
 	}
 }
 
-// A node instance restarted lists its own PVs again (by label) and deletes their volumes.
-func TestLocalVolumeDeletedByItsNodeAfterRestart(t *testing.T) {
-	ctx := context.Background()
-	ns := suite.NewNamespace(t)
-	class, base := localClass(t, nil)
-	suite.CreateClaim(t, ns, "data", class.Name, framework.OnNode(nodeA))
-	_, pv := waitBound(t, ns, "data")
-	if !nodeProc.Stop(30 * time.Second) {
-		t.Fatalf("node did not stop on SIGTERM:\n%s", nodeProc.Tail(3000))
-	}
-	must(t, nodeProc.Restart())
-	must(t, nodeProc.WaitHealthy(ctx, timeout))
-	deleteClaim(t, ns, "data")
-	waitPVGone(t, pv.Name)
-	if got := entries(t, base); len(got) != 0 {
-		t.Errorf("base = %v, want the volume removed", got)
-	}
-}
-
 // Claims and the pods that use them created back to back, as a StatefulSet does, and claims
 // made already placed: dirpv's patches of the claims could race the scheduler's and
 // kube-controller-manager's updates of them, which carry the resourceVersion they read. Every
