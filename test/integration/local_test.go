@@ -85,34 +85,6 @@ func TestNFSClassWithoutServerIsRefused(t *testing.T) {
 	must(t, err)
 }
 
-// A claim placed on a node without a dirpv instance is left alone by node-a's instance.
-func TestOtherNodesClaimIsLeftAlone(t *testing.T) {
-	ns := suite.NewNamespace(t)
-	class, base := localClass(t, nil)
-	suite.CreateClaim(t, ns, "elsewhere", class.Name)
-	createPod(t, ns, "elsewhere", "elsewhere", nodeC)
-	suite.CreateClaim(t, ns, "here", class.Name)
-	createPod(t, ns, "here", "here", nodeA)
-	// Both claims were created before either was placed; once node-a's is bound, node-a's
-	// instance has seen node-c's claim too.
-	_, pv := waitBound(t, ns, "here")
-	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
-		c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "elsewhere", metav1.GetOptions{})
-		return err == nil && c.Annotations["volume.kubernetes.io/selected-node"] == nodeC, err
-	})
-	if err != nil {
-		t.Fatal("node-c's claim was never placed:", err)
-	}
-	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "elsewhere", metav1.GetOptions{})
-	must(t, err)
-	if c.Status.Phase != v1.ClaimPending || c.Spec.VolumeName != "" {
-		t.Errorf("claim on node-c: phase %s volume %q, want Pending with no volume", c.Status.Phase, c.Spec.VolumeName)
-	}
-	if got := entries(t, base); !slices.Equal(got, []string{pv.Spec.CSI.VolumeAttributes["path"]}) {
-		t.Errorf("base holds %v, want only node-a's volume", got)
-	}
-}
-
 // A claim can reach a node instance before the class it names (the claim's watch and the
 // class's are separate): here it is already placed, labelled for node-a (as the API server's
 // admission policy labels it in the write that places it) and handed to dirpv, so neither
