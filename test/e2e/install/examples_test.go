@@ -9,12 +9,10 @@ import (
 	"syscall"
 	"testing"
 
-	snapclientset "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
 	v1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/utils/ptr"
 
 	"github.com/dirpv/dirpv/test/deploy"
@@ -309,11 +307,8 @@ func deletePodAndClaim(t *testing.T, ns, pod, claim string) {
 
 func waitSnapshotReady(t *testing.T, ns, name string) {
 	t.Helper()
-	cfg, err := clientcmd.BuildConfigFromFlags("", suite.Cluster.Kubeconfig)
-	must(t, err)
-	snaps, err := snapclientset.NewForConfig(cfg)
-	must(t, err)
-	err = framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
+	snaps := snapClient(t)
+	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
 		s, err := snaps.SnapshotV1().VolumeSnapshots(ns).Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			return false, err
