@@ -4,9 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"os"
 	"os/exec"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -180,20 +178,6 @@ func (s *Suite) BusyboxPod(ns, name, claim, script string, readOnly bool) *v1.Po
 			}}},
 		},
 	}
-}
-
-// CSIDriverFromDeploy returns the CSIDriver object that deploy/ installs, so that suites
-// which run dirpv as processes register the driver exactly as users do.
-func CSIDriverFromDeploy() (*storagev1.CSIDriver, error) {
-	data, err := os.ReadFile(filepath.Join(RepoRoot(), "deploy/base/csidriver.yaml"))
-	if err != nil {
-		return nil, err
-	}
-	var d storagev1.CSIDriver
-	if err := yaml.UnmarshalStrict(data, &d); err != nil {
-		return nil, fmt.Errorf("deploy/base/csidriver.yaml: %w", err)
-	}
-	return &d, nil
 }
 
 // ReplaceClass replaces the class name, another provisioner's, by the dirpv class that the

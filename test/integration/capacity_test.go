@@ -18,6 +18,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/yaml"
 
 	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/framework"
@@ -83,13 +84,12 @@ func (n *capacityNode) start(t *testing.T, base, pod string) {
 // included, and removes it after the test (the other tests' claims do not wait for capacity).
 func csiDriverFromDeploy(t *testing.T) {
 	t.Helper()
-	d, err := framework.CSIDriverFromDeploy()
-	must(t, err)
+	d := deployedCSIDriver(t)
 	if d.Spec.StorageCapacity == nil || !*d.Spec.StorageCapacity {
 		t.Fatalf("deploy/base/csidriver.yaml: storageCapacity is not true")
 	}
 	ctx := context.Background()
-	_, err = suite.Client.StorageV1().CSIDrivers().Create(ctx, d, metav1.CreateOptions{})
+	_, err := suite.Client.StorageV1().CSIDrivers().Create(ctx, d, metav1.CreateOptions{})
 	must(t, err)
 	t.Cleanup(func() {
 		suite.Client.StorageV1().CSIDrivers().Delete(context.Background(), d.Name, metav1.DeleteOptions{})
@@ -98,6 +98,16 @@ func csiDriverFromDeploy(t *testing.T) {
 			return "", err
 		})
 	})
+}
+
+// deployedCSIDriver returns the CSIDriver object deploy/ installs.
+func deployedCSIDriver(t *testing.T) *storagev1.CSIDriver {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(framework.RepoRoot(), "deploy/base/csidriver.yaml"))
+	must(t, err)
+	d := &storagev1.CSIDriver{}
+	must(t, yaml.UnmarshalStrict(data, d))
+	return d
 }
 
 // capacityOf returns the CSIStorageCapacity objects in ns for class, by the node name their
@@ -303,9 +313,7 @@ func TestCapacityFollowsARecreatedCSIDriver(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	d, err := framework.CSIDriverFromDeploy()
-	must(t, err)
-	second, err := drivers.Create(ctx, d, metav1.CreateOptions{})
+	second, err := drivers.Create(ctx, deployedCSIDriver(t), metav1.CreateOptions{})
 	must(t, err)
 	waitCapacity(t, home, class.Name, "one object owned by the new CSIDriver", ownedBy(second.UID))
 }
