@@ -134,35 +134,6 @@ func readGrows(t *testing.T, path string, from int64) int64 {
 	return size
 }
 
-func TestDefaultClassIsDirpvLocal(t *testing.T) {
-	ctx := context.Background()
-	classes, err := suite.Client.StorageV1().StorageClasses().List(ctx, metav1.ListOptions{})
-	must(t, err)
-	var defaults []string
-	for _, c := range classes.Items {
-		if c.Annotations["storageclass.kubernetes.io/is-default-class"] == "true" {
-			defaults = append(defaults, c.Name)
-		}
-	}
-	if !slices.Equal(defaults, []string{"dirpv-local"}) {
-		t.Errorf("default classes = %v, want [dirpv-local]", defaults)
-	}
-	ns := suite.NewNamespace(t)
-	suite.CreateClaim(t, ns, "data", "")
-	suite.CreatePod(t, suite.BusyboxPod(ns, "w", "data", "echo installed > /data/f", false))
-	dir := volumeDir(t, ns, "data")
-	if !strings.HasPrefix(dir, basePath+"/") {
-		t.Errorf("volume dir %s is not under %s", dir, basePath)
-	}
-	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
-		b, err := os.ReadFile(filepath.Join(dir, "f"))
-		return string(b) == "installed\n", err
-	})
-	if err != nil {
-		t.Fatalf("the pod's file is not on the host: %v", err)
-	}
-}
-
 // TestInstalledIsTheRelease: this suite runs what a user of the release runs, the release's
 // kind manifest and image: every dirpv container names the image by the release index's
 // digest and runs it (kubelet reports the image it started by that digest), on this amd64
