@@ -4,9 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"os"
 	"os/exec"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -19,15 +17,21 @@ import (
 	"sigs.k8s.io/yaml"
 )
 
+// must stops the test on err: the suites' object helpers fail their caller at once.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 // NewNamespace creates a namespace named <suite>-<random> for one test and deletes it after
 // the test.
 func (s *Suite) NewNamespace(t testing.TB) string {
 	t.Helper()
 	ns, err := s.Client.CoreV1().Namespaces().Create(context.Background(),
 		&v1.Namespace{ObjectMeta: metav1.ObjectMeta{GenerateName: s.Options.Name + "-"}}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() {
 		s.Client.CoreV1().Namespaces().Delete(context.Background(), ns.Name, metav1.DeleteOptions{})
 	})
@@ -81,9 +85,7 @@ func NewClass(name string, params map[string]string, opts ...ClassOption) *stora
 func (s *Suite) CreateClass(t testing.TB, name string, params map[string]string, opts ...ClassOption) *storagev1.StorageClass {
 	t.Helper()
 	c, err := s.Client.StorageV1().StorageClasses().Create(context.Background(), NewClass(name, params, opts...), metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() {
 		s.Client.StorageV1().StorageClasses().Delete(context.Background(), c.Name, metav1.DeleteOptions{})
 	})
@@ -144,9 +146,7 @@ func NewClaim(ns, name, class string, opts ...ClaimOption) *v1.PersistentVolumeC
 func (s *Suite) CreateClaim(t testing.TB, ns, name, class string, opts ...ClaimOption) *v1.PersistentVolumeClaim {
 	t.Helper()
 	c, err := s.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), NewClaim(ns, name, class, opts...), metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return c
 }
 
@@ -154,9 +154,7 @@ func (s *Suite) CreateClaim(t testing.TB, ns, name, class string, opts ...ClaimO
 func (s *Suite) CreatePod(t testing.TB, pod *v1.Pod) *v1.Pod {
 	t.Helper()
 	p, err := s.Client.CoreV1().Pods(pod.Namespace).Create(context.Background(), pod, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return p
 }
 
@@ -180,20 +178,6 @@ func (s *Suite) BusyboxPod(ns, name, claim, script string, readOnly bool) *v1.Po
 			}}},
 		},
 	}
-}
-
-// CSIDriverFromDeploy returns the CSIDriver object that deploy/ installs, so that suites
-// which run dirpv as processes register the driver exactly as users do.
-func CSIDriverFromDeploy() (*storagev1.CSIDriver, error) {
-	data, err := os.ReadFile(filepath.Join(RepoRoot(), "deploy/base/csidriver.yaml"))
-	if err != nil {
-		return nil, err
-	}
-	var d storagev1.CSIDriver
-	if err := yaml.UnmarshalStrict(data, &d); err != nil {
-		return nil, fmt.Errorf("deploy/base/csidriver.yaml: %w", err)
-	}
-	return &d, nil
 }
 
 // ReplaceClass replaces the class name, another provisioner's, by the dirpv class that the

@@ -16,7 +16,7 @@ import (
 )
 
 // The kill tests' checks must be able to fail. These run them on a fake API (the real one is
-// what test/integration and test/e2e use) against states that break each invariant.
+// what test/integration and test/e2e/install use) against states that break each invariant.
 
 func claim(name, uid, volume string) *v1.PersistentVolumeClaim {
 	c := &v1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "ns", Name: name, UID: types.UID(uid)}}
@@ -114,13 +114,5 @@ func TestCheckAdoptedNeedsTheSameDirectory(t *testing.T) {
 		case want != "" && (len(problems) != 1 || !strings.Contains(problems[0], want)):
 			t.Errorf("%s: problems %q, want one saying %q", claimName, problems, want)
 		}
-	}
-}
-
-// must stops the test on err.
-func must(t testing.TB, err error) {
-	t.Helper()
-	if err != nil {
-		t.Fatal(err)
 	}
 }

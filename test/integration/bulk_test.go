@@ -6,7 +6,6 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -36,29 +35,6 @@ func createClaims(t *testing.T, ns, class string, n int, opts ...framework.Claim
 	for err := range errs {
 		t.Fatal(err)
 	}
-}
-
-// checkOneDirectoryPerPV waits until all n claims are Bound, then checks that every claim has
-// exactly one PV, every PV its own directory, and the base holds nothing else.
-func checkOneDirectoryPerPV(t *testing.T, ns, base string, n int, wait time.Duration) {
-	t.Helper()
-	ctx := context.Background()
-	err := framework.WaitForClaimsBound(ctx, suite.Client, ns, n, wait)
-	must(t, err, nodeProc)
-	problems, err := framework.CheckOnePVPerClaim(ctx, suite.Client, ns, entries(t, base))
-	must(t, err)
-	for _, p := range problems {
-		t.Error(p)
-	}
-}
-
-func TestTwoHundredClaimsAtOnce(t *testing.T) {
-	ns := suite.NewNamespace(t)
-	class, base := localClass(t, nil)
-	start := time.Now()
-	createClaims(t, ns, class.Name, 200, framework.OnNode(nodeA))
-	checkOneDirectoryPerPV(t, ns, base, 200, 3*time.Minute)
-	t.Logf("200 claims created and Bound in %s", time.Since(start).Round(time.Millisecond))
 }
 
 // blockPVsOf makes the API server refuse PVs of the held claims of ns until the returned
@@ -117,41 +93,4 @@ func checkAdopted(t *testing.T, ns string, snap *framework.KillSnapshot, held []
 	for _, p := range problems {
 		t.Error(p)
 	}
-}
-
-// The node instance is SIGKILLed while provisioning 100 claims and started again: the kill
-// comes mid-way (some claims Bound, not all), the held claims' retried Provision adopts the
-// directory the killed attempt made, every claim binds with exactly one PV and nothing on disk
-// is orphaned.
-func TestKilledMidwayRecovers(t *testing.T) {
-	ctx := context.Background()
-	ns := suite.NewNamespace(t)
-	class, base := localClass(t, nil)
-	const n = 100
-	held := []string{"c-000", "c-001", "c-002"}
-	lift := blockPVsOf(t, ns, held)
-	createClaims(t, ns, class.Name, n, framework.OnNode(nodeA))
-	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		bound, _, err := framework.BoundClaims(ctx, suite.Client, ns)
-		if err != nil {
-			return false, err
-		}
-		made := dirsOf(ns, held, entries(t, base))
-		return bound >= 10 && len(made) == len(held), fmt.Errorf("%d claims Bound, held claims' directories %v", bound, made)
-	})
-	must(t, err, nodeProc)
-	// Later tests need node-a, even if this one fails half-way.
-	t.Cleanup(func() {
-		if exited, _ := nodeProc.Exited(); exited {
-			nodeProc.Restart()
-		}
-	})
-	nodeProc.Kill()
-	snap, err := framework.TakeKillSnapshot(ctx, suite.Client, ns, base, func(string) bool { return true })
-	must(t, err)
-	checkKilledMidway(t, ns, snap, n, held)
-	lift()
-	must(t, nodeProc.Restart())
-	checkOneDirectoryPerPV(t, ns, base, n, 3*time.Minute)
-	checkAdopted(t, ns, snap, held)
 }

@@ -18,6 +18,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
+	"sigs.k8s.io/yaml"
 
 	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/framework"
@@ -83,15 +84,13 @@ func (n *capacityNode) start(t *testing.T, base, pod string) {
 // included, and removes it after the test (the other tests' claims do not wait for capacity).
 func csiDriverFromDeploy(t *testing.T) {
 	t.Helper()
-	d, err := framework.CSIDriverFromDeploy()
-	must(t, err)
+	d := deployedCSIDriver(t)
 	if d.Spec.StorageCapacity == nil || !*d.Spec.StorageCapacity {
 		t.Fatalf("deploy/base/csidriver.yaml: storageCapacity is not true")
 	}
 	ctx := context.Background()
-	if _, err := suite.Client.StorageV1().CSIDrivers().Create(ctx, d, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err := suite.Client.StorageV1().CSIDrivers().Create(ctx, d, metav1.CreateOptions{})
+	must(t, err)
 	t.Cleanup(func() {
 		suite.Client.StorageV1().CSIDrivers().Delete(context.Background(), d.Name, metav1.DeleteOptions{})
 		framework.WaitForDeleted(context.Background(), timeout, "CSIDriver "+d.Name, func(ctx context.Context) (string, error) {
@@ -99,6 +98,16 @@ func csiDriverFromDeploy(t *testing.T) {
 			return "", err
 		})
 	})
+}
+
+// deployedCSIDriver returns the CSIDriver object deploy/ installs.
+func deployedCSIDriver(t *testing.T) *storagev1.CSIDriver {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(framework.RepoRoot(), "deploy/base/csidriver.yaml"))
+	must(t, err)
+	d := &storagev1.CSIDriver{}
+	must(t, yaml.UnmarshalStrict(data, d))
+	return d
 }
 
 // capacityOf returns the CSIStorageCapacity objects in ns for class, by the node name their
@@ -188,9 +197,8 @@ func TestCapacitySteersScheduling(t *testing.T) {
 				Volumes: []v1.Volume{{Name: "data", VolumeSource: v1.VolumeSource{
 					PersistentVolumeClaim: &v1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}}}},
 		}
-		if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, p, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
+		_, err := suite.Client.CoreV1().Pods(ns).Create(ctx, p, metav1.CreateOptions{})
+		must(t, err)
 	}
 	// Either node would do but for capacity.
 	suite.CreateClaim(t, ns, "fits", class.Name, size)
@@ -305,9 +313,7 @@ func TestCapacityFollowsARecreatedCSIDriver(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	d, err := framework.CSIDriverFromDeploy()
-	must(t, err)
-	second, err := drivers.Create(ctx, d, metav1.CreateOptions{})
+	second, err := drivers.Create(ctx, deployedCSIDriver(t), metav1.CreateOptions{})
 	must(t, err)
 	waitCapacity(t, home, class.Name, "one object owned by the new CSIDriver", ownedBy(second.UID))
 }
@@ -381,9 +387,7 @@ func TestSnapshotCountsInPublishedCapacity(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	csiDriverFromDeploy(t)
 	base := filepath.Join(suite.Work.BaseRoot, "capacity-snapshot")
-	if err := os.MkdirAll(base, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(base, 0o755))
 	n := startCapacityNode(t, ns, "cap-snap", base, 0, "--capacity-poll-interval=1h")
 	class := suite.CreateClass(t, "capacity-snapshot", map[string]string{"backend": "local", "basePath": base})
 	waitCapacity(t, ns, class.Name, "64Mi on cap-snap", func(c map[string]storagev1.CSIStorageCapacity) bool {
@@ -395,13 +399,9 @@ func TestSnapshotCountsInPublishedCapacity(t *testing.T) {
 		t.Fatalf("%v\n--- cap-snap log tail:\n%s", err, n.proc.Tail(3000))
 	}
 	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	const data = 12 << 20
-	if err := os.WriteFile(filepath.Join(n.baseDir(base), pv.Spec.CSI.VolumeAttributes["path"], "data"), make([]byte, data), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(n.baseDir(base), pv.Spec.CSI.VolumeAttributes["path"], "data"), make([]byte, data), 0o644))
 
 	// 64 MiB less the data and its copy (and a few KiB of the snapshot's record, rounded
 	// down to the MiB).
@@ -425,13 +425,9 @@ func TestSnapshotCountsInPublishedCapacity(t *testing.T) {
 		}
 		return true, nil
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 
-	if err := snaps.SnapshotV1().VolumeSnapshots(ns).Delete(ctx, vs.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, snaps.SnapshotV1().VolumeSnapshots(ns).Delete(ctx, vs.Name, metav1.DeleteOptions{}))
 	waitCapacity(t, ns, class.Name, "52Mi on cap-snap once the snapshot is deleted", func(c map[string]storagev1.CSIStorageCapacity) bool {
 		b := bytesOf(c[n.name])
 		return b >= 51<<20 && b <= 52<<20
@@ -443,7 +439,5 @@ func TestSnapshotCountsInPublishedCapacity(t *testing.T) {
 		}
 		return err == nil, err
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 }

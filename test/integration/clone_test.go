@@ -117,48 +117,54 @@ func claimFinalizers(t *testing.T, ns, name string) []string {
 	return c.Finalizers
 }
 
-// A user clones a local claim: the clone binds on the source's node with the source's tree,
-// the symlink's target outside is left alone, and the source keeps the cloning-protection
-// finalizer until it is deleted, when dirpv controller removes it and the claim goes.
-func TestCloneLocalClaim(t *testing.T) {
-	ctx := context.Background()
-	ns := suite.NewNamespace(t)
-	class, _ := localClass(t, nil)
-	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(nodeA), framework.Request("1Gi"))
-	_, srcPV := waitBound(t, ns, "src")
-	outside, before := outsideDir(t)
-	writeTree(t, volumeDir(srcPV), outside)
+// A user clones a claim: the clone binds with the source's tree and the size it asked for, on
+// the source's node for a local claim (an NFS one, on the bind-mounted export, on the same
+// export), the symlink's target outside is left alone, and the source keeps the
+// cloning-protection finalizer until it is deleted, when dirpv removes it and the claim goes,
+// leaving the clone whole.
+func TestCloneClaim(t *testing.T) {
+	for _, b := range lifecycleBackends() {
+		t.Run(b.name, func(t *testing.T) {
+			ctx := context.Background()
+			ns := suite.NewNamespace(t)
+			class, _ := b.class(t, nil)
+			node := map[string]string{"local": nodeA}[b.name]
+			suite.CreateClaim(t, ns, "src", class, append(slices.Clone(b.claim), framework.Request("1Gi"))...)
+			_, srcPV := waitBound(t, ns, "src")
+			outside, before := outsideDir(t)
+			// An NFS volume's tree is written on the server's side, as any NFS client's writes end up.
+			writeTree(t, volumeDir(srcPV), outside)
 
-	suite.CreateClaim(t, ns, "copy", class.Name, framework.OnNode(nodeA), framework.Request("2Gi"), cloneOf("src"))
-	pvc, pv := waitBound(t, ns, "copy")
-	checkSameTree(t, volumeDir(srcPV), volumeDir(pv))
-	if d := framework.DiffSnapshots(before, snapshotTree(t, outside, nil)); len(d) > 0 {
-		t.Errorf("the copy changed the symlink's target outside the volume:\n%s", strings.Join(d, "\n"))
-	}
-	if got := pv.Spec.Capacity[v1.ResourceStorage]; got.String() != "2Gi" {
-		t.Errorf("clone PV capacity %s, want the clone's request 2Gi", got.String())
-	}
-	if pv.Annotations["dirpv.io/node"] != nodeA {
-		t.Errorf("clone PV on node %q, want the source's %s", pv.Annotations["dirpv.io/node"], nodeA)
-	}
-	t.Logf("clone claim annotations: %v", pvc.Annotations)
+			suite.CreateClaim(t, ns, "copy", class, append(slices.Clone(b.claim), framework.Request("2Gi"), cloneOf("src"))...)
+			_, pv := waitBound(t, ns, "copy")
+			checkSameTree(t, volumeDir(srcPV), volumeDir(pv))
+			if d := framework.DiffSnapshots(before, snapshotTree(t, outside, nil)); len(d) > 0 {
+				t.Errorf("the copy changed the symlink's target outside the volume:\n%s", strings.Join(d, "\n"))
+			}
+			if got := pv.Spec.Capacity[v1.ResourceStorage]; got.String() != "2Gi" {
+				t.Errorf("clone PV capacity %s, want the clone's request 2Gi", got.String())
+			}
+			if pv.Annotations["dirpv.io/node"] != node {
+				t.Errorf("clone PV on node %q, want the source's %q", pv.Annotations["dirpv.io/node"], node)
+			}
 
-	if f := claimFinalizers(t, ns, "src"); !slices.Contains(f, cloningProtection) {
-		t.Errorf("source claim finalizers %v, want %s (set before the copy)", f, cloningProtection)
-	}
-	deleteClaim(t, ns, "src")
-	err := framework.WaitForDeleted(ctx, timeout, "source claim", func(ctx context.Context) (string, error) {
-		c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "src", metav1.GetOptions{})
-		if err != nil {
-			return "", err
-		}
-		return fmt.Sprintf("finalizers %v", c.Finalizers), nil
-	})
-	must(t, err, ctrlProc)
-	waitPVGone(t, srcPV.Name)
-	// The clone is its own volume: the source's removal leaves it whole.
-	if _, err := os.Stat(filepath.Join(volumeDir(pv), "sub", "setuid")); err != nil {
-		t.Errorf("clone after its source was deleted: %v", err)
+			if f := claimFinalizers(t, ns, "src"); !slices.Contains(f, cloningProtection) {
+				t.Errorf("source claim finalizers %v, want %s (set before the copy)", f, cloningProtection)
+			}
+			deleteClaim(t, ns, "src")
+			err := framework.WaitForDeleted(ctx, timeout, "source claim", func(ctx context.Context) (string, error) {
+				c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "src", metav1.GetOptions{})
+				if err != nil {
+					return "", err
+				}
+				return fmt.Sprintf("finalizers %v", c.Finalizers), nil
+			})
+			must(t, err, ctrlProc)
+			waitPVGone(t, srcPV.Name)
+			if _, err := os.Stat(filepath.Join(volumeDir(pv), "sub", "setuid")); err != nil {
+				t.Errorf("clone after its source was deleted: %v", err)
+			}
+		})
 	}
 }
 
@@ -306,28 +312,6 @@ func countFiles(t *testing.T, dir string) int {
 		t.Fatal(err)
 	}
 	return n
-}
-
-// A user clones an NFS claim (on the bind-mounted export): the clone binds with the source's
-// tree, on the same export.
-func TestCloneNFSClaim(t *testing.T) {
-	ns := suite.NewNamespace(t)
-	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=2"}, nil)
-	suite.CreateClaim(t, ns, "src", class.Name)
-	_, srcPV := waitBound(t, ns, "src")
-	outside, before := outsideDir(t)
-	// Written on the server's side, as any NFS client's writes end up.
-	writeTree(t, volumeDir(srcPV), outside)
-
-	suite.CreateClaim(t, ns, "copy", class.Name, cloneOf("src"), framework.Request("1Gi"))
-	_, pv := waitBound(t, ns, "copy")
-	checkSameTree(t, volumeDir(srcPV), volumeDir(pv))
-	if d := framework.DiffSnapshots(before, snapshotTree(t, outside, nil)); len(d) > 0 {
-		t.Errorf("the copy changed the symlink's target outside the volume:\n%s", strings.Join(d, "\n"))
-	}
-	if f := claimFinalizers(t, ns, "src"); !slices.Contains(f, cloningProtection) {
-		t.Errorf("source claim finalizers %v, want %s", f, cloningProtection)
-	}
 }
 
 // cloneStoppedAt starts a node instance armed to stop at point (a failpoint of the copy) half

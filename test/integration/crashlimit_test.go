@@ -47,9 +47,8 @@ func testCrashAt(t *testing.T, point string) {
 		"backend": "local", "basePath": mnt, "capacityEnforcement": "required"})
 	claim := framework.NewClaim(ns, "data", class.Name, framework.OnNode(node))
 	claim.Spec.Resources.Requests[v1.ResourceStorage] = *resource.NewQuantity(size, resource.BinarySI)
-	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim, metav1.CreateOptions{})
+	must(t, err)
 
 	// The crash: the process died at the point, by SIGKILL, and left exactly what that point
 	// leaves: one directory under a temporary name, a subvolume, limited only past

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 
@@ -69,11 +68,7 @@ func TestNestedSubvolumeIsReported(t *testing.T) {
 	ctx := context.Background()
 	ns := suite.NewNamespace(t)
 	class, base, _ := btrfsClass(t, map[string]string{"capacityEnforcement": "required", "uid": "1000", "gid": "1000"})
-	claim := framework.NewClaim(ns, "data", class, framework.OnNode(nodeA))
-	claim.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("16Mi")
-	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	suite.CreateClaim(t, ns, "data", class, framework.OnNode(nodeA), framework.Request("16Mi"))
 	_, pv := waitBound(t, ns, "data")
 	if !strings.HasPrefix(pv.Spec.CSI.VolumeAttributes["quota"], "btrfs/") {
 		t.Fatalf("PV attributes %v name no btrfs qgroup", pv.Spec.CSI.VolumeAttributes)

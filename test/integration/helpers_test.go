@@ -49,9 +49,8 @@ func createPod(t *testing.T, ns, name, claim, node string) {
 			}}},
 		},
 	}
-	if _, err := suite.Client.CoreV1().Pods(ns).Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err := suite.Client.CoreV1().Pods(ns).Create(context.Background(), pod, metav1.CreateOptions{})
+	must(t, err)
 }
 
 // must fails the test if err is not nil, with the log tails of procs: what the dirpv

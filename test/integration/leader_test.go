@@ -36,9 +36,7 @@ func startStandby(t *testing.T) (*framework.Process, string) {
 		// client-go waits 1 to 2.2 retry periods between attempts to acquire: 1 s keeps a
 		// handover well inside the few seconds TestControllerRolloutHandsOverAtOnce allows.
 		"--leader-election-retry-period=1s")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { standby.Stop(10 * time.Second) })
 	if acquisitions(ctrlProc) == 0 {
 		t.Fatalf("the suite's controller never became leader:\n%s", ctrlProc.Tail(2000))
@@ -58,9 +56,7 @@ func startStandby(t *testing.T) (*framework.Process, string) {
 func handBack(t *testing.T, standby *framework.Process, standbyWorkDir string) {
 	t.Helper()
 	before := acquisitions(ctrlProc)
-	if err := ctrlProc.Restart(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, ctrlProc.Restart())
 	if !standby.Stop(20 * time.Second) {
 		t.Error("the standby did not stop on SIGTERM")
 	} else if _, err := standby.Exited(); err != nil {
@@ -73,9 +69,7 @@ func handBack(t *testing.T, standby *framework.Process, standbyWorkDir string) {
 	err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
 		return acquisitions(ctrlProc) > before, fmt.Errorf("suite controller has not retaken the lease")
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 }
 
 // Two controller replicas elect a leader, as the Deployment's two replicas do. The leader is
@@ -111,9 +105,7 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 	snap, err := framework.TakeKillSnapshot(ctx, suite.Client, ns, suite.NFS.ExportDir, func(name string) bool {
 		return strings.HasPrefix(name, ns+"-")
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	checkKilledMidway(t, ns, snap, n, held)
 	lift()
 	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
@@ -128,9 +120,7 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
 	}
 	problems, err := framework.CheckOnePVPerClaim(ctx, suite.Client, ns, claimsOnServer(t, suite.NFS, ns))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, p := range problems {
 		t.Error(p)
 	}
@@ -165,9 +155,7 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 
 	// Mounts left by a controller that an earlier test SIGKILLed are not this leader's.
 	leftOver, err := framework.MountsUnder(leaderWorkDir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	ns := suite.NewNamespace(t)
 	// Mount options of their own make a mount of their own, so the mount checked below is
 	// this test's even when an earlier run (-count) left its export mounted.
@@ -203,16 +191,12 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 		exited, _ := leader.Exited()
 		return exited, fmt.Errorf("the old leader is still running")
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if _, err := leader.Exited(); err != nil {
 		t.Errorf("the leader, stopped with SIGTERM, exited with %v, want status 0\n%s", err, leader.Tail(3000))
 	}
 	after, err := framework.MountsUnder(leaderWorkDir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if left := slices.DeleteFunc(after, func(m string) bool { return slices.Contains(leftOver, m) }); len(left) != 0 {
 		t.Errorf("the stopped leader left NFS mounts behind: %v", left)
 	}
@@ -221,9 +205,7 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	}
 	// The new leader's own metrics show the work it took over.
 	metrics, err := framework.Scrape(ctx, standby)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if n := metrics[`dirpv_provision_duration_seconds_count{backend="nfs",result="success"}`]; n < 1 || n > during {
 		t.Errorf("new leader counts %v successful NFS provisions, want 1 to %d", n, during)
 	}

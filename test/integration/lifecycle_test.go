@@ -208,23 +208,27 @@ func TestReadOnlyBaseReschedules(t *testing.T) {
 }
 
 // A local claim placed on a Ready node that runs no dirpv node plugin gets an event from the
-// controller that names the node; one placed on node-a, which runs one, does not.
+// controller that names the node, and stays Pending with nothing made for it in the base by
+// node-a's instance; one placed on node-a, which runs one, gets no such event and binds.
 func TestNodeWithoutPluginIsReported(t *testing.T) {
 	ctx := context.Background()
 	ns := suite.NewNamespace(t)
-	class, _ := localClass(t, nil)
+	class, base := localClass(t, nil)
 	suite.CreateClaim(t, ns, "here", class.Name, framework.OnNode(nodeA))
 	suite.CreateClaim(t, ns, "elsewhere", class.Name, framework.OnNode(nodeC))
 	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "elsewhere", "NodePluginMissing", "node "+nodeC+" runs no dirpv.io node plugin", timeout)
 	must(t, err, ctrlProc)
 	t.Logf("event: %s", ev.Message)
-	waitBound(t, ns, "here")
+	_, pv := waitBound(t, ns, "here")
 	if n, err := claimEventCount(ctx, ns, "here", "NodePluginMissing"); err != nil || n != 0 {
 		t.Errorf("claim on node-a, which runs the plugin: %d NodePluginMissing events (%v)", n, err)
 	}
 	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "elsewhere", metav1.GetOptions{})
 	must(t, err)
-	if c.Status.Phase != v1.ClaimPending {
-		t.Errorf("claim on node-c is %s, want Pending", c.Status.Phase)
+	if c.Status.Phase != v1.ClaimPending || c.Spec.VolumeName != "" {
+		t.Errorf("claim on node-c: phase %s volume %q, want Pending with no volume", c.Status.Phase, c.Spec.VolumeName)
+	}
+	if got := entries(t, base); !slices.Equal(got, []string{pv.Spec.CSI.VolumeAttributes["path"]}) {
+		t.Errorf("base holds %v, want only node-a's volume", got)
 	}
 }

@@ -14,74 +14,13 @@ import (
 	"syscall"
 	"testing"
 
-	admissionv1 "k8s.io/api/admissionregistration/v1"
 	v1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/volume"
 )
-
-// denyPVsFor makes the apiserver refuse to create PVs bound to claims in ns until the returned
-// func is called, and waits until it does.
-func denyPVsFor(t *testing.T, ns string) (allow func()) {
-	t.Helper()
-	ctx := context.Background()
-	name := "dirpv-test-deny-pvs-" + ns
-	fail := admissionv1.Fail
-	policy := &admissionv1.ValidatingAdmissionPolicy{
-		ObjectMeta: metav1.ObjectMeta{Name: name},
-		Spec: admissionv1.ValidatingAdmissionPolicySpec{
-			FailurePolicy: &fail,
-			MatchConstraints: &admissionv1.MatchResources{ResourceRules: []admissionv1.NamedRuleWithOperations{{
-				RuleWithOperations: admissionv1.RuleWithOperations{
-					Operations: []admissionv1.OperationType{admissionv1.Create},
-					Rule:       admissionv1.Rule{APIGroups: []string{""}, APIVersions: []string{"v1"}, Resources: []string{"persistentvolumes"}},
-				},
-			}}},
-			Validations: []admissionv1.Validation{{
-				Expression: fmt.Sprintf("!has(object.spec.claimRef) || object.spec.claimRef.namespace != '%s'", ns),
-				Message:    "test: PVs of this namespace are refused",
-			}},
-		},
-	}
-	binding := &admissionv1.ValidatingAdmissionPolicyBinding{
-		ObjectMeta: metav1.ObjectMeta{Name: name},
-		Spec: admissionv1.ValidatingAdmissionPolicyBindingSpec{
-			PolicyName: name, ValidationActions: []admissionv1.ValidationAction{admissionv1.Deny},
-		},
-	}
-	vap := suite.Client.AdmissionregistrationV1()
-	if _, err := vap.ValidatingAdmissionPolicies().Create(ctx, policy, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := vap.ValidatingAdmissionPolicyBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	allow = func() {
-		vap.ValidatingAdmissionPolicyBindings().Delete(ctx, name, metav1.DeleteOptions{})
-		vap.ValidatingAdmissionPolicies().Delete(ctx, name, metav1.DeleteOptions{})
-	}
-	t.Cleanup(allow)
-	// The policy takes effect once the apiserver has seen it: probe with a dry run.
-	probe := &v1.PersistentVolume{
-		ObjectMeta: metav1.ObjectMeta{Name: "dirpv-test-probe"},
-		Spec: v1.PersistentVolumeSpec{
-			Capacity:               v1.ResourceList{v1.ResourceStorage: resource.MustParse("1Gi")},
-			AccessModes:            []v1.PersistentVolumeAccessMode{v1.ReadWriteOnce},
-			ClaimRef:               &v1.ObjectReference{Namespace: ns, Name: "probe"},
-			PersistentVolumeSource: v1.PersistentVolumeSource{HostPath: &v1.HostPathVolumeSource{Path: "/nonexistent"}},
-		},
-	}
-	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		_, err := suite.Client.CoreV1().PersistentVolumes().Create(ctx, probe, metav1.CreateOptions{DryRun: []string{metav1.DryRunAll}})
-		return err != nil && strings.Contains(err.Error(), "PVs of this namespace are refused"), fmt.Errorf("dry-run PV create: %v", err)
-	})
-	must(t, err)
-	return allow
-}
 
 // waitForLog waits until the log file, from offset on, holds a line containing every one of
 // substrs, and returns that line.
@@ -124,7 +63,7 @@ func TestCrashBeforePVIsSavedAdoptsDirectory(t *testing.T) {
 	class, base := localClass(t, map[string]string{
 		"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}", "mode": "2750", "uid": "1234", "gid": "5678",
 	})
-	allow := denyPVsFor(t, ns)
+	allow := blockPVsOf(t, ns, []string{"crashy"})
 	offset := logSize(t, nodeProc.Log)
 	c := suite.CreateClaim(t, ns, "crashy", class.Name, framework.OnNode(nodeA))
 	pvName := "pvc-" + string(c.UID)
@@ -187,9 +126,8 @@ func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
 			stale.Spec.CSI.VolumeHandle = volume.Handle(volume.Backend(b.name), stale.Name)
 			stale.Spec.ClaimRef = &v1.ObjectReference{Namespace: ns, Name: "stale"}
 			stale.Status = v1.PersistentVolumeStatus{}
-			if _, err := suite.Client.CoreV1().PersistentVolumes().Create(context.Background(), stale, metav1.CreateOptions{}); err != nil {
-				t.Fatal(err)
-			}
+			_, err := suite.Client.CoreV1().PersistentVolumes().Create(context.Background(), stale, metav1.CreateOptions{})
+			must(t, err)
 			t.Cleanup(func() {
 				ctx := context.Background()
 				patch := []byte(`{"metadata":{"finalizers":null},"spec":{"persistentVolumeReclaimPolicy":"Retain"}}`)
@@ -198,9 +136,8 @@ func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
 			})
 			claim := framework.NewClaim(ns, "stale", class, b.claim...)
 			claim.Spec.VolumeName = stale.Name
-			if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), claim, metav1.CreateOptions{}); err != nil {
-				t.Fatal(err)
-			}
+			_, err = suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), claim, metav1.CreateOptions{})
+			must(t, err)
 			waitBound(t, ns, "stale")
 			deleteClaim(t, ns, "stale")
 			ev, err := framework.WaitForEvent(context.Background(), suite.Client, "", "PersistentVolume", stale.Name, "VolumeFailedDelete",

@@ -35,9 +35,8 @@ func TestFailuresAreRetriedPastTheLibsThreshold(t *testing.T) {
 	// have been provisioned again meanwhile.
 	refused := suite.CreateClass(t, "retry-refused", map[string]string{"backend": "local", "basePath": base, "bsaePath": "/tmp"})
 	suite.CreateClaim(t, ns, "refused", refused.Name, framework.OnNode(node))
-	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "refused", "ProvisioningFailed", "Retries will be delayed", timeout); err != nil {
-		t.Fatal(err)
-	}
+	_, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "refused", "ProvisioningFailed", "Retries will be delayed", timeout)
+	must(t, err)
 
 	// A file system mounted on the volume's directory: removing it fails (EBUSY), as it
 	// would for a mount left behind by a pod.

@@ -129,9 +129,8 @@ func TestClaimRelabelledWhenSelectedNodeChanges(t *testing.T) {
 		`{"metadata":{"annotations":{"volume.kubernetes.io/selected-node":null}}}`,
 		`{"metadata":{"annotations":{"volume.kubernetes.io/selected-node":"` + nodeA + `"}}}`,
 	} {
-		if _, err := claims.Patch(ctx, "moved", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
-			t.Fatal(err)
-		}
+		_, err := claims.Patch(ctx, "moved", types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+		must(t, err)
 	}
 	waitLabel(t, ns, "moved", nodeA)
 	_, pv := waitBound(t, ns, "moved")
@@ -159,12 +158,10 @@ func TestUnlabelledClaimsAndVolumesAreLabelledAtStart(t *testing.T) {
 		}
 	})
 	unlabel := []byte(`{"metadata":{"labels":{"` + provisioner.LabelNode + `":null}}}`)
-	if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, "old", types.MergePatchType, unlabel, metav1.PatchOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := suite.Client.CoreV1().PersistentVolumes().Patch(ctx, pv.Name, types.MergePatchType, unlabel, metav1.PatchOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, "old", types.MergePatchType, unlabel, metav1.PatchOptions{})
+	must(t, err)
+	_, err = suite.Client.CoreV1().PersistentVolumes().Patch(ctx, pv.Name, types.MergePatchType, unlabel, metav1.PatchOptions{})
+	must(t, err)
 	suite.CreateClaim(t, ns, "new", class.Name, framework.OnNode(nodeA))
 
 	must(t, ctrlProc.Restart())
@@ -189,25 +186,6 @@ func TestUnlabelledClaimsAndVolumesAreLabelledAtStart(t *testing.T) {
 	}
 	if len(mine) != 1 || !strings.HasPrefix(mine[0], ns+"-new-") {
 		t.Errorf("volumes of namespace %s in the base = %v, want only the new claim's", ns, mine)
-	}
-}
-
-// A node instance restarted lists its own PVs again (by label) and deletes their volumes.
-func TestLocalVolumeDeletedByItsNodeAfterRestart(t *testing.T) {
-	ctx := context.Background()
-	ns := suite.NewNamespace(t)
-	class, base := localClass(t, nil)
-	suite.CreateClaim(t, ns, "data", class.Name, framework.OnNode(nodeA))
-	_, pv := waitBound(t, ns, "data")
-	if !nodeProc.Stop(30 * time.Second) {
-		t.Fatalf("node did not stop on SIGTERM:\n%s", nodeProc.Tail(3000))
-	}
-	must(t, nodeProc.Restart())
-	must(t, nodeProc.WaitHealthy(ctx, timeout))
-	deleteClaim(t, ns, "data")
-	waitPVGone(t, pv.Name)
-	if got := entries(t, base); len(got) != 0 {
-		t.Errorf("base = %v, want the volume removed", got)
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -15,7 +16,6 @@ import (
 
 	snapshotv1 "github.com/kubernetes-csi/external-snapshotter/client/v8/apis/volumesnapshot/v1"
 	v1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/dirpv/dirpv/internal/failpoint"
@@ -32,9 +32,8 @@ func snapshotClass(t *testing.T, policy snapshotv1.DeletionPolicy) string {
 		name = strings.Trim(name[len(name)-60:], "-")
 	}
 	c := &snapshotv1.VolumeSnapshotClass{ObjectMeta: metav1.ObjectMeta{Name: name}, Driver: "dirpv.io", DeletionPolicy: policy}
-	if _, err := snaps.SnapshotV1().VolumeSnapshotClasses().Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err := snaps.SnapshotV1().VolumeSnapshotClasses().Create(context.Background(), c, metav1.CreateOptions{})
+	must(t, err)
 	t.Cleanup(func() {
 		snaps.SnapshotV1().VolumeSnapshotClasses().Delete(context.Background(), name, metav1.DeleteOptions{})
 	})
@@ -53,9 +52,8 @@ func takeSnapshot(t *testing.T, ns, name, claim, class string) (*snapshotv1.Volu
 			VolumeSnapshotClassName: &class,
 		},
 	}
-	if _, err := snaps.SnapshotV1().VolumeSnapshots(ns).Create(ctx, vs, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err := snaps.SnapshotV1().VolumeSnapshots(ns).Create(ctx, vs, metav1.CreateOptions{})
+	must(t, err)
 	return waitSnapshotReady(t, ns, name)
 }
 
@@ -78,9 +76,7 @@ func waitSnapshotReady(t *testing.T, ns, name string) (*snapshotv1.VolumeSnapsho
 			framework.EventsOf(ctx, suite.Client, ns, "VolumeSnapshot", name), nodeProc.Tail(3000))
 	}
 	content, err := snaps.SnapshotV1().VolumeSnapshotContents().Get(ctx, *vs.Status.BoundVolumeSnapshotContentName, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return vs, content
 }
 
@@ -91,9 +87,7 @@ func snapshotDir(t *testing.T, content *snapshotv1.VolumeSnapshotContent) string
 		t.Fatalf("content %s has no snapshot handle", content.Name)
 	}
 	h, err := volume.ParseSnapshotHandle(*content.Status.SnapshotHandle)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if h.Backend == volume.BackendNFS {
 		return filepath.Join(suite.NFS.ExportDir, strings.TrimPrefix(h.Share, suite.NFS.Share), ".dirpv-snapshots", h.Name, "tree")
 	}
@@ -109,11 +103,11 @@ func exists(t *testing.T, path string) bool {
 	return err == nil
 }
 
-// A user snapshots a local claim: node-a's dirpv makes the snapshot beside the volumes, the
-// VolumeSnapshot becomes ready with the source's capacity as its restore size, and its content
-// is the one the common controller labelled for node-a. With deletionPolicy Delete, deleting
-// the VolumeSnapshot removes the snapshot's directory; with Retain, the content and the
-// directory stay.
+// A user snapshots a local claim: node-a's dirpv makes the snapshot's directory beside the
+// volumes. With deletionPolicy Delete, deleting the VolumeSnapshot removes the directory; with
+// Retain, the content and the directory stay. (What the API shows of both policies, and a
+// retained snapshot imported again by its handle, the conformance tier's snapshottable
+// patterns check on dirpv-local, Dynamic and Preprovisioned, Delete and Retain.)
 func TestLocalSnapshotDeletionPolicy(t *testing.T) {
 	for _, policy := range []snapshotv1.DeletionPolicy{snapshotv1.VolumeSnapshotContentDelete, snapshotv1.VolumeSnapshotContentRetain} {
 		t.Run(string(policy), func(t *testing.T) {
@@ -121,36 +115,24 @@ func TestLocalSnapshotDeletionPolicy(t *testing.T) {
 			ns := suite.NewNamespace(t)
 			class, base := localClass(t, nil)
 			vsClass := snapshotClass(t, policy)
-			suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(nodeA), framework.Request("2Gi"))
+			suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(nodeA))
 			_, pv := waitBound(t, ns, "src")
 			src := filepath.Join(base, pv.Spec.CSI.VolumeAttributes["path"])
-			if err := os.WriteFile(filepath.Join(src, "data"), []byte("hello"), 0o644); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.WriteFile(filepath.Join(src, "data"), []byte("hello"), 0o644))
 
-			vs, content := takeSnapshot(t, ns, "snap", "src", vsClass)
-			if want := resource.MustParse("2Gi"); vs.Status.RestoreSize == nil || vs.Status.RestoreSize.Cmp(want) != 0 {
-				t.Errorf("restoreSize %v, want %s (the source PV's capacity)", vs.Status.RestoreSize, want.String())
-			}
-			if got := content.Labels["snapshot.storage.kubernetes.io/managed-by"]; got != nodeA {
-				t.Errorf("content managed-by label %q, want %q", got, nodeA)
-			}
+			_, content := takeSnapshot(t, ns, "snap", "src", vsClass)
 			dir := snapshotDir(t, content)
 			if !strings.HasPrefix(dir, base+"/") || !exists(t, dir) {
 				t.Fatalf("snapshot directory %s missing or outside the base %s", dir, base)
 			}
 
-			if err := snaps.SnapshotV1().VolumeSnapshots(ns).Delete(ctx, "snap", metav1.DeleteOptions{}); err != nil {
-				t.Fatal(err)
-			}
+			must(t, snaps.SnapshotV1().VolumeSnapshots(ns).Delete(ctx, "snap", metav1.DeleteOptions{}))
 			if policy == snapshotv1.VolumeSnapshotContentDelete {
 				err := framework.WaitForDeleted(ctx, timeout, "content "+content.Name, func(ctx context.Context) (string, error) {
 					_, err := snaps.SnapshotV1().VolumeSnapshotContents().Get(ctx, content.Name, metav1.GetOptions{})
 					return "", err
 				})
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				if exists(t, dir) {
 					t.Errorf("snapshot directory %s left after its VolumeSnapshot was deleted (Delete)", dir)
 				}
@@ -161,48 +143,12 @@ func TestLocalSnapshotDeletionPolicy(t *testing.T) {
 				_, err := snaps.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "snap", metav1.GetOptions{})
 				return "", err
 			})
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			if _, err := snaps.SnapshotV1().VolumeSnapshotContents().Get(ctx, content.Name, metav1.GetOptions{}); err != nil {
 				t.Errorf("content of a Retain snapshot: %v", err)
 			}
 			if !exists(t, dir) {
 				t.Errorf("snapshot directory %s removed although the class says Retain", dir)
-			}
-			// The retained snapshot, pre-provisioned by its handle (as an admin imports one):
-			// dirpv controller labels the content for node-a, whose dirpv finds it ready.
-			pre := &snapshotv1.VolumeSnapshotContent{
-				ObjectMeta: metav1.ObjectMeta{Name: "pre-" + ns},
-				Spec: snapshotv1.VolumeSnapshotContentSpec{
-					Driver: "dirpv.io", DeletionPolicy: snapshotv1.VolumeSnapshotContentRetain,
-					Source:            snapshotv1.VolumeSnapshotContentSource{SnapshotHandle: content.Status.SnapshotHandle},
-					VolumeSnapshotRef: v1.ObjectReference{Namespace: ns, Name: "imported"},
-				},
-			}
-			if _, err := snaps.SnapshotV1().VolumeSnapshotContents().Create(ctx, pre, metav1.CreateOptions{}); err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() {
-				snaps.SnapshotV1().VolumeSnapshotContents().Delete(context.Background(), pre.Name, metav1.DeleteOptions{})
-			})
-			imported := &snapshotv1.VolumeSnapshot{
-				ObjectMeta: metav1.ObjectMeta{Name: "imported", Namespace: ns},
-				Spec:       snapshotv1.VolumeSnapshotSpec{Source: snapshotv1.VolumeSnapshotSource{VolumeSnapshotContentName: &pre.Name}},
-			}
-			if _, err := snaps.SnapshotV1().VolumeSnapshots(ns).Create(ctx, imported, metav1.CreateOptions{}); err != nil {
-				t.Fatal(err)
-			}
-			err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-				vs, err := snaps.SnapshotV1().VolumeSnapshots(ns).Get(ctx, "imported", metav1.GetOptions{})
-				return err == nil && vs.Status != nil && vs.Status.ReadyToUse != nil && *vs.Status.ReadyToUse, err
-			})
-			if err != nil {
-				t.Errorf("pre-provisioned VolumeSnapshot not ready: %v\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "VolumeSnapshot", "imported"))
-			}
-			got, err := snaps.SnapshotV1().VolumeSnapshotContents().Get(ctx, pre.Name, metav1.GetOptions{})
-			if err != nil || got.Labels["snapshot.storage.kubernetes.io/managed-by"] != nodeA {
-				t.Errorf("pre-provisioned content labels %v (%v), want managed-by %s", got.Labels, err, nodeA)
 			}
 			// What an admin does to let it go: deleting the content leaves the directory too.
 			snaps.SnapshotV1().VolumeSnapshotContents().Delete(ctx, content.Name, metav1.DeleteOptions{})
@@ -218,70 +164,59 @@ func restoreOf(name string) framework.ClaimOption {
 	}
 }
 
-// A user snapshots a local claim holding every kind of entry, keeps writing to it, and
-// restores the snapshot into a new claim: the snapshot's tree is the source's as it was, the
-// restored claim binds on the snapshot's node with that tree (not what was written after),
-// and a restore asking for less than the snapshot's restoreSize is refused with an event.
-func TestSnapshotRestoreLocal(t *testing.T) {
-	ctx := context.Background()
-	ns := suite.NewNamespace(t)
-	class, _ := localClass(t, nil)
-	vsClass := snapshotClass(t, snapshotv1.VolumeSnapshotContentDelete)
-	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(nodeA), framework.Request("1Gi"))
-	_, srcPV := waitBound(t, ns, "src")
-	outside, before := outsideDir(t)
-	writeTree(t, volumeDir(srcPV), outside)
+// A user snapshots a claim holding every kind of entry, keeps writing to it, and restores the
+// snapshot into a new claim: the VolumeSnapshot's restoreSize is the source's capacity, the
+// snapshot's tree is the source's as it was, the restored claim binds with that tree (not
+// what was written after) and the symlink's target outside is left alone, and a restore
+// asking for less than the restoreSize is refused with an event. A local claim's snapshot is
+// its node's (the content labelled for it) and is restored on that node; an NFS claim's (on
+// the bind-mounted export) is the controller's, its content labelled for no node.
+func TestSnapshotRestore(t *testing.T) {
+	for _, b := range lifecycleBackends() {
+		t.Run(b.name, func(t *testing.T) {
+			ctx := context.Background()
+			ns := suite.NewNamespace(t)
+			class, _ := b.class(t, nil)
+			claim := func(name string, opts ...framework.ClaimOption) {
+				suite.CreateClaim(t, ns, name, class, append(slices.Clone(b.claim), opts...)...)
+			}
+			node := map[string]string{"local": nodeA}[b.name]
+			vsClass := snapshotClass(t, snapshotv1.VolumeSnapshotContentDelete)
+			claim("src", framework.Request("1Gi"))
+			_, srcPV := waitBound(t, ns, "src")
+			outside, before := outsideDir(t)
+			writeTree(t, volumeDir(srcPV), outside)
 
-	_, content := takeSnapshot(t, ns, "snap", "src", vsClass)
-	snapDir := snapshotDir(t, content)
-	checkSameTree(t, volumeDir(srcPV), snapDir)
-	if err := os.WriteFile(filepath.Join(volumeDir(srcPV), "written-after"), []byte("later"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+			vs, content := takeSnapshot(t, ns, "snap", "src", vsClass)
+			if vs.Status.RestoreSize == nil || vs.Status.RestoreSize.Cmp(srcPV.Spec.Capacity[v1.ResourceStorage]) != 0 {
+				t.Errorf("restoreSize %v, want the source's capacity", vs.Status.RestoreSize)
+			}
+			if got := content.Labels["snapshot.storage.kubernetes.io/managed-by"]; got != node {
+				t.Errorf("content managed-by label %q, want %q", got, node)
+			}
+			snapDir := snapshotDir(t, content)
+			checkSameTree(t, volumeDir(srcPV), snapDir)
+			must(t, os.WriteFile(filepath.Join(volumeDir(srcPV), "written-after"), []byte("later"), 0o644))
 
-	suite.CreateClaim(t, ns, "small", class.Name, framework.OnNode(nodeA), framework.Request("500Mi"), restoreOf("snap"))
-	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "small", "ProvisioningFailed", "request at least 1Gi", timeout); err != nil {
-		t.Errorf("restore smaller than the snapshot: %v\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "small"))
-	}
+			claim("small", framework.Request("500Mi"), restoreOf("snap"))
+			if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "small", "ProvisioningFailed", "request at least 1Gi", timeout); err != nil {
+				t.Errorf("restore smaller than the snapshot: %v\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "small"))
+			}
 
-	suite.CreateClaim(t, ns, "restored", class.Name, framework.OnNode(nodeA), framework.Request("1Gi"), restoreOf("snap"))
-	_, pv := waitBound(t, ns, "restored")
-	checkSameTree(t, snapDir, volumeDir(pv))
-	if exists(t, filepath.Join(volumeDir(pv), "written-after")) {
-		t.Error("the restore holds a file written after the snapshot was taken")
+			claim("restored", framework.Request("1Gi"), restoreOf("snap"))
+			_, pv := waitBound(t, ns, "restored")
+			checkSameTree(t, snapDir, volumeDir(pv))
+			if exists(t, filepath.Join(volumeDir(pv), "written-after")) {
+				t.Error("the restore holds a file written after the snapshot was taken")
+			}
+			if d := framework.DiffSnapshots(before, snapshotTree(t, outside, nil)); len(d) > 0 {
+				t.Errorf("snapshot or restore changed the symlink's target outside the volume:\n%s", strings.Join(d, "\n"))
+			}
+			if pv.Annotations["dirpv.io/node"] != node {
+				t.Errorf("restored PV on node %q, want the snapshot's %q", pv.Annotations["dirpv.io/node"], node)
+			}
+		})
 	}
-	if d := framework.DiffSnapshots(before, snapshotTree(t, outside, nil)); len(d) > 0 {
-		t.Errorf("snapshot or restore changed the symlink's target outside the volume:\n%s", strings.Join(d, "\n"))
-	}
-	if pv.Annotations["dirpv.io/node"] != nodeA {
-		t.Errorf("restored PV on node %q, want the snapshot's %s", pv.Annotations["dirpv.io/node"], nodeA)
-	}
-}
-
-// The same for an NFS claim (on the bind-mounted export): the controller snapshots it (its
-// content carries no node label) and restores it.
-func TestSnapshotRestoreNFS(t *testing.T) {
-	ns := suite.NewNamespace(t)
-	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=2"}, nil)
-	vsClass := snapshotClass(t, snapshotv1.VolumeSnapshotContentDelete)
-	suite.CreateClaim(t, ns, "src", class.Name)
-	_, srcPV := waitBound(t, ns, "src")
-	outside, _ := outsideDir(t)
-	writeTree(t, volumeDir(srcPV), outside)
-
-	vs, content := takeSnapshot(t, ns, "snap", "src", vsClass)
-	if l, ok := content.Labels["snapshot.storage.kubernetes.io/managed-by"]; ok {
-		t.Errorf("NFS snapshot content labelled managed-by %q", l)
-	}
-	if vs.Status.RestoreSize == nil || vs.Status.RestoreSize.Cmp(srcPV.Spec.Capacity[v1.ResourceStorage]) != 0 {
-		t.Errorf("restoreSize %v, want the source's capacity", vs.Status.RestoreSize)
-	}
-	snapDir := snapshotDir(t, content)
-	checkSameTree(t, volumeDir(srcPV), snapDir)
-
-	suite.CreateClaim(t, ns, "restored", class.Name, restoreOf("snap"))
-	_, pv := waitBound(t, ns, "restored")
-	checkSameTree(t, snapDir, volumeDir(pv))
 }
 
 // writeNumbered writes files 000000, 000001, ... into dir, in order, each fileSize bytes of
@@ -359,13 +294,9 @@ func snapshotWhileWriting(t *testing.T, ns, class string) (string, string) {
 	<-done
 	total := written.Load()
 	info, err := os.ReadFile(filepath.Join(filepath.Dir(snapshotDir(t, content)), "info.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	var meta struct{ Method string }
-	if err := json.Unmarshal(info, &meta); err != nil {
-		t.Fatal(err)
-	}
+	must(t, json.Unmarshal(info, &meta))
 	suite.CreateClaim(t, ns, "restored", class, framework.OnNode(nodeA), framework.Request("200Mi"), restoreOf("snap"))
 	_, pv := waitBound(t, ns, "restored")
 	t.Logf("writer wrote %d files in all; snapshot method %s", total, meta.Method)
@@ -380,12 +311,8 @@ func snapshotWhileWriting(t *testing.T, ns, class string) (string, string) {
 func TestSnapshotWhileWritingBtrfsIsPointInTime(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	base := filepath.Join(suite.Work.BaseRoot, "btrfs-snapshot")
-	if err := os.MkdirAll(base, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := suite.MountBtrfs(base, 1<<30, true); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(base, 0o755))
+	must(t, suite.MountBtrfs(base, 1<<30, true))
 	class := suite.CreateClass(t, "btrfs-snapshot", map[string]string{"backend": "local", "basePath": base})
 	dir, method := snapshotWhileWriting(t, ns, class.Name)
 	if method != volume.MethodBtrfsSnapshot {
@@ -445,9 +372,7 @@ func TestLongCopiesReportProgress(t *testing.T) {
 		},
 	}
 	vs, err := snaps.SnapshotV1().VolumeSnapshots(ns).Create(ctx, vs, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	waitHeldAt(t, proc, point)
 	content := "snapcontent-" + string(vs.UID)
 	want := "into snapshot snapshot-" + string(vs.UID)
@@ -458,18 +383,12 @@ func TestLongCopiesReportProgress(t *testing.T) {
 	if !regexp.MustCompile(`copied [0-9.]+ (B|KiB|MiB) in [0-9,]+ files so far`).MatchString(e.Message) || e.Type != v1.EventTypeNormal {
 		t.Errorf("progress event %s %q, want a Normal one saying what was copied", e.Type, e.Message)
 	}
-	if err := os.WriteFile(release, nil, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(release, nil, 0o644))
 	waitSnapshotReady(t, ns, "snap")
-	if err := os.Remove(release); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Remove(release))
 
 	suite.CreateClaim(t, ns, "copy", class, framework.OnNode(node), cloneOf("src"))
 	waitEvent(ns, "PersistentVolumeClaim", "copy", provisioner.ReasonCopyStarted, "PersistentVolumeClaim "+ns+"/src into the new volume", timeout)
-	if err := os.WriteFile(release, nil, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(release, nil, 0o644))
 	waitBound(t, ns, "copy")
 }

@@ -30,15 +30,14 @@ func TestTrimmedCacheNeverTrimsTheServer(t *testing.T) {
 	applied := `{"apiVersion":"v1","kind":"PersistentVolume","spec":{"persistentVolumeReclaimPolicy":"Retain"}}`
 	pv.Annotations[v1.LastAppliedConfigAnnotation] = applied
 	pv.Spec.PersistentVolumeReclaimPolicy = v1.PersistentVolumeReclaimRetain
-	if _, err := suite.Client.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{FieldManager: "kubectl-client-side-apply"}); err != nil {
-		t.Fatal(err)
-	}
+	_, err := suite.Client.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{FieldManager: "kubectl-client-side-apply"})
+	must(t, err)
 	t.Cleanup(func() {
 		suite.Client.CoreV1().PersistentVolumes().Delete(context.Background(), pv.Name, metav1.DeleteOptions{})
 	})
 
 	var got *v1.PersistentVolume
-	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 		var err error
 		got, err = suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
 		return err == nil && !slices.Contains(got.Finalizers, finalizer), err

@@ -71,16 +71,12 @@ func TestPodWritePastClaimSizeStopsAtLimit(t *testing.T) {
 		t.Errorf("dd of 32Mi into a 16Mi claim succeeded: %q", logs)
 	}
 	pv, err := framework.WaitForBoundPV(context.Background(), suite.Client, ns, "small", timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if got := pv.Spec.Capacity[v1.ResourceStorage]; got.Cmp(resource.MustParse("16Mi")) != 0 {
 		t.Errorf("PV capacity %s, want 16Mi", got.String())
 	}
 	st, err := os.Stat(filepath.Join(volumeDir(t, ns, "small"), "big"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Logf("the pod wrote %d bytes into its %d-byte claim; it printed:\n%s", st.Size(), size, logs)
 	// What stops the write is the qgroup's count of the subvolume's data and tree blocks.
 	if n := st.Size(); n > size || n < size-1<<20 {
@@ -93,9 +89,7 @@ func TestPodWritePastClaimSizeStopsAtLimit(t *testing.T) {
 	}
 	dfKiB, _ := strconv.ParseUint(m[1], 10, 64)
 	var sfs unix.Statfs_t
-	if err := unix.Statfs(btrfsBase, &sfs); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Statfs(btrfsBase, &sfs))
 	// btrfs's size in statfs moves a little as it allocates chunks.
 	if fsKiB := sfs.Blocks * uint64(sfs.Bsize) / 1024; dfKiB < fsKiB*9/10 || dfKiB > fsKiB*11/10 {
 		t.Errorf("df in the pod shows %d KiB, want the btrfs file system's %d KiB (within 10%%)", dfKiB, fsKiB)
@@ -196,34 +190,24 @@ func TestPodWritesPastOldSizeAfterExpansion(t *testing.T) {
 	}
 	dir := volumeDir(t, ns, "grow")
 	st, err := os.Stat(filepath.Join(dir, "first"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if n := st.Size(); n > 1<<30 || n < 1<<30-1<<20 {
 		t.Fatalf("the pod's first file holds %d bytes, want the claim's 1Gi within 1 MiB below it; log %q", n, logs)
 	}
 	pod, err := suite.Client.CoreV1().Pods(ns).Get(ctx, "grower", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 
-	if err := framework.SetClaimSize(ctx, suite.Client, ns, "grow", "2Gi"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, framework.SetClaimSize(ctx, suite.Client, ns, "grow", "2Gi"))
 	if _, err := framework.WaitForClaimResized(ctx, suite.Client, ns, "grow", "2Gi", timeout); err != nil {
 		t.Fatalf("%v\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "grow"))
 	}
-	if err := os.WriteFile(filepath.Join(dir, "resized"), nil, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(dir, "resized"), nil, 0o644))
 	logs = waitLogContains(t, ns, "grower", "second-write-ok")
 	if st, err := os.Stat(filepath.Join(dir, "second")); err != nil || st.Size() != 512<<20 {
 		t.Errorf("after the resize the pod's second file is %v (%v), want 512 MiB; log %q", st, err, logs)
 	}
 	after, err := suite.Client.CoreV1().Pods(ns).Get(ctx, "grower", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if after.UID != pod.UID || len(after.Status.ContainerStatuses) != 1 || after.Status.ContainerStatuses[0].RestartCount != 0 {
 		t.Errorf("the pod was replaced or restarted across the resize: uid %s -> %s, statuses %+v", pod.UID, after.UID, after.Status.ContainerStatuses)
 	}
@@ -254,13 +238,9 @@ func TestPodWritesPastOldSizeAfterExpansion(t *testing.T) {
 func TestDiskMountedUnderRunningPluginIsUsed(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	late := basePath + "/install-late-disk"
-	if err := os.MkdirAll(late, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(late, 0o755))
 	disk, err := quotatest.MountBtrfs(filepath.Join(suite.Work.Dir, "btrfs-late.img"), late, 1<<30, true)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() {
 		// dirpv's node plugin holds its bases open, as it would a real disk's.
 		if err := disk.Detach(); err != nil {
@@ -277,9 +257,7 @@ func TestDiskMountedUnderRunningPluginIsUsed(t *testing.T) {
 		t.Fatalf("pod printed %q", logs)
 	}
 	pv, err := framework.WaitForBoundPV(context.Background(), suite.Client, ns, "c", timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if q := pv.Spec.CSI.VolumeAttributes["quota"]; !strings.HasPrefix(q, "btrfs/") {
 		t.Errorf("PV quota attribute %q, want the btrfs qgroup of the mounted disk", q)
 	}

@@ -31,17 +31,11 @@ func TestCloneSeesSameTree(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	capacityClass(t, "install-clone")
 	outside := filepath.Join(basePath, "install-clone-outside")
-	if err := os.MkdirAll(outside, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(outside, 0o755))
 	t.Cleanup(func() { os.RemoveAll(outside) })
-	if err := os.WriteFile(filepath.Join(outside, "target"), []byte("outside\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(filepath.Join(outside, "target"), []byte("outside\n"), 0o600))
 	before, err := framework.SnapshotTree(outside, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	suite.CreateClaim(t, ns, "src", "install-clone", framework.Request("1Gi"))
 	write := `set -e; cd /data
 echo hello > a.txt; chown 1234:5678 a.txt; chmod 640 a.txt
@@ -55,9 +49,7 @@ mkfifo fifo; touch -d '2020-01-02 03:04:05' a.txt; sync
 	want := podDone(t, ns, "writer")
 	srcDir := volumeDir(t, ns, "src")
 	// busybox has no setfattr: the xattr is set from the host, as a tool in a pod would.
-	if err := unix.Lsetxattr(filepath.Join(srcDir, "a.txt"), "user.dirpv-test", []byte("kept"), 0); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Lsetxattr(filepath.Join(srcDir, "a.txt"), "user.dirpv-test", []byte("kept"), 0))
 
 	suite.CreateClaim(t, ns, "copy", "install-clone", framework.Request("1Gi"), func(c *v1.PersistentVolumeClaim) {
 		c.Spec.DataSource = &v1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: "src"}
@@ -70,13 +62,9 @@ mkfifo fifo; touch -d '2020-01-02 03:04:05' a.txt; sync
 	cloneDir := volumeDir(t, ns, "copy")
 	// What the pods cannot see: extended attributes, hard-link groups, nanosecond mtimes.
 	wantHash, err := framework.TreeHash(srcDir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	gotHash, err := framework.TreeHash(cloneDir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if d := framework.DiffSnapshots(wantHash, gotHash); len(d) > 0 {
 		t.Errorf("the clone on the node differs from its source:\n%s", strings.Join(d, "\n"))
 	}
@@ -85,9 +73,7 @@ mkfifo fifo; touch -d '2020-01-02 03:04:05' a.txt; sync
 		t.Errorf("xattr in the clone: %q, %v", buf[:max(n, 0)], err)
 	}
 	after, err := framework.SnapshotTree(outside, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if d := framework.DiffSnapshots(before, after); len(d) > 0 {
 		t.Errorf("the symlink's target outside changed: %v", d)
 	}
@@ -102,9 +88,7 @@ mkfifo fifo; touch -d '2020-01-02 03:04:05' a.txt; sync
 		t.Fatalf("dirpv node pods: %v, %v", pods, err)
 	}
 	logs, err := suite.Client.CoreV1().Pods("dirpv").GetLogs(pods.Items[0].Name, &v1.PodLogOptions{Container: "dirpv"}).DoRaw(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	var copied string
 	for _, l := range strings.Split(string(logs), "\n") {
 		if strings.Contains(l, "Copied data source into the new volume") && strings.Contains(l, ns+"/src") {

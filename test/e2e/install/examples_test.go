@@ -9,12 +9,10 @@ import (
 	"syscall"
 	"testing"
 
-	snapclientset "github.com/kubernetes-csi/external-snapshotter/client/v8/clientset/versioned"
 	v1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/utils/ptr"
 
 	"github.com/dirpv/dirpv/test/deploy"
@@ -79,9 +77,7 @@ var exampleChecks = map[string]func(t *testing.T, ns string){
 		dir := volumeDir(t, ns, "app-data")
 		waitFileHas(t, filepath.Join(dir, "written-as-1000"), "")
 		fi, err := os.Stat(dir)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		st := fi.Sys().(*syscall.Stat_t)
 		if st.Uid != 1000 || st.Gid != 1000 || fi.Mode()&(os.ModePerm|os.ModeSetgid) != os.ModeSetgid|0o770 {
 			t.Errorf("volume directory %s: uid %d gid %d mode %v, want 1000 1000 and rwxrwx--- with setgid", dir, st.Uid, st.Gid, fi.Mode())
@@ -90,20 +86,15 @@ var exampleChecks = map[string]func(t *testing.T, ns string){
 	"capacity-required-class.yaml": func(t *testing.T, ns string) {
 		// What the example promises depends on the file system under the node's base.
 		base, err := os.Open(basePath)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		defer base.Close()
 		fs, err := quota.Probe(int(base.Fd()))
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if why := fs.Enforces(); why != nil {
 			t.Logf("%s cannot enforce sizes (%v): the pod must stay unscheduled", basePath, why)
 			ctx := context.Background()
-			if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "Pod", "sized-writer", "FailedScheduling", "did not have enough free storage", timeout); err != nil {
-				t.Fatal(err)
-			}
+			_, err := framework.WaitForEvent(ctx, suite.Client, ns, "Pod", "sized-writer", "FailedScheduling", "did not have enough free storage", timeout)
+			must(t, err)
 			if c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "sized", metav1.GetOptions{}); err != nil || c.Status.Phase == v1.ClaimBound {
 				t.Errorf("claim sized on a base that cannot enforce its size: %v, %v; want it not Bound", c.Status.Phase, err)
 			}
@@ -111,9 +102,7 @@ var exampleChecks = map[string]func(t *testing.T, ns string){
 		}
 		examplePodRunning(t, ns, "sized-writer")
 		pv, err := framework.WaitForBoundPV(context.Background(), suite.Client, ns, "sized", timeout)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if q := pv.Spec.CSI.VolumeAttributes["quota"]; q == "" {
 			t.Errorf("PV %s of a required-capacity claim records no quota: %v", pv.Name, pv.Spec.CSI.VolumeAttributes)
 		}
@@ -131,9 +120,7 @@ var exampleChecks = map[string]func(t *testing.T, ns string){
 		waitSnapshotReady(t, ns, "source-snap")
 		examplePodRunning(t, ns, "reader")
 		want, err := os.ReadFile(written)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		if logs := waitLogContains(t, ns, "reader", ""); logs != string(want) {
 			t.Errorf("reader printed %q, want what writer wrote: %q", logs, want)
 		}
@@ -154,13 +141,9 @@ func TestExamplesRunAsWritten(t *testing.T) {
 		name := filepath.Base(file)
 		t.Run(name, func(t *testing.T) {
 			data, err := os.ReadFile(file)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			objs, err := deploy.Decode(data)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			for _, o := range objs {
 				if backend, _, _ := unstructured.NestedString(o.Object, "parameters", "backend"); o.GetKind() == "StorageClass" && backend == "nfs" {
 					t.Skipf("class %s is NFS: needs a kernel NFS client on the node and an export (test/vm node tier)", o.GetName())
@@ -185,9 +168,8 @@ func TestExamplesRunAsWritten(t *testing.T) {
 				}
 			}
 			if len(source) > 0 {
-				if _, err := framework.ApplyObjects(ctx, suite.Cluster.Kubeconfig, source, ns); err != nil {
-					t.Fatal(err)
-				}
+				_, err := framework.ApplyObjects(ctx, suite.Cluster.Kubeconfig, source, ns)
+				must(t, err)
 				for _, o := range source {
 					if o.GetKind() == "Pod" {
 						examplePodReady(t, ns, o.GetName())
@@ -195,9 +177,7 @@ func TestExamplesRunAsWritten(t *testing.T) {
 				}
 			}
 			inst, err := framework.ApplyObjects(ctx, suite.Cluster.Kubeconfig, objs, ns)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			t.Cleanup(func() {
 				// Pods first, without the 30 s grace a sleeping shell ignores, then the claims,
 				// whose volumes must be gone before their class is.
@@ -287,9 +267,7 @@ func waitFileHas(t *testing.T, path, substr string) {
 func claimClass(t *testing.T, ns, name string) string {
 	t.Helper()
 	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return ptr.Deref(c.Spec.StorageClassName, "")
 }
 
@@ -300,9 +278,7 @@ func deletePod(t *testing.T, ns, pod string) {
 	if err := suite.Client.CoreV1().Pods(ns).Delete(ctx, pod, metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}); err != nil && !apierrors.IsNotFound(err) {
 		t.Fatal(err)
 	}
-	if err := framework.WaitForPodDeleted(ctx, suite.Client, ns, pod, timeout); err != nil {
-		t.Fatal(err)
-	}
+	must(t, framework.WaitForPodDeleted(ctx, suite.Client, ns, pod, timeout))
 }
 
 // deletePodAndClaim deletes the pod (if pod is not "") and then the claim, as the examples'
@@ -319,31 +295,20 @@ func deletePodAndClaim(t *testing.T, ns, pod, claim string) {
 	if apierrors.IsNotFound(err) {
 		return
 	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if err := c.PersistentVolumeClaims(ns).Delete(ctx, claim, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
 		t.Fatal(err)
 	}
 	if pvc.Spec.VolumeName == "" {
 		return
 	}
-	if err := framework.WaitForPVDeleted(ctx, suite.Client, pvc.Spec.VolumeName, timeout); err != nil {
-		t.Fatal(err)
-	}
+	must(t, framework.WaitForPVDeleted(ctx, suite.Client, pvc.Spec.VolumeName, timeout))
 }
 
 func waitSnapshotReady(t *testing.T, ns, name string) {
 	t.Helper()
-	cfg, err := clientcmd.BuildConfigFromFlags("", suite.Cluster.Kubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
-	snaps, err := snapclientset.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	err = framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
+	snaps := snapClient(t)
+	err := framework.Poll(context.Background(), timeout, func(ctx context.Context) (bool, error) {
 		s, err := snaps.SnapshotV1().VolumeSnapshots(ns).Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			return false, err

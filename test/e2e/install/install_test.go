@@ -94,22 +94,27 @@ func beforeCluster(s *framework.Suite, opts *cluster.Options) error {
 	return nil
 }
 
+// must stops the test on err.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 // volumeDir returns the host directory of a bound claim.
 func volumeDir(t *testing.T, ns, name string) string {
 	t.Helper()
 	pv, err := framework.WaitForBoundPV(context.Background(), suite.Client, ns, name, timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	a := pv.Spec.CSI.VolumeAttributes
 	return filepath.Join(a["basePath"], a["path"])
 }
 
 func waitRunning(t *testing.T, ns, name string) {
 	t.Helper()
-	if _, err := framework.WaitForPodPhase(context.Background(), suite.Client, ns, name, v1.PodRunning, timeout); err != nil {
-		t.Fatal(err)
-	}
+	_, err := framework.WaitForPodPhase(context.Background(), suite.Client, ns, name, v1.PodRunning, timeout)
+	must(t, err)
 }
 
 // readGrows waits until the file's size exceeds from, i.e. the pod is still writing through
@@ -125,41 +130,8 @@ func readGrows(t *testing.T, path string, from int64) int64 {
 		size = st.Size()
 		return size > from, fmt.Errorf("%s has %d bytes", path, size)
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return size
-}
-
-func TestDefaultClassIsDirpvLocal(t *testing.T) {
-	ctx := context.Background()
-	classes, err := suite.Client.StorageV1().StorageClasses().List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var defaults []string
-	for _, c := range classes.Items {
-		if c.Annotations["storageclass.kubernetes.io/is-default-class"] == "true" {
-			defaults = append(defaults, c.Name)
-		}
-	}
-	if !slices.Equal(defaults, []string{"dirpv-local"}) {
-		t.Errorf("default classes = %v, want [dirpv-local]", defaults)
-	}
-	ns := suite.NewNamespace(t)
-	suite.CreateClaim(t, ns, "data", "")
-	suite.CreatePod(t, suite.BusyboxPod(ns, "w", "data", "echo installed > /data/f", false))
-	dir := volumeDir(t, ns, "data")
-	if !strings.HasPrefix(dir, basePath+"/") {
-		t.Errorf("volume dir %s is not under %s", dir, basePath)
-	}
-	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
-		b, err := os.ReadFile(filepath.Join(dir, "f"))
-		return string(b) == "installed\n", err
-	})
-	if err != nil {
-		t.Fatalf("the pod's file is not on the host: %v", err)
-	}
 }
 
 // TestInstalledIsTheRelease: this suite runs what a user of the release runs, the release's
@@ -169,9 +141,7 @@ func TestDefaultClassIsDirpvLocal(t *testing.T) {
 func TestInstalledIsTheRelease(t *testing.T) {
 	ctx := context.Background()
 	node, err := suite.Client.CoreV1().Nodes().Get(ctx, suite.Cluster.NodeName, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if a := node.Status.NodeInfo.Architecture; a != "amd64" {
 		t.Errorf("node architecture %s", a)
 	}
@@ -179,9 +149,7 @@ func TestInstalledIsTheRelease(t *testing.T) {
 		t.Errorf("the release's index has no linux/amd64 image: %v", rel.Image.Manifests)
 	}
 	pods, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	containers := 0
 	for _, p := range pods.Items {
 		for _, c := range p.Spec.Containers {
@@ -201,57 +169,11 @@ func TestInstalledIsTheRelease(t *testing.T) {
 	}
 }
 
-// Replacing the node plugin pod (an upgrade, a crash) must not take running pods' volumes.
-func TestNodePluginRestartKeepsWorkloadMount(t *testing.T) {
-	ctx := context.Background()
-	ns := suite.NewNamespace(t)
-	suite.CreateClaim(t, ns, "data", "")
-	suite.CreatePod(t, suite.BusyboxPod(ns, "writer", "data", "while true; do date >> /data/log; sleep 1; done", false))
-	waitRunning(t, ns, "writer")
-	logFile := filepath.Join(volumeDir(t, ns, "data"), "log")
-	size := readGrows(t, logFile, 0)
-
-	old, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
-	if err != nil || len(old.Items) != 1 {
-		t.Fatalf("node plugin pods: %v, %v", old, err)
-	}
-	if err := suite.Client.CoreV1().Pods("dirpv").Delete(ctx, old.Items[0].Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		pods, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
-		if err != nil {
-			return false, err
-		}
-		for _, p := range pods.Items {
-			if p.UID != old.Items[0].UID && p.Status.Phase == v1.PodRunning && len(p.Status.ContainerStatuses) == 1 && p.Status.ContainerStatuses[0].Ready {
-				return true, nil
-			}
-		}
-		return false, fmt.Errorf("no new ready node plugin pod yet")
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := framework.WaitForDriverRegistered(ctx, suite.Client, suite.Cluster.NodeName, timeout); err != nil {
-		t.Fatal(err)
-	}
-	readGrows(t, logFile, size)
-	// The workload keeps writing, and a new pod on the same claim still reads its data.
-	// The claim is RWO on one node: a second pod on the same node may use it.
-	suite.CreatePod(t, suite.BusyboxPod(ns, "reader", "data", "test -s /data/log", false))
-	if _, err := framework.WaitForPodPhase(ctx, suite.Client, ns, "reader", v1.PodSucceeded, timeout); err != nil {
-		t.Errorf("a new pod could not use the claim after the node plugin restarted: %v", err)
-	}
-}
-
 // nodePlugin returns the node plugin's pod, which must have its one container running.
 func nodePlugin(ctx context.Context, t *testing.T) (*v1.Pod, v1.ContainerStatus) {
 	t.Helper()
 	pods, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if len(pods.Items) != 1 || len(pods.Items[0].Status.ContainerStatuses) != 1 || pods.Items[0].Status.ContainerStatuses[0].State.Running == nil {
 		t.Fatalf("want one node plugin pod with its container running, have %+v", pods.Items)
 	}
@@ -270,16 +192,12 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	const n = 50
 	held := []string{"c-00", "c-01", "c-02"}
 	unblock, err := framework.BlockPVCreation(ctx, suite.Client, ns, held)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	lifted := false
 	lift := func() {
 		if !lifted {
 			lifted = true
-			if err := unblock(ctx); err != nil {
-				t.Fatal(err)
-			}
+			must(t, unblock(ctx))
 		}
 	}
 	t.Cleanup(lift)
@@ -320,14 +238,10 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 		})
 		return anyPV && len(made) == len(held), fmt.Errorf("PVs of %s made: %t, held claims' directories %v", ns, anyPV, made)
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 
 	pid, err := suite.Cluster.ContainerPID(ctx, before.ContainerID)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if cmd, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid)); err != nil || !strings.Contains(string(cmd), "dirpv") {
 		t.Fatalf("process %d of container %s is not dirpv: %q %v", pid, before.ContainerID, cmd, err)
 	}
@@ -339,15 +253,11 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 		_, err := os.Stat(fmt.Sprintf("/proc/%d", pid))
 		return os.IsNotExist(err), fmt.Errorf("process %d still there (%v)", pid, err)
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	// kubelet may already be starting the container again; the held claims cannot be Bound
 	// until lift, so the snapshot shows the kill mid-way whatever the new process did since.
 	snap, err := framework.TakeKillSnapshot(ctx, suite.Client, ns, basePath, mine)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Logf("killed node plugin process %d with %d of %d claims Bound, %d directories, %d PVs", pid, snap.Bound, n, len(snap.Dirs), len(snap.PVPaths))
 	if len(snap.PVPaths) == 0 || snap.Bound >= n {
 		t.Fatalf("the kill was not mid-way: %d PVs made and %d of %d claims Bound", len(snap.PVPaths), snap.Bound, n)
@@ -375,21 +285,13 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the node plugin container was not restarted: %v", err)
 	}
-	if err := framework.WaitForClaimsBound(ctx, suite.Client, ns, n, 3*time.Minute); err != nil {
-		t.Fatal(err)
-	}
+	must(t, framework.WaitForClaimsBound(ctx, suite.Client, ns, n, 3*time.Minute))
 	dirs, err := snap.Entries()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	problems, err := framework.CheckOnePVPerClaim(ctx, suite.Client, ns, dirs)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	adoption, err := snap.CheckAdopted(ctx, suite.Client, ns, held)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, p := range append(problems, adoption...) {
 		t.Error(p)
 	}

@@ -53,33 +53,23 @@ func startLocalPath(t *testing.T, ns string) (stop func()) {
 	t.Helper()
 	ctx := context.Background()
 	bin, err := deploy.Tool(ctx, "local-path-provisioner", true)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	cm := localPathConfig(ns, suite.Cluster.BusyboxImage)
-	if _, err := suite.Client.CoreV1().ConfigMaps(ns).Create(ctx, cm, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := suite.Client.CoreV1().ServiceAccounts(ns).Create(ctx, &v1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "local-path-provisioner-service-account"}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err = suite.Client.CoreV1().ConfigMaps(ns).Create(ctx, cm, metav1.CreateOptions{})
+	must(t, err)
+	_, err = suite.Client.CoreV1().ServiceAccounts(ns).Create(ctx, &v1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "local-path-provisioner-service-account"}}, metav1.CreateOptions{})
+	must(t, err)
 	dir := t.TempDir()
 	for name, data := range map[string]string{"config.json": cm.Data["config.json"], "helperPod.yaml": cm.Data["helperPod.yaml"]} {
-		if err := os.WriteFile(filepath.Join(dir, name), []byte(data), 0o644); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.WriteFile(filepath.Join(dir, name), []byte(data), 0o644))
 	}
 	log, err := os.Create(filepath.Join(suite.Work.LogDir, "local-path-provisioner.log"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	cmd := exec.Command(bin, "--debug", "start", "--kubeconfig", suite.Cluster.Kubeconfig, "--namespace", ns,
 		"--config", filepath.Join(dir, "config.json"), "--helper-pod-file", filepath.Join(dir, "helperPod.yaml"),
 		"--helper-image", suite.Cluster.BusyboxImage, "--provisioner-name", "rancher.io/local-path")
 	cmd.Stdout, cmd.Stderr = log, log
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, cmd.Start())
 	var stopped bool
 	stop = func() {
 		if !stopped {
@@ -99,20 +89,14 @@ func adopt(t *testing.T, name string) {
 	t.Helper()
 	ctx := context.Background()
 	patch, err := json.Marshal([]map[string]string{{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": "--adopt-provisioners=" + name}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	apps := suite.Client.AppsV1()
-	if _, err := apps.Deployments("dirpv").Patch(ctx, "dirpv-controller", types.JSONPatchType, patch, metav1.PatchOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := apps.DaemonSets("dirpv").Patch(ctx, "dirpv-node", types.JSONPatchType, patch, metav1.PatchOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err = apps.Deployments("dirpv").Patch(ctx, "dirpv-controller", types.JSONPatchType, patch, metav1.PatchOptions{})
+	must(t, err)
+	_, err = apps.DaemonSets("dirpv").Patch(ctx, "dirpv-node", types.JSONPatchType, patch, metav1.PatchOptions{})
+	must(t, err)
 	ds, err := apps.DaemonSets("dirpv").Get(ctx, "dirpv-node", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if err := framework.WaitRolledOut(ctx, suite.Client, "dirpv", ds.Spec.Template.Spec.Containers[0].Image, 3*time.Minute); err != nil {
 		t.Fatalf("rollout with --adopt-provisioners: %v", err)
 	}
@@ -144,9 +128,7 @@ func TestTakeOverFromRunningLocalPath(t *testing.T) {
 		t.Fatalf("%v\nclaim:%s\npods: %s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "old"), strings.Join(pods, "\n  "))
 	}
 	pv, err := framework.WaitForBoundPV(ctx, suite.Client, ns, "old", timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if pv.Annotations[provisioner.AnnProvisionedBy] != "rancher.io/local-path" || pv.Spec.HostPath == nil {
 		t.Fatalf("claim old got PV %s provisioned by %q, source %+v; want local-path's hostPath", pv.Name, pv.Annotations[provisioner.AnnProvisionedBy], pv.Spec.PersistentVolumeSource)
 	}
@@ -158,12 +140,9 @@ func TestTakeOverFromRunningLocalPath(t *testing.T) {
 
 	stopLocalPath()
 	dirpv, err := framework.BuildDirpv(ctx, suite.Work.Dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := framework.ReplaceClass(ctx, suite.Client, dirpv, class, "--base-path="+localPathBase); err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
+	_, err = framework.ReplaceClass(ctx, suite.Client, dirpv, class, "--base-path="+localPathBase)
+	must(t, err)
 	adopt(t, "rancher.io/local-path")
 	size = readGrows(t, filepath.Join(dir, "log"), size)
 
@@ -173,9 +152,7 @@ func TestTakeOverFromRunningLocalPath(t *testing.T) {
 		t.Errorf("a pod on a new claim of class %s printed %q", class, out)
 	}
 	npv, err := framework.WaitForBoundPV(ctx, suite.Client, ns, "new", timeout)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if npv.Spec.CSI == nil || npv.Spec.CSI.Driver != "dirpv.io" {
 		t.Fatalf("the new claim of class %s got %+v, want a dirpv.io volume", class, npv.Spec.PersistentVolumeSource)
 	}
@@ -183,9 +160,7 @@ func TestTakeOverFromRunningLocalPath(t *testing.T) {
 		t.Errorf("the new claim's file in local-path's base: %q, %v", b, err)
 	}
 	got, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if got.Annotations[provisioner.AnnNode] != suite.Cluster.NodeName || !slices.Contains(got.Finalizers, "external-provisioner.volume.kubernetes.io/finalizer") {
 		t.Errorf("adopted PV: annotations %v, finalizers %v; want it handed to node %s, with the lib's finalizer", got.Annotations, got.Finalizers, suite.Cluster.NodeName)
 	}

@@ -37,16 +37,10 @@ func TestUpgradeFromRelease(t *testing.T) {
 	ctx := context.Background()
 	start := time.Now()
 	rel, err := framework.PrepareRelease(ctx, framework.OldRelease, t.TempDir(), t.Logf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := suite.Cluster.ImportImage(ctx, rel.ImageTar); err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
+	must(t, suite.Cluster.ImportImage(ctx, rel.ImageTar))
 	ds, err := suite.Client.AppsV1().DaemonSets("dirpv").Get(ctx, "dirpv-node", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	newImage := ds.Spec.Template.Spec.Containers[0].Image
 	newOpts := deploy.E2ELocalOptions{Image: newImage, NodeArgs: []string{"--quota-check-period=" + quotaCheckPeriod.String()}}
 	oldOpts := deploy.E2ELocalOptions{Root: rel.DeployRoot, Image: rel.Image}
@@ -58,9 +52,7 @@ func TestUpgradeFromRelease(t *testing.T) {
 	render := func(opts deploy.E2ELocalOptions) []*unstructured.Unstructured {
 		t.Helper()
 		objs, err := framework.RenderInstall(ctx, suite.Cluster, opts)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		return objs
 	}
 	newObjs, oldObjs, downObjs := render(newOpts), render(oldOpts), render(downOpts)
@@ -69,9 +61,8 @@ func TestUpgradeFromRelease(t *testing.T) {
 	// kubectl apply --server-side of each version's overlay over the other's.
 	apply := func(objs []*unstructured.Unstructured) func(t *testing.T) {
 		return func(t *testing.T) {
-			if _, err := framework.ApplyObjects(ctx, suite.Cluster.Kubeconfig, objs, ""); err != nil {
-				t.Fatal(err)
-			}
+			_, err := framework.ApplyObjects(ctx, suite.Cluster.Kubeconfig, objs, "")
+			must(t, err)
 		}
 	}
 	t.Run("kustomize", func(t *testing.T) {
@@ -81,16 +72,12 @@ func TestUpgradeFromRelease(t *testing.T) {
 	// helm install of OldRelease's chart, helm upgrade to this checkout's, and back, each with
 	// a post-renderer that adapts the chart to this cluster as the overlays are adapted.
 	helmBin, err := deploy.Tool(ctx, "helm", true)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	helm := func(chartRoot string, opts deploy.E2ELocalOptions, args ...string) func(t *testing.T) {
 		opts.ChartSnapshots = true
 		return func(t *testing.T) {
 			post, err := framework.HelmPostRenderer(ctx, suite.Cluster, opts, t.TempDir())
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			args = append(args, "dirpv", filepath.Join(chartRoot, "deploy", "helm", "dirpv"), "--namespace", "dirpv",
 				"--kubeconfig", suite.Cluster.Kubeconfig, "--post-renderer", post)
 			if out, err := deploy.Helm(ctx, helmBin, args...); err != nil {
@@ -135,9 +122,7 @@ func TestUpgradeFromRelease(t *testing.T) {
 			reinstall: installNew,
 			afterUpgrade: func(t *testing.T) {
 				ds, err := suite.Client.AppsV1().DaemonSets("dirpv").Get(ctx, "dirpv-node", metav1.GetOptions{})
-				if err != nil {
-					t.Fatal(err)
-				}
+				must(t, err)
 				if args := ds.Spec.Template.Spec.Containers[0].Args; !slices.Contains(args, "--v=3") {
 					t.Errorf("the node plugin's args after helm upgrade %q: the install's logLevel=3 is lost", args)
 				}
@@ -156,13 +141,9 @@ func checkFreshHelmInstall(t *testing.T) {
 	ctx := context.Background()
 	start := time.Now()
 	cfg, err := clientcmd.BuildConfigFromFlags("", suite.Cluster.Kubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	dyn, err := dynamic.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	crds := dyn.Resource(schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"})
 	for _, name := range []string{"volumesnapshotclasses", "volumesnapshotcontents", "volumesnapshots"} {
 		crd, err := crds.Get(ctx, name+".snapshot.storage.k8s.io", metav1.GetOptions{})
@@ -192,12 +173,8 @@ func checkFreshHelmInstall(t *testing.T) {
 	waitSnapshotReady(t, ns, "snap")
 	// dirpv must be running to remove the finalizers of the snapshot and its content: the
 	// namespace goes now, not when the test ends (the suite's uninstall follows).
-	if err := suite.Client.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if err := waitNamespaceGone(ctx, ns); err != nil {
-		t.Fatal(err)
-	}
+	must(t, suite.Client.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{}))
+	must(t, waitNamespaceGone(ctx, ns))
 	t.Logf("the fresh helm install's snapshot checked in %s", time.Since(start).Round(time.Millisecond))
 }
 
@@ -246,9 +223,7 @@ func upgradeFromRelease(t *testing.T, env upgradeEnv, m upgradeMethod) {
 	step := func(f func(t *testing.T), image string) {
 		t.Helper()
 		f(t)
-		if err := framework.WaitRolledOut(ctx, c, "dirpv", image, timeout); err != nil {
-			t.Fatal(err)
-		}
+		must(t, framework.WaitRolledOut(ctx, c, "dirpv", image, timeout))
 	}
 
 	// A user's cluster has the old version only: this checkout's install goes first, and
@@ -258,9 +233,7 @@ func upgradeFromRelease(t *testing.T, env upgradeEnv, m upgradeMethod) {
 	// runs, and one replaced, then uninstalled, before it got to them leaves them for ever,
 	// and with them the namespace and the VolumeSnapshot CRD that the suite's uninstall
 	// waits for.
-	if err := inst.Uninstall(ctx); err != nil {
-		t.Fatal(err)
-	}
+	must(t, inst.Uninstall(ctx))
 	var ns string
 	t.Cleanup(func() {
 		// The writers' shell ignores SIGTERM: without this each would take its grace period.
@@ -291,12 +264,8 @@ func upgradeFromRelease(t *testing.T, env upgradeEnv, m upgradeMethod) {
 		}
 	})
 	m.install(t)
-	if err := framework.WaitForDriverRegistered(ctx, c, suite.Cluster.NodeName, timeout); err != nil {
-		t.Fatal(err)
-	}
-	if err := framework.WaitRolledOut(ctx, c, "dirpv", rel.Image, timeout); err != nil {
-		t.Fatal(err)
-	}
+	must(t, framework.WaitForDriverRegistered(ctx, c, suite.Cluster.NodeName, timeout))
+	must(t, framework.WaitRolledOut(ctx, c, "dirpv", rel.Image, timeout))
 	t.Logf("%s installed in %s", rel.Image, time.Since(start).Round(time.Millisecond))
 
 	// Volumes made by the old version.
@@ -322,9 +291,7 @@ func upgradeFromRelease(t *testing.T, env upgradeEnv, m upgradeMethod) {
 		podDone(t, ns, p)
 	}
 	// Expanded while mounted, then cloned, by the old version.
-	if err := framework.SetClaimSize(ctx, c, ns, "btrfs", "48Mi"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, framework.SetClaimSize(ctx, c, ns, "btrfs", "48Mi"))
 	if _, err := framework.WaitForClaimResized(ctx, c, ns, "btrfs", "48Mi", timeout); err != nil {
 		t.Fatalf("%v\n%s", err, framework.EventsOf(ctx, c, ns, "PersistentVolumeClaim", "btrfs"))
 	}
@@ -340,9 +307,7 @@ func upgradeFromRelease(t *testing.T, env upgradeEnv, m upgradeMethod) {
 		ObjectMeta: metav1.ObjectMeta{Name: "snap", Namespace: ns},
 		Spec:       snapv1.VolumeSnapshotSpec{Source: snapv1.VolumeSnapshotSource{PersistentVolumeClaimName: ptr.To("host")}},
 	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	waitSnapshotReady(t, ns, "snap")
 
 	capsBefore := nodeCapacities(t)
@@ -381,9 +346,7 @@ func upgradeFromRelease(t *testing.T, env upgradeEnv, m upgradeMethod) {
 	if out := podDone(t, ns, "host-reader"); out != "seed\n" {
 		t.Errorf("a new pod on the old claim reads %q, want seed", out)
 	}
-	if err := framework.SetClaimSize(ctx, c, ns, "btrfs", "96Mi"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, framework.SetClaimSize(ctx, c, ns, "btrfs", "96Mi"))
 	if _, err := framework.WaitForClaimResized(ctx, c, ns, "btrfs", "96Mi", timeout); err != nil {
 		t.Fatalf("%v\n%s", err, framework.EventsOf(ctx, c, ns, "PersistentVolumeClaim", "btrfs"))
 	}
@@ -454,13 +417,9 @@ func upgradeFromRelease(t *testing.T, env upgradeEnv, m upgradeMethod) {
 		t.Error("this version installs nothing the old one does not: the downgrade's pruning is not checked")
 	}
 	left, err := framework.Installed(suite.Cluster.Kubeconfig, newOnly)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	kept, err := left.Existing(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, o := range newOnly {
 		stays := slices.Contains(kept, o)
 		t.Logf("%s %s after the downgrade: there %v", o.GetKind(), o.GetName(), stays)
@@ -488,13 +447,9 @@ func upgradeFromRelease(t *testing.T, env upgradeEnv, m upgradeMethod) {
 func snapClient(t *testing.T) snapclientset.Interface {
 	t.Helper()
 	cfg, err := clientcmd.BuildConfigFromFlags("", suite.Cluster.Kubeconfig)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	s, err := snapclientset.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return s
 }
 
@@ -518,9 +473,7 @@ func nodeCapacities(t *testing.T) map[string]string {
 		}
 		return len(got) > 0, fmt.Errorf("no CSIStorageCapacity")
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return got
 }
 
@@ -530,16 +483,12 @@ func nodeLabels(t *testing.T, ns string) map[string]string {
 	ctx := context.Background()
 	got := map[string]string{}
 	claims, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, c := range claims.Items {
 		got["claim "+c.Name] = c.Labels["dirpv.io/node"]
 		if c.Spec.VolumeName != "" {
 			pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, c.Spec.VolumeName, metav1.GetOptions{})
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			got["pv of "+c.Name] = pv.Labels["dirpv.io/node"]
 		}
 	}
@@ -550,9 +499,7 @@ func nodeLabels(t *testing.T, ns string) map[string]string {
 func dirpvPods(t *testing.T) map[types.UID]string {
 	t.Helper()
 	pods, err := suite.Client.CoreV1().Pods("dirpv").List(context.Background(), metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	got := map[types.UID]string{}
 	for _, p := range pods.Items {
 		got[p.UID] = p.Name
@@ -564,9 +511,7 @@ func dirpvPods(t *testing.T) map[types.UID]string {
 func warningCounts(t *testing.T) map[types.UID]int32 {
 	t.Helper()
 	evs, err := suite.Client.CoreV1().Events("").List(context.Background(), metav1.ListOptions{FieldSelector: "type=Warning"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	got := map[types.UID]int32{}
 	for _, e := range evs.Items {
 		got[e.UID] = max(e.Count, 1)
@@ -589,9 +534,7 @@ const (
 func checkWarnings(t *testing.T, before map[types.UID]int32, what string) {
 	t.Helper()
 	evs, err := suite.Client.CoreV1().Events("").List(context.Background(), metav1.ListOptions{FieldSelector: "type=Warning"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	var n int32
 	var lines []string
 	for _, e := range evs.Items {
@@ -645,9 +588,7 @@ func checkNoOrphans(t *testing.T, ns string, retained ...string) {
 	var dirs []string
 	for _, base := range []string{basePath, btrfsBase} {
 		entries, err := os.ReadDir(base)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		for _, e := range entries {
 			if strings.HasPrefix(e.Name(), ns+"-") && !slices.Contains(retained, e.Name()) {
 				dirs = append(dirs, e.Name())
@@ -655,9 +596,7 @@ func checkNoOrphans(t *testing.T, ns string, retained ...string) {
 		}
 	}
 	problems, err := framework.CheckOnePVPerClaim(context.Background(), suite.Client, ns, dirs)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, p := range problems {
 		t.Error(p)
 	}
@@ -669,12 +608,8 @@ func deleteSnapshot(t *testing.T, snaps snapclientset.Interface, ns, name string
 	t.Helper()
 	ctx := context.Background()
 	vs, err := snaps.SnapshotV1().VolumeSnapshots(ns).Get(ctx, name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := snaps.SnapshotV1().VolumeSnapshots(ns).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
+	must(t, snaps.SnapshotV1().VolumeSnapshots(ns).Delete(ctx, name, metav1.DeleteOptions{}))
 	content := ptr.Deref(vs.Status.BoundVolumeSnapshotContentName, "")
 	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 		if _, err := snaps.SnapshotV1().VolumeSnapshots(ns).Get(ctx, name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
@@ -685,9 +620,7 @@ func deleteSnapshot(t *testing.T, snaps snapclientset.Interface, ns, name string
 		}
 		return true, nil
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 }
 
 // waitNamespaceGone waits until namespace ns (none if empty) is deleted, and says what holds it.

@@ -80,9 +80,7 @@ func (c call) String() string {
 // whole lifecycle. The exact rules themselves are pinned in test/deploy.
 func TestRBACCoversEveryCallMade(t *testing.T) {
 	f, err := os.Open(auditLog)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer f.Close()
 	used := map[call]int{}
 	var refused, unbound []string
@@ -123,9 +121,7 @@ func TestRBACCoversEveryCallMade(t *testing.T) {
 			unbound = append(unbound, fmt.Sprintf("%s %s/%s: %s %v", c, e.ObjectRef.Namespace, e.ObjectRef.Name, nodeNameExtra, node))
 		}
 	}
-	if err := s.Err(); err != nil {
-		t.Fatal(err)
-	}
+	must(t, s.Err())
 	if len(used) == 0 {
 		t.Fatal("the audit log holds no request of dirpv's ServiceAccounts")
 	}
@@ -175,15 +171,11 @@ func grantedCalls(t *testing.T) map[call]bool {
 		switch o.GetKind() {
 		case "ClusterRole", "Role":
 			var r rbacv1.ClusterRole
-			if err := runtime.DefaultUnstructuredConverter.FromUnstructured(o.Object, &r); err != nil {
-				t.Fatal(err)
-			}
+			must(t, runtime.DefaultUnstructuredConverter.FromUnstructured(o.Object, &r))
 			roles[o.GetKind()+"/"+o.GetName()] = r.Rules
 		case "ClusterRoleBinding", "RoleBinding":
 			var b rbacv1.RoleBinding
-			if err := runtime.DefaultUnstructuredConverter.FromUnstructured(o.Object, &b); err != nil {
-				t.Fatal(err)
-			}
+			must(t, runtime.DefaultUnstructuredConverter.FromUnstructured(o.Object, &b))
 			bindings = append(bindings, struct {
 				role     string
 				subjects []rbacv1.Subject
@@ -213,9 +205,7 @@ func grantedCalls(t *testing.T) map[call]bool {
 // plugin registered.
 func TestUninstallUnregistersFromKubelet(t *testing.T) {
 	ctx := context.Background()
-	if err := inst.Uninstall(ctx); err != nil {
-		t.Fatal(err)
-	}
+	must(t, inst.Uninstall(ctx))
 	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 		n, err := suite.Client.StorageV1().CSINodes().Get(ctx, suite.Cluster.NodeName, metav1.GetOptions{})
 		if err != nil {
@@ -224,9 +214,7 @@ func TestUninstallUnregistersFromKubelet(t *testing.T) {
 		return !slices.ContainsFunc(n.Spec.Drivers, func(d storagev1.CSINodeDriver) bool { return d.Name == "dirpv.io" }),
 			fmt.Errorf("CSINode still lists %+v", n.Spec.Drivers)
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if _, err := os.Stat(filepath.Join(suite.Cluster.PluginRegistryDir, "dirpv.io-reg.sock")); !os.IsNotExist(err) {
 		t.Errorf("registration socket still there: %v", err)
 	}
