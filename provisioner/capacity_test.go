@@ -164,17 +164,6 @@ func TestProvisionLocalBestEffortWithoutQuota(t *testing.T) {
 	}
 }
 
-func TestCapacityEnforcementParameter(t *testing.T) {
-	for name, params := range map[string]map[string]string{
-		"bad value": {"backend": "local", ParamCapacityEnforcement: "always"},
-		"on nfs":    {"backend": "nfs", "server": "s", "share": "/s", ParamCapacityEnforcement: "required"},
-	} {
-		if _, err := parseParameters(params); err == nil || !strings.Contains(err.Error(), ParamCapacityEnforcement) {
-			t.Errorf("%s: parseParameters = %v, want an error naming %s", name, err, ParamCapacityEnforcement)
-		}
-	}
-}
-
 // The controller reports a WaitForFirstConsumer claim that dirpv cannot serve anywhere, which
 // published capacity keeps unplaced, once per period, for local and NFS classes alike; a
 // class that is fine gets no such event.

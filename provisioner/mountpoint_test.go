@@ -159,20 +159,4 @@ func TestBasePathMountPointRefusals(t *testing.T) {
 			t.Errorf("PV annotations %v, want no %s", pv.Annotations, AnnBasePathMountPoint)
 		}
 	})
-	t.Run("bad values", func(t *testing.T) {
-		for name, params := range map[string]map[string]string{
-			"bad value": {"backend": "local", ParamBasePathMountPoint: "yes"},
-			"on nfs":    {"backend": "nfs", "server": "s", "share": "/s", ParamBasePathMountPoint: "required"},
-		} {
-			if _, err := parseParameters(params); err == nil || !strings.Contains(err.Error(), ParamBasePathMountPoint) {
-				t.Errorf("%s: parseParameters = %v, want an error naming %s", name, err, ParamBasePathMountPoint)
-			}
-		}
-		f := newFixture(t)
-		class := f.localClass(map[string]string{ParamBasePathMountPoint: "Required"})
-		_, state, err := f.node.Provision(ctx, opts(class, claim("a")))
-		if !isInvalid(err) || state != controller.ProvisioningFinished || !strings.Contains(err.Error(), `"Required"`) {
-			t.Errorf("Provision with %s: Required = %s, %v; want the class refused as invalid, naming the value", ParamBasePathMountPoint, state, err)
-		}
-	})
 }

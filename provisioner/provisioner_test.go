@@ -225,6 +225,13 @@ func TestOnDeletePolicies(t *testing.T) {
 	}
 }
 
+// nfsClassWith makes the class an NFS one with the parameter k=v.
+func nfsClassWith(k, v string) func(*storagev1.StorageClass, *v1.PersistentVolumeClaim) {
+	return func(s *storagev1.StorageClass, _ *v1.PersistentVolumeClaim) {
+		s.Parameters = map[string]string{"backend": "nfs", "server": "s", "share": "/s", k: v}
+	}
+}
+
 func TestRejectionsLeaveNothingOnDisk(t *testing.T) {
 	block := v1.PersistentVolumeBlock
 	for name, tc := range map[string]struct {
@@ -242,13 +249,18 @@ func TestRejectionsLeaveNothingOnDisk(t *testing.T) {
 		"reserved name": {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"}, mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
 			c.Annotations["dir"] = volume.ReservedPrefix + "vol-2"
 		}, want: "reserves"},
-		"missing label":      {params: map[string]string{"pathPattern": "${pvc.metadata.labels['team']}"}, want: "does not have"},
-		"unknown onDelete":   {params: map[string]string{"onDelete": "shred"}, want: "onDelete"},
-		"bad mode":           {params: map[string]string{"mode": "rwx"}, want: "octal"},
-		"bad uid":            {params: map[string]string{"uid": "-1"}, want: "uid"},
-		"nfs param on local": {params: map[string]string{"server": "x"}, want: "for backend nfs"},
-		"relative basePath":  {params: map[string]string{"basePath": "var/lib"}, want: "absolute"},
-		"block mode":         {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Spec.VolumeMode = &block }, want: "Block"},
+		"missing label":              {params: map[string]string{"pathPattern": "${pvc.metadata.labels['team']}"}, want: "does not have"},
+		"unknown onDelete":           {params: map[string]string{"onDelete": "shred"}, want: "onDelete"},
+		"bad mode":                   {params: map[string]string{"mode": "rwx"}, want: "octal"},
+		"bad uid":                    {params: map[string]string{"uid": "-1"}, want: "uid"},
+		"nfs param on local":         {params: map[string]string{"server": "x"}, want: "for backend nfs"},
+		"bad capacityEnforcement":    {params: map[string]string{ParamCapacityEnforcement: "always"}, want: ParamCapacityEnforcement},
+		"capacityEnforcement on nfs": {mutate: nfsClassWith(ParamCapacityEnforcement, "required"), want: ParamCapacityEnforcement},
+		"bad basePathMountPoint":     {params: map[string]string{ParamBasePathMountPoint: "yes"}, want: ParamBasePathMountPoint},
+		"basePathMountPoint case":    {params: map[string]string{ParamBasePathMountPoint: "Required"}, want: `"Required"`},
+		"basePathMountPoint on nfs":  {mutate: nfsClassWith(ParamBasePathMountPoint, "required"), want: ParamBasePathMountPoint},
+		"relative basePath":          {params: map[string]string{"basePath": "var/lib"}, want: "absolute"},
+		"block mode":                 {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Spec.VolumeMode = &block }, want: "Block"},
 		"rwx on local": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
 			c.Spec.AccessModes = []v1.PersistentVolumeAccessMode{v1.ReadWriteMany}
 		}, want: "ReadWriteMany"},
