@@ -5,8 +5,10 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
@@ -27,6 +29,23 @@ func recorded(events *record.FakeRecorder, substr string) []string {
 			}
 		default:
 			return out
+		}
+	}
+}
+
+// waitEvent waits for an event that starts with prefix and says each of substrs, passing over
+// others, and fails the test if none comes within 10 s.
+func waitEvent(t *testing.T, events *record.FakeRecorder, prefix string, substrs ...string) {
+	t.Helper()
+	timeout := time.After(10 * time.Second)
+	for {
+		select {
+		case e := <-events.Events:
+			if strings.HasPrefix(e, prefix) && !slices.ContainsFunc(substrs, func(s string) bool { return !strings.Contains(e, s) }) {
+				return
+			}
+		case <-timeout:
+			t.Fatalf("no event %q saying %q", prefix, substrs)
 		}
 	}
 }

@@ -154,14 +154,7 @@ func TestProvisionLocalBestEffortWithoutQuota(t *testing.T) {
 	if q, ok := pv.Spec.CSI.VolumeAttributes[volume.AttrQuota]; ok {
 		t.Errorf("PV names quota %q on a base without quota", q)
 	}
-	select {
-	case e := <-f.events.Events:
-		if !strings.Contains(e, "SizeNotEnforced") || !strings.Contains(e, "10Mi") || !strings.Contains(e, "prjquota") {
-			t.Errorf("event %q: want SizeNotEnforced naming the size and the fix", e)
-		}
-	default:
-		t.Error("no event says the size is not enforced")
-	}
+	waitEvent(t, f.events, "Normal SizeNotEnforced ", "10Mi", "prjquota")
 }
 
 // The controller reports a WaitForFirstConsumer claim that dirpv cannot serve anywhere, which

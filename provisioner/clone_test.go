@@ -260,19 +260,7 @@ func TestCloneWithoutRoomWaits(t *testing.T) {
 		!errors.Is(err, volume.ErrNoRoomForCopy) {
 		t.Fatalf("Provision = %s, %v; want an error saying there is no room for the copy, to be retried", state, err)
 	}
-	wantEvent := "Warning " + ReasonNoRoomForCopy + " "
-	eventually(t, 10*time.Second, func() (bool, string) {
-		for {
-			select {
-			case e := <-f.events.Events:
-				if strings.HasPrefix(e, wantEvent) {
-					return true, ""
-				}
-			default:
-				return false, "no " + ReasonNoRoomForCopy + " event on the claim"
-			}
-		}
-	})
+	waitEvent(t, f.events, "Warning "+ReasonNoRoomForCopy+" ")
 	f.onlySource(t, src, o.PVC.UID)
 
 	// Space is freed: the next retry copies.

@@ -37,16 +37,28 @@ func snapshotFixture(t *testing.T) (*fixture, *Snapshotter, *v1.PersistentVolume
 	if err := os.WriteFile(filepath.Join(f.base, pv.Spec.CSI.VolumeAttributes["path"], "data"), []byte("hello"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	pvs := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
-	pvs.Add(pv)
-	s := f.node.Snapshotter(corelisters.NewPersistentVolumeLister(pvs))
+	return f, startSnapshotter(t, f.node, pv), pv
+}
+
+// startSnapshotter starts p's Snapshotter over the PVs, until the test ends.
+func startSnapshotter(t *testing.T, p *Provisioner, pvs ...*v1.PersistentVolume) *Snapshotter {
+	s := p.Snapshotter(pvLister(pvs...))
 	ctx, cancel := context.WithCancel(context.Background())
 	wait := s.Start(ctx)
 	t.Cleanup(func() {
 		cancel()
 		wait()
 	})
-	return f, s, pv
+	return s
+}
+
+// pvLister lists the PVs.
+func pvLister(pvs ...*v1.PersistentVolume) corelisters.PersistentVolumeLister {
+	idx := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
+	for _, pv := range pvs {
+		idx.Add(pv)
+	}
+	return corelisters.NewPersistentVolumeLister(idx)
 }
 
 // createUntilReady calls CreateSnapshot as the sidecar does, again until it says ready.
@@ -104,8 +116,7 @@ func TestSnapshotLocalVolume(t *testing.T) {
 	}
 	// The controller cannot see a node's disk (its sidecar is not given local contents:
 	// internal/daemon hideNodeContents).
-	pvs := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
-	if ready, _, _, _, err := f.ctrl.Snapshotter(corelisters.NewPersistentVolumeLister(pvs)).GetSnapshotStatus(context.Background(), id, nil); err == nil {
+	if ready, _, _, _, err := f.ctrl.Snapshotter(pvLister()).GetSnapshotStatus(context.Background(), id, nil); err == nil {
 		t.Errorf("controller's GetSnapshotStatus of a local snapshot: ready %v, no error", ready)
 	}
 	// Its copy is over: whether it is still there is the disk's to say, not the copy's.
@@ -148,15 +159,13 @@ func TestSnapshotRefusals(t *testing.T) {
 	// A handle naming an export no class names (a pre-provisioned content's): the controller
 	// refuses it without mounting anything.
 	foreign := volume.SnapshotHandle{Backend: volume.BackendNFS, Server: "evil.example.com", Share: "/srv", Name: "x"}.String()
-	ctrl := f.ctrl.Snapshotter(corelisters.NewPersistentVolumeLister(cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})))
+	ctrl := f.ctrl.Snapshotter(pvLister())
 	if err := ctrl.DeleteSnapshot(context.Background(), foreign, nil); status.Code(err) != codes.InvalidArgument {
 		t.Errorf("DeleteSnapshot on an export no class names: %v, want InvalidArgument", err)
 	}
 	// A local volume's content reaching the controller's sidecar: the cluster's snapshot
 	// controller does not label it for its node, and the error says what to change.
-	pvs := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
-	pvs.Add(pv)
-	ctrl = f.ctrl.Snapshotter(corelisters.NewPersistentVolumeLister(pvs))
+	ctrl = f.ctrl.Snapshotter(pvLister(pv))
 	if _, _, _, _, _, err := ctrl.CreateSnapshot(context.Background(), "snapshot-c", pv.Spec.CSI.VolumeHandle, nil, nil); err == nil || !strings.Contains(err.Error(), "--enable-distributed-snapshotting") {
 		t.Errorf("controller's CreateSnapshot of a local volume: %v, want it to name --enable-distributed-snapshotting", err)
 	}
@@ -201,17 +210,9 @@ func TestSnapshotWithoutRoomBacksOff(t *testing.T) {
 	if err := os.WriteFile(big, make([]byte, 8<<20), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	pvs := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
-	pvs.Add(pv)
-	s := f.node.Snapshotter(corelisters.NewPersistentVolumeLister(pvs))
+	s := startSnapshotter(t, f.node, pv)
 	const backoff = 3 * time.Second
 	s.noRoomRetryMin, s.noRoomRetryMax = backoff, backoff
-	ctx, cancel := context.WithCancel(context.Background())
-	wait := s.Start(ctx)
-	t.Cleanup(func() {
-		cancel()
-		wait()
-	})
 	create := func() (bool, error) {
 		_, _, _, _, ready, err := s.CreateSnapshot(context.Background(), "snapshot-full", pv.Spec.CSI.VolumeHandle, nil, nil)
 		return ready, err
@@ -226,15 +227,7 @@ func TestSnapshotWithoutRoomBacksOff(t *testing.T) {
 		t.Fatalf("CreateSnapshot = %v, want an error saying there is no room for the copy", refused)
 	}
 	// Other events (the source's size not enforced on tmpfs) come first.
-	timeout := time.After(10 * time.Second)
-	for got := false; !got; {
-		select {
-		case e := <-f.events.Events:
-			got = strings.HasPrefix(e, "Warning "+ReasonNoRoomForCopy+" ") && strings.Contains(e, "snapshot-full")
-		case <-timeout:
-			t.Fatalf("no %s event naming the snapshot", ReasonNoRoomForCopy)
-		}
-	}
+	waitEvent(t, f.events, "Warning "+ReasonNoRoomForCopy+" ", "snapshot-full")
 	snapshots := filepath.Join(f.base, ".dirpv-snapshots")
 	if names, _ := os.ReadDir(snapshots); len(names) != 0 {
 		t.Errorf("the refused snapshot left %v", names)

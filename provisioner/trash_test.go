@@ -14,7 +14,6 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
-	corelisters "k8s.io/client-go/listers/core/v1"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
@@ -212,15 +211,7 @@ func TestLargeNFSSnapshotDeleteReturnsAtOnce(t *testing.T) {
 	p := f.start(t)
 	pv := f.provision(t, p, "big")
 	must(t, framework.FillEmptyFiles(filepath.Join(f.src, pv.Spec.CSI.VolumeAttributes["path"]), files))
-	pvs := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
-	pvs.Add(pv)
-	s := p.Snapshotter(corelisters.NewPersistentVolumeLister(pvs))
-	ctx, cancel := context.WithCancel(context.Background())
-	wait := s.Start(ctx)
-	t.Cleanup(func() {
-		cancel()
-		wait()
-	})
+	s := startSnapshotter(t, p, pv)
 	id, _ := createUntilReady(t, s, "snapshot-big", pv.Spec.CSI.VolumeHandle)
 
 	release := make(chan struct{})
