@@ -42,16 +42,8 @@ func newTrustLayout(t *testing.T) trustLayout {
 }
 
 func (l trustLayout) driver(t *testing.T, allowed ...string) *nodeServer {
-	t.Helper()
-	bases, err := volume.NewAllowedBases(allowed, l.kubelet)
-	must(t, err)
-	d, err := NewDriver(Options{
-		DriverName: "dirpv.io", Version: "test", NodeID: "node-1",
-		Endpoint: "unix://" + filepath.Join(t.TempDir(), "csi.sock"),
-		Mounter:  mount.New(""), OperationTimeout: 10 * time.Second, LocalBases: bases,
-	})
-	must(t, err)
-	return &nodeServer{d: d}
+	_, ns := driverAllowing(t, mount.New(""), 10*time.Second, l.kubelet, allowed...)
+	return ns
 }
 
 func localAttrs(basePath, rel string) map[string]string {
@@ -110,15 +102,11 @@ func TestPublishRefusesOutsideAllowedBases(t *testing.T) {
 	for _, attrs := range []map[string]string{localAttrs(l.base, "tenant/vol"), localAttrs(filepath.Join(l.base, "tenant"), "vol")} {
 		target := newTarget(t)
 		req := &csi.NodePublishVolumeRequest{VolumeId: "v", TargetPath: target, VolumeCapability: rw, VolumeContext: attrs}
-		if _, err := ns.NodePublishVolume(context.Background(), req); err != nil {
-			t.Fatalf("publish %v: %v", attrs, err)
-		}
+		publish(t, ns, req)
 		if _, err := os.Lstat(filepath.Join(target, "escape")); err != nil {
 			t.Errorf("%v: target does not show the volume: %v", attrs, err)
 		}
-		if _, err := ns.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: "v", TargetPath: target}); err != nil {
-			t.Fatal(err)
-		}
+		unpublish(t, ns, "v", target)
 	}
 }
 
@@ -158,19 +146,34 @@ func TestPublishRefusesKubeletRootEvenIfAllowed(t *testing.T) {
 	wantRefused(t, err, codes.PermissionDenied, target, "contains kubelet's root dir "+l.kubelet)
 }
 
-// A basePath that is lexically inside the allowed base but goes through a symlink (here one a
-// tenant planted in its own volume, pointing at kubelet's root) is walked from the allowed
-// base without following it, so it never reaches the pod's secret.
-func TestPublishRefusesSymlinkInBasePath(t *testing.T) {
+// A volume path or a basePath (lexically inside the allowed base) that goes through a symlink,
+// here one a tenant planted in its own volume pointing at kubelet's root, is walked from the
+// allowed base without following it, so it never reaches the pod's secret; a volume or a base
+// that is not there is NotFound.
+func TestPublishRefusesSymlinksAndMissingPaths(t *testing.T) {
 	requireRoot(t)
 	l := newTrustLayout(t)
 	ns := l.driver(t, l.base)
-	target := newTarget(t)
-	_, err := ns.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
-		VolumeId: "v", TargetPath: target, VolumeCapability: mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER),
-		VolumeContext: localAttrs(filepath.Join(l.base, "tenant/vol/escape/pods"), "uid/volumes/secret"),
-	})
-	wantRefused(t, err, codes.FailedPrecondition, target, "symlinks are never followed")
+	vol := filepath.Join(l.base, "tenant/vol")
+	for name, tc := range map[string]struct {
+		attrs map[string]string
+		code  codes.Code
+		want  string
+	}{
+		"volume is a symlink":        {localAttrs(vol, "escape"), codes.FailedPrecondition, "symlinks are never followed"},
+		"symlink in the volume path": {localAttrs(vol, "escape/pods"), codes.FailedPrecondition, "symlinks are never followed"},
+		"symlink in the basePath":    {localAttrs(filepath.Join(vol, "escape/pods"), "uid/volumes/secret"), codes.FailedPrecondition, "symlinks are never followed"},
+		"missing volume":             {localAttrs(l.base, "tenant/gone"), codes.NotFound, ""},
+		"missing base":               {localAttrs(filepath.Join(l.base, "gone"), "vol"), codes.NotFound, ""},
+	} {
+		t.Run(name, func(t *testing.T) {
+			target := newTarget(t)
+			_, err := ns.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
+				VolumeId: "v", TargetPath: target, VolumeCapability: mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER), VolumeContext: tc.attrs,
+			})
+			wantRefused(t, err, tc.code, target, tc.want)
+		})
+	}
 }
 
 func TestPublishRefusesInlineEphemeral(t *testing.T) {
@@ -195,7 +198,5 @@ func TestPublishRefusesInlineEphemeral(t *testing.T) {
 	}); err != nil {
 		t.Fatalf("persistent volume with pod info: %v", err)
 	}
-	if _, err := ns.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: "local:pv", TargetPath: target}); err != nil {
-		t.Fatal(err)
-	}
+	unpublish(t, ns, "local:pv", target)
 }
