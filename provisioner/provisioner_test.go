@@ -178,35 +178,6 @@ func TestProvisionLocal(t *testing.T) {
 	}
 }
 
-func TestOnDeletePolicies(t *testing.T) {
-	for _, policy := range []string{"delete", "retain", "archive"} {
-		t.Run(policy, func(t *testing.T) {
-			f := newFixture(t)
-			class := f.localClass(map[string]string{"onDelete": policy})
-			pv, _, err := f.node.Provision(context.Background(), opts(class, claim("c")))
-			must(t, err)
-			rel := pv.Spec.CSI.VolumeAttributes["path"]
-			must(t, os.WriteFile(filepath.Join(f.base, rel, "file"), []byte("data"), 0o644))
-			must(t, f.node.Delete(context.Background(), pv))
-			entries := listTree(t, f.base)
-			switch policy {
-			case "delete":
-				if len(entries) != 0 {
-					t.Errorf("left behind: %v", entries)
-				}
-			case "retain":
-				if !slices.Equal(entries, []string{rel, rel + "/file"}) {
-					t.Errorf("after retain: %v", entries)
-				}
-			case "archive":
-				if len(entries) != 2 || !strings.HasPrefix(entries[0], "archived-"+rel+"-") || !strings.HasSuffix(entries[1], "/file") {
-					t.Errorf("after archive: %v", entries)
-				}
-			}
-		})
-	}
-}
-
 // nfsClassWith makes the class an NFS one with the parameter k=v.
 func nfsClassWith(k, v string) func(*storagev1.StorageClass, *v1.PersistentVolumeClaim) {
 	return func(s *storagev1.StorageClass, _ *v1.PersistentVolumeClaim) {
