@@ -309,55 +309,45 @@ func TestExistingDirectoryNotHandedToAnotherClaim(t *testing.T) {
 
 // A PV's Delete can come again after its directory is gone (a crash after the removal, before
 // the PV was deleted), and with a pattern without ${pv.metadata.name} the name may by then be
-// another claim's volume. That volume is left alone, whichever onDelete the stale PV has.
+// another claim's volume. That volume is left alone by a stale PV whose onDelete is archive,
+// bound or not. With onDelete delete (the default), test/integration's
+// TestDeleteOfAnotherClaimsDirectoryIsRefused shows it through a real apiserver, on both backends.
 func TestStaleDeleteLeavesAnotherClaimsDirectory(t *testing.T) {
 	for _, backend := range []volume.Backend{volume.BackendLocal, volume.BackendNFS} {
-		for _, policy := range []string{"delete", "archive"} {
-			t.Run(string(backend)+"/"+policy, func(t *testing.T) {
-				s := newStoreFixture(t, backend, map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}", "onDelete": policy})
-				first := s.claim("db")
-				stale, _, err := s.p.Provision(context.Background(), opts(s.class, first))
-				must(t, err)
-				// As the lib binds it.
-				stale.Spec.ClaimRef = &v1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: first.Namespace, Name: first.Name, UID: first.UID}
-				must(t, s.p.Delete(context.Background(), stale))
-				second := s.claim("db")
-				second.UID = "uid-db-2"
-				pv, _, err := s.p.Provision(context.Background(), opts(s.class, second))
-				if err != nil {
-					t.Fatalf("the name is free again, but the new claim was refused: %v", err)
-				}
-				data := filepath.Join(s.base, "ns/db/data")
-				must(t, os.WriteFile(data, []byte("second's"), 0o600))
-				s.settle(t)
-				before := listTree(t, s.base)
-				err = s.p.Delete(context.Background(), stale)
-				if err == nil || !strings.Contains(err.Error(), "belongs to another claim") {
-					t.Fatalf("stale PV's Delete = %v, want a refusal", err)
-				}
-				// Without a claimRef (never bound), the PV name decides.
-				stale.Spec.ClaimRef = nil
-				if err := s.p.Delete(context.Background(), stale); err == nil {
-					t.Fatal("stale unbound PV's Delete succeeded")
-				}
-				s.settle(t)
-				if after := listTree(t, s.base); !slices.Equal(before, after) {
-					t.Errorf("refused Delete changed the base: %v, was %v", after, before)
-				}
-				if b, err := os.ReadFile(data); err != nil || string(b) != "second's" {
-					t.Errorf("second claim's data: %q %v", b, err)
-				}
-				if policy == "archive" {
-					return // a second archive within the same second would clash with the first
-				}
-				// The owner's own Delete still works.
-				pv.Spec.ClaimRef = &v1.ObjectReference{UID: second.UID}
-				must(t, s.p.Delete(context.Background(), pv))
-				if _, err := os.Stat(filepath.Join(s.base, "ns/db")); !os.IsNotExist(err) {
-					t.Errorf("owner's Delete left ns/db: %v", err)
-				}
-			})
-		}
+		t.Run(string(backend), func(t *testing.T) {
+			s := newStoreFixture(t, backend, map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}", "onDelete": "archive"})
+			first := s.claim("db")
+			stale, _, err := s.p.Provision(context.Background(), opts(s.class, first))
+			must(t, err)
+			// As the lib binds it.
+			stale.Spec.ClaimRef = &v1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: first.Namespace, Name: first.Name, UID: first.UID}
+			must(t, s.p.Delete(context.Background(), stale))
+			second := s.claim("db")
+			second.UID = "uid-db-2"
+			if _, _, err := s.p.Provision(context.Background(), opts(s.class, second)); err != nil {
+				t.Fatalf("the name is free again, but the new claim was refused: %v", err)
+			}
+			data := filepath.Join(s.base, "ns/db/data")
+			must(t, os.WriteFile(data, []byte("second's"), 0o600))
+			s.settle(t)
+			before := listTree(t, s.base)
+			err = s.p.Delete(context.Background(), stale)
+			if err == nil || !strings.Contains(err.Error(), "belongs to another claim") {
+				t.Fatalf("stale PV's Delete = %v, want a refusal", err)
+			}
+			// Without a claimRef (never bound), the PV name decides.
+			stale.Spec.ClaimRef = nil
+			if err := s.p.Delete(context.Background(), stale); err == nil {
+				t.Fatal("stale unbound PV's Delete succeeded")
+			}
+			s.settle(t)
+			if after := listTree(t, s.base); !slices.Equal(before, after) {
+				t.Errorf("refused Delete changed the base: %v, was %v", after, before)
+			}
+			if b, err := os.ReadFile(data); err != nil || string(b) != "second's" {
+				t.Errorf("second claim's data: %q %v", b, err)
+			}
+		})
 	}
 }
 
@@ -583,16 +573,10 @@ func (f *fixture) mountForTest(source, fstype string, flags uintptr, data string
 }
 
 // A node whose base path cannot take the volume hands the claim back to the scheduler, and
-// says which node and what failed.
+// says which node and what failed. A read-only base: test/integration's
+// TestReadOnlyBaseReschedules, through the real scheduler.
 func TestNodeLocalFailureReschedules(t *testing.T) {
 	for name, setup := range map[string]func(t *testing.T, f *fixture) string{
-		"read-only base": func(t *testing.T, f *fixture) string {
-			f.mountForTest(f.base, "", unix.MS_BIND, "")
-			if err := unix.Mount("", f.base, "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY, ""); err != nil {
-				t.Fatalf("remount %s read-only: %v", f.base, err)
-			}
-			return "read-only file system"
-		},
 		"base not creatable": func(t *testing.T, f *fixture) string {
 			file := filepath.Join(f.base, "file")
 			must(t, os.WriteFile(file, nil, 0o600))
