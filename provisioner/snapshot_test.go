@@ -33,12 +33,8 @@ func snapshotFixture(t *testing.T) (*fixture, *Snapshotter, *v1.PersistentVolume
 	t.Helper()
 	f := newFixture(t)
 	pv, _, err := f.node.Provision(context.Background(), opts(f.localClass(nil), claim("src")))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(f.base, pv.Spec.CSI.VolumeAttributes["path"], "data"), []byte("hello"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
+	must(t, os.WriteFile(filepath.Join(f.base, pv.Spec.CSI.VolumeAttributes["path"], "data"), []byte("hello"), 0o644))
 	return f, startSnapshotter(t, f.node, pv), pv
 }
 
@@ -170,9 +166,7 @@ func TestSnapshotRefusals(t *testing.T) {
 func TestSnapshotStatusOfVanishedSnapshot(t *testing.T) {
 	f, s, pv := snapshotFixture(t)
 	id, _ := createUntilReady(t, s, "snapshot-v", pv.Spec.CSI.VolumeHandle)
-	if err := os.RemoveAll(filepath.Join(f.base, ".dirpv-snapshots", "snapshot-v")); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.RemoveAll(filepath.Join(f.base, ".dirpv-snapshots", "snapshot-v")))
 	ready, _, _, _, err := s.GetSnapshotStatus(context.Background(), id, nil)
 	if err == nil {
 		t.Fatalf("GetSnapshotStatus of a vanished snapshot: ready %v, no error", ready)
@@ -189,14 +183,10 @@ func TestSnapshotWithoutRoomBacksOff(t *testing.T) {
 	c := claim("src")
 	c.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("1Mi")
 	pv, _, err := f.node.Provision(context.Background(), opts(f.localClass(nil), c))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: c.Namespace, Name: c.Name, UID: c.UID}
 	big := filepath.Join(f.base, pv.Spec.CSI.VolumeAttributes["path"], "big")
-	if err := os.WriteFile(big, make([]byte, 8<<20), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.WriteFile(big, make([]byte, 8<<20), 0o644))
 	s := startSnapshotter(t, f.node, pv)
 	const backoff = 3 * time.Second
 	s.noRoomRetryMin, s.noRoomRetryMax = backoff, backoff
@@ -220,9 +210,7 @@ func TestSnapshotWithoutRoomBacksOff(t *testing.T) {
 		t.Errorf("the refused snapshot left %v", names)
 	}
 	// Room now, but within the back-off the sidecar's calls start nothing.
-	if err := os.Truncate(big, 1<<20); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Truncate(big, 1<<20))
 	for time.Since(refusedAt) < backoff/2 {
 		if ready, err := create(); ready || !errors.Is(err, volume.ErrNoRoomForCopy) {
 			t.Fatalf("CreateSnapshot within the back-off = %v, %v; want the same refusal", ready, err)
@@ -248,9 +236,7 @@ func TestSnapshotUsageMetric(t *testing.T) {
 	f, s, pv := snapshotFixture(t)
 	id, _ := createUntilReady(t, s, "snapshot-1", pv.Spec.CSI.VolumeHandle)
 	root, err := volume.OpenRoot(f.base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer root.Close()
 	info, err := root.SnapshotInfo("snapshot-1")
 	if err != nil || info.Size == 0 {
@@ -269,9 +255,7 @@ func TestSnapshotUsageMetric(t *testing.T) {
 		content("snapcontent-2", f.node.cfg.DriverName, false),
 		content("snapcontent-3", "other.example.com", true),
 	} {
-		if err := contents.Add(c); err != nil {
-			t.Fatal(err)
-		}
+		must(t, contents.Add(c))
 	}
 	lister := snaplisters.NewVolumeSnapshotContentLister(contents)
 	// series returns how many series s reports, and the value of the one of snapcontent-1.
@@ -280,9 +264,7 @@ func TestSnapshotUsageMetric(t *testing.T) {
 		reg := prometheus.NewPedanticRegistry()
 		reg.MustRegister(s.SnapshotsCollector(func() snaplisters.VolumeSnapshotContentLister { return lister }))
 		n, err := testutil.GatherAndCount(reg)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		return n, metricstest.Value(t, reg, "dirpv_snapshot_used_bytes",
 			map[string]string{"namespace": "ns", "volumesnapshot": "vs-snapcontent-1", "volumesnapshotcontent": "snapcontent-1"})
 	}
