@@ -23,15 +23,22 @@ func TestGetCapacityRefusals(t *testing.T) {
 	for name, tc := range map[string]struct {
 		params map[string]string
 		want   codes.Code
+		ctrl   bool
 	}{
-		"unknown parameter": {map[string]string{"backend": "local", "basePath": f.base, "sizeLimit": "1"}, codes.InvalidArgument},
-		"no backend":        {map[string]string{"basePath": f.base}, codes.InvalidArgument},
-		"nfs class":         {map[string]string{"backend": "nfs", "server": "srv", "share": "/export"}, codes.InvalidArgument},
-		"base not allowed":  {map[string]string{"backend": "local", "basePath": "/srv/elsewhere"}, codes.PermissionDenied},
-		"symlinked base":    {map[string]string{"backend": "local", "basePath": filepath.Join(f.base, "link", "base")}, codes.FailedPrecondition},
+		// The controller does not speak for local classes.
+		"local class, controller": {map[string]string{"backend": "local", "basePath": f.base}, codes.InvalidArgument, true},
+		"unknown parameter":       {map[string]string{"backend": "local", "basePath": f.base, "sizeLimit": "1"}, codes.InvalidArgument, false},
+		"no backend":              {map[string]string{"basePath": f.base}, codes.InvalidArgument, false},
+		"nfs class":               {map[string]string{"backend": "nfs", "server": "srv", "share": "/export"}, codes.InvalidArgument, false},
+		"base not allowed":        {map[string]string{"backend": "local", "basePath": "/srv/elsewhere"}, codes.PermissionDenied, false},
+		"symlinked base":          {map[string]string{"backend": "local", "basePath": filepath.Join(f.base, "link", "base")}, codes.FailedPrecondition, false},
 	} {
 		t.Run(name, func(t *testing.T) {
-			resp, err := f.node.GetCapacity(context.Background(), &csi.GetCapacityRequest{Parameters: tc.params})
+			p := f.node
+			if tc.ctrl {
+				p = f.ctrl
+			}
+			resp, err := p.GetCapacity(context.Background(), &csi.GetCapacityRequest{Parameters: tc.params})
 			if status.Code(err) != tc.want {
 				t.Errorf("GetCapacity = %v, %v; want code %s", resp, err, tc.want)
 			}
@@ -42,15 +49,6 @@ func TestGetCapacityRefusals(t *testing.T) {
 	}
 	if _, err := os.Stat("/srv/elsewhere"); err == nil {
 		t.Error("a base outside the allowed ones was created")
-	}
-}
-
-// The controller does not speak for local classes.
-func TestGetCapacityControllerRefusesLocal(t *testing.T) {
-	f := newFixture(t)
-	class := f.localClass(nil)
-	if _, err := f.ctrl.GetCapacity(context.Background(), &csi.GetCapacityRequest{Parameters: class.Parameters}); status.Code(err) != codes.InvalidArgument {
-		t.Errorf("controller GetCapacity of a local class = %v, want InvalidArgument", err)
 	}
 }
 
