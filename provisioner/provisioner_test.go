@@ -658,48 +658,37 @@ func TestControllerReportsNodeWithoutPlugin(t *testing.T) {
 	}
 }
 
-// A claim being deleted is provisioned by no instance: its volume would be released at once,
-// and a clone's copy, cancelled when the deletion began, would start again.
-func TestClaimBeingDeletedIsNotProvisioned(t *testing.T) {
-	f := newFixture(t)
-	class := f.localClass(nil)
-	pvc := claim("going")
-	pvc.Spec.StorageClassName = &class.Name
-	pvc.Annotations[annSelectedNode] = testNode
-	if !f.node.ShouldProvision(context.Background(), pvc) {
-		t.Fatal("the node does not take its own claim: the test proves nothing")
-	}
-	now := metav1.Now()
-	pvc.DeletionTimestamp = &now
-	if f.node.ShouldProvision(context.Background(), pvc) {
-		t.Error("the node provisions a claim being deleted")
-	}
-}
-
+// Which claims the node instance takes. A claim being deleted, none: its volume would be
+// released at once, and a clone's copy, cancelled when the deletion began, would start again.
 // A claim placed on the node and handed to dirpv can reach the node instance before the class
-// it names does (two watches). The node takes it, so that the lib retries it once the class
-// is known instead of at the next resync; a claim handed to another provisioner, or placed on
-// another node, stays someone else's.
-func TestClaimBeforeItsClassStaysOnTheNode(t *testing.T) {
+// it names does (two watches): the node takes it, so that the lib retries it once the class is
+// known instead of at the next resync; one handed to another provisioner, or placed on another
+// node, stays someone else's.
+func TestNodeShouldProvision(t *testing.T) {
 	f := newFixture(t)
-	name := "created-with-its-claim"
+	known := f.localClass(nil).Name
 	for _, c := range []struct {
-		node, provisioner string
-		want              bool
+		class, node, provisioner string
+		deleting, want           bool
 	}{
-		{testNode, testDriver, true},
-		{testNode, "rancher.io/local-path", false},
-		{"node-b", testDriver, false},
-		{testNode, "", false},
+		{known, testNode, "", false, true},
+		{known, testNode, "", true, false},
+		{"not-yet-known", testNode, testDriver, false, true},
+		{"not-yet-known", testNode, "rancher.io/local-path", false, false},
+		{"not-yet-known", "node-b", testDriver, false, false},
+		{"not-yet-known", testNode, "", false, false},
 	} {
-		pvc := claim("early")
-		pvc.Spec.StorageClassName = &name
+		pvc := claim("c")
+		pvc.Spec.StorageClassName = &c.class
 		pvc.Annotations[annSelectedNode] = c.node
 		if c.provisioner != "" {
 			pvc.Annotations[annStorageProvisioner] = c.provisioner
 		}
+		if c.deleting {
+			pvc.DeletionTimestamp = &metav1.Time{Time: time.Now()}
+		}
 		if got := f.node.ShouldProvision(context.Background(), pvc); got != c.want {
-			t.Errorf("node %s, provisioner %q, class not yet known: ShouldProvision = %t, want %t", c.node, c.provisioner, got, c.want)
+			t.Errorf("class %s, node %s, provisioner %q, being deleted %t: ShouldProvision = %t, want %t", c.class, c.node, c.provisioner, c.deleting, got, c.want)
 		}
 	}
 }
