@@ -8,15 +8,12 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes/fake"
-	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/record"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
@@ -157,10 +154,8 @@ func TestProvisionLocalBestEffortWithoutQuota(t *testing.T) {
 func TestControllerReportsUnplaceableClaims(t *testing.T) {
 	f := newFixture(t)
 	events := record.NewFakeRecorder(10)
-	ctrl, err := New(Config{DriverName: testDriver, Role: RoleController, Client: fake.NewClientset(),
-		Classes: storagelisters.NewStorageClassLister(f.classes), Mounter: f.mounter, WorkDir: t.TempDir(),
-		OperationTimeout: time.Second, Events: events})
-	must(t, err)
+	ctrl := f.ctrl
+	ctrl.cfg.Events = events
 	wffc := storagev1.VolumeBindingWaitForFirstConsumer
 	for _, tc := range []struct {
 		name   string
