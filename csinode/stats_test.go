@@ -40,9 +40,7 @@ func TestVolumeStatsOfLimitedVolume(t *testing.T) {
 			t.Fatal(err)
 		}
 		target := newTarget(t)
-		if _, err := ns.NodePublishVolume(ctx, publishReq(name, target, attrs, rw, false)); err != nil {
-			t.Fatal(err)
-		}
+		publish(t, ns, publishReq(name, target, attrs, rw, false))
 		t.Cleanup(func() {
 			ns.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: name, TargetPath: target})
 		})

@@ -42,16 +42,8 @@ func newTrustLayout(t *testing.T) trustLayout {
 }
 
 func (l trustLayout) driver(t *testing.T, allowed ...string) *nodeServer {
-	t.Helper()
-	bases, err := volume.NewAllowedBases(allowed, l.kubelet)
-	must(t, err)
-	d, err := NewDriver(Options{
-		DriverName: "dirpv.io", Version: "test", NodeID: "node-1",
-		Endpoint: "unix://" + filepath.Join(t.TempDir(), "csi.sock"),
-		Mounter:  mount.New(""), OperationTimeout: 10 * time.Second, LocalBases: bases,
-	})
-	must(t, err)
-	return &nodeServer{d: d}
+	_, ns := driverAllowing(t, mount.New(""), 10*time.Second, l.kubelet, allowed...)
+	return ns
 }
 
 func localAttrs(basePath, rel string) map[string]string {
@@ -79,98 +71,56 @@ func wantRefused(t *testing.T, err error, code codes.Code, target string, want .
 	}
 }
 
-// Every directory in these PVs exists and a bind mount of it would work: only the allow-list
-// stands between the PV and the mount.
-func TestPublishRefusesOutsideAllowedBases(t *testing.T) {
+// A PV names a directory that exists, or does not, and whose bind mount would work: the allow-
+// list, kubelet's root dir, the attributes' checks and the walk from the allowed base that
+// follows no symlink (here one a tenant planted in its own volume, pointing at kubelet's root)
+// are all that stand between it and the mount. kubelet's root is refused even when an allowed
+// base holds it or is it. The base itself and directories beneath it are served.
+func TestPublishRefusals(t *testing.T) {
 	requireRoot(t)
 	l := newTrustLayout(t)
-	ns := l.driver(t, l.base)
 	rw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	etc, vol, wide := filepath.Join(l.top, "etc"), filepath.Join(l.base, "tenant/vol"), filepath.Dir(l.top)
 	for name, tc := range map[string]struct {
-		attrs map[string]string
-		want  []string
+		allowed string
+		attrs   map[string]string
+		code    codes.Code
+		want    []string
 	}{
-		"outside every base": {localAttrs(filepath.Join(l.top, "etc"), "vol"),
-			[]string{"base path " + filepath.Join(l.top, "etc") + " is not at or beneath a base path this node allows (" + l.base + ")", "--allowed-base-paths"}},
-		"sibling named like the base": {localAttrs(l.base+"2", "vol"),
-			[]string{"base path " + l.base + "2 is not at or beneath"}},
-		"kubelet's pods": {localAttrs(filepath.Join(l.kubelet, "pods"), "uid/volumes/secret"),
-			[]string{"not at or beneath"}},
+		"outside every base": {l.base, localAttrs(etc, "vol"), codes.PermissionDenied,
+			[]string{"base path " + etc + " is not at or beneath a base path this node allows (" + l.base + ")", "--allowed-base-paths"}},
+		"sibling named like the base": {l.base, localAttrs(l.base+"2", "vol"), codes.PermissionDenied, []string{"base path " + l.base + "2 is not at or beneath"}},
+		"kubelet's pods":              {l.base, localAttrs(filepath.Join(l.kubelet, "pods"), "uid/volumes/secret"), codes.PermissionDenied, []string{"not at or beneath"}},
+		"a pod's secret volume, allowed": {l.top, localAttrs(filepath.Join(l.kubelet, "pods"), "uid/volumes/secret"), codes.PermissionDenied,
+			[]string{"is inside kubelet's root dir " + l.kubelet, "secrets"}},
+		"kubelet's root itself, allowed": {l.top, localAttrs(l.top, "kubelet"), codes.PermissionDenied, []string{"is inside kubelet's root dir", "secrets"}},
+		"kubelet's root in the volume":   {wide, localAttrs(wide, filepath.Base(l.top)), codes.PermissionDenied, []string{"contains kubelet's root dir " + l.kubelet}},
+		// Unclean paths never reach the allow-list: the attributes are refused first.
+		"unclean base path":          {l.top, map[string]string{"backend": "local", "basePath": l.top + "/dirpv/../kubelet", "path": "pods"}, codes.InvalidArgument, []string{"clean"}},
+		"volume is a symlink":        {l.base, localAttrs(vol, "escape"), codes.FailedPrecondition, []string{"symlinks are never followed"}},
+		"symlink in the volume path": {l.base, localAttrs(vol, "escape/pods"), codes.FailedPrecondition, []string{"symlinks are never followed"}},
+		"symlink in the basePath":    {l.base, localAttrs(filepath.Join(vol, "escape/pods"), "uid/volumes/secret"), codes.FailedPrecondition, []string{"symlinks are never followed"}},
+		"missing volume":             {l.base, localAttrs(l.base, "tenant/gone"), codes.NotFound, nil},
+		"missing base":               {l.base, localAttrs(filepath.Join(l.base, "gone"), "vol"), codes.NotFound, nil},
 	} {
 		t.Run(name, func(t *testing.T) {
 			target := newTarget(t)
-			_, err := ns.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
+			_, err := l.driver(t, tc.allowed).NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
 				VolumeId: "v", TargetPath: target, VolumeCapability: rw, VolumeContext: tc.attrs,
 			})
-			wantRefused(t, err, codes.PermissionDenied, target, tc.want...)
+			wantRefused(t, err, tc.code, target, tc.want...)
 		})
 	}
 
-	// The base itself and directories beneath it are served.
+	ns := l.driver(t, l.base)
 	for _, attrs := range []map[string]string{localAttrs(l.base, "tenant/vol"), localAttrs(filepath.Join(l.base, "tenant"), "vol")} {
 		target := newTarget(t)
-		req := &csi.NodePublishVolumeRequest{VolumeId: "v", TargetPath: target, VolumeCapability: rw, VolumeContext: attrs}
-		if _, err := ns.NodePublishVolume(context.Background(), req); err != nil {
-			t.Fatalf("publish %v: %v", attrs, err)
-		}
+		publish(t, ns, &csi.NodePublishVolumeRequest{VolumeId: "v", TargetPath: target, VolumeCapability: rw, VolumeContext: attrs})
 		if _, err := os.Lstat(filepath.Join(target, "escape")); err != nil {
 			t.Errorf("%v: target does not show the volume: %v", attrs, err)
 		}
-		if _, err := ns.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: "v", TargetPath: target}); err != nil {
-			t.Fatal(err)
-		}
+		unpublish(t, ns, "v", target)
 	}
-}
-
-// kubelet's root dir is refused even when an allowed base holds it.
-func TestPublishRefusesKubeletRootEvenIfAllowed(t *testing.T) {
-	requireRoot(t)
-	l := newTrustLayout(t)
-	ns := l.driver(t, l.top) // top holds kubelet's root
-	rw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
-	for name, tc := range map[string]struct {
-		attrs map[string]string
-		want  string
-	}{
-		"a pod's secret volume": {localAttrs(filepath.Join(l.kubelet, "pods"), "uid/volumes/secret"), "is inside kubelet's root dir " + l.kubelet},
-		"kubelet's root itself": {localAttrs(l.top, "kubelet"), "is inside kubelet's root dir"},
-		"unclean base path":     {map[string]string{"backend": "local", "basePath": l.top + "/dirpv/../kubelet", "path": "pods"}, ""},
-	} {
-		t.Run(name, func(t *testing.T) {
-			target := newTarget(t)
-			_, err := ns.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
-				VolumeId: "v", TargetPath: target, VolumeCapability: rw, VolumeContext: tc.attrs,
-			})
-			if tc.want == "" {
-				// Unclean paths never reach the allow-list: the attributes are refused first.
-				wantRefused(t, err, codes.InvalidArgument, target, "clean")
-				return
-			}
-			wantRefused(t, err, codes.PermissionDenied, target, tc.want, "secrets")
-		})
-	}
-	// A directory that contains kubelet's root is as bad as one inside it.
-	wide := l.driver(t, filepath.Dir(l.top))
-	target := newTarget(t)
-	_, err := wide.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
-		VolumeId: "v", TargetPath: target, VolumeCapability: rw, VolumeContext: localAttrs(filepath.Dir(l.top), filepath.Base(l.top)),
-	})
-	wantRefused(t, err, codes.PermissionDenied, target, "contains kubelet's root dir "+l.kubelet)
-}
-
-// A basePath that is lexically inside the allowed base but goes through a symlink (here one a
-// tenant planted in its own volume, pointing at kubelet's root) is walked from the allowed
-// base without following it, so it never reaches the pod's secret.
-func TestPublishRefusesSymlinkInBasePath(t *testing.T) {
-	requireRoot(t)
-	l := newTrustLayout(t)
-	ns := l.driver(t, l.base)
-	target := newTarget(t)
-	_, err := ns.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
-		VolumeId: "v", TargetPath: target, VolumeCapability: mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER),
-		VolumeContext: localAttrs(filepath.Join(l.base, "tenant/vol/escape/pods"), "uid/volumes/secret"),
-	})
-	wantRefused(t, err, codes.FailedPrecondition, target, "symlinks are never followed")
 }
 
 func TestPublishRefusesInlineEphemeral(t *testing.T) {
@@ -195,7 +145,5 @@ func TestPublishRefusesInlineEphemeral(t *testing.T) {
 	}); err != nil {
 		t.Fatalf("persistent volume with pod info: %v", err)
 	}
-	if _, err := ns.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: "local:pv", TargetPath: target}); err != nil {
-		t.Fatal(err)
-	}
+	unpublish(t, ns, "local:pv", target)
 }

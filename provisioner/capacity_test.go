@@ -8,15 +8,12 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes/fake"
-	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/record"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
@@ -34,54 +31,48 @@ func sizedClaim(name, size string) *v1.PersistentVolumeClaim {
 }
 
 // TestProvisionLocalEnforcesSize: on a btrfs base with quota, the claim's size is the volume's
-// limit from the moment its PV exists: writes past it fail with EDQUOT, a neighbour is
-// unaffected, the PV names the quota, and Delete removes the volume and frees the quota.
+// limit from the moment its PV exists, by default (bestEffort): writes past it fail with EDQUOT,
+// a neighbour is unaffected, the PV names the quota, and Delete removes the volume and frees
+// the quota. With capacityEnforcement required, test/integration's TestLocalClaimExpandsOnline
+// shows the same limit through a real apiserver.
 func TestProvisionLocalEnforcesSize(t *testing.T) {
-	for _, enforcement := range []string{"", string(EnforceRequired)} {
-		t.Run("capacityEnforcement="+enforcement, func(t *testing.T) {
-			f := newFixtureOn(t, quotatest.Btrfs(t, true))
-			params := map[string]string{}
-			if enforcement != "" {
-				params[ParamCapacityEnforcement] = enforcement
-			}
-			class := f.localClass(params)
-			pv, state, err := f.node.Provision(context.Background(), opts(class, sizedClaim("a", "10Mi")))
-			if err != nil || state != controller.ProvisioningFinished {
-				t.Fatalf("Provision = %v, %v", state, err)
-			}
-			neighbour, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("b", "10Mi")))
-			must(t, err)
-			attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
-			must(t, err)
-			id, err := quota.ParseID(attrs.Quota)
-			if err != nil || id.Kind != quota.Btrfs {
-				t.Fatalf("PV attribute %s = %q (%v), want a btrfs quota", volume.AttrQuota, attrs.Quota, err)
-			}
-			if n, err := quotatest.Fill(t, filepath.Join(f.base, attrs.Path, "big"), 20<<20); !errors.Is(err, unix.EDQUOT) || n > 10<<20 {
-				t.Errorf("writing 20 MiB into a 10Mi claim: %d MiB went in, err %v; want EDQUOT by 10 MiB", n>>20, err)
-			}
-			nrel := neighbour.Spec.CSI.VolumeAttributes[volume.AttrPath]
-			if n, err := quotatest.Fill(t, filepath.Join(f.base, nrel, "file"), 8<<20); err != nil {
-				t.Errorf("neighbour: %d of 8 MiB went in: %v", n>>20, err)
-			}
-			// Retried Provision (its PV was never saved) adopts the volume and its quota.
-			again, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("a", "10Mi")))
-			if err != nil || again.Spec.CSI.VolumeAttributes[volume.AttrQuota] != attrs.Quota {
-				t.Errorf("retried Provision: quota %q, %v; want %q", again.Spec.CSI.VolumeAttributes[volume.AttrQuota], err, attrs.Quota)
-			}
-			must(t, f.node.Delete(context.Background(), pv))
-			if _, err := os.Lstat(filepath.Join(f.base, attrs.Path)); !errors.Is(err, os.ErrNotExist) {
-				t.Errorf("volume still there after Delete: %v", err)
-			}
-			if err := f.node.Delete(context.Background(), pv); err != nil {
-				t.Errorf("repeated Delete: %v", err)
-			}
-			select {
-			case e := <-f.events.Events:
-				t.Errorf("unexpected event %q", e)
-			default:
-			}
-		})
+	f := newFixtureOn(t, quotatest.Btrfs(t, true))
+	class := f.localClass(nil)
+	pv, state, err := f.node.Provision(context.Background(), opts(class, sizedClaim("a", "10Mi")))
+	if err != nil || state != controller.ProvisioningFinished {
+		t.Fatalf("Provision = %v, %v", state, err)
+	}
+	neighbour, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("b", "10Mi")))
+	must(t, err)
+	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
+	must(t, err)
+	id, err := quota.ParseID(attrs.Quota)
+	if err != nil || id.Kind != quota.Btrfs {
+		t.Fatalf("PV attribute %s = %q (%v), want a btrfs quota", volume.AttrQuota, attrs.Quota, err)
+	}
+	if n, err := quotatest.Fill(t, filepath.Join(f.base, attrs.Path, "big"), 20<<20); !errors.Is(err, unix.EDQUOT) || n > 10<<20 {
+		t.Errorf("writing 20 MiB into a 10Mi claim: %d MiB went in, err %v; want EDQUOT by 10 MiB", n>>20, err)
+	}
+	nrel := neighbour.Spec.CSI.VolumeAttributes[volume.AttrPath]
+	if n, err := quotatest.Fill(t, filepath.Join(f.base, nrel, "file"), 8<<20); err != nil {
+		t.Errorf("neighbour: %d of 8 MiB went in: %v", n>>20, err)
+	}
+	// Retried Provision (its PV was never saved) adopts the volume and its quota.
+	again, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("a", "10Mi")))
+	if err != nil || again.Spec.CSI.VolumeAttributes[volume.AttrQuota] != attrs.Quota {
+		t.Errorf("retried Provision: quota %q, %v; want %q", again.Spec.CSI.VolumeAttributes[volume.AttrQuota], err, attrs.Quota)
+	}
+	must(t, f.node.Delete(context.Background(), pv))
+	if _, err := os.Lstat(filepath.Join(f.base, attrs.Path)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("volume still there after Delete: %v", err)
+	}
+	if err := f.node.Delete(context.Background(), pv); err != nil {
+		t.Errorf("repeated Delete: %v", err)
+	}
+	select {
+	case e := <-f.events.Events:
+		t.Errorf("unexpected event %q", e)
+	default:
 	}
 }
 
@@ -154,25 +145,7 @@ func TestProvisionLocalBestEffortWithoutQuota(t *testing.T) {
 	if q, ok := pv.Spec.CSI.VolumeAttributes[volume.AttrQuota]; ok {
 		t.Errorf("PV names quota %q on a base without quota", q)
 	}
-	select {
-	case e := <-f.events.Events:
-		if !strings.Contains(e, "SizeNotEnforced") || !strings.Contains(e, "10Mi") || !strings.Contains(e, "prjquota") {
-			t.Errorf("event %q: want SizeNotEnforced naming the size and the fix", e)
-		}
-	default:
-		t.Error("no event says the size is not enforced")
-	}
-}
-
-func TestCapacityEnforcementParameter(t *testing.T) {
-	for name, params := range map[string]map[string]string{
-		"bad value": {"backend": "local", ParamCapacityEnforcement: "always"},
-		"on nfs":    {"backend": "nfs", "server": "s", "share": "/s", ParamCapacityEnforcement: "required"},
-	} {
-		if _, err := parseParameters(params); err == nil || !strings.Contains(err.Error(), ParamCapacityEnforcement) {
-			t.Errorf("%s: parseParameters = %v, want an error naming %s", name, err, ParamCapacityEnforcement)
-		}
-	}
+	waitEvent(t, f.events, "Normal SizeNotEnforced ", "10Mi", "prjquota")
 }
 
 // The controller reports a WaitForFirstConsumer claim that dirpv cannot serve anywhere, which
@@ -181,10 +154,8 @@ func TestCapacityEnforcementParameter(t *testing.T) {
 func TestControllerReportsUnplaceableClaims(t *testing.T) {
 	f := newFixture(t)
 	events := record.NewFakeRecorder(10)
-	ctrl, err := New(Config{DriverName: testDriver, Role: RoleController, Client: fake.NewClientset(),
-		Classes: storagelisters.NewStorageClassLister(f.classes), Mounter: f.mounter, WorkDir: t.TempDir(),
-		OperationTimeout: time.Second, Events: events})
-	must(t, err)
+	ctrl := f.ctrl
+	ctrl.cfg.Events = events
 	wffc := storagev1.VolumeBindingWaitForFirstConsumer
 	for _, tc := range []struct {
 		name   string

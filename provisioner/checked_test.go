@@ -2,7 +2,6 @@ package provisioner
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -54,16 +53,7 @@ func checkNewVolume(t *testing.T, base, rel string) {
 // the directory, runs meanwhile, and returns what Delete returned once let go.
 func deleteHeldAtCheck(t *testing.T, p *Provisioner, pv *v1.PersistentVolume, meanwhile func()) error {
 	t.Helper()
-	reached, release := holdAt(t, failpoint.DeleteChecked)
-	deleted := make(chan error, 1)
-	go func() { deleted <- p.Delete(context.Background(), pv) }()
-	select {
-	case <-reached:
-	case err := <-deleted:
-		t.Fatalf("Delete returned (%v) without reaching %s", err, failpoint.DeleteChecked)
-	case <-time.After(30 * time.Second):
-		t.Fatalf("Delete never reached %s", failpoint.DeleteChecked)
-	}
+	deleted, release := runHeldAt(t, failpoint.DeleteChecked, func() error { return p.Delete(context.Background(), pv) })
 	meanwhile()
 	release()
 	select {
@@ -137,10 +127,7 @@ func TestTrashMovesTheCheckedDirectory(t *testing.T) {
 			if when == "gone at the check" {
 				// The lib retries a Delete whose result it did not see, after the walk is done.
 				must(t, p.Delete(context.Background(), pv))
-				eventually(t, time.Minute, func() (bool, string) {
-					got := f.trashEntries(t)
-					return len(got) == 0 && p.PendingDeletes() == 0, fmt.Sprintf("trash %v, %d pending", got, p.PendingDeletes())
-				})
+				f.waitTrashEmpty(t, p, time.Minute)
 			}
 			err := deleteHeldAtCheck(t, p, pv, func() { makeVolumeAt(t, f.src, rel) })
 			if err != nil {

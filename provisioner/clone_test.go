@@ -23,10 +23,17 @@ import (
 	"github.com/dirpv/dirpv/volume"
 )
 
-// A copy that outlasts the inline wait goes on in the background: the first call gets no job,
-// the job calls done once it ends, and the next call gets its result, once.
+// A quick copy is returned by the call that starts it, and nobody is told again. A copy that
+// outlasts the inline wait goes on in the background: the first call gets no job, the job
+// calls done once it ends, and the next call gets its result, once.
 func TestCopyJobsBackground(t *testing.T) {
 	j := newCopyJobs()
+	job, err := j.run(context.Background(), "quick", "src", time.Minute, func(context.Context) (made, error) {
+		return made{quota: "btrfs/1"}, nil
+	}, func(made, error, time.Duration) { t.Error("done called for a copy its caller waited for") }, nil)
+	if err != nil || job == nil || job.result.quota != "btrfs/1" {
+		t.Fatalf("quick copy: job %+v, %v", job, err)
+	}
 	j.inline = 10 * time.Millisecond
 	release := make(chan struct{})
 	noted := make(chan error, 1)
@@ -35,7 +42,7 @@ func TestCopyJobsBackground(t *testing.T) {
 		return made{created: true}, nil
 	}
 	done := func(_ made, err error, _ time.Duration) { noted <- err }
-	job, err := j.run(context.Background(), "uid", "src", time.Minute, fn, done, nil)
+	job, err = j.run(context.Background(), "uid", "src", time.Minute, fn, done, nil)
 	if job != nil || err != nil {
 		t.Fatalf("first call: job %v, %v; want none while the copy runs", job, err)
 	}
@@ -67,18 +74,6 @@ func TestCopyJobsBackground(t *testing.T) {
 	}
 }
 
-// A quick copy is returned by the call that starts it, and nobody is told again.
-func TestCopyJobsInline(t *testing.T) {
-	j := newCopyJobs()
-	job, err := j.run(context.Background(), "uid", "src", time.Minute, func(context.Context) (made, error) {
-		return made{quota: "btrfs/1"}, nil
-	}, func(made, error, time.Duration) { t.Error("done called for a copy its caller waited for") }, nil)
-	if err != nil || job == nil || job.result.quota != "btrfs/1" {
-		t.Fatalf("job %+v, %v", job, err)
-	}
-	j.stop(time.Second)
-}
-
 // A copy past its deadline fails with an error naming --clone-timeout; stop cancels copies
 // under way and refuses new ones.
 func TestCopyJobsDeadlineAndStop(t *testing.T) {
@@ -106,9 +101,7 @@ func TestCopyJobsDeadlineAndStop(t *testing.T) {
 // A source PV pointing at a directory another claim's marker names is refused.
 func TestCheckSourceOwner(t *testing.T) {
 	root, err := volume.OpenRoot(t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer root.Close()
 	if _, err := root.MkdirAll("vol", volume.Owner{Mode: 0o755, UID: -1, GID: -1}, volume.Claim{UID: "mine", PVName: "pv-mine"}); err != nil {
 		t.Fatal(err)
@@ -131,9 +124,7 @@ func (f *fixture) sourceClaim(t *testing.T, class *storagev1.StorageClass, name,
 	pvc := claim(name)
 	pvc.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse(capacity)
 	pv, _, err := f.node.Provision(context.Background(), opts(class, pvc))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	fill(filepath.Join(f.base, pv.Spec.CSI.VolumeAttributes["path"]))
 	pv.Spec.Capacity = v1.ResourceList{v1.ResourceStorage: resource.MustParse(capacity)}
 	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}
@@ -173,9 +164,7 @@ func fillFiles(n int) func(dir string) {
 func (f *fixture) onlySource(t *testing.T, src *v1.PersistentVolumeClaim, clone types.UID) {
 	t.Helper()
 	pv, err := f.node.cfg.Client.CoreV1().PersistentVolumes().Get(context.Background(), src.Spec.VolumeName, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	prefix := pv.Spec.CSI.VolumeAttributes["path"]
 	eventually(t, 10*time.Second, func() (bool, string) {
 		for _, e := range listTree(t, f.base) {
@@ -201,9 +190,7 @@ func TestCloneOfDeletedSourceLeavesNothing(t *testing.T) {
 	if _, state, err := f.node.Provision(context.Background(), o); state != controller.ProvisioningInBackground {
 		t.Fatalf("first call: %s, %v; want the copy in the background", state, err)
 	}
-	if err := f.node.cfg.Client.CoreV1().PersistentVolumeClaims("ns").Delete(context.Background(), src.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, f.node.cfg.Client.CoreV1().PersistentVolumeClaims("ns").Delete(context.Background(), src.Name, metav1.DeleteOptions{}))
 	_, state, err := f.node.Provision(context.Background(), o)
 	if state != controller.ProvisioningFinished || err == nil || !strings.Contains(err.Error(), "does not exist") {
 		t.Fatalf("call after the source went: %s, %v; want a final error naming the missing source", state, err)
@@ -218,9 +205,7 @@ func TestCloneOfDeletedClaimLeavesNothing(t *testing.T) {
 	src := f.sourceClaim(t, class, "src", "1Gi", fillFiles(10))
 	o := f.cloneOf(t, class, "clone", src)
 	// Deleted before the copy ends: whether it ends inline or not, its claim is gone by then.
-	if err := f.node.cfg.Client.CoreV1().PersistentVolumeClaims("ns").Delete(context.Background(), o.PVC.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	must(t, f.node.cfg.Client.CoreV1().PersistentVolumeClaims("ns").Delete(context.Background(), o.PVC.Name, metav1.DeleteOptions{}))
 	if pv, _, err := f.node.Provision(context.Background(), o); pv != nil {
 		t.Fatalf("Provision returned a PV for a deleted claim (%v)", err)
 	}
@@ -237,9 +222,7 @@ func TestCloneWithoutRoomWaits(t *testing.T) {
 	var srcDir string
 	src := f.sourceClaim(t, class, "src", "1Mi", func(dir string) {
 		srcDir = dir
-		if err := os.WriteFile(filepath.Join(dir, "big"), make([]byte, 8<<20), 0o600); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.WriteFile(filepath.Join(dir, "big"), make([]byte, 8<<20), 0o600))
 	})
 	o := f.cloneOf(t, class, "clone", src)
 	o.PVC.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("1Mi")
@@ -260,25 +243,11 @@ func TestCloneWithoutRoomWaits(t *testing.T) {
 		!errors.Is(err, volume.ErrNoRoomForCopy) {
 		t.Fatalf("Provision = %s, %v; want an error saying there is no room for the copy, to be retried", state, err)
 	}
-	wantEvent := "Warning " + ReasonNoRoomForCopy + " "
-	eventually(t, 10*time.Second, func() (bool, string) {
-		for {
-			select {
-			case e := <-f.events.Events:
-				if strings.HasPrefix(e, wantEvent) {
-					return true, ""
-				}
-			default:
-				return false, "no " + ReasonNoRoomForCopy + " event on the claim"
-			}
-		}
-	})
+	waitEvent(t, f.events, "Warning "+ReasonNoRoomForCopy+" ")
 	f.onlySource(t, src, o.PVC.UID)
 
 	// Space is freed: the next retry copies.
-	if err := os.Truncate(filepath.Join(srcDir, "big"), 1<<20); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Truncate(filepath.Join(srcDir, "big"), 1<<20))
 	pv, state, err := provision()
 	if err != nil || pv == nil || state != controller.ProvisioningFinished {
 		t.Fatalf("Provision once there is room = %v, %s, %v; want the clone's PV", pv, state, err)

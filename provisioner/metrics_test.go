@@ -23,18 +23,14 @@ func TestProvisionMetricsLocal(t *testing.T) {
 	ctx := context.Background()
 
 	pv, _, err := p.Provision(ctx, opts(class, claim("data")))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	block := claim("block")
 	mode := v1.PersistentVolumeBlock
 	block.Spec.VolumeMode = &mode
 	if _, _, err := p.Provision(ctx, opts(class, block)); err == nil {
 		t.Fatal("a Block claim was provisioned")
 	}
-	if err := p.Delete(ctx, pv); err != nil {
-		t.Fatal(err)
-	}
+	must(t, p.Delete(ctx, pv))
 	nfsPV := &v1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: "pv-nfs"}, Spec: v1.PersistentVolumeSpec{
 		PersistentVolumeSource: v1.PersistentVolumeSource{CSI: &v1.CSIPersistentVolumeSource{
 			Driver: testDriver, VolumeAttributes: map[string]string{"backend": "nfs"}}}}}
@@ -97,9 +93,7 @@ dirpv_nfs_exports_mounted 1
 		t.Error(err)
 	}
 	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	for _, mf := range mfs {
 		for _, m := range mf.GetMetric() {
 			for _, l := range m.GetLabel() {

@@ -85,18 +85,12 @@ func TestCopyProgressEvents(t *testing.T) {
 
 	base := t.TempDir()
 	root, err := volume.OpenRoot(base)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer root.Close()
 	const src = "src"
-	if err := os.MkdirAll(filepath.Join(base, src, "d"), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.MkdirAll(filepath.Join(base, src, "d"), 0o755))
 	for i := range 10 {
-		if err := os.WriteFile(filepath.Join(base, src, "d", fmt.Sprint(i)), make([]byte, 1000), 0o644); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.WriteFile(filepath.Join(base, src, "d", fmt.Sprint(i)), make([]byte, 1000), 0o644))
 	}
 	clk = fakeCopyClock(t)
 	ctx, stop := reportCopy(context.Background(), events, w)

@@ -24,8 +24,6 @@ import (
 	clienttesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
-	"k8s.io/klog/v2"
-	"k8s.io/klog/v2/ktesting"
 	"k8s.io/mount-utils"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
@@ -131,9 +129,14 @@ func listTree(t *testing.T, dir string) []string {
 	return out
 }
 
+// The node instance's part in a local claim's life that the integration tier does not see:
+// which instance takes the claim and the PV, the annotations its Delete reads instead of the
+// class, retried Provision and Delete. The directory's mode and owner and the PV's attributes,
+// node affinity and label, test/integration's TestLocalClaimBindsOnScheduledNode and
+// TestNodeInstancesCacheOwnVolumesOnly check through a real apiserver.
 func TestProvisionLocal(t *testing.T) {
 	f := newFixture(t)
-	class := f.localClass(map[string]string{"mode": "2770", "uid": "1000", "gid": "2000", "pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.labels['app']}-${pv.metadata.name}"})
+	class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.labels['app']}-${pv.metadata.name}"})
 	pvc := claim("data")
 	pvc.Labels = map[string]string{"app": "web"}
 	o := opts(class, pvc)
@@ -148,34 +151,11 @@ func TestProvisionLocal(t *testing.T) {
 		t.Fatalf("Provision = %v, %v", state, err)
 	}
 	dir := filepath.Join(f.base, "ns", "web-pvc-uid-data")
-	var st unix.Stat_t
-	if err := unix.Stat(dir, &st); err != nil {
-		t.Fatalf("volume directory: %v", err)
-	}
-	if st.Mode&0o7777 != 0o2770 || st.Uid != 1000 || st.Gid != 2000 {
-		t.Errorf("directory mode %o owner %d:%d, want 2770 1000:2000", st.Mode&0o7777, st.Uid, st.Gid)
-	}
-	csi := pv.Spec.CSI
-	if csi == nil || csi.Driver != testDriver || csi.VolumeHandle == "" {
-		t.Fatalf("PV source = %+v", pv.Spec.PersistentVolumeSource)
-	}
-	attrs, err := volume.ParseAttributes(csi.VolumeAttributes)
-	if err != nil || attrs.BasePath != f.base || attrs.Path != "ns/web-pvc-uid-data" {
-		t.Errorf("attributes = %+v, %v", attrs, err)
-	}
-	terms := pv.Spec.NodeAffinity.Required.NodeSelectorTerms
-	if len(terms) != 1 || terms[0].MatchExpressions[0].Key != v1.LabelHostname || terms[0].MatchExpressions[0].Values[0] != "host-a" {
-		t.Errorf("node affinity = %+v, want %s=host-a", terms, v1.LabelHostname)
+	if _, err := os.Stat(dir); err != nil || pv.Spec.CSI.VolumeAttributes["path"] != "ns/web-pvc-uid-data" {
+		t.Fatalf("volume directory: %v; PV path %q", err, pv.Spec.CSI.VolumeAttributes["path"])
 	}
 	if pv.Annotations[AnnOnDelete] != "delete" || pv.Annotations[AnnNode] != testNode {
 		t.Errorf("annotations = %v", pv.Annotations)
-	}
-	// The node instance watches only PVs with its label: without it, it would never see its own.
-	if pv.Labels[LabelNode] != testNode {
-		t.Errorf("labels = %v, want %s=%s", pv.Labels, LabelNode, testNode)
-	}
-	if got := pv.Spec.Capacity[v1.ResourceStorage]; got.String() != "1Gi" {
-		t.Errorf("capacity = %s", got.String())
 	}
 
 	// A retried Provision (e.g. after a crash before the PV was saved) finds its own directory.
@@ -183,7 +163,9 @@ func TestProvisionLocal(t *testing.T) {
 		t.Errorf("repeated Provision: %v", err)
 	}
 
-	// Another node's instance ignores the PV; this node's deletes the directory.
+	// Released, its node still there: the controller leaves it to that node, which deletes the
+	// directory (a lost node's PV, the controller's: integration TestLostNodeDoesNotJamDeletion).
+	pv.Status.Phase = v1.VolumeReleased
 	if !f.node.ShouldDelete(context.Background(), pv) || f.ctrl.ShouldDelete(context.Background(), pv) {
 		t.Error("ShouldDelete: want node yes, controller no")
 	}
@@ -196,37 +178,20 @@ func TestProvisionLocal(t *testing.T) {
 	}
 }
 
-func TestOnDeletePolicies(t *testing.T) {
-	for _, policy := range []string{"delete", "retain", "archive"} {
-		t.Run(policy, func(t *testing.T) {
-			f := newFixture(t)
-			class := f.localClass(map[string]string{"onDelete": policy})
-			pv, _, err := f.node.Provision(context.Background(), opts(class, claim("c")))
-			must(t, err)
-			rel := pv.Spec.CSI.VolumeAttributes["path"]
-			must(t, os.WriteFile(filepath.Join(f.base, rel, "file"), []byte("data"), 0o644))
-			must(t, f.node.Delete(context.Background(), pv))
-			entries := listTree(t, f.base)
-			switch policy {
-			case "delete":
-				if len(entries) != 0 {
-					t.Errorf("left behind: %v", entries)
-				}
-			case "retain":
-				if !slices.Equal(entries, []string{rel, rel + "/file"}) {
-					t.Errorf("after retain: %v", entries)
-				}
-			case "archive":
-				if len(entries) != 2 || !strings.HasPrefix(entries[0], "archived-"+rel+"-") || !strings.HasSuffix(entries[1], "/file") {
-					t.Errorf("after archive: %v", entries)
-				}
-			}
-		})
+// nfsClassWith makes the class an NFS one with the parameter k=v.
+func nfsClassWith(k, v string) func(*storagev1.StorageClass, *v1.PersistentVolumeClaim) {
+	return func(s *storagev1.StorageClass, _ *v1.PersistentVolumeClaim) {
+		s.Parameters = map[string]string{"backend": "nfs", "server": "s", "share": "/s", k: v}
 	}
 }
 
+// A claim dirpv refuses for good gets InvalidArgument (the lib's slow retries), a message
+// fit for the claim's event, and nothing on disk. A bad value a user put in a claim or a class
+// (the rows with a 1 MiB value) reaches the message only as a short prefix, with its size.
 func TestRejectionsLeaveNothingOnDisk(t *testing.T) {
 	block := v1.PersistentVolumeBlock
+	huge := strings.Repeat("x", 1<<20)
+	hugeDir := func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Annotations["dir"] = huge + "/" }
 	for name, tc := range map[string]struct {
 		params map[string]string
 		mutate func(*storagev1.StorageClass, *v1.PersistentVolumeClaim)
@@ -242,13 +207,18 @@ func TestRejectionsLeaveNothingOnDisk(t *testing.T) {
 		"reserved name": {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"}, mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
 			c.Annotations["dir"] = volume.ReservedPrefix + "vol-2"
 		}, want: "reserves"},
-		"missing label":      {params: map[string]string{"pathPattern": "${pvc.metadata.labels['team']}"}, want: "does not have"},
-		"unknown onDelete":   {params: map[string]string{"onDelete": "shred"}, want: "onDelete"},
-		"bad mode":           {params: map[string]string{"mode": "rwx"}, want: "octal"},
-		"bad uid":            {params: map[string]string{"uid": "-1"}, want: "uid"},
-		"nfs param on local": {params: map[string]string{"server": "x"}, want: "for backend nfs"},
-		"relative basePath":  {params: map[string]string{"basePath": "var/lib"}, want: "absolute"},
-		"block mode":         {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Spec.VolumeMode = &block }, want: "Block"},
+		"missing label":              {params: map[string]string{"pathPattern": "${pvc.metadata.labels['team']}"}, want: "does not have"},
+		"unknown onDelete":           {params: map[string]string{"onDelete": "shred"}, want: "onDelete"},
+		"bad mode":                   {params: map[string]string{"mode": "rwx"}, want: "octal"},
+		"bad uid":                    {params: map[string]string{"uid": "-1"}, want: "uid"},
+		"nfs param on local":         {params: map[string]string{"server": "x"}, want: "for backend nfs"},
+		"bad capacityEnforcement":    {params: map[string]string{ParamCapacityEnforcement: "always"}, want: ParamCapacityEnforcement},
+		"capacityEnforcement on nfs": {mutate: nfsClassWith(ParamCapacityEnforcement, "required"), want: ParamCapacityEnforcement},
+		"bad basePathMountPoint":     {params: map[string]string{ParamBasePathMountPoint: "yes"}, want: ParamBasePathMountPoint},
+		"basePathMountPoint case":    {params: map[string]string{ParamBasePathMountPoint: "Required"}, want: `"Required"`},
+		"basePathMountPoint on nfs":  {mutate: nfsClassWith(ParamBasePathMountPoint, "required"), want: ParamBasePathMountPoint},
+		"relative basePath":          {params: map[string]string{"basePath": "var/lib"}, want: "absolute"},
+		"block mode":                 {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) { c.Spec.VolumeMode = &block }, want: "Block"},
 		"rwx on local": {mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
 			c.Spec.AccessModes = []v1.PersistentVolumeAccessMode{v1.ReadWriteMany}
 		}, want: "ReadWriteMany"},
@@ -272,6 +242,14 @@ func TestRejectionsLeaveNothingOnDisk(t *testing.T) {
 		"long annotation": {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"}, mutate: func(_ *storagev1.StorageClass, c *v1.PersistentVolumeClaim) {
 			c.Annotations["dir"] = strings.Repeat("x", 300)
 		}, want: "bytes"},
+		"huge annotation value":         {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"}, mutate: hugeDir, want: "(1048"},
+		"huge parameter name":           {params: map[string]string{huge: "1"}, want: "(1048"},
+		"huge mode":                     {params: map[string]string{"mode": huge}, want: "(1048"},
+		"huge onDelete":                 {params: map[string]string{"onDelete": huge}, want: "(1048"},
+		"huge pattern":                  {params: map[string]string{"pathPattern": "/" + huge}, want: "(1048"},
+		"huge pattern variable":         {params: map[string]string{"pathPattern": "${" + huge + "}"}, want: "(1048"},
+		"huge basePath":                 {params: map[string]string{"basePath": "/" + huge + "/"}, want: "(1048"},
+		"huge missing annotation's key": {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['" + huge + "']}"}, want: "(1048"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			f := newFixture(t)
@@ -283,8 +261,8 @@ func TestRejectionsLeaveNothingOnDisk(t *testing.T) {
 				o.SelectedNodeName = pvc.Annotations[annSelectedNode]
 			}
 			_, state, err := f.node.Provision(context.Background(), o)
-			if err == nil || !strings.Contains(err.Error(), tc.want) {
-				t.Fatalf("Provision error = %v, want one mentioning %q", err, tc.want)
+			if err == nil || !strings.Contains(err.Error(), tc.want) || len(err.Error()) > 1024 {
+				t.Fatalf("Provision error = %.1100v, want at most 1 KiB mentioning %q", err, tc.want)
 			}
 			if state != controller.ProvisioningFinished {
 				t.Errorf("state = %s, want Finished", state)
@@ -303,80 +281,18 @@ func TestRejectionsLeaveNothingOnDisk(t *testing.T) {
 	}
 }
 
-// A bad local class has no selected node, so no node instance sees the claim: the controller
-// takes it and reports why on the claim.
-func TestControllerReportsImmediateLocalClass(t *testing.T) {
-	f := newFixture(t)
-	class := f.localClass(nil)
-	class.VolumeBindingMode = nil
-	pvc := claim("c")
-	delete(pvc.Annotations, annSelectedNode)
-	o := opts(class, pvc)
-	if f.node.ShouldProvision(context.Background(), pvc) || !f.ctrl.ShouldProvision(context.Background(), pvc) {
-		t.Fatal("want the controller, not a node, to take a claim of an Immediate local class")
-	}
-	_, state, err := f.ctrl.Provision(context.Background(), o)
-	if err == nil || !strings.Contains(err.Error(), "WaitForFirstConsumer") {
-		t.Errorf("Provision error = %v", err)
-	}
-	if state != controller.ProvisioningFinished || status.Code(err) != codes.InvalidArgument {
-		t.Errorf("state %s, code %s: want Finished and InvalidArgument (infeasible)", state, status.Code(err))
-	}
-}
-
-// logContext returns a context whose logger keeps what it logs, for tests to read back.
-func logContext(t *testing.T) (context.Context, func() string) {
-	logger := ktesting.NewLogger(t, ktesting.NewConfig(ktesting.BufferLogs(true)))
-	return klog.NewContext(context.Background(), logger), func() string {
-		return logger.GetSink().(ktesting.Underlier).GetBuffer().String()
-	}
-}
-
-// A crash between mkdir and saving the PV: the lib calls Provision again for the same claim.
-// With a pattern that does not contain the PV name the directory is found by name alone; it
-// is the claim's own, so it is adopted as it is, data, mode and owner included.
-func TestRetryAfterCrashAdoptsOwnDirectory(t *testing.T) {
-	f := newFixture(t)
-	class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}",
-		"mode": "2770", "uid": "1000", "gid": "2000"})
-	o := opts(class, claim("db"))
-	if _, _, err := f.node.Provision(context.Background(), o); err != nil {
-		t.Fatal(err)
-	}
-	// The PV is lost; the tenant never saw the volume, but make sure nothing is replaced.
-	dir := filepath.Join(f.base, "ns/db")
-	must(t, os.WriteFile(filepath.Join(dir, "data"), []byte("x"), 0o600))
-	ctx, logs := logContext(t)
-	pv, state, err := f.node.Provision(ctx, o)
-	if err != nil || state != controller.ProvisioningFinished {
-		t.Fatalf("retried Provision = %v, %v; want the claim's own directory adopted", state, err)
-	}
-	if got := pv.Spec.CSI.VolumeAttributes["path"]; got != "ns/db" {
-		t.Errorf("adopted PV's path %q, want ns/db", got)
-	}
-	var st unix.Stat_t
-	if err := unix.Stat(dir, &st); err != nil || st.Mode&0o7777 != 0o2770 || st.Uid != 1000 || st.Gid != 2000 {
-		t.Errorf("adopted directory mode %o owner %d:%d (%v), want 2770 1000:2000", st.Mode&0o7777, st.Uid, st.Gid, err)
-	}
-	if b, err := os.ReadFile(filepath.Join(dir, "data")); err != nil || string(b) != "x" {
-		t.Errorf("adopted directory's file: %q %v", b, err)
-	}
-	if !strings.Contains(logs(), "adopted existing directory") {
-		t.Errorf("adoption not logged:\n%s", logs())
-	}
-}
-
+// A directory at a new claim's path is not handed to it: not another claim's volume (left by
+// onDelete retain, say), which the refusal leaves as it was, mode, owner and times included,
+// nor one dirpv did not make. That the first claim's data stays and the new claim gets no PV,
+// test/integration's TestHostileCollidingClaims/left-from-earlier-pv shows.
 func TestExistingDirectoryNotHandedToAnotherClaim(t *testing.T) {
 	f := newFixture(t)
 	class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}"})
-	if _, _, err := f.node.Provision(context.Background(), opts(class, claim("db"))); err != nil {
-		t.Fatal(err)
-	}
-	must(t, os.WriteFile(filepath.Join(f.base, "ns/db/secret"), []byte("x"), 0o600))
+	_, _, err := f.node.Provision(context.Background(), opts(class, claim("db")))
+	must(t, err)
 	before := listTree(t, f.base)
 	var st unix.Stat_t
 	must(t, unix.Stat(filepath.Join(f.base, "ns/db"), &st))
-	// The claim is deleted with onDelete retain... and a new claim of the same name comes.
 	again := claim("db")
 	again.UID = "uid-db-2"
 	_, state, err := f.node.Provision(context.Background(), opts(class, again))
@@ -393,11 +309,7 @@ func TestExistingDirectoryNotHandedToAnotherClaim(t *testing.T) {
 	if err := unix.Stat(filepath.Join(f.base, "ns/db"), &after); err != nil || after.Mode != st.Mode || after.Uid != st.Uid || after.Mtim != st.Mtim {
 		t.Errorf("the refused directory changed: %+v, was %+v (%v)", after, st, err)
 	}
-	if b, err := os.ReadFile(filepath.Join(f.base, "ns/db/secret")); err != nil || string(b) != "x" {
-		t.Errorf("first claim's data: %q %v", b, err)
-	}
 
-	// A directory dirpv did not make is refused too, whatever the claim.
 	must(t, os.Mkdir(filepath.Join(f.base, "ns/manual"), 0o777))
 	_, _, err = f.node.Provision(context.Background(), opts(class, claim("manual")))
 	if err == nil || !strings.Contains(err.Error(), "is not a volume dirpv made") {
@@ -407,55 +319,45 @@ func TestExistingDirectoryNotHandedToAnotherClaim(t *testing.T) {
 
 // A PV's Delete can come again after its directory is gone (a crash after the removal, before
 // the PV was deleted), and with a pattern without ${pv.metadata.name} the name may by then be
-// another claim's volume. That volume is left alone, whichever onDelete the stale PV has.
+// another claim's volume. That volume is left alone by a stale PV whose onDelete is archive,
+// bound or not. With onDelete delete (the default), test/integration's
+// TestDeleteOfAnotherClaimsDirectoryIsRefused shows it through a real apiserver, on both backends.
 func TestStaleDeleteLeavesAnotherClaimsDirectory(t *testing.T) {
 	for _, backend := range []volume.Backend{volume.BackendLocal, volume.BackendNFS} {
-		for _, policy := range []string{"delete", "archive"} {
-			t.Run(string(backend)+"/"+policy, func(t *testing.T) {
-				s := newStoreFixture(t, backend, map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}", "onDelete": policy})
-				first := s.claim("db")
-				stale, _, err := s.p.Provision(context.Background(), opts(s.class, first))
-				must(t, err)
-				// As the lib binds it.
-				stale.Spec.ClaimRef = &v1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: first.Namespace, Name: first.Name, UID: first.UID}
-				must(t, s.p.Delete(context.Background(), stale))
-				second := s.claim("db")
-				second.UID = "uid-db-2"
-				pv, _, err := s.p.Provision(context.Background(), opts(s.class, second))
-				if err != nil {
-					t.Fatalf("the name is free again, but the new claim was refused: %v", err)
-				}
-				data := filepath.Join(s.base, "ns/db/data")
-				must(t, os.WriteFile(data, []byte("second's"), 0o600))
-				s.settle(t)
-				before := listTree(t, s.base)
-				err = s.p.Delete(context.Background(), stale)
-				if err == nil || !strings.Contains(err.Error(), "belongs to another claim") {
-					t.Fatalf("stale PV's Delete = %v, want a refusal", err)
-				}
-				// Without a claimRef (never bound), the PV name decides.
-				stale.Spec.ClaimRef = nil
-				if err := s.p.Delete(context.Background(), stale); err == nil {
-					t.Fatal("stale unbound PV's Delete succeeded")
-				}
-				s.settle(t)
-				if after := listTree(t, s.base); !slices.Equal(before, after) {
-					t.Errorf("refused Delete changed the base: %v, was %v", after, before)
-				}
-				if b, err := os.ReadFile(data); err != nil || string(b) != "second's" {
-					t.Errorf("second claim's data: %q %v", b, err)
-				}
-				if policy == "archive" {
-					return // a second archive within the same second would clash with the first
-				}
-				// The owner's own Delete still works.
-				pv.Spec.ClaimRef = &v1.ObjectReference{UID: second.UID}
-				must(t, s.p.Delete(context.Background(), pv))
-				if _, err := os.Stat(filepath.Join(s.base, "ns/db")); !os.IsNotExist(err) {
-					t.Errorf("owner's Delete left ns/db: %v", err)
-				}
-			})
-		}
+		t.Run(string(backend), func(t *testing.T) {
+			s := newStoreFixture(t, backend, map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.name}", "onDelete": "archive"})
+			first := s.claim("db")
+			stale, _, err := s.p.Provision(context.Background(), opts(s.class, first))
+			must(t, err)
+			// As the lib binds it.
+			stale.Spec.ClaimRef = &v1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: first.Namespace, Name: first.Name, UID: first.UID}
+			must(t, s.p.Delete(context.Background(), stale))
+			second := s.claim("db")
+			second.UID = "uid-db-2"
+			if _, _, err := s.p.Provision(context.Background(), opts(s.class, second)); err != nil {
+				t.Fatalf("the name is free again, but the new claim was refused: %v", err)
+			}
+			data := filepath.Join(s.base, "ns/db/data")
+			must(t, os.WriteFile(data, []byte("second's"), 0o600))
+			s.settle(t)
+			before := listTree(t, s.base)
+			err = s.p.Delete(context.Background(), stale)
+			if err == nil || !strings.Contains(err.Error(), "belongs to another claim") {
+				t.Fatalf("stale PV's Delete = %v, want a refusal", err)
+			}
+			// Without a claimRef (never bound), the PV name decides.
+			stale.Spec.ClaimRef = nil
+			if err := s.p.Delete(context.Background(), stale); err == nil {
+				t.Fatal("stale unbound PV's Delete succeeded")
+			}
+			s.settle(t)
+			if after := listTree(t, s.base); !slices.Equal(before, after) {
+				t.Errorf("refused Delete changed the base: %v, was %v", after, before)
+			}
+			if b, err := os.ReadFile(data); err != nil || string(b) != "second's" {
+				t.Errorf("second claim's data: %q %v", b, err)
+			}
+		})
 	}
 }
 
@@ -629,67 +531,6 @@ func TestArchiveNameFits(t *testing.T) {
 	}
 }
 
-// A local PV whose node was deleted is handled by the controller: the PV can go, the data is
-// left where it is, and an event says so.
-func TestLostNodesVolumeIsReleasedByController(t *testing.T) {
-	f := newFixture(t)
-	class := f.localClass(nil)
-	pv, _, err := f.node.Provision(context.Background(), opts(class, claim("c")))
-	must(t, err)
-	pv.Status.Phase = v1.VolumeReleased
-	if f.ctrl.ShouldDelete(context.Background(), pv) {
-		t.Fatal("controller takes a local PV whose node exists")
-	}
-	must(t, f.ctrl.cfg.Client.CoreV1().Nodes().Delete(context.Background(), testNode, metav1.DeleteOptions{}))
-	events := record.NewFakeRecorder(1)
-	f.ctrl.cfg.Events = events
-	if !f.ctrl.ShouldDelete(context.Background(), pv) {
-		t.Fatal("controller does not take a local PV whose node is gone")
-	}
-	must(t, f.ctrl.Delete(context.Background(), pv))
-	if ev := <-events.Events; !strings.Contains(ev, "VolumeDataOnLostNode") || !strings.Contains(ev, testNode) {
-		t.Errorf("event = %q", ev)
-	}
-	if got := listTree(t, f.base); len(got) != 1 {
-		t.Errorf("base = %v: the controller must not touch a lost node's directory", got)
-	}
-}
-
-// A bad value a user put in a claim or a class reaches the event only as a short prefix.
-func TestErrorsQuoteABoundedPrefix(t *testing.T) {
-	huge := strings.Repeat("x", 1<<20)
-	for name, tc := range map[string]struct {
-		params map[string]string
-		mutate func(*v1.PersistentVolumeClaim)
-	}{
-		"annotation value": {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['dir']}"},
-			mutate: func(c *v1.PersistentVolumeClaim) { c.Annotations["dir"] = huge + "/" }},
-		"unknown parameter name":   {params: map[string]string{huge: "1"}},
-		"mode value":               {params: map[string]string{"mode": huge}},
-		"onDelete value":           {params: map[string]string{"onDelete": huge}},
-		"pattern":                  {params: map[string]string{"pathPattern": "/" + huge}},
-		"pattern variable":         {params: map[string]string{"pathPattern": "${" + huge + "}"}},
-		"basePath":                 {params: map[string]string{"basePath": "/" + huge + "/"}},
-		"missing annotation's key": {params: map[string]string{"pathPattern": "${pvc.metadata.annotations['" + huge + "']}"}},
-	} {
-		t.Run(name, func(t *testing.T) {
-			f := newFixture(t)
-			class := f.localClass(tc.params)
-			pvc := claim("c")
-			if tc.mutate != nil {
-				tc.mutate(pvc)
-			}
-			_, _, err := f.node.Provision(context.Background(), opts(class, pvc))
-			if err == nil {
-				t.Fatal("Provision accepted the claim")
-			}
-			if msg := err.Error(); len(msg) > 1024 || !strings.Contains(msg, "(1048") {
-				t.Errorf("message is %d bytes, want a bounded prefix and the value's size: %.300s", len(msg), msg)
-			}
-		})
-	}
-}
-
 // mountForTest mounts over the fixture's base and undoes it after the test, once the
 // provisioners have closed the base.
 func (f *fixture) mountForTest(source, fstype string, flags uintptr, data string) {
@@ -707,16 +548,10 @@ func (f *fixture) mountForTest(source, fstype string, flags uintptr, data string
 }
 
 // A node whose base path cannot take the volume hands the claim back to the scheduler, and
-// says which node and what failed.
+// says which node and what failed. A read-only base: test/integration's
+// TestReadOnlyBaseReschedules, through the real scheduler.
 func TestNodeLocalFailureReschedules(t *testing.T) {
 	for name, setup := range map[string]func(t *testing.T, f *fixture) string{
-		"read-only base": func(t *testing.T, f *fixture) string {
-			f.mountForTest(f.base, "", unix.MS_BIND, "")
-			if err := unix.Mount("", f.base, "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY, ""); err != nil {
-				t.Fatalf("remount %s read-only: %v", f.base, err)
-			}
-			return "read-only file system"
-		},
 		"base not creatable": func(t *testing.T, f *fixture) string {
 			file := filepath.Join(f.base, "file")
 			must(t, os.WriteFile(file, nil, 0o600))
@@ -757,38 +592,6 @@ func TestNodeLocalFailureReschedules(t *testing.T) {
 				t.Errorf("base holds %v after the refusal, want nothing", got)
 			}
 		})
-	}
-}
-
-// Claims of another provisioner's class are neither served nor reported on by any instance,
-// whatever the class's parameters, placed or not: the lib asks ShouldProvision before it looks
-// at the provisioner.
-func TestOtherProvisionersClaimsAreNotOurs(t *testing.T) {
-	f := newFixture(t)
-	events := record.NewFakeRecorder(10)
-	f.ctrl.cfg.Events = events
-	f.node.cfg.Events = events
-	wffc := storagev1.VolumeBindingWaitForFirstConsumer
-	immediate := storagev1.VolumeBindingImmediate
-	for _, class := range []*storagev1.StorageClass{
-		{ObjectMeta: metav1.ObjectMeta{Name: "refused"}, Provisioner: "rancher.io/local-path", Parameters: map[string]string{"nodePath": "/opt"}, VolumeBindingMode: &wffc},
-		{ObjectMeta: metav1.ObjectMeta{Name: "lookalike"}, Provisioner: "rancher.io/local-path", Parameters: map[string]string{"backend": "local", "basePath": f.base}, VolumeBindingMode: &wffc},
-		{ObjectMeta: metav1.ObjectMeta{Name: "immediate"}, Provisioner: "example.com/nfs", Parameters: map[string]string{"backend": "nfs"}, VolumeBindingMode: &immediate},
-	} {
-		f.classes.Add(class)
-		for _, node := range []string{"", testNode, "node-without-plugin"} {
-			pvc := claim(class.Name + "-" + node)
-			pvc.Annotations[annSelectedNode] = node
-			pvc.Spec.StorageClassName = &class.Name
-			if f.ctrl.ShouldProvision(context.Background(), pvc) || f.node.ShouldProvision(context.Background(), pvc) {
-				t.Errorf("class %s, node %q: an instance takes another provisioner's claim", class.Name, node)
-			}
-		}
-	}
-	select {
-	case ev := <-events.Events:
-		t.Errorf("event on another provisioner's claim: %q", ev)
-	default:
 	}
 }
 
@@ -852,48 +655,37 @@ func TestControllerReportsNodeWithoutPlugin(t *testing.T) {
 	}
 }
 
-// A claim being deleted is provisioned by no instance: its volume would be released at once,
-// and a clone's copy, cancelled when the deletion began, would start again.
-func TestClaimBeingDeletedIsNotProvisioned(t *testing.T) {
-	f := newFixture(t)
-	class := f.localClass(nil)
-	pvc := claim("going")
-	pvc.Spec.StorageClassName = &class.Name
-	pvc.Annotations[annSelectedNode] = testNode
-	if !f.node.ShouldProvision(context.Background(), pvc) {
-		t.Fatal("the node does not take its own claim: the test proves nothing")
-	}
-	now := metav1.Now()
-	pvc.DeletionTimestamp = &now
-	if f.node.ShouldProvision(context.Background(), pvc) {
-		t.Error("the node provisions a claim being deleted")
-	}
-}
-
+// Which claims the node instance takes. A claim being deleted, none: its volume would be
+// released at once, and a clone's copy, cancelled when the deletion began, would start again.
 // A claim placed on the node and handed to dirpv can reach the node instance before the class
-// it names does (two watches). The node takes it, so that the lib retries it once the class
-// is known instead of at the next resync; a claim handed to another provisioner, or placed on
-// another node, stays someone else's.
-func TestClaimBeforeItsClassStaysOnTheNode(t *testing.T) {
+// it names does (two watches): the node takes it, so that the lib retries it once the class is
+// known instead of at the next resync; one handed to another provisioner, or placed on another
+// node, stays someone else's.
+func TestNodeShouldProvision(t *testing.T) {
 	f := newFixture(t)
-	name := "created-with-its-claim"
+	known := f.localClass(nil).Name
 	for _, c := range []struct {
-		node, provisioner string
-		want              bool
+		class, node, provisioner string
+		deleting, want           bool
 	}{
-		{testNode, testDriver, true},
-		{testNode, "rancher.io/local-path", false},
-		{"node-b", testDriver, false},
-		{testNode, "", false},
+		{known, testNode, "", false, true},
+		{known, testNode, "", true, false},
+		{"not-yet-known", testNode, testDriver, false, true},
+		{"not-yet-known", testNode, "rancher.io/local-path", false, false},
+		{"not-yet-known", "node-b", testDriver, false, false},
+		{"not-yet-known", testNode, "", false, false},
 	} {
-		pvc := claim("early")
-		pvc.Spec.StorageClassName = &name
+		pvc := claim("c")
+		pvc.Spec.StorageClassName = &c.class
 		pvc.Annotations[annSelectedNode] = c.node
 		if c.provisioner != "" {
 			pvc.Annotations[annStorageProvisioner] = c.provisioner
 		}
+		if c.deleting {
+			pvc.DeletionTimestamp = &metav1.Time{Time: time.Now()}
+		}
 		if got := f.node.ShouldProvision(context.Background(), pvc); got != c.want {
-			t.Errorf("node %s, provisioner %q, class not yet known: ShouldProvision = %t, want %t", c.node, c.provisioner, got, c.want)
+			t.Errorf("class %s, node %s, provisioner %q, being deleted %t: ShouldProvision = %t, want %t", c.class, c.node, c.provisioner, c.deleting, got, c.want)
 		}
 	}
 }

@@ -2,13 +2,10 @@ package provisioner
 
 import (
 	"context"
-	"errors"
-	"path/filepath"
 	"slices"
 	"testing"
 
 	"github.com/kubernetes-csi/external-resizer/pkg/util"
-	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	v1 "k8s.io/api/core/v1"
@@ -19,9 +16,12 @@ import (
 )
 
 // TestResizeLocalRaisesTheLimitOnItsNodeOnly: only the node instance holding a local volume
-// resizes it; the new limit holds at once; growth beyond the base's free space is a final,
-// infeasible error for the external-resizer controller; a volume no longer the claim's is
-// refused. NFS volumes are resized, recorded only, by the controller.
+// resizes it, and not once the PV is Released, lives elsewhere or outside the allowed bases; a
+// volume no longer the claim's is refused; NFS volumes are resized, recorded only, by the
+// controller, which mounts nothing for it. That the new limit holds at once for a process
+// that hit the old one, that growth beyond the base's free space is infeasible for good, and
+// that an NFS claim's new size is recorded, test/integration's TestLocalClaimExpandsOnline and
+// TestNFSClaimResizeIsRecorded show through the external-resizer.
 func TestResizeLocalRaisesTheLimitOnItsNodeOnly(t *testing.T) {
 	f := newFixtureOn(t, quotatest.Btrfs(t, true))
 	pvc, pv := f.boundLocalVolume()
@@ -45,22 +45,6 @@ func TestResizeLocalRaisesTheLimitOnItsNodeOnly(t *testing.T) {
 		t.Error("CanSupport of a PV outside the allowed bases is true")
 	}
 
-	rel := pv.Spec.CSI.VolumeAttributes[volume.AttrPath]
-	if n, err := quotatest.Fill(t, filepath.Join(f.base, rel, "one"), 16<<20); !errors.Is(err, unix.EDQUOT) {
-		t.Fatalf("8Mi volume took %d bytes of 16 MiB: %v; want EDQUOT", n, err)
-	}
-	size, fsResize, err := node.Resize(pv, resource.MustParse("32Mi"))
-	if err != nil || fsResize || size.Cmp(resource.MustParse("32Mi")) != 0 {
-		t.Fatalf("Resize to 32Mi = %s, %v, %v", size.String(), fsResize, err)
-	}
-	if n, err := quotatest.Fill(t, filepath.Join(f.base, rel, "two"), 12<<20); err != nil {
-		t.Errorf("after the resize, %d of 12 more MiB went in: %v", n, err)
-	}
-
-	_, _, err = node.Resize(pv, resource.MustParse("1Ti"))
-	if status.Code(err) != codes.OutOfRange || !util.IsFinalError(err) || !util.IsInfeasibleError(err) {
-		t.Errorf("Resize beyond the base's free space = %v; want a final, infeasible OutOfRange", err)
-	}
 	stale := pv.DeepCopy()
 	stale.Spec.ClaimRef.UID = "uid-other"
 	if _, _, err := node.Resize(stale, resource.MustParse("64Mi")); status.Code(err) != codes.FailedPrecondition {
@@ -68,7 +52,7 @@ func TestResizeLocalRaisesTheLimitOnItsNodeOnly(t *testing.T) {
 	}
 
 	nfs := pv.DeepCopy()
-	nfs.Spec.CSI.VolumeAttributes = volume.Attributes{Backend: volume.BackendNFS, Server: "nfs.example", Share: "/export", Path: rel}.Map()
+	nfs.Spec.CSI.VolumeAttributes = volume.Attributes{Backend: volume.BackendNFS, Server: "nfs.example", Share: "/export", Path: "v"}.Map()
 	if node.CanSupport(nfs, pvc) || !ctrl.CanSupport(nfs, pvc) {
 		t.Errorf("CanSupport of an NFS PV: node %v, controller %v; want only the controller", node.CanSupport(nfs, pvc), ctrl.CanSupport(nfs, pvc))
 	}

@@ -9,40 +9,9 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
-
-// The node's figure for a local class is the free space of the class's base, rounded down to
-// at most 1/64 of it, and follows what is written there.
-func TestGetCapacityLocal(t *testing.T) {
-	f := newFixture(t)
-	f.mountForTest("tmpfs", "tmpfs", 0, "size=64m")
-	class := f.localClass(nil)
-	get := func() int64 {
-		t.Helper()
-		resp, err := f.node.GetCapacity(context.Background(), &csi.GetCapacityRequest{Parameters: class.Parameters})
-		if err != nil {
-			t.Fatalf("GetCapacity: %v", err)
-		}
-		return resp.AvailableCapacity
-	}
-	if got := get(); got != 64<<20 {
-		t.Errorf("capacity of an empty 64 MiB base = %d, want %d", got, 64<<20)
-	}
-	must(t, os.WriteFile(filepath.Join(f.base, "data"), make([]byte, 24<<20), 0o600))
-	if got := get(); got != 40<<20 {
-		t.Errorf("capacity after writing 24 MiB = %d, want %d", got, 40<<20)
-	}
-	// tmpfs has no project quota: a class that requires sizes enforced cannot use this base,
-	// and the scheduler must not be drawn to it.
-	required := map[string]string{"backend": "local", "basePath": f.base, "capacityEnforcement": "required"}
-	resp, err := f.node.GetCapacity(context.Background(), &csi.GetCapacityRequest{Parameters: required})
-	if err != nil || resp.AvailableCapacity != 0 {
-		t.Errorf("capacity for a required class on a base that cannot enforce = %v, %v; want 0", resp, err)
-	}
-}
 
 // Classes the node cannot serve get an error and publish nothing: a class the parser refuses
 // or an NFS class is InvalidArgument, a base outside the allowed ones PermissionDenied, and a
@@ -54,15 +23,22 @@ func TestGetCapacityRefusals(t *testing.T) {
 	for name, tc := range map[string]struct {
 		params map[string]string
 		want   codes.Code
+		ctrl   bool
 	}{
-		"unknown parameter": {map[string]string{"backend": "local", "basePath": f.base, "sizeLimit": "1"}, codes.InvalidArgument},
-		"no backend":        {map[string]string{"basePath": f.base}, codes.InvalidArgument},
-		"nfs class":         {map[string]string{"backend": "nfs", "server": "srv", "share": "/export"}, codes.InvalidArgument},
-		"base not allowed":  {map[string]string{"backend": "local", "basePath": "/srv/elsewhere"}, codes.PermissionDenied},
-		"symlinked base":    {map[string]string{"backend": "local", "basePath": filepath.Join(f.base, "link", "base")}, codes.FailedPrecondition},
+		// The controller does not speak for local classes.
+		"local class, controller": {map[string]string{"backend": "local", "basePath": f.base}, codes.InvalidArgument, true},
+		"unknown parameter":       {map[string]string{"backend": "local", "basePath": f.base, "sizeLimit": "1"}, codes.InvalidArgument, false},
+		"no backend":              {map[string]string{"basePath": f.base}, codes.InvalidArgument, false},
+		"nfs class":               {map[string]string{"backend": "nfs", "server": "srv", "share": "/export"}, codes.InvalidArgument, false},
+		"base not allowed":        {map[string]string{"backend": "local", "basePath": "/srv/elsewhere"}, codes.PermissionDenied, false},
+		"symlinked base":          {map[string]string{"backend": "local", "basePath": filepath.Join(f.base, "link", "base")}, codes.FailedPrecondition, false},
 	} {
 		t.Run(name, func(t *testing.T) {
-			resp, err := f.node.GetCapacity(context.Background(), &csi.GetCapacityRequest{Parameters: tc.params})
+			p := f.node
+			if tc.ctrl {
+				p = f.ctrl
+			}
+			resp, err := p.GetCapacity(context.Background(), &csi.GetCapacityRequest{Parameters: tc.params})
 			if status.Code(err) != tc.want {
 				t.Errorf("GetCapacity = %v, %v; want code %s", resp, err, tc.want)
 			}
@@ -73,15 +49,6 @@ func TestGetCapacityRefusals(t *testing.T) {
 	}
 	if _, err := os.Stat("/srv/elsewhere"); err == nil {
 		t.Error("a base outside the allowed ones was created")
-	}
-}
-
-// The controller does not speak for local classes.
-func TestGetCapacityControllerRefusesLocal(t *testing.T) {
-	f := newFixture(t)
-	class := f.localClass(nil)
-	if _, err := f.ctrl.GetCapacity(context.Background(), &csi.GetCapacityRequest{Parameters: class.Parameters}); status.Code(err) != codes.InvalidArgument {
-		t.Errorf("controller GetCapacity of a local class = %v, want InvalidArgument", err)
 	}
 }
 
@@ -109,18 +76,6 @@ func TestPublishesCapacity(t *testing.T) {
 		if got := f.ctrl.PublishesCapacity(tc.class); got != tc.ctrl {
 			t.Errorf("controller publishes %s %v %s: %v, want %v", tc.class.Parameters["backend"], tc.class.VolumeBindingMode, tc.class.Provisioner, got, tc.ctrl)
 		}
-	}
-}
-
-// A node instance's objects select its node by the label its PVs' affinity uses.
-func TestCapacityTopology(t *testing.T) {
-	f := newFixture(t)
-	got, err := f.node.CapacityTopology(context.Background())
-	if err != nil || len(got) != 1 || got[v1.LabelHostname] != "host-a" {
-		t.Errorf("node topology = %v, %v; want %s=host-a", got, err, v1.LabelHostname)
-	}
-	if got, err := f.ctrl.CapacityTopology(context.Background()); err != nil || got != nil {
-		t.Errorf("controller topology = %v, %v; want nil (every node)", got, err)
 	}
 }
 

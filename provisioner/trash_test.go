@@ -14,7 +14,6 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
-	corelisters "k8s.io/client-go/listers/core/v1"
 	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
@@ -106,64 +105,89 @@ func (f *trashFixture) waitTrashEmpty(t *testing.T, p *Provisioner, within time.
 	})
 }
 
-// Deleting a volume of 100k files returns within the operation timeout, though removing the
-// tree takes longer: the directory leaves its name at once, other claims on the export are
-// served meanwhile, also while a step of the walk outlasts the timeout, a retried Delete
-// starts no second walk, the trash ends empty, and the export is never taken for dead
-// (mounted once throughout).
+// Deleting a big NFS volume, or a snapshot of one, returns within the operation timeout though
+// removing the tree takes longer: it leaves its name at once, its tree goes to the export's
+// trash, other claims on the export are served meanwhile, also while a step of the walk
+// outlasts the timeout, a retried delete (the lib's, the snapshot sidecar's) starts no second
+// walk, the trash ends empty, and the export is never taken for dead (mounted once throughout).
 func TestLargeNFSDeleteReturnsAtOnce(t *testing.T) {
-	const timeout, files = 2 * time.Second, 100_000
-	f := newTrashFixture(t, timeout)
-	p := f.start(t)
-	pv := f.provision(t, p, "big")
-	rel := pv.Spec.CSI.VolumeAttributes["path"]
-	must(t, framework.FillEmptyFiles(filepath.Join(f.src, rel), files))
+	const timeout = 2 * time.Second
+	for _, tc := range []struct {
+		name  string
+		files int
+		// prepare returns how to delete what the test deletes, and what is wrong if that is
+		// not gone from its name.
+		prepare func(t *testing.T, f *trashFixture, p *Provisioner, pv *v1.PersistentVolume) (del func() error, notGone func() error)
+	}{
+		{"volume", 100_000, func(t *testing.T, f *trashFixture, p *Provisioner, pv *v1.PersistentVolume) (func() error, func() error) {
+			return func() error { return p.Delete(context.Background(), pv) }, func() error {
+				if _, err := os.Lstat(filepath.Join(f.src, pv.Spec.CSI.VolumeAttributes["path"])); !errors.Is(err, os.ErrNotExist) {
+					return fmt.Errorf("volume directory: %v", err)
+				}
+				if got := f.trashEntries(t); len(got) != 1 || got[0] != pv.Name {
+					return fmt.Errorf("trash %v, want [%s]", got, pv.Name)
+				}
+				return nil
+			}
+		}},
+		{"snapshot", 20_000, func(t *testing.T, f *trashFixture, p *Provisioner, pv *v1.PersistentVolume) (func() error, func() error) {
+			s := startSnapshotter(t, p, pv)
+			id, _ := createUntilReady(t, s, "snapshot-big", pv.Spec.CSI.VolumeHandle)
+			return func() error { return s.DeleteSnapshot(context.Background(), id, nil) }, func() error {
+				if ready, _, _, _, err := s.GetSnapshotStatus(context.Background(), id, nil); err == nil || ready {
+					return fmt.Errorf("snapshot status: ready %v, err %v", ready, err)
+				}
+				return nil
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newTrashFixture(t, timeout)
+			p := f.start(t)
+			pv := f.provision(t, p, "big")
+			must(t, framework.FillEmptyFiles(filepath.Join(f.src, pv.Spec.CSI.VolumeAttributes["path"]), tc.files))
+			del, notGone := tc.prepare(t, f, p, pv)
 
-	// Hold the walk, so that it outlasts the operation timeout whatever the machine's speed.
-	release := make(chan struct{})
-	p.exports.HoldSteps(func() { <-release })
-	start := time.Now()
-	if err := p.Delete(context.Background(), pv); err != nil {
-		t.Fatalf("Delete: %v", err)
-	}
-	if d := time.Since(start); d >= timeout {
-		t.Errorf("Delete took %v, operation timeout %v", d, timeout)
-	}
-	if _, err := os.Lstat(filepath.Join(f.src, rel)); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("volume directory after Delete: %v, want it gone from its name", err)
-	}
-	if got := f.trashEntries(t); len(got) != 1 || got[0] != pv.Name {
-		t.Errorf("trash = %v, want [%s]", got, pv.Name)
-	}
-	if n := p.PendingDeletes(); n != 1 {
-		t.Errorf("PendingDeletes = %d, want 1", n)
-	}
-	// The export keeps serving claims while the tree waits for its removal.
-	f.provision(t, p, "meanwhile")
-	removalsStarted := p.exports.RemovalsStarted
-	// The walk runs on a goroutine of its own: wait until it has started (and is held), so
-	// that a second walk, if the retry below started one, could not be mistaken for the first.
-	eventually(t, 30*time.Second, func() (bool, string) {
-		n := removalsStarted()
-		return n == 1, fmt.Sprintf("%d removals started, want 1", n)
-	})
-	// The lib retries a Delete whose result it did not see: no second walk of the tree.
-	if err := p.Delete(context.Background(), pv); err != nil {
-		t.Fatalf("second Delete: %v", err)
-	}
-	if removals := removalsStarted(); removals != 1 || p.PendingDeletes() != 1 {
-		t.Errorf("after a second Delete: %d removals started and %d pending, want 1 and 1", removals, p.PendingDeletes())
-	}
-	// The held step outlasts the operation timeout, as on a server that stopped answering:
-	// the walk pauses, and the export still serves claims.
-	<-time.After(time.Until(start.Add(timeout + timeout/2)))
-	f.provision(t, p, "while-paused")
-	close(release)
+			// Hold the walk, so that it outlasts the operation timeout whatever the machine's speed.
+			release := make(chan struct{})
+			p.exports.HoldSteps(func() { <-release })
+			start := time.Now()
+			must(t, del())
+			if d := time.Since(start); d >= timeout {
+				t.Errorf("the delete took %v, operation timeout %v", d, timeout)
+			}
+			if err := notGone(); err != nil {
+				t.Errorf("after the delete: %v; want it gone from its name, its tree in the trash", err)
+			}
+			if got, n := f.trashEntries(t), p.PendingDeletes(); len(got) != 1 || n != 1 {
+				t.Errorf("trash %v, %d pending deletes; want one tree, removed in the background", got, n)
+			}
+			// The export keeps serving claims while the tree waits for its removal.
+			f.provision(t, p, "meanwhile")
+			// The walk runs on a goroutine of its own: wait until it has started (and is held),
+			// so that a second walk, if the retry below started one, could not be mistaken for
+			// the first.
+			eventually(t, 30*time.Second, func() (bool, string) {
+				n := p.exports.RemovalsStarted()
+				return n == 1, fmt.Sprintf("%d removals started, want 1", n)
+			})
+			// A delete whose result the caller did not see is retried: no second walk.
+			must(t, del())
+			if removals := p.exports.RemovalsStarted(); removals != 1 || p.PendingDeletes() != 1 {
+				t.Errorf("after a second delete: %d removals started and %d pending, want 1 and 1", removals, p.PendingDeletes())
+			}
+			// The held step outlasts the operation timeout, as on a server that stopped
+			// answering: the walk pauses, and the export still serves claims.
+			<-time.After(time.Until(start.Add(timeout + timeout/2)))
+			f.provision(t, p, "while-paused")
+			close(release)
 
-	f.waitTrashEmpty(t, p, 2*time.Minute)
-	t.Logf("%d files removed %v after Delete returned", files, time.Since(start).Round(time.Millisecond))
-	if n := f.m.Mounts.Load(); n != 1 {
-		t.Errorf("export mounted %d times, want once: the walk must not make it look dead", n)
+			f.waitTrashEmpty(t, p, 2*time.Minute)
+			t.Logf("%d files removed %v after the delete returned", tc.files, time.Since(start).Round(time.Millisecond))
+			if n := f.m.Mounts.Load(); n != 1 {
+				t.Errorf("export mounted %d times, want once: the walk must not make it look dead", n)
+			}
+		})
 	}
 }
 
@@ -199,67 +223,6 @@ func TestPatternCannotProduceTrash(t *testing.T) {
 		if err == nil {
 			t.Errorf("pattern %q expands to %q, want it refused", pat, got)
 		}
-	}
-}
-
-// Deleting an NFS snapshot of a big volume returns within the operation timeout whatever the
-// size of its tree: the snapshot leaves its name at once, the tree goes to the export's trash
-// and is removed in the background (held here beyond the timeout), a retried delete starts
-// no second walk, and the export is never taken for dead (mounted once throughout).
-func TestLargeNFSSnapshotDeleteReturnsAtOnce(t *testing.T) {
-	const timeout, files = 2 * time.Second, 20_000
-	f := newTrashFixture(t, timeout)
-	p := f.start(t)
-	pv := f.provision(t, p, "big")
-	must(t, framework.FillEmptyFiles(filepath.Join(f.src, pv.Spec.CSI.VolumeAttributes["path"]), files))
-	pvs := cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
-	pvs.Add(pv)
-	s := p.Snapshotter(corelisters.NewPersistentVolumeLister(pvs))
-	ctx, cancel := context.WithCancel(context.Background())
-	wait := s.Start(ctx)
-	t.Cleanup(func() {
-		cancel()
-		wait()
-	})
-	id, _ := createUntilReady(t, s, "snapshot-big", pv.Spec.CSI.VolumeHandle)
-
-	release := make(chan struct{})
-	p.exports.HoldSteps(func() { <-release })
-	start := time.Now()
-	if err := s.DeleteSnapshot(context.Background(), id, nil); err != nil {
-		t.Fatalf("DeleteSnapshot: %v", err)
-	}
-	if d := time.Since(start); d >= timeout {
-		t.Errorf("DeleteSnapshot took %v, operation timeout %v", d, timeout)
-	}
-	if ready, _, _, _, err := s.GetSnapshotStatus(context.Background(), id, nil); err == nil || ready {
-		t.Errorf("snapshot status after DeleteSnapshot: ready %v, err %v; want it gone", ready, err)
-	}
-	trash := f.trashEntries(t)
-	if len(trash) != 1 {
-		t.Fatalf("trash = %v, want the snapshot's tree, removed in the background", trash)
-	}
-	if n := p.PendingDeletes(); n != 1 {
-		t.Errorf("PendingDeletes = %d, want 1", n)
-	}
-	eventually(t, 30*time.Second, func() (bool, string) {
-		n := p.exports.RemovalsStarted()
-		return n == 1, fmt.Sprintf("%d removals started, want 1", n)
-	})
-	// The sidecar retries a delete whose answer it did not see: no second walk.
-	if err := s.DeleteSnapshot(context.Background(), id, nil); err != nil {
-		t.Fatalf("second DeleteSnapshot: %v", err)
-	}
-	if n := p.exports.RemovalsStarted(); n != 1 || p.PendingDeletes() != 1 {
-		t.Errorf("after a second DeleteSnapshot: %d removals started and %d pending, want 1 and 1", n, p.PendingDeletes())
-	}
-	// The held step outlasts the operation timeout; the export still serves claims.
-	<-time.After(time.Until(start.Add(timeout + timeout/2)))
-	f.provision(t, p, "while-paused")
-	close(release)
-	f.waitTrashEmpty(t, p, 2*time.Minute)
-	if n := f.m.Mounts.Load(); n != 1 {
-		t.Errorf("export mounted %d times, want once: the delete must not make it look dead", n)
 	}
 }
 

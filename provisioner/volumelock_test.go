@@ -46,6 +46,23 @@ func holdAt(t *testing.T, point string) (reached <-chan struct{}, release func()
 	return at, release
 }
 
+// runHeldAt runs op on a goroutine of its own and returns once op is held at point (holdAt);
+// done gets what op returns once released.
+func runHeldAt(t *testing.T, point string, op func() error) (done <-chan error, release func()) {
+	t.Helper()
+	reached, release := holdAt(t, point)
+	result := make(chan error, 1)
+	go func() { result <- op() }()
+	select {
+	case <-reached:
+	case err := <-result:
+		t.Fatalf("returned (%v) without reaching %s", err, point)
+	case <-time.After(30 * time.Second):
+		t.Fatalf("never reached %s", point)
+	}
+	return result, release
+}
+
 // waitQueued waits until the operation started on the volume at attrs is blocked behind the
 // one holding it (two users of its lock), or until done says it finished without waiting.
 func waitQueued(t *testing.T, p *Provisioner, attrs volume.Attributes, done <-chan error) (finished bool) {
@@ -83,16 +100,8 @@ func TestRetriedDeleteSparesNewClaimAtSamePath(t *testing.T) {
 		t.Fatalf("volume directory after Delete: %v", err)
 	}
 
-	reached, release := holdAt(t, failpoint.DeleteChecked)
-	deleted := make(chan error, 1)
-	go func() { deleted <- f.node.Delete(context.Background(), pv) }() // the lib's retry
-	select {
-	case <-reached:
-	case err := <-deleted:
-		t.Fatalf("the retried Delete returned (%v) without reaching %s", err, failpoint.DeleteChecked)
-	case <-time.After(30 * time.Second):
-		t.Fatalf("the retried Delete never reached %s", failpoint.DeleteChecked)
-	}
+	// The lib's retry.
+	deleted, release := runHeldAt(t, failpoint.DeleteChecked, func() error { return f.node.Delete(context.Background(), pv) })
 	renewed := claim("c")
 	renewed.UID = types.UID("uid-c-renewed")
 	provisioned := make(chan error, 1)
@@ -106,9 +115,8 @@ func TestRetriedDeleteSparesNewClaimAtSamePath(t *testing.T) {
 		provisioned <- nil
 	}
 	release()
-	for _, c := range []chan error{deleted, provisioned} {
-		must(t, <-c)
-	}
+	must(t, <-deleted)
+	must(t, <-provisioned)
 	root, err := volume.OpenRoot(f.base)
 	must(t, err)
 	defer root.Close()
@@ -134,19 +142,10 @@ func TestDeleteWaitsForResizeOfSameVolume(t *testing.T) {
 		t.Fatalf("volume's qgroup %s has limit %q, want one (qgroups %v)", group, limit, quotatest.Qgroups(t, mnt))
 	}
 
-	reached, release := holdAt(t, failpoint.ResizeChecked)
-	resized := make(chan error, 1)
-	go func() {
+	resized, release := runHeldAt(t, failpoint.ResizeChecked, func() error {
 		_, _, err := f.node.Resizer(context.Background()).Resize(pv, resource.MustParse("32Mi"))
-		resized <- err
-	}()
-	select {
-	case <-reached:
-	case err := <-resized:
-		t.Fatalf("Resize returned (%v) without reaching %s", err, failpoint.ResizeChecked)
-	case <-time.After(30 * time.Second):
-		t.Fatalf("Resize never reached %s", failpoint.ResizeChecked)
-	}
+		return err
+	})
 	released := pv.DeepCopy()
 	released.Status.Phase = v1.VolumeReleased
 	deleted := make(chan error, 1)

@@ -62,31 +62,6 @@ func TestFilteredClasses(t *testing.T) {
 	}
 }
 
-// A new pod of the same node takes over the objects its predecessor left, before the library
-// sees them; objects of other instances are left alone.
-func TestAdoptTakesOverEarlierPodsObjects(t *testing.T) {
-	old := metav1.OwnerReference{APIVersion: "v1", Kind: "Pod", Name: "dirpv-node-old", UID: "old", Controller: ptrTo(true)}
-	mine, _ := podOwner(context.Background(), CapacityConfig{PodName: "dirpv-node-new", PodUID: "new", PodNamespace: "dirpv", Namespace: "dirpv"})(context.Background())
-	obj := func(name, managedBy string) *storagev1.CSIStorageCapacity {
-		return &storagev1.CSIStorageCapacity{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "dirpv",
-			Labels:          map[string]string{"csi.storage.k8s.io/drivername": DriverName, "csi.storage.k8s.io/managed-by": managedBy},
-			OwnerReferences: []metav1.OwnerReference{old}}}
-	}
-	client := fake.NewClientset(obj("ours", nodeManagedBy("a")), obj("theirs", nodeManagedBy("b")))
-	pub := &capacityPublisher{client: client, cfg: CapacityConfig{Namespace: "dirpv"}, timeout: 10 * time.Second}
-	pub.adopt(context.Background(), mine,
-		labels.Set{"csi.storage.k8s.io/drivername": DriverName, "csi.storage.k8s.io/managed-by": nodeManagedBy("a")}.String())
-	for name, want := range map[string]types.UID{"ours": "new", "theirs": "old"} {
-		got, err := client.StorageV1().CSIStorageCapacities("dirpv").Get(context.Background(), name, metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if ref := metav1.GetControllerOf(got); ref == nil || ref.UID != want || len(got.OwnerReferences) != 1 {
-			t.Errorf("%s: owners %v, want only %s", name, got.OwnerReferences, want)
-		}
-	}
-}
-
 // A pod owns only objects of its own namespace: published elsewhere, they get no owner rather
 // than one the garbage collector would delete them for at once.
 func TestPodOwnerOnlyInItsNamespace(t *testing.T) {

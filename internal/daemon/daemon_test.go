@@ -14,33 +14,50 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 )
 
-// freeAddr returns a loopback address whose port is free now.
-func freeAddr(t *testing.T) string {
+// serve runs the process's HTTP server on a free loopback address until the test ends, with
+// healthy as its health check, and returns the address once it answers.
+func serve(t *testing.T, cfg httpConfig, healthy func() error) string {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer l.Close()
-	return l.Addr().String()
+	cfg.address = l.Addr().String()
+	l.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- runAll(ctx, cfg, newRegistry(), healthy, func(ctx context.Context) error { <-ctx.Done(); return nil })
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("runAll: %v", err)
+		}
+	})
+	err = wait.PollUntilContextTimeout(context.Background(), 20*time.Millisecond, 5*time.Second, true, func(context.Context) (bool, error) {
+		resp, err := http.Get("http://" + cfg.address + "/metrics")
+		if err == nil {
+			resp.Body.Close()
+		}
+		return err == nil, nil
+	})
+	if err != nil {
+		t.Fatalf("the server at %s never answered: %v", cfg.address, err)
+	}
+	return cfg.address
 }
 
 // /healthz answers 503 with the reason while the process reports itself unhealthy, which is
 // what makes kubelet's liveness probe restart it, and 200 again once it recovers.
 func TestHealthzFollowsTheHealthCheck(t *testing.T) {
-	addr := freeAddr(t)
 	var wedged atomic.Bool
-	healthy := func() error {
+	addr := serve(t, httpConfig{}, func() error {
 		if wedged.Load() {
 			return errors.New("NFS exports wedged")
 		}
 		return nil
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() {
-		done <- runAll(ctx, httpConfig{address: addr}, newRegistry(), healthy, func(ctx context.Context) error { <-ctx.Done(); return nil })
-	}()
+	})
 	get := func() (int, string) {
 		resp, err := http.Get("http://" + addr + "/healthz")
 		if err != nil {
@@ -50,26 +67,16 @@ func TestHealthzFollowsTheHealthCheck(t *testing.T) {
 		b, _ := io.ReadAll(resp.Body)
 		return resp.StatusCode, string(b)
 	}
-	var code int
-	var body string
-	err := wait.PollUntilContextTimeout(context.Background(), 20*time.Millisecond, 5*time.Second, true, func(context.Context) (bool, error) {
-		code, body = get()
-		return code == http.StatusOK, nil
-	})
-	if err != nil {
-		t.Fatalf("/healthz never answered 200: %d %s", code, body)
+	if code, body := get(); code != http.StatusOK {
+		t.Errorf("healthy: /healthz answered %d %q, want 200", code, body)
 	}
 	wedged.Store(true)
-	if code, body = get(); code != http.StatusServiceUnavailable || !strings.Contains(body, "NFS exports wedged") {
+	if code, body := get(); code != http.StatusServiceUnavailable || !strings.Contains(body, "NFS exports wedged") {
 		t.Errorf("unhealthy: /healthz answered %d %q, want 503 with the reason", code, body)
 	}
 	wedged.Store(false)
-	if code, body = get(); code != http.StatusOK {
+	if code, body := get(); code != http.StatusOK {
 		t.Errorf("recovered: /healthz answered %d %q, want 200", code, body)
-	}
-	cancel()
-	if err := <-done; err != nil {
-		t.Errorf("runAll: %v", err)
 	}
 }
 
@@ -94,32 +101,14 @@ func TestRefuseOldKernelAtStartup(t *testing.T) {
 // process's memory goes, and is not something every scraper of /metrics should be able to pull.
 func TestProfilingOnlyWhenAsked(t *testing.T) {
 	for _, profiling := range []bool{false, true} {
-		addr := freeAddr(t)
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() {
-			done <- runAll(ctx, httpConfig{address: addr, profiling: profiling}, newRegistry(), nil,
-				func(ctx context.Context) error { <-ctx.Done(); return nil })
-		}()
-		var code int
-		err := wait.PollUntilContextTimeout(context.Background(), 20*time.Millisecond, 5*time.Second, true, func(context.Context) (bool, error) {
-			resp, err := http.Get("http://" + addr + "/debug/pprof/heap")
-			if err != nil {
-				return false, nil
-			}
-			resp.Body.Close()
-			code = resp.StatusCode
-			return true, nil
-		})
+		addr := serve(t, httpConfig{profiling: profiling}, nil)
+		resp, err := http.Get("http://" + addr + "/debug/pprof/heap")
 		if err != nil {
-			t.Fatalf("profiling=%v: server never answered: %v", profiling, err)
+			t.Fatal(err)
 		}
-		if want := map[bool]int{false: http.StatusNotFound, true: http.StatusOK}[profiling]; code != want {
-			t.Errorf("profiling=%v: /debug/pprof/heap answered %d, want %d", profiling, code, want)
-		}
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("runAll: %v", err)
+		resp.Body.Close()
+		if want := map[bool]int{false: http.StatusNotFound, true: http.StatusOK}[profiling]; resp.StatusCode != want {
+			t.Errorf("profiling=%v: /debug/pprof/heap answered %d, want %d", profiling, resp.StatusCode, want)
 		}
 	}
 }

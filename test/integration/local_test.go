@@ -15,9 +15,9 @@ import (
 
 // A class with reclaimPolicy Retain: Kubernetes keeps the PV Released and never asks dirpv to
 // delete, so the directory stays whatever onDelete says, also once an admin deletes the PV.
-// What each onDelete policy does under reclaimPolicy Delete, provisioner's TestOnDeletePolicies
-// checks on disk, and test/e2e/install's TestExamplesRunAsWritten with pods (the retain,
-// archive and path-pattern examples).
+// What each onDelete policy does under reclaimPolicy Delete, TestDeletionOrderRunsOnDelete and
+// TestHostileDeleteStaysAtTheLeaf check on disk, and test/e2e/install's TestExamplesRunAsWritten
+// with pods (the retain, archive and path-pattern examples).
 func TestReclaimRetainKeepsTheDirectory(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	class, base := localClass(t, map[string]string{"onDelete": "delete"}, framework.ReclaimRetain)
