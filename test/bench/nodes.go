@@ -21,6 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/dirpv/dirpv/test/bench/benchkit"
 	"github.com/dirpv/dirpv/test/framework"
 )
 
@@ -158,7 +159,7 @@ func (b *bench) simulate(n int, dir, base string) (r nodesResult, err error) {
 	procs := make([]*framework.Process, n)
 	defer func() {
 		// Stopped in parallel: one by one, SIGTERM and exit take most of a second each.
-		_ = parallel(n, func(i int) error {
+		_ = benchkit.Parallel(n, benchkit.Parallelism, func(i int) error {
 			if procs[i] != nil {
 				procs[i].Stop(10 * time.Second)
 			}
@@ -178,7 +179,7 @@ func (b *bench) simulate(n int, dir, base string) (r nodesResult, err error) {
 		procs[i] = p
 		return err
 	}
-	if err := parallel(n, start); err != nil {
+	if err := benchkit.Parallel(n, benchkit.Parallelism, start); err != nil {
 		return r, fmt.Errorf("start node processes: %w", err)
 	}
 	// Started in parallel, two processes can be handed the same free port: the second one
@@ -206,16 +207,16 @@ func (b *bench) simulate(n int, dir, base string) (r nodesResult, err error) {
 	}
 	fmt.Printf("   (N=%d: %d node processes healthy)\n", n, n)
 	ns := fmt.Sprintf("sim-%d", n)
-	if err := createNamespace(b.ctx, b.client, ns); err != nil {
+	if err := benchkit.CreateNamespace(b.ctx, b.client, ns); err != nil {
 		return r, err
 	}
-	w, err := watchClaims(b.ctx, b.client, ns)
+	w, err := benchkit.WatchClaims(b.ctx, b.client, ns)
 	if err != nil {
 		return r, err
 	}
 	defer w.Stop()
 	t0 := time.Now()
-	err = parallel(r.Claims, func(i int) error {
+	err = benchkit.Parallel(r.Claims, benchkit.Parallelism, func(i int) error {
 		name := fmt.Sprintf("c-%04d", i)
 		if _, err := b.client.CoreV1().PersistentVolumeClaims(ns).Create(b.ctx, newClaim(ns, name, nodesClass, ""), metav1.CreateOptions{}); err != nil {
 			return err
@@ -226,10 +227,10 @@ func (b *bench) simulate(n int, dir, base string) (r nodesResult, err error) {
 	if err != nil {
 		return r, fmt.Errorf("create claims and pods: %w", err)
 	}
-	if err := w.waitBound(b.ctx, r.Claims, *flagTimeout); err != nil {
+	if err := w.WaitBound(b.ctx, r.Claims, *flagTimeout); err != nil {
 		return r, err
 	}
-	r.BoundSeconds = w.lastBound().Sub(t0).Seconds()
+	r.BoundSeconds = w.LastBound().Sub(t0).Seconds()
 	r.ClaimsPerS = float64(r.Claims) / r.BoundSeconds
 	if r.SpreadMin, r.SpreadMax, err = b.checkSpread(ns, n); err != nil {
 		return r, err
@@ -237,7 +238,7 @@ func (b *bench) simulate(n int, dir, base string) (r nodesResult, err error) {
 	counts := make([]nodeCount, n)
 	// Idle first, so that every node instance has seen every object; in parallel, since each
 	// wait takes seconds.
-	err = parallel(n, func(i int) error {
+	err = benchkit.Parallel(n, benchkit.Parallelism, func(i int) error {
 		waitIdle(procs[i].Pid(), 30*time.Second)
 		var err error
 		counts[i], err = b.nodeCounts(procs[i])
@@ -331,7 +332,7 @@ func (b *bench) nodeCounts(p *framework.Process) (nodeCount, error) {
 		return c, err
 	}
 	c.peakMiB, c.rssMiB, c.cpuS = st["VmHWM"], st["VmRSS"], cpuTime(p.Pid()).Seconds()
-	if _, err := saveHeapProfile("http://"+p.HTTPAddr, filepath.Join(b.s.Work.LogDir, p.Name+".heap.pprof")); err != nil {
+	if _, _, err := heapProfile("http://"+p.HTTPAddr, filepath.Join(b.s.Work.LogDir, p.Name+".heap.pprof")); err != nil {
 		return c, err
 	}
 	m, err := framework.Scrape(b.ctx, p)
@@ -355,7 +356,7 @@ func (r *nodesResult) summarise(counts []nodeCount) {
 		for i, c := range counts {
 			vs[i] = f(c)
 		}
-		return median(vs), slices.Max(vs)
+		return benchkit.Median(vs), slices.Max(vs)
 	}
 	r.PeakMed, r.PeakMax = pick(func(c nodeCount) float64 { return c.peakMiB })
 	r.RSSMed, r.RSSMax = pick(func(c nodeCount) float64 { return c.rssMiB })
@@ -368,15 +369,6 @@ func (r *nodesResult) summarise(counts []nodeCount) {
 			r.CachedTotal[series] += c.cached[series]
 		}
 	}
-}
-
-// median of vs (not empty); vs is sorted in place.
-func median(vs []float64) float64 {
-	sort.Float64s(vs)
-	if m := len(vs) / 2; len(vs)%2 == 0 {
-		return (vs[m-1] + vs[m]) / 2
-	}
-	return vs[len(vs)/2]
 }
 
 // apiServerCPU is the CPU time the API server used so far.
@@ -397,7 +389,7 @@ func (b *bench) apiServerLoad() (watches, rssMiB float64, err error) {
 	if err != nil {
 		return 0, 0, fmt.Errorf("API server metrics: %w", err)
 	}
-	watches = sumSamples(string(raw), "apiserver_longrunning_requests", `verb="WATCH"`)
+	watches = benchkit.Sum(benchkit.ParseMetrics(string(raw)), "apiserver_longrunning_requests", `verb="WATCH"`)
 	for _, p := range b.s.Cluster.Procs {
 		if p.Name == "kube-apiserver" {
 			st, err := procStatus(p.PID)
