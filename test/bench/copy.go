@@ -203,7 +203,7 @@ func countNames(dir string) (int, error) {
 // copySource makes a local class on base and a namespace ns whose claims it watches, binds the
 // copy's source claim "src" there and returns the watch (for the clone's claim; the caller
 // stops it) and the source's directory.
-func (b *bench) copySource(ns, class, base string) (*benchkit.ClaimWatch, string, error) {
+func (b *bench) copySource(ns, class, base string) (*benchkit.Watch, string, error) {
 	if err := b.localClass(class, base); err != nil {
 		return nil, "", err
 	}
@@ -232,7 +232,7 @@ func (b *bench) copySource(ns, class, base string) (*benchkit.ClaimWatch, string
 
 // clone creates the claim "clone" of class in ns, a clone of copySource's "src", and returns
 // its time from create to Bound, as w (copySource's) saw it.
-func (b *bench) clone(w *benchkit.ClaimWatch, ns, class string) (time.Duration, error) {
+func (b *bench) clone(w *benchkit.Watch, ns, class string) (time.Duration, error) {
 	clone := newClaim(ns, "clone", class, nodeName)
 	clone.Spec.DataSource = &v1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: "src"}
 	t0 := time.Now()

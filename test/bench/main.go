@@ -323,14 +323,19 @@ func (b *bench) add(r Row) {
 // bulk creates n claims and waits until all are Bound; it returns the time from the first
 // create to the last Bound.
 func (b *bench) bulk(ns, class, node string, n int) (time.Duration, error) {
-	d, w, err := benchkit.Bind(b.ctx, b.client, ns, n, claims(ns, class, node), *flagTimeout, func() { b.settle(class) })
+	d, w, err := benchkit.Bind(b.ctx, b.client, ns, n, benchkit.Creator(b.ctx, b.client, claims(ns, class, node)), *flagTimeout, func() { b.settle(class) })
 	if err != nil {
 		return 0, err
 	}
-	if h := w.LastHanded(); !h.IsZero() {
-		t0 := w.LastBound().Add(-d)
+	// Every claim is Bound by now, those handed to a provisioner too.
+	if handed, bound := w.First(benchkit.Handed), w.First(benchkit.Bound); len(handed) > 0 {
+		var toBound time.Duration
+		for k, t := range handed {
+			toBound += bound[k].Sub(t)
+		}
+		t0 := w.Last(benchkit.Bound).Add(-d)
 		fmt.Printf("   (%s: all %d claims handed to the provisioner by kube-controller-manager after %.2fs; all Bound after %.2fs; mean hand-over->Bound %.0f ms)\n",
-			class, n, h.Sub(t0).Seconds(), d.Seconds(), ms(w.MeanHandedToBound()))
+			class, n, w.Last(benchkit.Handed).Sub(t0).Seconds(), d.Seconds(), ms(toBound/time.Duration(len(handed))))
 	}
 	return d, nil
 }
@@ -348,13 +353,14 @@ func (b *bench) latency(ns, class, node string, n int, before func(name string) 
 	defer w.Stop()
 	b.settle(class)
 	var out []time.Duration
-	var spans [4][]time.Duration
+	steps := []string{benchkit.Handed, benchkit.Labelled, benchkit.Volume, benchkit.Bound}
+	spans := map[string][]time.Duration{}
 	defer func() {
 		// Medians of each step's time from the claim's creation, where the step was seen.
 		var parts []string
 		for i, what := range []string{"handed to provisioner", "labelled with node", "PV created", "Bound"} {
-			if len(spans[i]) > 0 {
-				parts = append(parts, fmt.Sprintf("%s %.1f ms", what, ms(benchkit.Percentile(spans[i], 50))))
+			if len(spans[steps[i]]) > 0 {
+				parts = append(parts, fmt.Sprintf("%s %.1f ms", what, ms(benchkit.Percentile(spans[steps[i]], 50))))
 			}
 		}
 		fmt.Printf("   (%s: p50 from create: %s)\n", class, strings.Join(parts, ", "))
@@ -380,9 +386,9 @@ func (b *bench) latency(ns, class, node string, n int, before func(name string) 
 			return nil, err
 		}
 		out = append(out, at.Sub(t0))
-		for j, d := range w.Spans(name, t0) {
-			if d >= 0 {
-				spans[j] = append(spans[j], d)
+		for _, step := range steps {
+			if t, ok := w.First(step)[name]; ok {
+				spans[step] = append(spans[step], t.Sub(t0))
 			}
 		}
 	}

@@ -3,6 +3,7 @@ package benchkit
 import (
 	"context"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"sync"
@@ -54,65 +55,83 @@ func CreateNamespace(ctx context.Context, c kubernetes.Interface, name string) e
 	return nil
 }
 
-// ClaimWatch records, from a watch, when each claim of a namespace was first seen Bound, and
-// the steps before: handed to a provisioner by kube-controller-manager (the
-// storage-provisioner annotation), labelled with its node by dirpv, given a PV.
-type ClaimWatch struct {
-	mu                              sync.Mutex
-	handed, labelled, volume, bound map[string]time.Time
-	changed                         chan struct{}
-	stop                            chan struct{}
+// Watch follows objects through informers: each one's current state, and when each was
+// first seen with each of its marks (a claim's hand-over to a provisioner, its PV, Bound).
+type Watch struct {
+	mu      sync.Mutex
+	state   map[string]string
+	first   map[string]map[string]time.Time // mark -> name -> first seen
+	changed chan struct{}
+	stop    chan struct{}
 }
 
-// WatchClaims watches the claims of ns, and the PVs bound to them, until Stop.
-func WatchClaims(ctx context.Context, c kubernetes.Interface, ns string) (*ClaimWatch, error) {
-	w := &ClaimWatch{bound: map[string]time.Time{}, handed: map[string]time.Time{}, labelled: map[string]time.Time{},
-		volume: map[string]time.Time{}, changed: make(chan struct{}, 1), stop: make(chan struct{})}
-	f := informers.NewSharedInformerFactoryWithOptions(c, 0, informers.WithNamespace(ns))
-	inf := f.Core().V1().PersistentVolumeClaims().Informer()
-	pvs := informers.NewSharedInformerFactory(c, 0)
-	pvInf := pvs.Core().V1().PersistentVolumes().Informer()
-	first := func(m map[string]time.Time, name string, now time.Time) {
-		if _, seen := m[name]; !seen {
-			m[name] = now
-		}
-	}
-	_, _ = pvInf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: func(obj any) {
-		if pv, ok := obj.(*v1.PersistentVolume); ok && pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == ns {
+// view is what a Watch sees of an object: its name ("": not watched), its state ("": not
+// tracked) and its marks now.
+type view func(obj any) (name, state string, marks []string)
+
+// Claims' marks: handed to a provisioner by kube-controller-manager (the
+// storage-provisioner annotation), labelled with its node, given a PV, Bound.
+const (
+	Handed   = "handed"
+	Labelled = "labelled"
+	Volume   = "volume"
+	Bound    = "Bound"
+)
+
+// watch starts informers (start), each with its view, and returns once they have synced.
+// onFirst, if set, is called when an object is first seen with a mark.
+func watch(ctx context.Context, views map[cache.SharedIndexInformer]view, onFirst func(mark, name string), start ...func(stop <-chan struct{})) (*Watch, error) {
+	w := &Watch{state: map[string]string{}, first: map[string]map[string]time.Time{}, changed: make(chan struct{}, 1), stop: make(chan struct{})}
+	var synced []cache.InformerSynced
+	for inf, v := range views {
+		set := func(obj any) {
+			name, state, marks := v(obj)
+			if name == "" {
+				return
+			}
 			now := time.Now()
 			w.mu.Lock()
-			w.volume[pv.Spec.ClaimRef.Name] = now
+			if state != "" {
+				w.state[name] = state
+			}
+			var fresh []string
+			for _, m := range marks {
+				if w.first[m] == nil {
+					w.first[m] = map[string]time.Time{}
+				}
+				if _, seen := w.first[m][name]; !seen {
+					w.first[m][name] = now
+					fresh = append(fresh, m)
+				}
+			}
 			w.mu.Unlock()
-		}
-	}})
-	see := func(obj any) {
-		pvc, ok := obj.(*v1.PersistentVolumeClaim)
-		if !ok {
-			return
-		}
-		now := time.Now()
-		w.mu.Lock()
-		if pvc.Annotations[annStorageProv] != "" {
-			first(w.handed, pvc.Name, now)
-		}
-		if pvc.Labels["dirpv.io/node"] != "" {
-			first(w.labelled, pvc.Name, now)
-		}
-		bound := pvc.Status.Phase == v1.ClaimBound
-		if bound {
-			first(w.bound, pvc.Name, now)
-		}
-		w.mu.Unlock()
-		if bound {
+			for _, m := range fresh {
+				if onFirst != nil {
+					onFirst(m, name)
+				}
+			}
 			poke(w.changed)
 		}
+		_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: set, UpdateFunc: func(_, o any) { set(o) },
+			DeleteFunc: func(obj any) {
+				if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+					obj = t.Obj
+				}
+				if name, state, _ := v(obj); name != "" && state != "" {
+					w.mu.Lock()
+					delete(w.state, name)
+					w.mu.Unlock()
+					poke(w.changed)
+				}
+			}})
+		synced = append(synced, inf.HasSynced)
 	}
-	_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: see, UpdateFunc: func(_, n any) { see(n) }})
-	f.Start(w.stop)
-	pvs.Start(w.stop)
-	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced, pvInf.HasSynced) {
+	for _, s := range start {
+		s(w.stop)
+	}
+	if !cache.WaitForCacheSync(ctx.Done(), synced...) {
 		close(w.stop)
-		return nil, fmt.Errorf("claim watch of %s did not sync", ns)
+		return nil, fmt.Errorf("watch did not sync")
 	}
 	return w, nil
 }
@@ -124,53 +143,92 @@ func poke(changed chan struct{}) {
 	}
 }
 
-// Stop ends the watch.
-func (w *ClaimWatch) Stop() { close(w.stop) }
-
-// Spans returns, for a claim created at t0, when it was handed to a provisioner, labelled,
-// given a PV and Bound, each relative to t0 (negative if never seen).
-func (w *ClaimWatch) Spans(name string, t0 time.Time) [4]time.Duration {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	var out [4]time.Duration
-	for i, m := range []map[string]time.Time{w.handed, w.labelled, w.volume, w.bound} {
-		out[i] = -1
-		if t, ok := m[name]; ok {
-			out[i] = t.Sub(t0)
-		}
-	}
-	return out
+// WatchClaims watches the claims of ns, and the PVs bound to them, until Stop: each claim's
+// phase, and its marks.
+func WatchClaims(ctx context.Context, c kubernetes.Interface, ns string) (*Watch, error) {
+	f := informers.NewSharedInformerFactoryWithOptions(c, 0, informers.WithNamespace(ns))
+	pvs := informers.NewSharedInformerFactory(c, 0)
+	return watch(ctx, map[cache.SharedIndexInformer]view{
+		f.Core().V1().PersistentVolumeClaims().Informer(): func(obj any) (string, string, []string) {
+			pvc, ok := obj.(*v1.PersistentVolumeClaim)
+			if !ok {
+				return "", "", nil
+			}
+			var marks []string
+			if pvc.Annotations[annStorageProv] != "" {
+				marks = append(marks, Handed)
+			}
+			if pvc.Labels["dirpv.io/node"] != "" {
+				marks = append(marks, Labelled)
+			}
+			if pvc.Status.Phase == v1.ClaimBound {
+				marks = append(marks, Bound)
+			}
+			return pvc.Name, string(pvc.Status.Phase), marks
+		},
+		pvs.Core().V1().PersistentVolumes().Informer(): func(obj any) (string, string, []string) {
+			if pv, ok := obj.(*v1.PersistentVolume); ok && pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.Namespace == ns {
+				return pv.Spec.ClaimRef.Name, "", []string{Volume}
+			}
+			return "", "", nil
+		},
+	}, nil, f.Start, pvs.Start)
 }
 
-// LastBound returns the latest Bound time.
-func (w *ClaimWatch) LastBound() time.Time { return w.last(w.bound) }
+// WatchPVs watches the PVs of class bound to claims of ns until Stop: each one's phase. With
+// deleteReleased it deletes each the instant it is Released: an ideal deleter.
+func WatchPVs(ctx context.Context, c kubernetes.Interface, class, ns string, deleteReleased bool) (*Watch, error) {
+	f := informers.NewSharedInformerFactory(c, 0)
+	released := make(chan string, 100000)
+	w, err := watch(ctx, map[cache.SharedIndexInformer]view{f.Core().V1().PersistentVolumes().Informer(): func(obj any) (string, string, []string) {
+		pv, ok := obj.(*v1.PersistentVolume)
+		if !ok || pv.Spec.StorageClassName != class || pv.Spec.ClaimRef == nil || pv.Spec.ClaimRef.Namespace != ns {
+			return "", "", nil
+		}
+		return pv.Name, string(pv.Status.Phase), []string{string(pv.Status.Phase)}
+	}}, func(phase, name string) {
+		if deleteReleased && phase == string(v1.VolumeReleased) {
+			released <- name
+		}
+	}, f.Start)
+	if err == nil && deleteReleased {
+		workers(w.stop, released, func(name string) {
+			err := c.CoreV1().PersistentVolumes().Delete(context.Background(), name, metav1.DeleteOptions{})
+			if err != nil && !apierrors.IsNotFound(err) {
+				fmt.Printf("ideal deleter: delete PV %s: %v\n", name, err)
+			}
+		})
+	}
+	return w, err
+}
 
-// LastHanded returns when the last claim was handed to a provisioner; zero if none was.
-func (w *ClaimWatch) LastHanded() time.Time { return w.last(w.handed) }
+// Stop ends the watch.
+func (w *Watch) Stop() { close(w.stop) }
 
-// MeanHandedToBound is the mean time from hand-over to Bound.
-func (w *ClaimWatch) MeanHandedToBound() time.Duration {
+// Count is how many objects are in state; "": how many there are.
+func (w *Watch) Count(state string) int {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	var sum time.Duration
 	n := 0
-	for k, h := range w.handed {
-		if b, ok := w.bound[k]; ok {
-			sum += b.Sub(h)
+	for _, st := range w.state {
+		if state == "" || st == state {
 			n++
 		}
 	}
-	if n == 0 {
-		return 0
-	}
-	return sum / time.Duration(n)
+	return n
 }
 
-func (w *ClaimWatch) last(m map[string]time.Time) time.Time {
+// First returns when each object was first seen with mark.
+func (w *Watch) First(mark string) map[string]time.Time {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	return maps.Clone(w.first[mark])
+}
+
+// Last returns when the last object was first seen with mark; zero if none was.
+func (w *Watch) Last(mark string) time.Time {
 	var last time.Time
-	for _, t := range m {
+	for _, t := range w.First(mark) {
 		if t.After(last) {
 			last = t
 		}
@@ -178,24 +236,17 @@ func (w *ClaimWatch) last(m map[string]time.Time) time.Time {
 	return last
 }
 
-// WaitBound waits until n claims are Bound.
-func (w *ClaimWatch) WaitBound(ctx context.Context, n int, timeout time.Duration) error {
-	return WaitFor(ctx, w.changed, timeout, func() (bool, string) {
-		w.mu.Lock()
-		got := len(w.bound)
-		w.mu.Unlock()
-		return got >= n, fmt.Sprintf("%d of %d claims Bound", got, n)
-	})
+// Wait waits until cond holds (WaitFor, on every change of the watch).
+func (w *Watch) Wait(ctx context.Context, timeout time.Duration, cond func() (bool, string)) error {
+	return WaitFor(ctx, w.changed, timeout, cond)
 }
 
 // WaitOne waits until claim name is Bound and returns when it was first seen so.
-func (w *ClaimWatch) WaitOne(ctx context.Context, name string, timeout time.Duration) (time.Time, error) {
+func (w *Watch) WaitOne(ctx context.Context, name string, timeout time.Duration) (time.Time, error) {
 	var at time.Time
-	err := WaitFor(ctx, w.changed, timeout, func() (bool, string) {
-		w.mu.Lock()
-		defer w.mu.Unlock()
+	err := w.Wait(ctx, timeout, func() (bool, string) {
 		var ok bool
-		at, ok = w.bound[name]
+		at, ok = w.First(Bound)[name]
 		return ok, "claim " + name + " not Bound"
 	})
 	return at, err
@@ -224,10 +275,11 @@ func WaitFor(ctx context.Context, changed <-chan struct{}, timeout time.Duration
 	}
 }
 
-// Bind creates namespace ns and claim(0..n-1) in it, Parallelism at a time, and waits until
-// all are Bound. ready, if set, runs (untimed) once the watch is up, before the first create.
-// It returns the time from the first create to the last Bound, and the watch, stopped.
-func Bind(ctx context.Context, c kubernetes.Interface, ns string, n int, claim func(i int) *v1.PersistentVolumeClaim, timeout time.Duration, ready func()) (time.Duration, *ClaimWatch, error) {
+// Bind creates namespace ns and, with create(0..n-1), n claims in it, Parallelism at a time,
+// and waits until all are Bound. ready, if set, runs (untimed) once the watch is up, before the
+// first create. It returns the time from the first create to the last Bound, and the watch,
+// stopped.
+func Bind(ctx context.Context, c kubernetes.Interface, ns string, n int, create func(i int) error, timeout time.Duration, ready func()) (time.Duration, *Watch, error) {
 	if err := CreateNamespace(ctx, c, ns); err != nil {
 		return 0, nil, err
 	}
@@ -240,17 +292,26 @@ func Bind(ctx context.Context, c kubernetes.Interface, ns string, n int, claim f
 		ready()
 	}
 	t0 := time.Now()
-	err = Parallel(n, Parallelism, func(i int) error {
-		_, err := c.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim(i), metav1.CreateOptions{})
-		return err
-	})
+	err = Parallel(n, Parallelism, create)
 	if err == nil {
-		err = w.WaitBound(ctx, n, timeout)
+		err = w.Wait(ctx, timeout, func() (bool, string) {
+			got := len(w.First(Bound))
+			return got >= n, fmt.Sprintf("%d of %d claims Bound", got, n)
+		})
 	}
 	if err != nil {
 		return 0, nil, err
 	}
-	return w.LastBound().Sub(t0), w, nil
+	return w.Last(Bound).Sub(t0), w, nil
+}
+
+// Creator creates claim(i) in ns: Bind's create of claims alone.
+func Creator(ctx context.Context, c kubernetes.Interface, claim func(i int) *v1.PersistentVolumeClaim) func(i int) error {
+	return func(i int) error {
+		pvc := claim(i)
+		_, err := c.CoreV1().PersistentVolumeClaims(pvc.Namespace).Create(ctx, pvc, metav1.CreateOptions{})
+		return err
+	}
 }
 
 // Ceiling binds n claims of ns (claim(i)), of a class without a provisioner, to n PVs made
@@ -258,8 +319,7 @@ func Bind(ctx context.Context, c kubernetes.Interface, ns string, n int, claim f
 // own binding, which no provisioner can beat. It waits until kube-controller-manager has seen
 // every PV (Available) first, so that the timed part is the binding alone.
 func Ceiling(ctx context.Context, c kubernetes.Interface, ns string, n int, claim func(i int) *v1.PersistentVolumeClaim, timeout time.Duration, ready func()) (time.Duration, error) {
-	class := *claim(0).Spec.StorageClassName
-	pw, err := WatchPVs(ctx, c, class, ns, false)
+	pw, err := WatchPVs(ctx, c, *claim(0).Spec.StorageClassName, ns, false)
 	if err != nil {
 		return 0, err
 	}
@@ -268,8 +328,8 @@ func Ceiling(ctx context.Context, c kubernetes.Interface, ns string, n int, clai
 		return err
 	})
 	if err == nil {
-		err = WaitFor(ctx, pw.changed, timeout, func() (bool, string) {
-			avail := pw.Count(v1.VolumeAvailable)
+		err = pw.Wait(ctx, timeout, func() (bool, string) {
+			avail := pw.Count(string(v1.VolumeAvailable))
 			return avail == n, fmt.Sprintf("%d of %d PVs Available", avail, n)
 		})
 	}
@@ -277,7 +337,7 @@ func Ceiling(ctx context.Context, c kubernetes.Interface, ns string, n int, clai
 	if err != nil {
 		return 0, err
 	}
-	d, _, err := Bind(ctx, c, ns, n, claim, timeout, ready)
+	d, _, err := Bind(ctx, c, ns, n, Creator(ctx, c, claim), timeout, ready)
 	return d, err
 }
 
@@ -302,7 +362,7 @@ func DeleteAll(ctx context.Context, c kubernetes.Interface, ns, class string, id
 	if err != nil {
 		return 0, err
 	}
-	err = WaitFor(ctx, pw.changed, timeout, func() (bool, string) {
+	err = pw.Wait(ctx, timeout, func() (bool, string) {
 		if left := pw.Count(""); left > 0 {
 			return false, fmt.Sprintf("%d PVs of class %s for claims in %s left", left, class, ns)
 		}
@@ -312,82 +372,6 @@ func DeleteAll(ctx context.Context, c kubernetes.Interface, ns, class string, id
 		return true, ""
 	})
 	return time.Since(t0), err
-}
-
-// PVWatch tracks the PVs of one StorageClass bound to claims of one namespace.
-type PVWatch struct {
-	mu      sync.Mutex
-	pvs     map[string]v1.PersistentVolumePhase
-	changed chan struct{}
-	stop    chan struct{}
-}
-
-// WatchPVs watches the PVs of class bound to claims of ns until Stop; with deleteReleased it
-// deletes each the instant it is Released.
-func WatchPVs(ctx context.Context, c kubernetes.Interface, class, ns string, deleteReleased bool) (*PVWatch, error) {
-	w := &PVWatch{pvs: map[string]v1.PersistentVolumePhase{}, changed: make(chan struct{}, 1), stop: make(chan struct{})}
-	released := make(chan string, 100000)
-	f := informers.NewSharedInformerFactory(c, 0)
-	inf := f.Core().V1().PersistentVolumes().Informer()
-	set := func(obj any) {
-		pv, ok := obj.(*v1.PersistentVolume)
-		if !ok || pv.Spec.StorageClassName != class || pv.Spec.ClaimRef == nil || pv.Spec.ClaimRef.Namespace != ns {
-			return
-		}
-		w.mu.Lock()
-		old, had := w.pvs[pv.Name]
-		w.pvs[pv.Name] = pv.Status.Phase
-		w.mu.Unlock()
-		if deleteReleased && pv.Status.Phase == v1.VolumeReleased && (!had || old != v1.VolumeReleased) {
-			released <- pv.Name
-		}
-		poke(w.changed)
-	}
-	_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    set,
-		UpdateFunc: func(_, n any) { set(n) },
-		DeleteFunc: func(obj any) {
-			if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-				obj = t.Obj
-			}
-			if pv, ok := obj.(*v1.PersistentVolume); ok {
-				w.mu.Lock()
-				delete(w.pvs, pv.Name)
-				w.mu.Unlock()
-				poke(w.changed)
-			}
-		},
-	})
-	if deleteReleased {
-		workers(w.stop, released, func(name string) {
-			err := c.CoreV1().PersistentVolumes().Delete(context.Background(), name, metav1.DeleteOptions{})
-			if err != nil && !apierrors.IsNotFound(err) {
-				fmt.Printf("ideal deleter: delete PV %s: %v\n", name, err)
-			}
-		})
-	}
-	f.Start(w.stop)
-	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
-		close(w.stop)
-		return nil, fmt.Errorf("PV watch did not sync")
-	}
-	return w, nil
-}
-
-// Stop ends the watch.
-func (w *PVWatch) Stop() { close(w.stop) }
-
-// Count is how many of the PVs are in phase; "": how many there are.
-func (w *PVWatch) Count(phase v1.PersistentVolumePhase) int {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	n := 0
-	for _, ph := range w.pvs {
-		if phase == "" || ph == phase {
-			n++
-		}
-	}
-	return n
 }
 
 // workers calls fn for each item of todo in Parallelism goroutines until stop closes.

@@ -89,7 +89,7 @@ func TestBenchNFS(t *testing.T) {
 	}
 	bind := func(ns, class string, n int) time.Duration {
 		t.Helper()
-		d, _, err := benchkit.Bind(ctx, cs, ns, n, claims(ns, class), 10*time.Minute, nil)
+		d, _, err := benchkit.Bind(ctx, cs, ns, n, benchkit.Creator(ctx, cs, claims(ns, class)), 10*time.Minute, nil)
 		if err != nil {
 			t.Fatalf("%v\nevents:%s", err, framework.EventsOf(ctx, cs, ns, "PersistentVolumeClaim", "c-0000"))
 		}
