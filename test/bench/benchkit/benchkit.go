@@ -91,9 +91,9 @@ func Parallel(n, k int, fn func(i int) error) error {
 	return first
 }
 
-// Timed runs fn iters times after one unmeasured run (connection set-up, first mount of an
+// timed runs fn iters times after one unmeasured run (connection set-up, first mount of an
 // export) and returns each measured run's time.
-func Timed(iters int, fn func() error) ([]time.Duration, error) {
+func timed(iters int, fn func() error) ([]time.Duration, error) {
 	var out []time.Duration
 	for i := -1; i < iters; i++ {
 		t0 := time.Now()
@@ -113,7 +113,7 @@ func Rounds(rounds, per int, fns ...func() error) ([][]time.Duration, error) {
 	out := make([][]time.Duration, len(fns))
 	for range max(1, rounds) {
 		for i, fn := range fns {
-			ds, err := Timed(max(1, per), fn)
+			ds, err := timed(max(1, per), fn)
 			if err != nil {
 				return nil, err
 			}

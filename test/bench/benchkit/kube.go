@@ -175,9 +175,9 @@ func WatchClaims(ctx context.Context, c kubernetes.Interface, ns string) (*Watch
 	}, nil, f.Start, pvs.Start)
 }
 
-// WatchPVs watches the PVs of class bound to claims of ns until Stop: each one's phase. With
+// watchPVs watches the PVs of class bound to claims of ns until Stop: each one's phase. With
 // deleteReleased it deletes each the instant it is Released: an ideal deleter.
-func WatchPVs(ctx context.Context, c kubernetes.Interface, class, ns string, deleteReleased bool) (*Watch, error) {
+func watchPVs(ctx context.Context, c kubernetes.Interface, class, ns string, deleteReleased bool) (*Watch, error) {
 	f := informers.NewSharedInformerFactory(c, 0)
 	released := make(chan string, 100000)
 	w, err := watch(ctx, map[cache.SharedIndexInformer]view{f.Core().V1().PersistentVolumes().Informer(): func(obj any) (string, string, []string) {
@@ -236,11 +236,6 @@ func (w *Watch) Last(mark string) time.Time {
 	return last
 }
 
-// Wait waits until cond holds (WaitFor, on every change of the watch).
-func (w *Watch) Wait(ctx context.Context, timeout time.Duration, cond func() (bool, string)) error {
-	return WaitFor(ctx, w.changed, timeout, cond)
-}
-
 // WaitOne waits until claim name is Bound and returns when it was first seen so.
 func (w *Watch) WaitOne(ctx context.Context, name string, timeout time.Duration) (time.Time, error) {
 	var at time.Time
@@ -252,9 +247,9 @@ func (w *Watch) WaitOne(ctx context.Context, name string, timeout time.Duration)
 	return at, err
 }
 
-// WaitFor waits until cond holds, re-checking on every change and every 100 ms; progress
-// says how far it got for the timeout message.
-func WaitFor(ctx context.Context, changed <-chan struct{}, timeout time.Duration, cond func() (bool, string)) error {
+// Wait waits until cond holds, re-checking on every change of the watch and every 100 ms;
+// progress says how far it got for the timeout message.
+func (w *Watch) Wait(ctx context.Context, timeout time.Duration, cond func() (bool, string)) error {
 	deadline := time.NewTimer(timeout)
 	defer deadline.Stop()
 	tick := time.NewTicker(100 * time.Millisecond)
@@ -269,7 +264,7 @@ func WaitFor(ctx context.Context, changed <-chan struct{}, timeout time.Duration
 			return fmt.Errorf("%w (%s)", ctx.Err(), progress)
 		case <-deadline.C:
 			return fmt.Errorf("timed out after %s: %s", timeout, progress)
-		case <-changed:
+		case <-w.changed:
 		case <-tick.C:
 		}
 	}
@@ -319,7 +314,7 @@ func Creator(ctx context.Context, c kubernetes.Interface, claim func(i int) *v1.
 // own binding, which no provisioner can beat. It waits until kube-controller-manager has seen
 // every PV (Available) first, so that the timed part is the binding alone.
 func Ceiling(ctx context.Context, c kubernetes.Interface, ns string, n int, claim func(i int) *v1.PersistentVolumeClaim, timeout time.Duration, ready func()) (time.Duration, error) {
-	pw, err := WatchPVs(ctx, c, *claim(0).Spec.StorageClassName, ns, false)
+	pw, err := watchPVs(ctx, c, *claim(0).Spec.StorageClassName, ns, false)
 	if err != nil {
 		return 0, err
 	}
@@ -346,7 +341,7 @@ func Ceiling(ctx context.Context, c kubernetes.Interface, ns string, n int, clai
 // With idealDeleter, the bench deletes each PV the instant it is Released: the ceiling of
 // deletion. It returns the time from the first delete.
 func DeleteAll(ctx context.Context, c kubernetes.Interface, ns, class string, idealDeleter bool, timeout time.Duration, done func() (bool, string)) (time.Duration, error) {
-	pw, err := WatchPVs(ctx, c, class, ns, idealDeleter)
+	pw, err := watchPVs(ctx, c, class, ns, idealDeleter)
 	if err != nil {
 		return 0, err
 	}
