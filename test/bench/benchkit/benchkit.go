@@ -209,11 +209,11 @@ func UsedMiB(dir string) (float64, error) {
 	return float64((st.Blocks-st.Bfree)*uint64(st.Bsize)) / (1 << 20), nil
 }
 
-// FillTree makes dir with the copy benches' tree (issue 23's, at full size one 1 GiB file,
-// 10,000 files of 4 to 64 KiB and 100,000 empty files): one file of bigBytes of data, small
-// files of 4 to 64 KiB under small/, empty files under empty/. The data is random, each file
-// its own: files with the same bytes would compress in a tar.gz stream, where each lies within
-// gzip's window of the one before.
+// FillTree makes dir with the shape of test/bench's plain-copy tree (1 GiB, 10,000 small and
+// 100,000 empty files at full size), for the VM's NFS copy bench: one file of bigBytes of
+// data, small files of 4 to 64 KiB under small/, empty files under empty/. The data is random,
+// each file its own: files with the same bytes would compress in a tar.gz stream, where each
+// lies within gzip's window of the one before.
 func FillTree(dir string, bigBytes int64, small, empty int) error {
 	if err := framework.WriteDataFiles(dir, 1, bigBytes); err != nil {
 		return err
