@@ -37,18 +37,21 @@ func benchVars() pathVars {
 	}
 }
 
+// loop runs fn as benchmark b's loop, failing on an error and keeping the result alive.
+func loop[T any](b *testing.B, fn func() (T, error)) {
+	b.ReportAllocs()
+	for b.Loop() {
+		v, err := fn()
+		if err != nil {
+			b.Fatal(err)
+		}
+		benchSink = v
+	}
+}
+
 func BenchmarkParsePattern(b *testing.B) {
 	for _, pat := range []string{DefaultPathPattern, labelPattern} {
-		b.Run(patternName(pat), func(b *testing.B) {
-			b.ReportAllocs()
-			for b.Loop() {
-				p, err := parsePattern(pat)
-				if err != nil {
-					b.Fatal(err)
-				}
-				benchSink = p
-			}
-		})
+		b.Run(patternName(pat), func(b *testing.B) { loop(b, func() (*pattern, error) { return parsePattern(pat) }) })
 	}
 }
 
@@ -59,16 +62,7 @@ func BenchmarkExpand(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		b.Run(patternName(pat), func(b *testing.B) {
-			b.ReportAllocs()
-			for b.Loop() {
-				s, err := p.expand(vars)
-				if err != nil {
-					b.Fatal(err)
-				}
-				benchSink = s
-			}
-		})
+		b.Run(patternName(pat), func(b *testing.B) { loop(b, func() (string, error) { return p.expand(vars) }) })
 	}
 }
 
@@ -85,16 +79,7 @@ func BenchmarkParseParameters(b *testing.B) {
 		"nfs": {"backend": "nfs", "server": "nfs.example.com", "share": "/srv/export", "pathPattern": labelPattern,
 			"onDelete": "archive", "mode": "2775", "uid": "1000", "gid": "1000"},
 	} {
-		b.Run(name, func(b *testing.B) {
-			b.ReportAllocs()
-			for b.Loop() {
-				c, err := parseParameters(params)
-				if err != nil {
-					b.Fatal(err)
-				}
-				benchSink = c
-			}
-		})
+		b.Run(name, func(b *testing.B) { loop(b, func() (*classParams, error) { return parseParameters(params) }) })
 	}
 }
 
@@ -103,16 +88,7 @@ func BenchmarkCleanRelPath(b *testing.B) {
 		"one":   "team-storage-prod-postgres-data-0-pvc-6f1c2a8e-3b7d-4e0f-9a51-2c8d7e4b1f90",
 		"three": "team-storage-prod/payments/postgres-data-0-pvc-6f1c2a8e-3b7d-4e0f-9a51-2c8d7e4b1f90",
 	} {
-		b.Run(name, func(b *testing.B) {
-			b.ReportAllocs()
-			for b.Loop() {
-				s, err := volume.CleanRelPath(p)
-				if err != nil {
-					b.Fatal(err)
-				}
-				benchSink = s
-			}
-		})
+		b.Run(name, func(b *testing.B) { loop(b, func() (string, error) { return volume.CleanRelPath(p) }) })
 	}
 }
 
@@ -127,27 +103,13 @@ func benchAttrs() map[string]volume.Attributes {
 func BenchmarkParseAttributes(b *testing.B) {
 	for name, a := range benchAttrs() {
 		m := a.Map()
-		b.Run(name, func(b *testing.B) {
-			b.ReportAllocs()
-			for b.Loop() {
-				got, err := volume.ParseAttributes(m)
-				if err != nil {
-					b.Fatal(err)
-				}
-				benchSink = got
-			}
-		})
+		b.Run(name, func(b *testing.B) { loop(b, func() (volume.Attributes, error) { return volume.ParseAttributes(m) }) })
 	}
 }
 
 func BenchmarkAttributesMap(b *testing.B) {
 	for name, a := range benchAttrs() {
-		b.Run(name, func(b *testing.B) {
-			b.ReportAllocs()
-			for b.Loop() {
-				benchSink = a.Map()
-			}
-		})
+		b.Run(name, func(b *testing.B) { loop(b, func() (map[string]string, error) { return a.Map(), nil }) })
 	}
 }
 

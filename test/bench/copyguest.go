@@ -7,9 +7,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
 
+	"github.com/dirpv/dirpv/test/bench/benchkit"
 	"github.com/dirpv/dirpv/test/vm"
 )
 
@@ -23,12 +23,6 @@ const (
 )
 
 var flagNFSCopyScale = flag.Int("nfs-copy-scale", 50, "the VM's NFS copy tree is the plain-copy tree (1 GiB + 110k files) divided by this: file operations over NFS under emulation take milliseconds each")
-
-// guestCopyReport is test/vm/kernel's CopyBenchReport.
-type guestCopyReport struct {
-	Figures map[string]float64 `json:"figures"`
-	Notes   map[string]string  `json:"notes"`
-}
 
 // copyGuest runs TestBenchCopy in the VM (the host's kernel has no NFS client, and XFS project
 // quotas and the NFS server want the guest's) and adds its rows. The guest's XFS is on a loop
@@ -56,11 +50,9 @@ func (b *bench) copyGuest() error {
 		err = fmt.Errorf("exit status %d", res.ExitCode)
 	}
 	if err != nil {
-		log, _ := os.ReadFile(logPath)
-		lines := strings.Split(string(log), "\n")
-		return fmt.Errorf("the VM's copy bench: %w; its log's tail:\n%s", err, strings.Join(lines[max(0, len(lines)-30):], "\n"))
+		return fmt.Errorf("the VM's copy bench: %w; its log's tail:\n%s", err, logTail(logPath, 30))
 	}
-	var rep guestCopyReport
+	var rep benchkit.GuestReport
 	if err := json.Unmarshal(res.Files["copy-bench.json"], &rep); err != nil {
 		return fmt.Errorf("the VM's copy bench report: %w", err)
 	}

@@ -7,9 +7,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-	v1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/dirpv/dirpv/test/bench/benchkit"
 	"github.com/dirpv/dirpv/test/framework"
 )
 
@@ -61,26 +60,18 @@ func (b *bench) copyReflink() error {
 		}
 		unix.Sync()
 		wrote := time.Since(t0)
-		before, err := usedMiB(base)
+		before, err := benchkit.UsedMiB(base)
 		if err != nil {
 			w.Stop()
 			return err
 		}
-		clone := newClaim(ns, "clone", class, nodeName)
-		clone.Spec.DataSource = &v1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: "src"}
-		t0 = time.Now()
-		if _, err := b.client.CoreV1().PersistentVolumeClaims(ns).Create(b.ctx, clone, metav1.CreateOptions{}); err != nil {
-			w.Stop()
-			return err
-		}
-		bound, err := w.waitOne(b.ctx, "clone", *flagTimeout)
+		took, err := b.clone(w, ns, class)
 		w.Stop()
 		if err != nil {
 			return err
 		}
-		took := bound.Sub(t0)
 		unix.Sync()
-		after, err := usedMiB(base)
+		after, err := benchkit.UsedMiB(base)
 		if err != nil {
 			return err
 		}
@@ -98,13 +89,4 @@ func (b *bench) copyReflink() error {
 		Note: fmt.Sprintf("space used by the clones: %.1f MiB (small), %.1f MiB (large)",
 			b.ms["copy.reflink.btrfs.small.space"], b.ms["copy.reflink.btrfs.large.space"])})
 	return nil
-}
-
-// usedMiB is the space used on the file system of dir, from statfs.
-func usedMiB(dir string) (float64, error) {
-	var st unix.Statfs_t
-	if err := unix.Statfs(dir, &st); err != nil {
-		return 0, fmt.Errorf("statfs %s: %w", dir, err)
-	}
-	return float64((st.Blocks-st.Bfree)*uint64(st.Bsize)) / (1 << 20), nil
 }

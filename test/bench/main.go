@@ -23,16 +23,15 @@ import (
 	"runtime"
 	"slices"
 	"strings"
-	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
+	"github.com/dirpv/dirpv/test/bench/benchkit"
 	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
 )
@@ -56,22 +55,12 @@ var (
 	flagDirpv    = flag.String("dirpv-args", "", "extra flags for both dirpv processes, space-separated (e.g. \"--kube-api-qps=50\")")
 	flagEnv      = flag.String("dirpv-env", "", "extra environment for both dirpv processes, space-separated (e.g. \"GOGC=50\")")
 	flagTimeout  = flag.Duration("phase-timeout", 10*time.Minute, "deadline of each phase")
-	flagBin      = flag.String("dirpv-bin", "", "run this dirpv binary instead of building ./cmd/dirpv (e.g. to compare two builds)")
-	flagPlace    = flag.String("place", "create", `how a claim gets its node: "create" (made with the scheduler's selected-node annotation) or "scheduler" (made unplaced, then updated with it as the scheduler does)`)
 	flagPolicy   = flag.Bool("node-label-policy", true, "install deploy/'s MutatingAdmissionPolicy that labels placed local claims with their node, as deploy/ does; false: dirpv controller labels them (clusters before Kubernetes 1.36)")
 	flagOnly     = flag.String("only", "", "comma-separated groups to run (ceiling,ideal,local,limits,nfs,publish,nodes,rss,copy,reflink,copyvm,stock); empty: all. ceiling is always run, but for -only nodes")
 )
 
 // Row is one measured figure with its reference.
-type Row struct {
-	Name     string  `json:"name"`
-	Value    float64 `json:"value"`
-	Unit     string  `json:"unit"`
-	Ref      string  `json:"ref,omitempty"`
-	RefValue float64 `json:"refValue,omitempty"`
-	Ratio    float64 `json:"ratio,omitempty"`
-	Note     string  `json:"note,omitempty"`
-}
+type Row = benchkit.Row
 
 // Goal is one of the bench's targets.
 type Goal struct {
@@ -90,11 +79,9 @@ type Report struct {
 	PublishN        int                           `json:"publishN"`
 	RSSN            int                           `json:"rssN"`
 	KCM             string                        `json:"kcm"`
-	Place           string                        `json:"place"`
 	KCMArgs         []string                      `json:"kcmArgs"`
 	DirpvArgs       []string                      `json:"dirpvArgs"`
 	DirpvEnv        []string                      `json:"dirpvEnv,omitempty"`
-	DirpvBin        string                        `json:"dirpvBin,omitempty"`
 	NodeLabelPolicy bool                          `json:"nodeLabelPolicy"`
 	CPUs            int                           `json:"cpus"`
 	LoadAvg         string                        `json:"loadAvg"`
@@ -103,26 +90,23 @@ type Report struct {
 	Targets         []Target                      `json:"targets"`
 	CPU             map[string]map[string]float64 `json:"cpuSecondsByPhase"`
 	Phases          []string                      `json:"phases"`
-	// Memory holds the rss phase's figures under stable names (memoryFigures) for tools that
-	// read this file; absent when the phase did not run.
-	Memory map[string]float64 `json:"memory,omitempty"`
 }
 
 type bench struct {
 	ctx    context.Context
 	s      *framework.Suite
 	client kubernetes.Interface
-	// dirpvBin is the binary under test; nodeBin and ctrlBin are copies of it for the node
-	// and the controller, as on a real cluster where the two rarely share a node: no page of
-	// the binary is mapped by both processes, so each one's file-backed RSS is its own, and
-	// the kernel can page out either's (binaryWorkingSet).
-	dirpvBin, nodeBin, ctrlBin string
-	common                     []string
-	node                       *framework.Process
-	ctrl                       *framework.Process
-	report                     Report
-	ms                         map[string]float64 // named figures for goals
-	only                       map[string]bool
+	// nodeBin and ctrlBin are copies of the binary under test (s.Dirpv) for the node and the
+	// controller, as on a real cluster where the two rarely share a node: no page of the
+	// binary is mapped by both processes, so each one's file-backed RSS is its own, and the
+	// kernel can page out either's (binaryWorkingSet).
+	nodeBin, ctrlBin string
+	common           []string
+	node             *framework.Process
+	ctrl             *framework.Process
+	report           Report
+	ms               map[string]float64 // named figures for goals
+	only             map[string]bool
 }
 
 func main() {
@@ -139,10 +123,7 @@ func run() (err error) {
 	}
 	b := &bench{ctx: context.Background(), ms: map[string]float64{}, only: map[string]bool{}}
 	b.report = Report{Started: time.Now(), N: *flagN, LatencyN: *flagLatN, LatencyGap: *flagLatGap, PublishN: *flagPubN, RSSN: *flagRSSN,
-		KCM: *flagKCM, Place: *flagPlace, CPUs: runtime.NumCPU(), CPU: map[string]map[string]float64{}}
-	if *flagPlace != "create" && *flagPlace != "scheduler" {
-		return fmt.Errorf("-place %q: want create or scheduler", *flagPlace)
-	}
+		KCM: *flagKCM, CPUs: runtime.NumCPU(), CPU: map[string]map[string]float64{}}
 	if la, err := os.ReadFile("/proc/loadavg"); err == nil {
 		b.report.LoadAvg = strings.TrimSpace(string(la))
 	}
@@ -284,7 +265,7 @@ func (b *bench) prepare() error {
 	}
 	// The namespace an install runs dirpv in, where its processes publish CSIStorageCapacity
 	// objects; without it each publish fails and is retried, traffic no cluster has.
-	if err := createNamespace(b.ctx, b.client, "dirpv"); err != nil {
+	if err := benchkit.CreateNamespace(b.ctx, b.client, "dirpv"); err != nil {
 		return err
 	}
 	// dirpv node runs without kubelet registration here; list it as kubelet would, so the
@@ -297,12 +278,9 @@ func (b *bench) prepare() error {
 			return err
 		}
 	}
-	if b.dirpvBin = *flagBin; b.dirpvBin == "" {
-		b.dirpvBin = b.s.Dirpv
-	}
 	b.nodeBin, b.ctrlBin = filepath.Join(b.s.Work.Dir, "dirpv-node"), filepath.Join(b.s.Work.Dir, "dirpv-controller")
 	for _, dst := range []string{b.nodeBin, b.ctrlBin} {
-		if err := copyUncached(b.dirpvBin, dst); err != nil {
+		if err := copyUncached(b.s.Dirpv, dst); err != nil {
 			return err
 		}
 	}
@@ -310,7 +288,6 @@ func (b *bench) prepare() error {
 	b.common = append([]string{"--v=2", "--profiling"}, strings.Fields(*flagDirpv)...)
 	b.report.DirpvArgs = strings.Fields(*flagDirpv)
 	b.report.DirpvEnv = strings.Fields(*flagEnv)
-	b.report.DirpvBin = *flagBin
 	if len(b.only) == 0 || b.only["limits"] {
 		if err := b.mountLimitBases(); err != nil {
 			return err
@@ -339,101 +316,51 @@ func (b *bench) cpuSnapshot() map[string]time.Duration {
 }
 
 func (b *bench) add(r Row) {
-	if r.RefValue > 0 {
-		r.Ratio = r.Value / r.RefValue
-	}
+	fmt.Printf("   %s\n", r.Line(48))
 	b.report.Rows = append(b.report.Rows, r)
-	ratio := ""
-	if r.Ratio > 0 {
-		ratio = fmt.Sprintf("  (%.2fx %s)", r.Ratio, r.Ref)
-	}
-	fmt.Printf("   %-48s %10.2f %-5s%s\n", r.Name, r.Value, r.Unit, ratio)
-}
-
-// createClaims creates n claims in parallel and returns when the first create was sent.
-func (b *bench) createClaims(ns, prefix, class, node string, n int) (time.Time, error) {
-	t0 := time.Now()
-	err := parallel(n, func(i int) error {
-		return b.createClaim(ns, fmt.Sprintf("%s-%04d", prefix, i), class, node)
-	})
-	return t0, err
-}
-
-// placeConflicts counts the scheduler's updates (-place scheduler) that failed on a claim
-// someone else had written since it was read.
-var placeConflicts atomic.Int64
-
-// createClaim creates a claim placed on node, if any. With -place scheduler the claim is made
-// unplaced and then updated, from the object as created, with the selected node: what the
-// scheduler does when it binds the pod's volumes, with the resourceVersion it read. A conflict
-// is counted and retried on a fresh read, as the scheduler retries the pod.
-func (b *bench) createClaim(ns, name, class, node string) error {
-	claims := b.client.CoreV1().PersistentVolumeClaims(ns)
-	if *flagPlace != "scheduler" || node == "" {
-		_, err := claims.Create(b.ctx, newClaim(ns, name, class, node), metav1.CreateOptions{})
-		return err
-	}
-	c, err := claims.Create(b.ctx, newClaim(ns, name, class, ""), metav1.CreateOptions{})
-	for err == nil {
-		framework.OnNode(node)(c)
-		if _, err = claims.Update(b.ctx, c, metav1.UpdateOptions{}); !apierrors.IsConflict(err) {
-			break
-		}
-		placeConflicts.Add(1)
-		c, err = claims.Get(b.ctx, name, metav1.GetOptions{})
-	}
-	return err
 }
 
 // bulk creates n claims and waits until all are Bound; it returns the time from the first
 // create to the last Bound.
 func (b *bench) bulk(ns, class, node string, n int) (time.Duration, error) {
-	if err := createNamespace(b.ctx, b.client, ns); err != nil {
-		return 0, err
-	}
-	w, err := watchClaims(b.ctx, b.client, ns)
+	d, w, err := benchkit.Bind(b.ctx, b.client, ns, n, benchkit.Creator(b.ctx, b.client, claims(ns, class, node)), *flagTimeout, func() { b.settle(class) })
 	if err != nil {
 		return 0, err
 	}
-	defer w.Stop()
-	b.settle(class)
-	t0, err := b.createClaims(ns, "c", class, node, n)
-	if err != nil {
-		return 0, err
-	}
-	if err := w.waitBound(b.ctx, n, *flagTimeout); err != nil {
-		return 0, err
-	}
-	if h := w.lastHanded(); !h.IsZero() {
+	// Every claim is Bound by now, those handed to a provisioner too.
+	if handed, bound := w.First(benchkit.Handed), w.First(benchkit.Bound); len(handed) > 0 {
+		var toBound time.Duration
+		for k, t := range handed {
+			toBound += bound[k].Sub(t)
+		}
+		t0 := w.Last(benchkit.Bound).Add(-d)
 		fmt.Printf("   (%s: all %d claims handed to the provisioner by kube-controller-manager after %.2fs; all Bound after %.2fs; mean hand-over->Bound %.0f ms)\n",
-			class, n, h.Sub(t0).Seconds(), w.lastBound().Sub(t0).Seconds(), ms(w.meanHandedToBound()))
+			class, n, w.Last(benchkit.Handed).Sub(t0).Seconds(), d.Seconds(), ms(toBound/time.Duration(len(handed))))
 	}
-	if *flagPlace == "scheduler" {
-		fmt.Printf("   (%s: %d placements so far failed on a conflict and were retried)\n", class, placeConflicts.Load())
-	}
-	return w.lastBound().Sub(t0), nil
+	return d, nil
 }
 
 // latency creates claims one at a time, each after the previous one is Bound, and returns
 // each one's create->Bound time. before, if set, runs before each claim is created (untimed).
 func (b *bench) latency(ns, class, node string, n int, before func(name string) error) ([]time.Duration, error) {
-	if err := createNamespace(b.ctx, b.client, ns); err != nil {
+	if err := benchkit.CreateNamespace(b.ctx, b.client, ns); err != nil {
 		return nil, err
 	}
-	w, err := watchClaims(b.ctx, b.client, ns)
+	w, err := benchkit.WatchClaims(b.ctx, b.client, ns)
 	if err != nil {
 		return nil, err
 	}
 	defer w.Stop()
 	b.settle(class)
 	var out []time.Duration
-	var spans [4][]time.Duration
+	steps := []string{benchkit.Handed, benchkit.Labelled, benchkit.Volume, benchkit.Bound}
+	spans := map[string][]time.Duration{}
 	defer func() {
 		// Medians of each step's time from the claim's creation, where the step was seen.
 		var parts []string
 		for i, what := range []string{"handed to provisioner", "labelled with node", "PV created", "Bound"} {
-			if len(spans[i]) > 0 {
-				parts = append(parts, fmt.Sprintf("%s %.1f ms", what, ms(percentile(spans[i], 50))))
+			if len(spans[steps[i]]) > 0 {
+				parts = append(parts, fmt.Sprintf("%s %.1f ms", what, ms(benchkit.Percentile(spans[steps[i]], 50))))
 			}
 		}
 		fmt.Printf("   (%s: p50 from create: %s)\n", class, strings.Join(parts, ", "))
@@ -451,53 +378,26 @@ func (b *bench) latency(ns, class, node string, n int, before func(name string) 
 			}
 		}
 		t0 := time.Now()
-		if err := b.createClaim(ns, name, class, node); err != nil {
+		if _, err := b.client.CoreV1().PersistentVolumeClaims(ns).Create(b.ctx, newClaim(ns, name, class, node), metav1.CreateOptions{}); err != nil {
 			return nil, err
 		}
-		at, err := w.waitOne(b.ctx, name, time.Minute)
+		at, err := w.WaitOne(b.ctx, name, time.Minute)
 		if err != nil {
 			return nil, err
 		}
 		out = append(out, at.Sub(t0))
-		for j, d := range w.spans(name, t0) {
-			if d >= 0 {
-				spans[j] = append(spans[j], d)
+		for _, step := range steps {
+			if t, ok := w.First(step)[name]; ok {
+				spans[step] = append(spans[step], t.Sub(t0))
 			}
 		}
 	}
 	return out, nil
 }
 
-// deleteAll deletes the claims of ns in parallel and waits until every PV of class is gone and
-// done() (e.g. the base directory is empty) holds. It returns the time from the first delete.
+// deleteAll is benchkit.DeleteAll on the bench's cluster.
 func (b *bench) deleteAll(ns, class string, idealDeleter bool, done func() (bool, string)) (time.Duration, error) {
-	pw, err := watchPVs(b.ctx, b.client, class, ns, idealDeleter)
-	if err != nil {
-		return 0, err
-	}
-	defer pw.Stop()
-	claims, err := b.client.CoreV1().PersistentVolumeClaims(ns).List(b.ctx, metav1.ListOptions{})
-	if err != nil {
-		return 0, err
-	}
-	t0 := time.Now()
-	err = parallel(len(claims.Items), func(i int) error {
-		return b.client.CoreV1().PersistentVolumeClaims(ns).Delete(b.ctx, claims.Items[i].Name, metav1.DeleteOptions{})
-	})
-	if err != nil {
-		return 0, err
-	}
-	err = waitFor(b.ctx, pw.changed, *flagTimeout, func() (bool, string) {
-		left := pw.count("")
-		if left > 0 {
-			return false, fmt.Sprintf("%d PVs of class %s for claims in %s left", left, class, ns)
-		}
-		if done != nil {
-			return done()
-		}
-		return true, ""
-	})
-	return time.Since(t0), err
+	return benchkit.DeleteAll(b.ctx, b.client, ns, class, idealDeleter, *flagTimeout, done)
 }
 
 // ---- ceilings ----
@@ -508,28 +408,7 @@ func (b *bench) ceilingBulk() error {
 		return err
 	}
 	const ns = "ceil-bulk"
-	// PVs first, pre-bound to the claims to come, and wait until kube-controller-manager has
-	// seen them all (Available), so the timed part is the binding alone.
-	pw, err := watchPVs(b.ctx, b.client, "bench-static", ns, false)
-	if err != nil {
-		return err
-	}
-	err = parallel(n, func(i int) error {
-		pv := staticPV(fmt.Sprintf("ceil-%04d", i), "bench-static", ns, fmt.Sprintf("c-%04d", i), v1.PersistentVolumeReclaimRetain)
-		_, err := b.client.CoreV1().PersistentVolumes().Create(b.ctx, pv, metav1.CreateOptions{})
-		return err
-	})
-	if err == nil {
-		err = waitFor(b.ctx, pw.changed, *flagTimeout, func() (bool, string) {
-			avail := pw.count(v1.VolumeAvailable)
-			return avail == n, fmt.Sprintf("%d of %d PVs Available", avail, n)
-		})
-	}
-	pw.Stop()
-	if err != nil {
-		return err
-	}
-	d, err := b.bulk(ns, "bench-static", "", n)
+	d, err := benchkit.Ceiling(b.ctx, b.client, ns, n, claims(ns, "bench-static", ""), *flagTimeout, func() { b.settle("bench-static") })
 	if err != nil {
 		return err
 	}
@@ -545,7 +424,7 @@ func (b *bench) ceilingLatency() error {
 	}
 	const ns = "ceil-lat"
 	ds, err := b.latency(ns, "bench-static-lat", "", *flagLatN, func(name string) error {
-		pv := staticPV("ceil-lat-"+name, "bench-static-lat", ns, name, v1.PersistentVolumeReclaimRetain)
+		pv := benchkit.BoundPV("ceil-lat-"+name, newClaim(ns, name, "bench-static-lat", ""), v1.PersistentVolumeReclaimRetain)
 		if _, err := b.client.CoreV1().PersistentVolumes().Create(b.ctx, pv, metav1.CreateOptions{}); err != nil {
 			return err
 		}
@@ -567,15 +446,15 @@ func (b *bench) ceilingLatency() error {
 // idealExternal measures external provisioning with a provisioner that takes no time at all:
 // what any external provisioner, dirpv included, can at best reach. The gap to the ceiling is
 // kube-controller-manager's extra step (it annotates the claim for the provisioner first).
-func (b *bench) idealExternal() error {
+func (b *bench) idealExternal() (err error) {
 	if err := b.createClass(framework.NewClass("bench-ideal", nil, framework.Provisioner(idealName))); err != nil {
 		return err
 	}
-	ip, err := startIdealProvisioner(b.ctx, b.client, idealName)
+	stop, err := benchkit.StartIdeal(b.ctx, b.client, idealName, "")
 	if err != nil {
 		return err
 	}
-	defer ip.Stop()
+	defer func() { err = errors.Join(err, stop()) }()
 	// WaitForFirstConsumer with the selected node set, exactly like dirpv's local claims.
 	d, err := b.bulk("ideal-bulk", "bench-ideal", nodeName, *flagN)
 	if err != nil {
@@ -694,7 +573,7 @@ func (b *bench) localLatency() error {
 func (b *bench) latencyRows(key, name string, ds []time.Duration, vs string) {
 	for _, q := range []float64{50, 95} {
 		p := fmt.Sprintf("p%.0f", q)
-		v := ms(percentile(ds, q))
+		v := ms(benchkit.Percentile(ds, q))
 		b.ms[key+"."+p] = v
 		r := Row{Name: name + " " + p, Value: v, Unit: "ms"}
 		if key != "ceil" {
@@ -752,7 +631,7 @@ func (b *bench) localLimits() error {
 		if err != nil {
 			return err
 		}
-		b.ms["limits.p50."+sd.key] = ms(percentile(ds, 50))
+		b.ms["limits.p50."+sd.key] = ms(benchkit.Percentile(ds, 50))
 		if sd.key == "limit" {
 			if err := b.checkLimited(sd.base); err != nil {
 				return err
@@ -844,12 +723,12 @@ func (b *bench) provisionStats() [2]float64 { return b.histogramStats(libProvisi
 func (b *bench) histogramStats(name string) [2]float64 {
 	var out [2]float64
 	for _, p := range []*framework.Process{b.node, b.ctrl} {
-		m, err := scrape("http://"+p.HTTPAddr+"/metrics", name+"_sum", name+"_count")
+		m, err := benchkit.Metrics(b.ctx, "http://"+p.HTTPAddr+"/metrics")
 		if err != nil {
 			continue
 		}
-		out[0] += m[name+"_sum"]
-		out[1] += m[name+"_count"]
+		out[0] += benchkit.Sum(m, name+"_sum")
+		out[1] += benchkit.Sum(m, name+"_count")
 	}
 	return out
 }
@@ -865,50 +744,6 @@ func meanMS(before, after [2]float64) float64 {
 		return 0
 	}
 	return (after[0] - before[0]) / (after[1] - before[1]) * 1000
-}
-
-func (b *bench) publish() error {
-	pvcs, err := b.client.CoreV1().PersistentVolumeClaims("local-lat").List(b.ctx, metav1.ListOptions{})
-	if err != nil || len(pvcs.Items) == 0 {
-		return fmt.Errorf("no local claim to publish: %v", err)
-	}
-	pv, err := b.client.CoreV1().PersistentVolumes().Get(b.ctx, pvcs.Items[0].Spec.VolumeName, metav1.GetOptions{})
-	if err != nil {
-		return err
-	}
-	attrs := pv.Spec.CSI.VolumeAttributes
-	src := filepath.Join(attrs["basePath"], attrs["path"])
-	targets := filepath.Join(b.s.Work.Dir, "targets")
-	// Interleaved rounds, so that load from other users of the machine hits all three alike.
-	const rounds = 5
-	per := max(1, *flagPubN/rounds)
-	var dirpv, sys, mu []time.Duration
-	for r := 0; r < rounds; r++ {
-		d, err := publishBench(b.ctx, b.csiSocket(), pv.Spec.CSI.VolumeHandle, attrs, targets, per)
-		if err != nil {
-			return err
-		}
-		s, err := bareBindSyscall(src, targets, per)
-		if err != nil {
-			return err
-		}
-		m, err := bareBindMountUtils(src, targets, per)
-		if err != nil {
-			return err
-		}
-		dirpv, sys, mu = append(dirpv, d...), append(sys, s...), append(mu, m...)
-	}
-	for _, p := range []float64{50, 95} {
-		k := fmt.Sprintf("p%.0f", p)
-		b.ms["pub."+k], b.ms["sys."+k], b.ms["mu."+k] = ms(percentile(dirpv, p)), ms(percentile(sys, p)), ms(percentile(mu, p))
-		b.add(Row{Name: "bare bind mount+umount, mount(2) syscalls " + k, Value: b.ms["sys."+k], Unit: "ms"})
-		b.add(Row{Name: "bare bind mount+umount, mount-utils (mount(8)) " + k, Value: b.ms["mu."+k], Unit: "ms"})
-		b.add(Row{Name: "dirpv NodePublish+NodeUnpublish (gRPC) " + k, Value: b.ms["pub."+k], Unit: "ms",
-			Ref: "mount-utils bind", RefValue: b.ms["mu."+k],
-			Note: fmt.Sprintf("%.1fx mount(2) syscalls", b.ms["pub."+k]/b.ms["sys."+k])})
-		fmt.Printf("   (%.1fx the bare mount(2) syscalls)\n", b.ms["pub."+k]/b.ms["sys."+k])
-	}
-	return nil
 }
 
 // The memory targets: peak RSS below the best peer's measured 38 MB (nfs-subdir),
@@ -942,7 +777,7 @@ func (b *bench) rss() error {
 	waitIdle(pid, 10*time.Second)
 	st, _ := procStatus(pid)
 	b.ms["rss.floor"] = st["VmHWM"]
-	note := fmt.Sprintf("%.1f anon + %.1f file-backed (%s)", st["RssAnon"], st["RssFile"], sectionsNote(pid, b.dirpvBin))
+	note := fmt.Sprintf("%.1f anon + %.1f file-backed (%s)", st["RssAnon"], st["RssFile"], sectionsNote(pid, b.s.Dirpv))
 	b.add(Row{Name: "floor: dirpv node, CSI only, no API client (VmHWM)", Value: st["VmHWM"], Unit: "MiB",
 		Ref: peerRSSRef, RefValue: peerRSSMiB, Note: note})
 	fmt.Printf("   (floor now: %s)\n", note)
@@ -976,14 +811,14 @@ func (b *bench) rss() error {
 			if err != nil {
 				return err
 			}
-			m, _ := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_stack_inuse_bytes")
+			m, _ := benchkit.Metrics(b.ctx, "http://"+p.HTTPAddr+"/metrics")
 			b.ms["rss."+p.Args[0]+"."+what] = st["VmHWM"]
 			// What GC tuning costs shows in the CPU time (the processes started with this phase).
 			cpu := cpuTime(pid).Seconds()
 			b.ms["cpu."+p.Args[0]+"."+what] = cpu
 			note := fmt.Sprintf("now %.1f MiB RSS = %.1f anon (Go heap: %.1f live, %.1f in spans; stacks %.1f) + %.1f file-backed (%s); CPU %.2f s since start",
 				st["VmRSS"], st["RssAnon"], live/(1<<20), inuse/(1<<20), m["go_memstats_stack_inuse_bytes"]/(1<<20),
-				st["RssFile"], sectionsNote(pid, b.dirpvBin), cpu)
+				st["RssFile"], sectionsNote(pid, b.s.Dirpv), cpu)
 			b.add(Row{Name: fmt.Sprintf("dirpv %s peak RSS (VmHWM), %s", p.Args[0], what), Value: st["VmHWM"], Unit: "MiB",
 				Ref: peerRSSRef, RefValue: peerRSSMiB, Note: note})
 			fmt.Printf("   (%s %s)\n", p.Args[0], note)
@@ -1012,59 +847,16 @@ func (b *bench) rss() error {
 	if err := b.binaryWorkingSet(); err != nil {
 		return err
 	}
-	b.report.Memory = b.memoryFigures()
 	return nil
-}
-
-// memoryFigures returns the rss phase's figures under stable names: for node and controller,
-// the peak RSS over the phase (MiB) and its ratio to the best peer's, the largest Go heap
-// growth, scaled to 1000 PVs (MiB), and its ratio to the goal; its CPU time while binding the
-// PVs; the binary's working set; the floor; and the references themselves.
-func (b *bench) memoryFigures() map[string]float64 {
-	out := map[string]float64{
-		"peerRSSMiB":                  peerRSSMiB,
-		"heapGrowthGoalMiBPer1000PVs": heapGrowthGoalMiB,
-		"pvs":                         float64(*flagRSSN),
-	}
-	if v, ok := b.ms["rss.floor"]; ok {
-		out["floorRSSMiB"] = v
-	}
-	for _, proc := range []string{"node", "controller"} {
-		var peak, heap float64
-		for k, v := range b.ms {
-			if strings.HasPrefix(k, "rss."+proc+".") {
-				peak = max(peak, v)
-			}
-			if strings.HasPrefix(k, "heap."+proc+".") {
-				heap = max(heap, v)
-			}
-		}
-		heap = heap * 1000 / float64(*flagRSSN)
-		out[proc+"PeakRSSMiB"] = peak
-		out[proc+"PeakRSSVsPeer"] = peak / peerRSSMiB
-		out[proc+"HeapGrowthMiBPer1000PVs"] = heap
-		out[proc+"HeapGrowthVsGoal"] = heap / heapGrowthGoalMiB
-		if v, ok := b.ms[fmt.Sprintf("cpu.%s.provisioning %d", proc, *flagRSSN)]; ok {
-			out[proc+"CPUSecondsProvisioning"] = v
-		}
-		if v, ok := b.ms["ws."+proc]; ok {
-			out[proc+"BinaryWorkingSetMiB"] = v
-		}
-	}
-	return out
 }
 
 // liveHeap returns the live Go heap (HeapAlloc) and the heap's spans in use (HeapInuse) of
 // dirpv process p, both right after a GC that the heap profile forces; the profile is saved to
 // the log dir (name suffix) too.
 func (b *bench) liveHeap(p *framework.Process, suffix string) (live, inuse float64, err error) {
-	base := "http://" + p.HTTPAddr
-	prof, err := saveHeapProfile(base, filepath.Join(b.s.Work.LogDir, p.Name+suffix+".heap.pprof"))
-	if err != nil {
-		return 0, 0, err
-	}
+	prof := filepath.Join(b.s.Work.LogDir, p.Name+suffix+".heap.pprof")
 	fmt.Printf("   (%s heap profile: %s)\n", p.Args[0], prof)
-	return heapStats(base)
+	return heapProfile("http://"+p.HTTPAddr, prof)
 }
 
 // binaryWorkingSet has the kernel reclaim the binary's read-only pages of both processes,
@@ -1084,13 +876,13 @@ func (b *bench) binaryWorkingSet() error {
 	for _, p := range procs {
 		waitIdle(p.Pid(), 30*time.Second)
 		// A scrape, as Prometheus would do, is part of the steady state.
-		if _, err := scrape("http://"+p.HTTPAddr+"/metrics", "go_memstats_heap_inuse_bytes"); err != nil {
+		if _, err := benchkit.Metrics(b.ctx, "http://"+p.HTTPAddr+"/metrics"); err != nil {
 			return err
 		}
 		st, _ := procStatus(p.Pid())
 		b.ms["ws."+p.Args[0]] = st["RssFile"]
 		b.add(Row{Name: fmt.Sprintf("dirpv %s binary working set (file-backed RSS)", p.Args[0]), Value: st["RssFile"], Unit: "MiB",
-			Note: fmt.Sprintf("after MADV_PAGEOUT of the binary and %d more claims; VmRSS now %.1f MiB (%s)", n, st["VmRSS"], sectionsNote(p.Pid(), b.dirpvBin))})
+			Note: fmt.Sprintf("after MADV_PAGEOUT of the binary and %d more claims; VmRSS now %.1f MiB (%s)", n, st["VmRSS"], sectionsNote(p.Pid(), b.s.Dirpv))})
 	}
 	return nil
 }
@@ -1110,7 +902,7 @@ func waitIdle(pid int, timeout time.Duration) {
 	}
 }
 
-func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+var ms = benchkit.MS
 
 func (b *bench) goals() {
 	g := func(what, target string, actual float64, met bool) {
@@ -1155,22 +947,21 @@ func (b *bench) goals() {
 		above := b.ms["copy.rss.peak"] - idle
 		g(fmt.Sprintf("node RSS above idle cloning %d names + %d links (MiB)", copyNames, copyLinks), fmt.Sprintf("<= %g", copyRSSGoalMiB), above, above <= copyRSSGoalMiB)
 	}
-	if mem := b.report.Memory; mem != nil {
-		for _, proc := range []string{"controller", "node"} {
-			heap := mem[proc+"HeapGrowthMiBPer1000PVs"]
-			g(proc+" Go heap growth per 1000 PVs (MiB)", fmt.Sprintf("< %g", heapGrowthGoalMiB), heap, heap < heapGrowthGoalMiB)
-		}
-		for _, proc := range []string{"controller", "node"} {
-			peak := mem[proc+"PeakRSSMiB"]
-			g(fmt.Sprintf("%s peak RSS with %d PVs (MiB)", proc, *flagRSSN), fmt.Sprintf("< %.1f", peerRSSMiB), peak, peak < peerRSSMiB)
-		}
+	for _, proc := range []string{"controller", "node"} {
+		heap, _ := maxOf(b.ms, "heap."+proc+".")
+		heap *= 1000 / float64(*flagRSSN)
+		g(proc+" Go heap growth per 1000 PVs (MiB)", fmt.Sprintf("< %g", heapGrowthGoalMiB), heap, heap < heapGrowthGoalMiB)
+	}
+	for _, proc := range []string{"controller", "node"} {
+		peak, _ := maxOf(b.ms, "rss."+proc+".")
+		g(fmt.Sprintf("%s peak RSS with %d PVs (MiB)", proc, *flagRSSN), fmt.Sprintf("< %.1f", peerRSSMiB), peak, peak < peerRSSMiB)
 	}
 }
 
 func (b *bench) print() {
 	rp := b.report
-	fmt.Printf("\ndirpv bench: n=%d, latency-n=%d (%v apart), publish-n=%d, rss-n=%d; kube-controller-manager %s %v; claims placed at %s; dirpv flags: defaults %v env %v; %d CPUs, load %s\n\n",
-		rp.N, rp.LatencyN, rp.LatencyGap, rp.PublishN, rp.RSSN, rp.KCM, rp.KCMArgs, rp.Place, rp.DirpvArgs, rp.DirpvEnv, rp.CPUs, rp.LoadAvg)
+	fmt.Printf("\ndirpv bench: n=%d, latency-n=%d (%v apart), publish-n=%d, rss-n=%d; kube-controller-manager %s %v; dirpv flags: defaults %v env %v; %d CPUs, load %s\n\n",
+		rp.N, rp.LatencyN, rp.LatencyGap, rp.PublishN, rp.RSSN, rp.KCM, rp.KCMArgs, rp.DirpvArgs, rp.DirpvEnv, rp.CPUs, rp.LoadAvg)
 	fmt.Printf("| %-52s | %10s | %-26s |\n", "measurement", "value", "ratio")
 	fmt.Printf("|%s|%s|%s|\n", strings.Repeat("-", 54), strings.Repeat("-", 12), strings.Repeat("-", 28))
 	for _, r := range rp.Rows {

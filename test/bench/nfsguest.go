@@ -10,19 +10,11 @@ import (
 	"strings"
 	"time"
 
+	"github.com/dirpv/dirpv/test/bench/benchkit"
 	"github.com/dirpv/dirpv/test/framework"
 )
 
 var flagNFSPubN = flag.Int("nfs-publish-n", 100, "NFS NodePublish+NodeUnpublish iterations in the VM (and as many bare NFS mounts); each takes ~0.5 s under emulation")
-
-// nfsVMReport is what test/vm/node's TestBenchNFS writes (its benchReport).
-type nfsVMReport struct {
-	N        int                `json:"n"`
-	PublishN int                `json:"publishN"`
-	Seconds  float64            `json:"seconds"`
-	Rows     []Row              `json:"rows"`
-	Figures  map[string]float64 `json:"figures"`
-}
 
 // nfsKernel is the NFS phase: provisioning, deleting and publishing NFS volumes through a
 // kernel NFS client and server, which this host's kernel may lack. It runs in the VM node tier
@@ -47,11 +39,9 @@ func (b *bench) nfsKernel() error {
 	fmt.Printf("   (VM node tier: go test -run TestBenchNFS ./test/vm/node/, log %s)\n", logPath)
 	t0 := time.Now()
 	if err := cmd.Run(); err != nil {
-		log, _ := os.ReadFile(logPath)
-		lines := strings.Split(string(log), "\n")
-		return fmt.Errorf("the VM node tier's NFS bench: %w; its log's tail:\n%s", err, strings.Join(lines[max(0, len(lines)-40):], "\n"))
+		return fmt.Errorf("the VM node tier's NFS bench: %w; its log's tail:\n%s", err, logTail(logPath, 40))
 	}
-	var rep nfsVMReport
+	var rep benchkit.GuestReport
 	raw, err := os.ReadFile(out)
 	if err == nil {
 		err = json.Unmarshal(raw, &rep)
@@ -68,4 +58,11 @@ func (b *bench) nfsKernel() error {
 	fmt.Printf("   (NFS phase: %s, of it %.0f s measuring in the guest; the rest boots the guest and installs dirpv)\n",
 		time.Since(t0).Round(time.Second), rep.Seconds)
 	return nil
+}
+
+// logTail is the last n lines of the log file at path.
+func logTail(path string, n int) string {
+	log, _ := os.ReadFile(path)
+	lines := strings.Split(string(log), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }

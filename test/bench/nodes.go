@@ -21,6 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
+	"github.com/dirpv/dirpv/test/bench/benchkit"
 	"github.com/dirpv/dirpv/test/framework"
 )
 
@@ -39,24 +40,14 @@ const (
 	nodesClass = "bench-nodes"
 )
 
-// nodeCount is what one node instance measured: memory, and the objects it reports caching
-// (series of its /metrics that look like informer cache sizes, if it has any).
-type nodeCount struct {
-	peakMiB, rssMiB, heapMiB, cpuS float64
-	cached                         map[string]float64
-}
-
 // nodesResult is one N of the nodes phase.
 type nodesResult struct {
 	N, Claims int
-	// Per node instance: median and max over the nodes.
-	PeakMed, PeakMax, RSSMed, RSSMax, HeapMed, HeapMax, CPUMed, CPUMax float64
-	// Cached is, by series, the cache sizes the node instances report: median per node, the
-	// most on one node, and the total over all nodes. The scheduler packs the phase's pods
-	// (they never run, so its spreading scores see no load), so the median node may hold
-	// none: the total, against the claims and PVs there are, says whether each node caches
-	// only its own.
-	Cached, CachedMax, CachedTotal map[string]float64
+	// Med, Max and Total are, by figure (nodeCounts'), its median over the node instances,
+	// its most on one, and its sum over all. The scheduler packs the phase's pods (they never
+	// run, so its spreading scores see no load), so the median node may cache nothing: the
+	// total, against the claims and PVs there are, says whether each node caches only its own.
+	Med, Max, Total map[string]float64
 	// API server: WATCH requests open (all clients, and the N node instances' share), its RSS.
 	Watches, WatchesBefore  float64
 	APIRSSMiB, APIRSSBefore float64
@@ -158,7 +149,7 @@ func (b *bench) simulate(n int, dir, base string) (r nodesResult, err error) {
 	procs := make([]*framework.Process, n)
 	defer func() {
 		// Stopped in parallel: one by one, SIGTERM and exit take most of a second each.
-		_ = parallel(n, func(i int) error {
+		_ = benchkit.Parallel(n, benchkit.Parallelism, func(i int) error {
 			if procs[i] != nil {
 				procs[i].Stop(10 * time.Second)
 			}
@@ -178,7 +169,7 @@ func (b *bench) simulate(n int, dir, base string) (r nodesResult, err error) {
 		procs[i] = p
 		return err
 	}
-	if err := parallel(n, start); err != nil {
+	if err := benchkit.Parallel(n, benchkit.Parallelism, start); err != nil {
 		return r, fmt.Errorf("start node processes: %w", err)
 	}
 	// Started in parallel, two processes can be handed the same free port: the second one
@@ -206,38 +197,26 @@ func (b *bench) simulate(n int, dir, base string) (r nodesResult, err error) {
 	}
 	fmt.Printf("   (N=%d: %d node processes healthy)\n", n, n)
 	ns := fmt.Sprintf("sim-%d", n)
-	if err := createNamespace(b.ctx, b.client, ns); err != nil {
-		return r, err
-	}
-	w, err := watchClaims(b.ctx, b.client, ns)
-	if err != nil {
-		return r, err
-	}
-	defer w.Stop()
-	t0 := time.Now()
-	err = parallel(r.Claims, func(i int) error {
-		name := fmt.Sprintf("c-%04d", i)
-		if _, err := b.client.CoreV1().PersistentVolumeClaims(ns).Create(b.ctx, newClaim(ns, name, nodesClass, ""), metav1.CreateOptions{}); err != nil {
+	claim := benchkit.Creator(b.ctx, b.client, claims(ns, nodesClass, ""))
+	bound, _, err := benchkit.Bind(b.ctx, b.client, ns, r.Claims, func(i int) error {
+		if err := claim(i); err != nil {
 			return err
 		}
-		_, err := b.client.CoreV1().Pods(ns).Create(b.ctx, simPod(ns, name), metav1.CreateOptions{})
+		_, err := b.client.CoreV1().Pods(ns).Create(b.ctx, simPod(ns, fmt.Sprintf("c-%04d", i)), metav1.CreateOptions{})
 		return err
-	})
+	}, *flagTimeout, nil)
 	if err != nil {
-		return r, fmt.Errorf("create claims and pods: %w", err)
+		return r, fmt.Errorf("claims and pods: %w", err)
 	}
-	if err := w.waitBound(b.ctx, r.Claims, *flagTimeout); err != nil {
-		return r, err
-	}
-	r.BoundSeconds = w.lastBound().Sub(t0).Seconds()
+	r.BoundSeconds = bound.Seconds()
 	r.ClaimsPerS = float64(r.Claims) / r.BoundSeconds
 	if r.SpreadMin, r.SpreadMax, err = b.checkSpread(ns, n); err != nil {
 		return r, err
 	}
-	counts := make([]nodeCount, n)
+	counts := make([]map[string]float64, n)
 	// Idle first, so that every node instance has seen every object; in parallel, since each
 	// wait takes seconds.
-	err = parallel(n, func(i int) error {
+	err = benchkit.Parallel(n, benchkit.Parallelism, func(i int) error {
 		waitIdle(procs[i].Pid(), 30*time.Second)
 		var err error
 		counts[i], err = b.nodeCounts(procs[i])
@@ -322,61 +301,51 @@ func pinnedNode(pv *v1.PersistentVolume) string {
 // cachedSeries picks the series of a dirpv process's metrics that count cached objects.
 var cachedSeries = regexp.MustCompile(`^dirpv_\w*(cache|informer)\w*`)
 
-// nodeCounts reads one node instance's peak and current RSS, its live Go heap (after the GC
-// of a heap profile) and what it reports caching.
-func (b *bench) nodeCounts(p *framework.Process) (nodeCount, error) {
-	var c nodeCount
+// nodeCounts reads one node instance's figures: "peak" and "rss" (its peak and current RSS,
+// MiB), "heap" (its Go heap in use right after the GC of a heap profile, MiB), "cpu" (its CPU
+// seconds), and the objects it reports caching (series of its /metrics that look like
+// informer cache sizes, if it has any), by series.
+func (b *bench) nodeCounts(p *framework.Process) (map[string]float64, error) {
 	st, err := procStatus(p.Pid())
 	if err != nil {
-		return c, err
+		return nil, err
 	}
-	c.peakMiB, c.rssMiB, c.cpuS = st["VmHWM"], st["VmRSS"], cpuTime(p.Pid()).Seconds()
-	if _, err := saveHeapProfile("http://"+p.HTTPAddr, filepath.Join(b.s.Work.LogDir, p.Name+".heap.pprof")); err != nil {
-		return c, err
+	_, inuse, err := heapProfile("http://"+p.HTTPAddr, filepath.Join(b.s.Work.LogDir, p.Name+".heap.pprof"))
+	if err != nil {
+		return nil, err
 	}
 	m, err := framework.Scrape(b.ctx, p)
-	if err != nil {
-		return c, err
-	}
-	c.heapMiB = m["go_memstats_heap_inuse_bytes"] / (1 << 20)
-	c.cached = map[string]float64{}
+	c := map[string]float64{"peak": st["VmHWM"], "rss": st["VmRSS"], "heap": inuse / (1 << 20), "cpu": cpuTime(p.Pid()).Seconds()}
 	for series, v := range m {
 		if cachedSeries.MatchString(series) && !strings.Contains(series, "_bucket") {
-			c.cached[series] = v
+			c[series] = v
 		}
 	}
-	return c, nil
+	return c, err
 }
 
-// summarise fills r's per-node medians and maxima.
-func (r *nodesResult) summarise(counts []nodeCount) {
-	pick := func(f func(nodeCount) float64) (med, hi float64) {
+// summarise fills r's per-node medians, maxima and totals.
+func (r *nodesResult) summarise(counts []map[string]float64) {
+	r.Med, r.Max, r.Total = map[string]float64{}, map[string]float64{}, map[string]float64{}
+	for k := range counts[0] {
 		vs := make([]float64, len(counts))
 		for i, c := range counts {
-			vs[i] = f(c)
+			vs[i] = c[k]
+			r.Total[k] += c[k]
 		}
-		return median(vs), slices.Max(vs)
-	}
-	r.PeakMed, r.PeakMax = pick(func(c nodeCount) float64 { return c.peakMiB })
-	r.RSSMed, r.RSSMax = pick(func(c nodeCount) float64 { return c.rssMiB })
-	r.HeapMed, r.HeapMax = pick(func(c nodeCount) float64 { return c.heapMiB })
-	r.CPUMed, r.CPUMax = pick(func(c nodeCount) float64 { return c.cpuS })
-	r.Cached, r.CachedMax, r.CachedTotal = map[string]float64{}, map[string]float64{}, map[string]float64{}
-	for series := range counts[0].cached {
-		r.Cached[series], r.CachedMax[series] = pick(func(c nodeCount) float64 { return c.cached[series] })
-		for _, c := range counts {
-			r.CachedTotal[series] += c.cached[series]
-		}
+		r.Med[k], r.Max[k] = benchkit.Median(vs), slices.Max(vs)
 	}
 }
 
-// median of vs (not empty); vs is sorted in place.
-func median(vs []float64) float64 {
-	sort.Float64s(vs)
-	if m := len(vs) / 2; len(vs)%2 == 0 {
-		return (vs[m-1] + vs[m]) / 2
+// cached is the series of r's figures that count cached objects, sorted.
+func (r nodesResult) cached() []string {
+	var out []string
+	for _, k := range slices.Sorted(maps.Keys(r.Med)) {
+		if cachedSeries.MatchString(k) {
+			out = append(out, k)
+		}
 	}
-	return vs[len(vs)/2]
+	return out
 }
 
 // apiServerCPU is the CPU time the API server used so far.
@@ -397,7 +366,7 @@ func (b *bench) apiServerLoad() (watches, rssMiB float64, err error) {
 	if err != nil {
 		return 0, 0, fmt.Errorf("API server metrics: %w", err)
 	}
-	watches = sumSamples(string(raw), "apiserver_longrunning_requests", `verb="WATCH"`)
+	watches = benchkit.Sum(benchkit.ParseMetrics(string(raw)), "apiserver_longrunning_requests", `verb="WATCH"`)
 	for _, p := range b.s.Cluster.Procs {
 		if p.Name == "kube-apiserver" {
 			st, err := procStatus(p.PID)
@@ -432,28 +401,32 @@ func (b *bench) deleteSimNodes(made *int) {
 
 func (b *bench) addNodesRows(r nodesResult) {
 	k := fmt.Sprintf("nodes.%d.", r.N)
-	b.ms[k+"peak"], b.ms[k+"heap"], b.ms[k+"watches"] = r.PeakMed, r.HeapMed, r.Watches-r.WatchesBefore
+	b.ms[k+"peak"], b.ms[k+"heap"], b.ms[k+"watches"] = r.Med["peak"], r.Med["heap"], r.Watches-r.WatchesBefore
 	pre := fmt.Sprintf("%d nodes: ", r.N)
-	b.add(Row{Name: pre + "node peak RSS, median", Value: r.PeakMed, Unit: "MiB", Note: fmt.Sprintf("max %.1f", r.PeakMax)})
-	b.add(Row{Name: pre + "node RSS now, median", Value: r.RSSMed, Unit: "MiB", Note: fmt.Sprintf("max %.1f", r.RSSMax)})
-	b.add(Row{Name: pre + "node Go heap in use, median", Value: r.HeapMed, Unit: "MiB", Note: fmt.Sprintf("max %.1f", r.HeapMax)})
-	for _, series := range slices.Sorted(maps.Keys(r.Cached)) {
-		b.add(Row{Name: pre + series + ", median", Value: r.Cached[series], Unit: "",
-			Note: fmt.Sprintf("max %.0f; %.0f over all nodes, for %d claims", r.CachedMax[series], r.CachedTotal[series], r.Claims)})
+	median := func(key, name, unit string) {
+		b.add(Row{Name: pre + name + ", median", Value: r.Med[key], Unit: unit, Note: fmt.Sprintf("max %.1f", r.Max[key])})
+	}
+	median("peak", "node peak RSS", "MiB")
+	median("rss", "node RSS now", "MiB")
+	median("heap", "node Go heap in use", "MiB")
+	for _, series := range r.cached() {
+		b.add(Row{Name: pre + series + ", median", Value: r.Med[series], Unit: "",
+			Note: fmt.Sprintf("max %.0f; %.0f over all nodes, for %d claims", r.Max[series], r.Total[series], r.Claims)})
 	}
 	b.add(Row{Name: pre + "API server WATCH requests per node", Value: (r.Watches - r.WatchesBefore) / float64(r.N), Unit: "",
 		Note: fmt.Sprintf("%.0f open, %.0f before the node processes", r.Watches, r.WatchesBefore)})
-	b.add(Row{Name: pre + "node CPU from start to idle, median", Value: r.CPUMed, Unit: "s", Note: fmt.Sprintf("max %.1f", r.CPUMax)})
+	median("cpu", "node CPU from start to idle", "s")
 	b.add(Row{Name: pre + "API server RSS", Value: r.APIRSSMiB, Unit: "MiB", Note: fmt.Sprintf("%.0f before the node processes", r.APIRSSBefore)})
 	b.add(Row{Name: pre + "API server CPU, start to idle", Value: r.APICPU, Unit: "s"})
 	b.add(Row{Name: fmt.Sprintf("%s%d claims create->all Bound", pre, r.Claims), Value: r.BoundSeconds, Unit: "s",
 		Note: fmt.Sprintf("%.1f claims/s; %d-%d claims per node", r.ClaimsPerS, r.SpreadMin, r.SpreadMax)})
 }
 
-func sum(m map[string]float64) float64 {
+// cachedTotal is the objects all node instances of r report caching.
+func (r nodesResult) cachedTotal() float64 {
 	var s float64
-	for _, v := range m {
-		s += v
+	for _, k := range r.cached() {
+		s += r.Total[k]
 	}
 	return s
 }
@@ -465,10 +438,10 @@ func printNodesTable(rs []nodesResult) {
 		"N", "claims", "peak RSS MiB", "RSS now MiB", "Go heap MiB", "CPU s", "API WATCHes (/node)", "API RSS MiB", "API CPU", "claims/s")
 	for _, r := range rs {
 		fmt.Printf("   | %5d | %6d | %5.1f / %5.1f | %5.1f / %5.1f | %5.1f / %5.1f | %4.1f / %4.1f | %7.0f (%5.1f)   | %5.0f (+%4.0f) | %7.1f | %9.1f |\n",
-			r.N, r.Claims, r.PeakMed, r.PeakMax, r.RSSMed, r.RSSMax, r.HeapMed, r.HeapMax, r.CPUMed, r.CPUMax,
+			r.N, r.Claims, r.Med["peak"], r.Max["peak"], r.Med["rss"], r.Max["rss"], r.Med["heap"], r.Max["heap"], r.Med["cpu"], r.Max["cpu"],
 			r.Watches, (r.Watches-r.WatchesBefore)/float64(r.N), r.APIRSSMiB, r.APIRSSMiB-r.APIRSSBefore, r.APICPU, r.ClaimsPerS)
-		for _, series := range slices.Sorted(maps.Keys(r.Cached)) {
-			fmt.Printf("   |       |        | %s median %.0f, max %.0f, %.0f over all nodes\n", series, r.Cached[series], r.CachedMax[series], r.CachedTotal[series])
+		for _, series := range r.cached() {
+			fmt.Printf("   |       |        | %s median %.0f, max %.0f, %.0f over all nodes\n", series, r.Med[series], r.Max[series], r.Total[series])
 		}
 	}
 }
@@ -481,12 +454,12 @@ func (b *bench) nodesGrowth(rs []nodesResult) {
 	}
 	lo, hi := rs[0], rs[len(rs)-1]
 	b.ms["nodes.lo"], b.ms["nodes.hi"] = float64(lo.N), float64(hi.N)
-	b.ms["nodes.growth.peak"] = hi.PeakMed / lo.PeakMed
-	b.ms["nodes.growth.heap"] = hi.HeapMed / lo.HeapMed
+	b.ms["nodes.growth.peak"] = hi.Med["peak"] / lo.Med["peak"]
+	b.ms["nodes.growth.heap"] = hi.Med["heap"] / lo.Med["heap"]
 	// Objects cached per claim, over all node instances: 2 (its claim and PV, on one node)
 	// when each node caches only its own, N times that when every node caches everything.
-	if sum(lo.CachedTotal) > 0 {
-		b.ms["nodes.growth.cache"] = (sum(hi.CachedTotal) / float64(hi.Claims)) / (sum(lo.CachedTotal) / float64(lo.Claims))
+	if lo.cachedTotal() > 0 {
+		b.ms["nodes.growth.cache"] = (hi.cachedTotal() / float64(hi.Claims)) / (lo.cachedTotal() / float64(lo.Claims))
 	}
 	b.ms["nodes.growth.watches"] = (hi.Watches - hi.WatchesBefore) / float64(hi.N) / ((lo.Watches - lo.WatchesBefore) / float64(lo.N))
 	fmt.Printf("   growth from N=%d to N=%d (%.0fx the nodes and volumes): node peak RSS %.2fx, node Go heap %.2fx, API server WATCHes per node %.2fx, API server RSS +%.0f MiB\n",

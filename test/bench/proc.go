@@ -60,48 +60,6 @@ func cpuTime(pid int) time.Duration {
 	return time.Duration(ut+st) * time.Second / ticksPerSecond
 }
 
-// scrape returns the values of the metric samples at url whose line starts with one of names
-// (name with labels, e.g. `go_memstats_heap_inuse_bytes` or `x_count{a="b"}`), summed by name.
-func scrape(url string, names ...string) (map[string]float64, error) {
-	hc := &http.Client{Timeout: 5 * time.Second}
-	resp, err := hc.Get(url)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return nil, err
-	}
-	out := map[string]float64{}
-	for _, n := range names {
-		out[n] = sumSamples(string(b), n)
-	}
-	return out, nil
-}
-
-// sumSamples sums the values of the samples of a Prometheus text exposition whose series
-// starts with name (a metric name, or a name with labels) and whose line has every one of labels
-// (e.g. `verb="WATCH"`).
-func sumSamples(text, name string, labels ...string) float64 {
-	var sum float64
-	for _, line := range strings.Split(text, "\n") {
-		rest, ok := strings.CutPrefix(line, name)
-		if !ok || (rest != "" && rest[0] != ' ' && rest[0] != '{') {
-			continue
-		}
-		all := true
-		for _, l := range labels {
-			all = all && strings.Contains(rest, l)
-		}
-		fs := strings.Fields(line)
-		if v, err := strconv.ParseFloat(fs[len(fs)-1], 64); all && err == nil {
-			sum += v
-		}
-	}
-	return sum
-}
-
 // residentBySection returns how many bytes of each loaded section of the ELF binary at path
 // are resident in process pid (from /proc/<pid>/pagemap, which needs root), in file order.
 // It tells which part of the binary's file-backed RSS is code (.text), constant data
@@ -156,30 +114,6 @@ func sectionsNote(pid int, path string) string {
 		}
 	}
 	return strings.Join(parts, ", ")
-}
-
-// saveHeapProfile writes the heap profile of the dirpv process serving base (run with
-// --profiling) to path, and returns path. The process runs a GC first (gc=1), so that the
-// profile, and the heap figures read right after it, show the live heap.
-func saveHeapProfile(base, path string) (string, error) {
-	hc := &http.Client{Timeout: 30 * time.Second}
-	resp, err := hc.Get(base + "/debug/pprof/heap?gc=1")
-	if err != nil {
-		return "", err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return "", fmt.Errorf("heap profile: %s (run dirpv with --profiling)", resp.Status)
-	}
-	f, err := os.Create(path)
-	if err != nil {
-		return "", err
-	}
-	if _, err := io.Copy(f, resp.Body); err != nil {
-		f.Close()
-		return "", err
-	}
-	return path, f.Close()
 }
 
 // pageOutBinary asks the kernel to reclaim the pages of pid's own executable that are mapped
@@ -244,10 +178,12 @@ func copyUncached(src, dst string) error {
 	return f.Close()
 }
 
-// heapStats returns HeapAlloc (the live heap) and HeapInuse of the dirpv process serving base
-// (run with --profiling), read right after a GC: the text heap profile ends with the
-// runtime.MemStats that the handler reads after the GC it runs for gc=1.
-func heapStats(base string) (alloc, inuse float64, err error) {
+// heapProfile saves the heap profile of the dirpv process serving base (run with
+// --profiling) to path, in pprof's text format, and returns its live heap (HeapAlloc) and its
+// heap's spans in use (HeapInuse). The process runs a GC first (gc=1), so that the profile and
+// both figures show the live heap: the text profile ends with the runtime.MemStats that the
+// handler reads after that GC.
+func heapProfile(base, path string) (alloc, inuse float64, err error) {
 	hc := &http.Client{Timeout: 30 * time.Second}
 	resp, err := hc.Get(base + "/debug/pprof/heap?gc=1&debug=1")
 	if err != nil {
@@ -258,6 +194,9 @@ func heapStats(base string) (alloc, inuse float64, err error) {
 		return 0, 0, fmt.Errorf("heap profile: %s (run dirpv with --profiling)", resp.Status)
 	}
 	body, err := io.ReadAll(resp.Body)
+	if err == nil {
+		err = os.WriteFile(path, body, 0o644)
+	}
 	if err != nil {
 		return 0, 0, err
 	}

@@ -1,10 +1,12 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"path/filepath"
 	"strings"
 
+	"github.com/dirpv/dirpv/test/bench/benchkit"
 	"github.com/dirpv/dirpv/test/framework"
 )
 
@@ -47,19 +49,9 @@ const flatInN = 1.1
 // nodes phase. A figure the run did not measure gives a "not measured" row.
 func buildTargets(ms map[string]float64, rssN, n int, kcm string) []Target {
 	var out []Target
-	maxOf := func(prefix string) (float64, bool) {
-		var v float64
-		found := false
-		for k, x := range ms {
-			if strings.HasPrefix(k, prefix) {
-				v, found = max(v, x), true
-			}
-		}
-		return v, found
-	}
 	for _, who := range []string{"node", "controller"} {
 		t := Target{Figure: fmt.Sprintf("%s peak RSS at %d PVs", who, rssN), Target: fmt.Sprintf("< %.0f MB (best peer)", bestPeerMB), Unit: "MB"}
-		if mib, ok := maxOf("rss." + who + "."); ok {
+		if mib, ok := maxOf(ms, "rss."+who+"."); ok {
 			t.Value, t.Measured = mib*(1<<20)/1e6, true
 			t.Ratio, t.Met = t.Value/bestPeerMB, t.Value < bestPeerMB
 		}
@@ -67,7 +59,7 @@ func buildTargets(ms map[string]float64, rssN, n int, kcm string) []Target {
 	}
 	for _, who := range []string{"node", "controller"} {
 		t := Target{Figure: fmt.Sprintf("%s Go heap growth per 1000 PVs", who), Target: "< 8 MiB", Unit: "MiB"}
-		if mib, ok := maxOf("heap." + who + "."); ok && rssN > 0 {
+		if mib, ok := maxOf(ms, "heap."+who+"."); ok && rssN > 0 {
 			t.Value, t.Measured = mib*1000/float64(rssN), true
 			t.Ratio, t.Met = t.Value/8, t.Value < 8
 		}
@@ -116,6 +108,18 @@ func buildTargets(ms map[string]float64, rssN, n int, kcm string) []Target {
 	return out
 }
 
+// maxOf is the largest of the figures whose name starts with prefix, and whether there is one.
+func maxOf(ms map[string]float64, prefix string) (float64, bool) {
+	var v float64
+	found := false
+	for k, x := range ms {
+		if strings.HasPrefix(k, prefix) {
+			v, found = max(v, x), true
+		}
+	}
+	return v, found
+}
+
 // printTargets prints the targets table.
 func printTargets(ts []Target) {
 	fmt.Println("\ntargets:")
@@ -160,13 +164,12 @@ func (b *bench) stock() error {
 	if err := b.localClass("bench-local-stock", filepath.Join(b.s.Work.Dir, "base-stock")); err != nil {
 		return err
 	}
-	ip, err := startIdealProvisioner(b.ctx, b.client, idealName)
+	stop, err := benchkit.StartIdeal(b.ctx, b.client, idealName, "")
 	if err != nil {
 		return err
 	}
 	d, err := b.bulk("stock-ideal", "bench-ideal-stock", nodeName, *flagN)
-	ip.Stop()
-	if err != nil {
+	if err = errors.Join(err, stop()); err != nil {
 		return err
 	}
 	b.ms["stock.ideal.bulk"] = d.Seconds()

@@ -5,17 +5,16 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
-	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/dirpv/dirpv/test/bench/benchkit"
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/test/vm/guest"
 	"github.com/dirpv/dirpv/volume"
@@ -33,21 +32,15 @@ var (
 	benchTreeScale      = flag.Int("dirpv.bench-nfs-scale", 50, "the NFS tree is the plain-copy tree (1 GiB + 10,000 small + 100,000 empty files) divided by this")
 )
 
-// CopyBenchFile is the results file of TestBenchCopy: a CopyBenchReport in JSON.
+// CopyBenchFile is the results file of TestBenchCopy: a benchkit.GuestReport in JSON, of
+// seconds, MiB and operation counts by name (test/bench reads it into its rows).
 const CopyBenchFile = "copy-bench.json"
-
-// CopyBenchReport is what TestBenchCopy measured: seconds, MiB and operation counts by name
-// (test/bench reads it into its rows).
-type CopyBenchReport struct {
-	Figures map[string]float64 `json:"figures"`
-	Notes   map[string]string  `json:"notes"`
-}
 
 func TestBenchCopy(t *testing.T) {
 	if !*benchCopy {
 		t.Skip("a bench of make bench: -dirpv.bench-copy")
 	}
-	rep := CopyBenchReport{Figures: map[string]float64{}, Notes: map[string]string{}}
+	rep := benchkit.GuestReport{Figures: map[string]float64{}, Notes: map[string]string{}}
 	t.Run("nfs", func(t *testing.T) { benchNFSClone(t, &rep) })
 	t.Run("xfs-reflink", func(t *testing.T) { benchXFSReflink(t, &rep) })
 	raw, err := json.Marshal(rep)
@@ -63,7 +56,7 @@ func TestBenchCopy(t *testing.T) {
 // -dirpv.bench-reflink-small-mib of written data (no holes, no unwritten extents) and one
 // holding -dirpv.bench-reflink-large-mib, on XFS with reflink. The file system is on a loop
 // file in the VM's writable share, a host file: the guest's own tmpfs is in its 2 GiB of RAM.
-func benchXFSReflink(t *testing.T, rep *CopyBenchReport) {
+func benchXFSReflink(t *testing.T, rep *benchkit.GuestReport) {
 	small, large := int64(*benchSmallMiB)<<20, int64(*benchLargeMiB)<<20
 	scratch, err := os.MkdirTemp(filepath.Dir(guest.ResultsDir()), "bench-xfs-")
 	if err != nil {
@@ -106,7 +99,7 @@ func benchXFSReflink(t *testing.T, rep *CopyBenchReport) {
 		rep.Figures["reflink.xfs."+s.key+".write"] = time.Since(t0).Seconds()
 		t.Logf("%d MiB written and synced in %.1fs", s.size>>20, rep.Figures["reflink.xfs."+s.key+".write"])
 		rep.Figures["reflink.xfs."+s.key+".extents"] = float64(extents(t, filepath.Join(mnt, s.key)))
-		before := fsUsedMiB(t, mnt)
+		before := usedMiB(t, mnt)
 		// Several clones, the median reported: one clone takes tens of milliseconds, which
 		// emulation and the other helpers' load on the host move by half.
 		var took []float64
@@ -124,21 +117,12 @@ func benchXFSReflink(t *testing.T, rep *CopyBenchReport) {
 			unix.Sync()
 		}
 		rep.Figures["reflink.xfs."+s.key+".mib"] = float64(s.size >> 20)
-		rep.Figures["reflink.xfs."+s.key+".clone"] = median(took)
-		rep.Figures["reflink.xfs."+s.key+".spaceMiB"] = (fsUsedMiB(t, mnt) - before) / float64(len(took))
+		rep.Figures["reflink.xfs."+s.key+".clone"] = benchkit.Median(took)
+		rep.Figures["reflink.xfs."+s.key+".spaceMiB"] = (usedMiB(t, mnt) - before) / float64(len(took))
 		t.Logf("XFS reflink clone of %d MiB in 4 files (%.0f extents): median %.3fs of %.3f (source written in %.1fs), %.1f MiB more used each",
-			s.size>>20, rep.Figures["reflink.xfs."+s.key+".extents"], median(took), took,
+			s.size>>20, rep.Figures["reflink.xfs."+s.key+".extents"], rep.Figures["reflink.xfs."+s.key+".clone"], took,
 			rep.Figures["reflink.xfs."+s.key+".write"], rep.Figures["reflink.xfs."+s.key+".spaceMiB"])
 	}
-}
-
-// median of xs, which it sorts.
-func median(xs []float64) float64 {
-	slices.Sort(xs)
-	if n := len(xs); n%2 == 0 {
-		return (xs[n/2-1] + xs[n/2]) / 2
-	}
-	return xs[len(xs)/2]
 }
 
 // extents is how many extents the files in dir hold together, from filefrag (FIEMAP).
@@ -163,25 +147,26 @@ func extents(t *testing.T, dir string) int {
 	return n
 }
 
-// fsUsedMiB is the space used on the file system of dir, from statfs.
-func fsUsedMiB(t *testing.T, dir string) float64 {
+func usedMiB(t *testing.T, dir string) float64 {
 	t.Helper()
-	var st unix.Statfs_t
-	if err := unix.Statfs(dir, &st); err != nil {
+	mib, err := benchkit.UsedMiB(dir)
+	if err != nil {
 		t.Fatal(err)
 	}
-	return float64((st.Blocks-st.Bfree)*uint64(st.Bsize)) / (1 << 20)
+	return mib
 }
 
 // benchNFSClone times, through one NFSv4.2 mount of the guest's kernel client, `cp -a` of a
 // tree, dirpv's clone of it, and the tar snapshot and restore of csi-driver-nfs (tar czf of
 // the tree to a file on the share, tar xzf of it to a new directory), with the mount's COPY
 // operations during each. The export is on the guest's tmpfs.
-func benchNFSClone(t *testing.T, rep *CopyBenchReport) {
+func benchNFSClone(t *testing.T, rep *benchkit.GuestReport) {
 	options := []string{"nfsvers=4.2"}
 	serverDir, share := exportFor(t, options, guest.NoRootSquash)
 	scale := *benchTreeScale
-	fillTree(t, filepath.Join(serverDir, "src"), 1<<30/scale, 10_000/scale, 100_000/scale)
+	if err := benchkit.FillTree(filepath.Join(serverDir, "src"), 1<<30/int64(scale), 10_000/scale, 100_000/scale); err != nil {
+		t.Fatal(err)
+	}
 	r := openExport(t, share, options)
 	mnt := r.Path()
 	src := filepath.Join(mnt, "src")
@@ -227,32 +212,4 @@ func benchNFSClone(t *testing.T, rep *CopyBenchReport) {
 	t.Logf("NFSv4.2 (%s): cp -a %.1fs (%v COPY), dirpv clone %.1fs (%v COPY, %s), tar czf %.1fs + tar xzf %.1fs",
 		rep.Notes["nfs.tree"], rep.Figures["nfs.cp"], rep.Figures["nfs.cp.copyOps"], rep.Figures["nfs.clone"],
 		rep.Figures["nfs.clone.copyOps"], stats.Method, rep.Figures["nfs.tar.c"], rep.Figures["nfs.tar.x"])
-}
-
-// fillTree makes dir with the shape of the bench's plain-copy tree (test/bench fillPlain):
-// one file of bigBytes of data, small files of 4 to 64 KiB under small/, empty files under
-// empty/.
-func fillTree(t *testing.T, dir string, bigBytes, small, empty int) {
-	t.Helper()
-	if err := framework.WriteDataFiles(dir, 1, int64(bigBytes)); err != nil {
-		t.Fatal(err)
-	}
-	// Random data, each file its own: files with the same bytes would compress in a tar.gz
-	// stream, where each lies within gzip's window of the one before.
-	rng, buf := rand.NewChaCha8([32]byte{2}), make([]byte, 64<<10)
-	for sub, n := range map[string]int{"small": small, "empty": empty} {
-		if err := os.Mkdir(filepath.Join(dir, sub), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		for i := range n {
-			size := 0
-			if sub == "small" {
-				size = 4<<10 + (i*7919)%(60<<10)
-			}
-			_, _ = rng.Read(buf[:size]) // never fails
-			if err := os.WriteFile(filepath.Join(dir, sub, fmt.Sprintf("f%06d", i)), buf[:size], 0o644); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
 }
