@@ -95,10 +95,12 @@ grep ' /data ' /proc/self/mounts`, true},
 	}
 }
 
-// TestNFSReclaimOnGuestNode: claims of three NFS classes that differ only in onDelete are used
-// by a pod and deleted with it; on the server's exported directory the delete class's volume
-// is gone, the retain class's is there with the pod's file, and the archive class's is
-// renamed archived-<dir>-<time> with the pod's file.
+// TestNFSReclaimOnGuestNode: claims of three NFS classes that differ only in onDelete are
+// provisioned through one mount of the export in dirpv controller's container, with the
+// classes' mountOptions (nfsvers=4.1, which no other test's class asks for: the kernel's
+// default is 4.2); they are used by a pod and deleted with it; on the server's exported
+// directory the delete class's volume is gone, the retain class's is there with the pod's
+// file, and the archive class's is renamed archived-<dir>-<time> with the pod's file.
 func TestNFSReclaimOnGuestNode(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
@@ -108,21 +110,31 @@ func TestNFSReclaimOnGuestNode(t *testing.T) {
 	policies := []string{"delete", "retain", "archive"}
 	for _, p := range policies {
 		class := suite.CreateClass(t, "nfs-"+p+"-"+ns, map[string]string{"backend": "nfs", "server": node.NFSAddr, "share": "/", "onDelete": p},
-			framework.Immediate, framework.MountOptions("nfsvers=4.2"))
+			framework.Immediate, framework.MountOptions("nfsvers=4.1"))
 		suite.CreateClaim(t, ns, p, class.Name, framework.AccessModes(corev1.ReadWriteMany), framework.Request("16Mi"))
+	}
+	pvs := map[string]*corev1.PersistentVolume{}
+	for _, p := range policies {
+		pv, err := framework.WaitForBoundPV(ctx, cs, ns, p, podTimeout)
+		if err != nil {
+			t.Fatalf("%v\nevents:%s", err, framework.EventsOf(ctx, cs, ns, "PersistentVolumeClaim", p))
+		}
+		pvs[p] = pv
+	}
+	// Within --idle-unmount (5m) of the provisioning.
+	var v41 []string
+	for _, m := range guestMountsOf(ctx, t, controllerProc, node.NFSAddr+":/") {
+		if f := strings.Fields(m); len(f) > 3 && slices.Contains(strings.Split(f[3], ","), "vers=4.1") {
+			v41 = append(v41, m)
+		}
+	}
+	if len(v41) != 1 {
+		t.Errorf("dirpv controller's mounts of %s:/ with vers=4.1: %q, want one for the three classes", node.NFSAddr, v41)
 	}
 	if _, err := cs.CoreV1().Pods(ns).Create(ctx, reclaimWriterPod(ns, "writer", policies), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	waitPodLog(ctx, t, ns, "writer", corev1.PodSucceeded)
-	pvs := map[string]*corev1.PersistentVolume{}
-	for _, p := range policies {
-		pv, err := framework.WaitForBoundPV(ctx, cs, ns, p, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
-		pvs[p] = pv
-	}
 	if err := cs.CoreV1().Pods(ns).Delete(ctx, "writer", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -279,7 +291,7 @@ i=0; while :; do i=$((i+1)); echo $i > /data/tick; echo "wrote $i"; sleep 0.5; d
 		t.Fatalf("deleting the pod whose NFS server is gone: %v\nevents:%s", err, framework.EventsOf(ctx, cs, ns, "Pod", "holder"))
 	}
 	t.Logf("pod on the dead server's volume deleted in %s", time.Since(deleted).Round(time.Millisecond))
-	if m := guestMountsOf(ctx, t, source); len(m) > 0 {
+	if m := guestMountsOf(ctx, t, "self", source); len(m) > 0 {
 		t.Errorf("mounts of %s left in the guest after the pod's deletion: %q", source, m)
 	}
 
@@ -326,7 +338,7 @@ echo "probe failed"; sleep 3600`)
 		t.Fatalf("deleting the pod with the stale mount: %v\nevents:%s", err, framework.EventsOf(ctx, cs, ns, "Pod", "after"))
 	}
 	if err := framework.Poll(ctx, time.Minute, func(ctx context.Context) (bool, error) {
-		m := guestMountsOf(ctx, t, source)
+		m := guestMountsOf(ctx, t, "self", source)
 		return len(m) == 0, fmt.Errorf("mounts of %s left in the guest: %q", source, m)
 	}); err != nil {
 		t.Error(err)
@@ -392,11 +404,16 @@ func lastWrite(log string) int {
 	return last
 }
 
-// guestMountsOf returns the guest's mount table lines (its root mount namespace, where kubelet
-// and the node plugin mount) whose source is source.
-func guestMountsOf(ctx context.Context, t *testing.T, source string) []string {
+// controllerProc names dirpv controller's process for guestMountsOf ([-]: not the shell that
+// runs pgrep, whose command line holds the pattern).
+const controllerProc = "$(pgrep -o -f '[-]-work-dir=/var/lib/dirpv-controller')"
+
+// guestMountsOf returns the mount table lines whose source is source in the mount namespace of
+// the guest's process proc: "self" for the guest's root one, where kubelet and the node plugin
+// mount, or controllerProc for dirpv controller's container.
+func guestMountsOf(ctx context.Context, t *testing.T, proc, source string) []string {
 	t.Helper()
-	out, err := guestNode.Exec(ctx, time.Minute, "cat", "/proc/self/mounts")
+	out, err := guestNode.Exec(ctx, time.Minute, "sh", "-c", "cat /proc/"+proc+"/mounts")
 	if err != nil {
 		t.Fatal(err)
 	}
