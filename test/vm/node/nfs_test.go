@@ -14,7 +14,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/test/vm/node"
 )
@@ -32,8 +31,7 @@ func TestNFSv3NolockReadOnlyOnGuestNode(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	cs := suite.Client
-	ns := suite.NewNamespace(t)
-	waitServiceAccount(ctx, t, ns)
+	ns := newNamespace(ctx, t)
 	share, options := node.NFSExportDir, []string{"nfsvers=3", "nolock"}
 	class := suite.CreateClass(t, "nfs-v3-"+ns, map[string]string{"backend": "nfs", "server": node.NFSAddr, "share": share},
 		framework.Immediate, framework.MountOptions(options...))
@@ -57,14 +55,10 @@ if echo x > /data/g; then echo "write succeeded"; exit 4; fi
 grep ' /data ' /proc/self/mounts`, true},
 	}
 	for _, p := range pods {
-		pod := suite.BusyboxPod(ns, p.name, "v3", p.script, p.readOnly)
-		pod.Spec.Containers[0].Image = cluster.BusyboxImage
-		if _, err := cs.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
+		createPods(ctx, t, suite.BusyboxPod(ns, p.name, "v3", p.script, p.readOnly))
 	}
 	for _, p := range pods {
-		log := waitPodLog(ctx, t, ns, p.name, corev1.PodSucceeded)
+		log := podOutput(ctx, t, ns, p.name, podTimeout)
 		t.Logf("pod %s (readOnly %t) Succeeded %s after the claim bound; log:\n%s", p.name, p.readOnly, time.Since(start).Round(time.Millisecond), log)
 		lines := strings.Split(strings.TrimSpace(log), "\n")
 		if p.readOnly {
@@ -105,8 +99,7 @@ func TestNFSReclaimOnGuestNode(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	cs := suite.Client
-	ns := suite.NewNamespace(t)
-	waitServiceAccount(ctx, t, ns)
+	ns := newNamespace(ctx, t)
 	policies := []string{"delete", "retain", "archive"}
 	for _, p := range policies {
 		class := suite.CreateClass(t, "nfs-"+p+"-"+ns, map[string]string{"backend": "nfs", "server": node.NFSAddr, "share": "/", "onDelete": p},
@@ -131,10 +124,8 @@ func TestNFSReclaimOnGuestNode(t *testing.T) {
 	if len(v41) != 1 {
 		t.Errorf("dirpv controller's mounts of %s:/ with vers=4.1: %q, want one for the three classes", node.NFSAddr, v41)
 	}
-	if _, err := cs.CoreV1().Pods(ns).Create(ctx, reclaimWriterPod(ns, "writer", policies), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitPodLog(ctx, t, ns, "writer", corev1.PodSucceeded)
+	createPods(ctx, t, reclaimWriterPod(ns, "writer", policies))
+	podOutput(ctx, t, ns, "writer", podTimeout)
 	if err := cs.CoreV1().Pods(ns).Delete(ctx, "writer", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -163,7 +154,6 @@ func TestNFSReclaimOnGuestNode(t *testing.T) {
 func reclaimWriterPod(ns, name string, policies []string) *corev1.Pod {
 	var script []string
 	pod := suite.BusyboxPod(ns, name, "", "", false)
-	pod.Spec.Containers[0].Image = cluster.BusyboxImage
 	pod.Spec.Containers[0].VolumeMounts, pod.Spec.Volumes = nil, nil
 	for _, p := range policies {
 		script = append(script, fmt.Sprintf("echo %[1]s > /%[1]s/f", p))
@@ -239,8 +229,7 @@ func TestNFSServerOutageOnGuestNode(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
 	cs := suite.Client
-	ns := suite.NewNamespace(t)
-	waitServiceAccount(ctx, t, ns)
+	ns := newNamespace(ctx, t)
 	class := suite.CreateClass(t, "nfs-hard-"+ns, map[string]string{"backend": "nfs", "server": node.NFSAddr, "share": "/"},
 		framework.Immediate, framework.MountOptions("nfsvers=4.2", "hard"))
 	suite.CreateClaim(t, ns, "nfs", class.Name, framework.AccessModes(corev1.ReadWriteMany), framework.Request("16Mi"))
@@ -256,18 +245,18 @@ func TestNFSServerOutageOnGuestNode(t *testing.T) {
 	// A pod that writes a file every half second and says so.
 	createPod(ctx, t, ns, "holder", "nfs", `echo before > /data/before
 i=0; while :; do i=$((i+1)); echo $i > /data/tick; echo "wrote $i"; sleep 0.5; done`)
-	waitLogContains(ctx, t, ns, "holder", "wrote 2", podTimeout)
+	waitForLog(ctx, t, ns, "holder", "wrote 2", podTimeout)
 	if err := guestNode.StopNFS(ctx); err != nil {
 		t.Fatal(err)
 	}
 	stopped := time.Now()
 	t.Cleanup(func() { _ = guestNode.StartNFS(context.Background()) }) // for a test that fails before the restart
-	atStop := lastWrite(podLog(ctx, t, ns, "holder"))
+	atStop := lastWrite(podLog(ctx, ns, "holder"))
 
 	// dirpv serves the local claim meanwhile: that pod's start is also how long the NFS pod's
 	// writes are watched.
 	createPod(ctx, t, ns, "local", "local", "echo local > /data/f && cat /data/f")
-	if log := waitPodLog(ctx, t, ns, "local", corev1.PodSucceeded); log != "local\n" {
+	if log := podOutput(ctx, t, ns, "local", podTimeout); log != "local\n" {
 		t.Errorf("pod on the local claim: log %q", log)
 	}
 	t.Logf("pod on a local claim Succeeded %s after the NFS server stopped", time.Since(stopped).Round(time.Millisecond))
@@ -276,7 +265,7 @@ i=0; while :; do i=$((i+1)); echo $i > /data/tick; echo "wrote $i"; sleep 0.5; d
 		t.Fatal(err)
 	}
 	// One write may have been on its way when the server stopped.
-	last := lastWrite(podLog(ctx, t, ns, "holder"))
+	last := lastWrite(podLog(ctx, ns, "holder"))
 	t.Logf("NFS pod %s %s after the server stopped: last write %d, %d when it stopped", holder.Status.Phase, time.Since(stopped).Round(time.Second), last, atStop)
 	if holder.Status.Phase != corev1.PodRunning || last > atStop+1 {
 		t.Errorf("NFS pod %s after %s without a server, last write %d (%d when it stopped): want it Running with its writes blocked",
@@ -304,7 +293,7 @@ i=0; while :; do i=$((i+1)); echo $i > /data/tick; echo "wrote $i"; sleep 0.5; d
 	createPod(ctx, t, ns, "after", "nfs", `cat /data/before && echo after > /data/after && cat /data/after && echo ready
 i=0; while echo $i > /data/probe; do i=$((i+1)); [ $i -le 1200 ] || exit 3; sleep 0.5; done
 echo "probe failed"; sleep 3600`)
-	if log := waitLogContains(ctx, t, ns, "after", "ready", podTimeout); !strings.HasPrefix(log, "before\nafter\nready\n") {
+	if log := waitForLog(ctx, t, ns, "after", "ready", podTimeout); !strings.HasPrefix(log, "before\nafter\nready\n") {
 		t.Errorf("new pod on the claim once the server is back: log %q, want the old pod's file and its own", log)
 	}
 	t.Logf("new pod works on the claim %s after the server stopped", time.Since(stopped).Round(time.Millisecond))
@@ -319,7 +308,7 @@ echo "probe failed"; sleep 3600`)
 		t.Fatalf("re-create %s on the server: %v: %s", onServer, err, out)
 	}
 	recreated := time.Now()
-	log := waitLogContains(ctx, t, ns, "after", "probe failed", time.Minute)
+	log := waitForLog(ctx, t, ns, "after", "probe failed", time.Minute)
 	t.Logf("the running pod's mount failed %s after its directory was re-created on the server; log:\n%s", time.Since(recreated).Round(time.Millisecond), log)
 	if !strings.Contains(log, "Stale file handle") {
 		t.Errorf("the running pod's write failed, but not with ESTALE: %q", log)
@@ -327,7 +316,7 @@ echo "probe failed"; sleep 3600`)
 	// dirpv never hands a new pod the stale mount: one that starts while the stale pod runs
 	// gets a mount that works, showing the re-created directory.
 	createPod(ctx, t, ns, "fresh", "nfs", "cat /data/restored && echo fresh > /data/fresh && cat /data/fresh")
-	if log := waitPodLog(ctx, t, ns, "fresh", corev1.PodSucceeded); log != "restored\nfresh\n" {
+	if log := podOutput(ctx, t, ns, "fresh", podTimeout); log != "restored\nfresh\n" {
 		t.Errorf("new pod beside the stale one: log %q, want the re-created directory's file and its own", log)
 	}
 	// The user's recovery for the stale pod: delete it (a Deployment makes a new one, with a new mount).
@@ -346,51 +335,6 @@ echo "probe failed"; sleep 3600`)
 	if after := dirpvPods(ctx, t); !maps.Equal(dirpvBefore, after) {
 		t.Errorf("dirpv's pods changed: before %v, after %v", dirpvBefore, after)
 	}
-}
-
-// createPod creates a busybox pod on the guest node that runs script with claim at /data.
-func createPod(ctx context.Context, t *testing.T, ns, name, claim, script string) {
-	t.Helper()
-	pod := suite.BusyboxPod(ns, name, claim, script, false)
-	pod.Spec.Containers[0].Image = cluster.BusyboxImage
-	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// waitPodLog waits for the pod's phase and returns its log.
-func waitPodLog(ctx context.Context, t *testing.T, ns, name string, phase corev1.PodPhase) string {
-	t.Helper()
-	if _, err := framework.WaitForPodPhase(ctx, suite.Client, ns, name, phase, podTimeout); err != nil {
-		t.Fatalf("%v\nlog: %s\nevents:%s", err, podLog(ctx, t, ns, name), framework.EventsOf(ctx, suite.Client, ns, "Pod", name))
-	}
-	return podLog(ctx, t, ns, name)
-}
-
-// waitLogContains waits until the running pod's log holds s, and returns the log.
-func waitLogContains(ctx context.Context, t *testing.T, ns, name, s string, timeout time.Duration) string {
-	t.Helper()
-	var log string
-	if err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		b, err := suite.Client.CoreV1().Pods(ns).GetLogs(name, &corev1.PodLogOptions{}).DoRaw(ctx)
-		log = string(b)
-		if err != nil {
-			return false, err
-		}
-		return strings.Contains(log, s), fmt.Errorf("no %q in the log", s)
-	}); err != nil {
-		t.Fatalf("pod %s: %v\nlog: %s\nevents:%s", name, err, log, framework.EventsOf(ctx, suite.Client, ns, "Pod", name))
-	}
-	return log
-}
-
-func podLog(ctx context.Context, t *testing.T, ns, name string) string {
-	t.Helper()
-	b, err := suite.Client.CoreV1().Pods(ns).GetLogs(name, &corev1.PodLogOptions{}).DoRaw(ctx)
-	if err != nil {
-		t.Logf("log of pod %s: %v", name, err)
-	}
-	return string(b)
 }
 
 // lastWrite is the number of the last "wrote N" line of log, 0 if none.

@@ -4,9 +4,11 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"regexp"
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/klog/v2"
 
@@ -66,6 +68,8 @@ func setup(ctx context.Context, s *framework.Suite) error {
 	if guestNode, err = node.Start(ctx, node.Options{Cluster: s.Cluster, Image: img, Images: []string{dirpvTar}, NFS: true, Disks: true, Output: os.Stderr}); err != nil {
 		return err
 	}
+	// Pods of suite.BusyboxPod run the busybox image the guest node imported.
+	s.Cluster.BusyboxImage = cluster.BusyboxImage
 	s.Cleanups.Add(func() {
 		start := time.Now()
 		_, stopErr = guestNode.Stop()
@@ -94,14 +98,68 @@ func setup(ctx context.Context, s *framework.Suite) error {
 	})
 }
 
-// waitServiceAccount waits for the namespace's default ServiceAccount: pods are refused until
-// it exists.
-func waitServiceAccount(ctx context.Context, t *testing.T, ns string) {
+// newNamespace is suite.NewNamespace once the namespace's default ServiceAccount exists: pods
+// are refused until it does.
+func newNamespace(ctx context.Context, t *testing.T) string {
 	t.Helper()
+	ns := suite.NewNamespace(t)
 	if err := framework.Poll(ctx, time.Minute, func(ctx context.Context) (bool, error) {
 		_, err := suite.Client.CoreV1().ServiceAccounts(ns).Get(ctx, "default", metav1.GetOptions{})
 		return err == nil, err
 	}); err != nil {
 		t.Fatal(err)
 	}
+	return ns
+}
+
+// createPods creates the pods.
+func createPods(ctx context.Context, t *testing.T, pods ...*corev1.Pod) {
+	t.Helper()
+	for _, p := range pods {
+		if _, err := suite.Client.CoreV1().Pods(p.Namespace).Create(ctx, p, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// createPod creates a busybox pod on the guest node that runs script with claim at /data.
+func createPod(ctx context.Context, t *testing.T, ns, name, claim, script string) {
+	t.Helper()
+	createPods(ctx, t, suite.BusyboxPod(ns, name, claim, script, false))
+}
+
+// podOutput waits up to timeout for the pod to succeed and returns its log.
+func podOutput(ctx context.Context, t *testing.T, ns, name string, timeout time.Duration) string {
+	t.Helper()
+	if _, err := framework.WaitForPodPhase(ctx, suite.Client, ns, name, corev1.PodSucceeded, timeout); err != nil {
+		t.Fatalf("%v\nlog: %s\nevents:%s", err, podLog(ctx, ns, name), framework.EventsOf(ctx, suite.Client, ns, "Pod", name))
+	}
+	return podLog(ctx, ns, name)
+}
+
+func podLog(ctx context.Context, ns, name string) string {
+	b, err := suite.Client.CoreV1().Pods(ns).GetLogs(name, &corev1.PodLogOptions{}).DoRaw(ctx)
+	if err != nil {
+		return fmt.Sprintf("(no log: %v)", err)
+	}
+	return string(b)
+}
+
+// waitForLog waits up to timeout until the running pod's log holds line, a whole line, and
+// returns the log.
+func waitForLog(ctx context.Context, t *testing.T, ns, name, line string, timeout time.Duration) string {
+	t.Helper()
+	var log string
+	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+		b, err := suite.Client.CoreV1().Pods(ns).GetLogs(name, &corev1.PodLogOptions{}).DoRaw(ctx)
+		if err != nil {
+			return false, err
+		}
+		log = string(b)
+		return regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(line) + `$`).MatchString(log), fmt.Errorf("no line %q in the log yet", line)
+	})
+	if err != nil {
+		t.Fatalf("pod %s/%s: %v; log:\n%s\nevents:%s", ns, name, err, log, framework.EventsOf(ctx, suite.Client, ns, "Pod", name))
+	}
+	return log
 }
