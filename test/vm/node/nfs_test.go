@@ -124,6 +124,7 @@ func TestNFSReclaimOnGuestNode(t *testing.T) {
 	if len(v41) != 1 {
 		t.Errorf("dirpv controller's mounts of %s:/ with vers=4.1: %q, want one for the three classes", node.NFSAddr, v41)
 	}
+	t.Logf("dirpv controller's mount for the three classes: %q", v41)
 	createPods(ctx, t, reclaimWriterPod(ns, "writer", policies))
 	podOutput(ctx, t, ns, "writer", podTimeout)
 	if err := cs.CoreV1().Pods(ns).Delete(ctx, "writer", metav1.DeleteOptions{}); err != nil {
