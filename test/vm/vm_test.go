@@ -113,39 +113,6 @@ func TestKernel(t *testing.T) {
 	checkNothingLeft(t, before)
 }
 
-// TestModuleOrder: the initramfs loads every module after the modules it depends on.
-func TestModuleOrder(t *testing.T) {
-	img := prepare(t)
-	order, err := moduleOrder(img.Modules, initramfsModules)
-	if err != nil {
-		t.Fatal(err)
-	}
-	deps, err := readModulesDep(filepath.Join(img.Modules, "modules.dep"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i, file := range order {
-		for _, d := range deps[file] {
-			if j := slices.Index(order, d); j < 0 || j > i {
-				t.Errorf("%s is loaded before its dependency %s", file, d)
-			}
-		}
-	}
-	names := make([]string, len(order))
-	for i, f := range order {
-		names[i] = moduleName(f)
-	}
-	for _, want := range []string{"9p", "overlay", "nfsv4", "nfsd", "xfs"} {
-		if !slices.Contains(names, want) {
-			t.Errorf("module %s is not in the initramfs: %v", want, names)
-		}
-	}
-	// libcrc32c names crc32c only as a soft dependency.
-	if c, l := slices.Index(names, "crc32c_generic"), slices.Index(names, "libcrc32c"); c < 0 || c > l {
-		t.Errorf("crc32c_generic must load before libcrc32c: %v", names)
-	}
-}
-
 // checkNothingLeft: no qemu child of this process and no share directory created since before.
 func checkNothingLeft(t *testing.T, before []string) {
 	t.Helper()

@@ -216,17 +216,6 @@ func mountAt(t *testing.T, dir string) *mount.MountPoint {
 	return nil
 }
 
-// missingOptions returns the wanted options that opts lacks.
-func missingOptions(opts []string, want ...string) []string {
-	var missing []string
-	for _, w := range want {
-		if !slices.Contains(opts, w) {
-			missing = append(missing, w)
-		}
-	}
-	return missing
-}
-
 // nodeFixture is `dirpv node`'s CSI node service on a socket, called as kubelet calls it.
 type nodeFixture struct {
 	csi.NodeClient

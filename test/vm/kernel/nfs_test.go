@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -23,61 +22,6 @@ import (
 	"github.com/dirpv/dirpv/test/vm/guest"
 	"github.com/dirpv/dirpv/volume"
 )
-
-// TestControllerMountOptions: a class's mountOptions reach the kernel's NFS client through the
-// real mount.nfs when the controller mounts the export (the guest's /proc/mounts shows them),
-// classes that differ only in onDelete share that mount, and Provision creates the volume's
-// directory on the server. What each onDelete policy does on the server, and the pods' own
-// mounts, test/vm/node checks with real pods (TestNFSReclaimOnGuestNode, TestNFSv3Nolock...).
-func TestControllerMountOptions(t *testing.T) {
-	for _, tc := range []struct {
-		options []string
-		want    []string // in /proc/mounts
-	}{
-		{options: []string{"nfsvers=3", "nolock"}, want: []string{"vers=3", "nolock"}},
-		{options: []string{"nfsvers=4.1"}, want: []string{"vers=4.1"}},
-		{options: []string{"nfsvers=4.2", "hard"}, want: []string{"vers=4.2", "hard"}},
-		// No version: the client negotiates the highest, 4.2.
-		{options: []string{"soft", "timeo=50", "retrans=3"}, want: []string{"vers=4.2", "soft", "timeo=50", "retrans=3"}},
-	} {
-		t.Run(strings.Join(tc.options, ","), func(t *testing.T) {
-			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-			defer cancel()
-			serverDir, share := exportFor(t, tc.options, guest.NoRootSquash)
-			f := newController(t, time.Minute)
-			for _, policy := range []string{"delete", "retain", "archive"} {
-				class := f.nfsClass("nfs-"+policy, share, tc.options, map[string]string{"onDelete": policy})
-				pv, err := f.provision(ctx, class, policy)
-				if err != nil {
-					t.Fatalf("Provision (onDelete %s): %v", policy, err)
-				}
-				if !slices.Equal(pv.Spec.MountOptions, tc.options) {
-					t.Errorf("PV mountOptions = %v, want the class's %v", pv.Spec.MountOptions, tc.options)
-				}
-				dir := filepath.Join(serverDir, pv.Spec.CSI.VolumeAttributes["path"])
-				if st, err := os.Lstat(dir); err != nil || !st.IsDir() {
-					t.Fatalf("volume directory on the server: %v", err)
-				}
-			}
-
-			source := guest.NFSAddr + ":" + share
-			var mounted []string
-			for _, mp := range nfsMounts(t) {
-				if mp.Device != source || !strings.HasPrefix(mp.Path, f.work+"/") {
-					continue
-				}
-				mounted = append(mounted, mp.Path)
-				if missing := missingOptions(mp.Opts, tc.want...); len(missing) > 0 {
-					t.Errorf("controller's mount of %s has options %v in /proc/mounts, missing %v", source, mp.Opts, missing)
-				}
-			}
-			// The three classes differ only in onDelete: they share one mount.
-			if len(mounted) != 1 {
-				t.Errorf("controller mounts of %s: %v, want one", source, mounted)
-			}
-		})
-	}
-}
 
 // TestDeadServerHardMount: with the server dead under a hard mount (rpc.nfsd 0 after the
 // controller and a pod mounted the export), Provision and Delete return an error within the

@@ -14,7 +14,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/dirpv/dirpv/test/cluster"
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/test/vm/node"
 )
@@ -32,8 +31,7 @@ func TestNFSv3NolockReadOnlyOnGuestNode(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	cs := suite.Client
-	ns := suite.NewNamespace(t)
-	waitServiceAccount(ctx, t, ns)
+	ns := newNamespace(ctx, t)
 	share, options := node.NFSExportDir, []string{"nfsvers=3", "nolock"}
 	class := suite.CreateClass(t, "nfs-v3-"+ns, map[string]string{"backend": "nfs", "server": node.NFSAddr, "share": share},
 		framework.Immediate, framework.MountOptions(options...))
@@ -57,14 +55,10 @@ if echo x > /data/g; then echo "write succeeded"; exit 4; fi
 grep ' /data ' /proc/self/mounts`, true},
 	}
 	for _, p := range pods {
-		pod := suite.BusyboxPod(ns, p.name, "v3", p.script, p.readOnly)
-		pod.Spec.Containers[0].Image = cluster.BusyboxImage
-		if _, err := cs.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
+		createPods(ctx, t, suite.BusyboxPod(ns, p.name, "v3", p.script, p.readOnly))
 	}
 	for _, p := range pods {
-		log := waitPodLog(ctx, t, ns, p.name, corev1.PodSucceeded)
+		log := podOutput(ctx, t, ns, p.name, podTimeout)
 		t.Logf("pod %s (readOnly %t) Succeeded %s after the claim bound; log:\n%s", p.name, p.readOnly, time.Since(start).Round(time.Millisecond), log)
 		lines := strings.Split(strings.TrimSpace(log), "\n")
 		if p.readOnly {
@@ -95,34 +89,44 @@ grep ' /data ' /proc/self/mounts`, true},
 	}
 }
 
-// TestNFSReclaimOnGuestNode: claims of three NFS classes that differ only in onDelete are used
-// by a pod and deleted with it; on the server's exported directory the delete class's volume
-// is gone, the retain class's is there with the pod's file, and the archive class's is
-// renamed archived-<dir>-<time> with the pod's file.
+// TestNFSReclaimOnGuestNode: claims of three NFS classes that differ only in onDelete are
+// provisioned through one mount of the export in dirpv controller's container, with the
+// classes' mountOptions (nfsvers=4.1, which no other test's class asks for: the kernel's
+// default is 4.2); they are used by a pod and deleted with it; on the server's exported
+// directory the delete class's volume is gone, the retain class's is there with the pod's
+// file, and the archive class's is renamed archived-<dir>-<time> with the pod's file.
 func TestNFSReclaimOnGuestNode(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	cs := suite.Client
-	ns := suite.NewNamespace(t)
-	waitServiceAccount(ctx, t, ns)
+	ns := newNamespace(ctx, t)
 	policies := []string{"delete", "retain", "archive"}
 	for _, p := range policies {
 		class := suite.CreateClass(t, "nfs-"+p+"-"+ns, map[string]string{"backend": "nfs", "server": node.NFSAddr, "share": "/", "onDelete": p},
-			framework.Immediate, framework.MountOptions("nfsvers=4.2"))
+			framework.Immediate, framework.MountOptions("nfsvers=4.1"))
 		suite.CreateClaim(t, ns, p, class.Name, framework.AccessModes(corev1.ReadWriteMany), framework.Request("16Mi"))
 	}
-	if _, err := cs.CoreV1().Pods(ns).Create(ctx, reclaimWriterPod(ns, "writer", policies), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	waitPodLog(ctx, t, ns, "writer", corev1.PodSucceeded)
 	pvs := map[string]*corev1.PersistentVolume{}
 	for _, p := range policies {
-		pv, err := framework.WaitForBoundPV(ctx, cs, ns, p, time.Minute)
+		pv, err := framework.WaitForBoundPV(ctx, cs, ns, p, podTimeout)
 		if err != nil {
-			t.Fatal(err)
+			t.Fatalf("%v\nevents:%s", err, framework.EventsOf(ctx, cs, ns, "PersistentVolumeClaim", p))
 		}
 		pvs[p] = pv
 	}
+	// Within --idle-unmount (5m) of the provisioning.
+	var v41 []string
+	for _, m := range guestMountsOf(ctx, t, controllerProc, node.NFSAddr+":/") {
+		if f := strings.Fields(m); len(f) > 3 && slices.Contains(strings.Split(f[3], ","), "vers=4.1") {
+			v41 = append(v41, m)
+		}
+	}
+	if len(v41) != 1 {
+		t.Errorf("dirpv controller's mounts of %s:/ with vers=4.1: %q, want one for the three classes", node.NFSAddr, v41)
+	}
+	t.Logf("dirpv controller's mount for the three classes: %q", v41)
+	createPods(ctx, t, reclaimWriterPod(ns, "writer", policies))
+	podOutput(ctx, t, ns, "writer", podTimeout)
 	if err := cs.CoreV1().Pods(ns).Delete(ctx, "writer", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
@@ -151,7 +155,6 @@ func TestNFSReclaimOnGuestNode(t *testing.T) {
 func reclaimWriterPod(ns, name string, policies []string) *corev1.Pod {
 	var script []string
 	pod := suite.BusyboxPod(ns, name, "", "", false)
-	pod.Spec.Containers[0].Image = cluster.BusyboxImage
 	pod.Spec.Containers[0].VolumeMounts, pod.Spec.Volumes = nil, nil
 	for _, p := range policies {
 		script = append(script, fmt.Sprintf("echo %[1]s > /%[1]s/f", p))
@@ -227,8 +230,7 @@ func TestNFSServerOutageOnGuestNode(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
 	defer cancel()
 	cs := suite.Client
-	ns := suite.NewNamespace(t)
-	waitServiceAccount(ctx, t, ns)
+	ns := newNamespace(ctx, t)
 	class := suite.CreateClass(t, "nfs-hard-"+ns, map[string]string{"backend": "nfs", "server": node.NFSAddr, "share": "/"},
 		framework.Immediate, framework.MountOptions("nfsvers=4.2", "hard"))
 	suite.CreateClaim(t, ns, "nfs", class.Name, framework.AccessModes(corev1.ReadWriteMany), framework.Request("16Mi"))
@@ -244,18 +246,18 @@ func TestNFSServerOutageOnGuestNode(t *testing.T) {
 	// A pod that writes a file every half second and says so.
 	createPod(ctx, t, ns, "holder", "nfs", `echo before > /data/before
 i=0; while :; do i=$((i+1)); echo $i > /data/tick; echo "wrote $i"; sleep 0.5; done`)
-	waitLogContains(ctx, t, ns, "holder", "wrote 2", podTimeout)
+	waitForLog(ctx, t, ns, "holder", "wrote 2", podTimeout)
 	if err := guestNode.StopNFS(ctx); err != nil {
 		t.Fatal(err)
 	}
 	stopped := time.Now()
 	t.Cleanup(func() { _ = guestNode.StartNFS(context.Background()) }) // for a test that fails before the restart
-	atStop := lastWrite(podLog(ctx, t, ns, "holder"))
+	atStop := lastWrite(podLog(ctx, ns, "holder"))
 
 	// dirpv serves the local claim meanwhile: that pod's start is also how long the NFS pod's
 	// writes are watched.
 	createPod(ctx, t, ns, "local", "local", "echo local > /data/f && cat /data/f")
-	if log := waitPodLog(ctx, t, ns, "local", corev1.PodSucceeded); log != "local\n" {
+	if log := podOutput(ctx, t, ns, "local", podTimeout); log != "local\n" {
 		t.Errorf("pod on the local claim: log %q", log)
 	}
 	t.Logf("pod on a local claim Succeeded %s after the NFS server stopped", time.Since(stopped).Round(time.Millisecond))
@@ -264,7 +266,7 @@ i=0; while :; do i=$((i+1)); echo $i > /data/tick; echo "wrote $i"; sleep 0.5; d
 		t.Fatal(err)
 	}
 	// One write may have been on its way when the server stopped.
-	last := lastWrite(podLog(ctx, t, ns, "holder"))
+	last := lastWrite(podLog(ctx, ns, "holder"))
 	t.Logf("NFS pod %s %s after the server stopped: last write %d, %d when it stopped", holder.Status.Phase, time.Since(stopped).Round(time.Second), last, atStop)
 	if holder.Status.Phase != corev1.PodRunning || last > atStop+1 {
 		t.Errorf("NFS pod %s after %s without a server, last write %d (%d when it stopped): want it Running with its writes blocked",
@@ -279,7 +281,7 @@ i=0; while :; do i=$((i+1)); echo $i > /data/tick; echo "wrote $i"; sleep 0.5; d
 		t.Fatalf("deleting the pod whose NFS server is gone: %v\nevents:%s", err, framework.EventsOf(ctx, cs, ns, "Pod", "holder"))
 	}
 	t.Logf("pod on the dead server's volume deleted in %s", time.Since(deleted).Round(time.Millisecond))
-	if m := guestMountsOf(ctx, t, source); len(m) > 0 {
+	if m := guestMountsOf(ctx, t, "self", source); len(m) > 0 {
 		t.Errorf("mounts of %s left in the guest after the pod's deletion: %q", source, m)
 	}
 
@@ -292,7 +294,7 @@ i=0; while :; do i=$((i+1)); echo $i > /data/tick; echo "wrote $i"; sleep 0.5; d
 	createPod(ctx, t, ns, "after", "nfs", `cat /data/before && echo after > /data/after && cat /data/after && echo ready
 i=0; while echo $i > /data/probe; do i=$((i+1)); [ $i -le 1200 ] || exit 3; sleep 0.5; done
 echo "probe failed"; sleep 3600`)
-	if log := waitLogContains(ctx, t, ns, "after", "ready", podTimeout); !strings.HasPrefix(log, "before\nafter\nready\n") {
+	if log := waitForLog(ctx, t, ns, "after", "ready", podTimeout); !strings.HasPrefix(log, "before\nafter\nready\n") {
 		t.Errorf("new pod on the claim once the server is back: log %q, want the old pod's file and its own", log)
 	}
 	t.Logf("new pod works on the claim %s after the server stopped", time.Since(stopped).Round(time.Millisecond))
@@ -307,7 +309,7 @@ echo "probe failed"; sleep 3600`)
 		t.Fatalf("re-create %s on the server: %v: %s", onServer, err, out)
 	}
 	recreated := time.Now()
-	log := waitLogContains(ctx, t, ns, "after", "probe failed", time.Minute)
+	log := waitForLog(ctx, t, ns, "after", "probe failed", time.Minute)
 	t.Logf("the running pod's mount failed %s after its directory was re-created on the server; log:\n%s", time.Since(recreated).Round(time.Millisecond), log)
 	if !strings.Contains(log, "Stale file handle") {
 		t.Errorf("the running pod's write failed, but not with ESTALE: %q", log)
@@ -315,7 +317,7 @@ echo "probe failed"; sleep 3600`)
 	// dirpv never hands a new pod the stale mount: one that starts while the stale pod runs
 	// gets a mount that works, showing the re-created directory.
 	createPod(ctx, t, ns, "fresh", "nfs", "cat /data/restored && echo fresh > /data/fresh && cat /data/fresh")
-	if log := waitPodLog(ctx, t, ns, "fresh", corev1.PodSucceeded); log != "restored\nfresh\n" {
+	if log := podOutput(ctx, t, ns, "fresh", podTimeout); log != "restored\nfresh\n" {
 		t.Errorf("new pod beside the stale one: log %q, want the re-created directory's file and its own", log)
 	}
 	// The user's recovery for the stale pod: delete it (a Deployment makes a new one, with a new mount).
@@ -326,7 +328,7 @@ echo "probe failed"; sleep 3600`)
 		t.Fatalf("deleting the pod with the stale mount: %v\nevents:%s", err, framework.EventsOf(ctx, cs, ns, "Pod", "after"))
 	}
 	if err := framework.Poll(ctx, time.Minute, func(ctx context.Context) (bool, error) {
-		m := guestMountsOf(ctx, t, source)
+		m := guestMountsOf(ctx, t, "self", source)
 		return len(m) == 0, fmt.Errorf("mounts of %s left in the guest: %q", source, m)
 	}); err != nil {
 		t.Error(err)
@@ -334,51 +336,6 @@ echo "probe failed"; sleep 3600`)
 	if after := dirpvPods(ctx, t); !maps.Equal(dirpvBefore, after) {
 		t.Errorf("dirpv's pods changed: before %v, after %v", dirpvBefore, after)
 	}
-}
-
-// createPod creates a busybox pod on the guest node that runs script with claim at /data.
-func createPod(ctx context.Context, t *testing.T, ns, name, claim, script string) {
-	t.Helper()
-	pod := suite.BusyboxPod(ns, name, claim, script, false)
-	pod.Spec.Containers[0].Image = cluster.BusyboxImage
-	if _, err := suite.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// waitPodLog waits for the pod's phase and returns its log.
-func waitPodLog(ctx context.Context, t *testing.T, ns, name string, phase corev1.PodPhase) string {
-	t.Helper()
-	if _, err := framework.WaitForPodPhase(ctx, suite.Client, ns, name, phase, podTimeout); err != nil {
-		t.Fatalf("%v\nlog: %s\nevents:%s", err, podLog(ctx, t, ns, name), framework.EventsOf(ctx, suite.Client, ns, "Pod", name))
-	}
-	return podLog(ctx, t, ns, name)
-}
-
-// waitLogContains waits until the running pod's log holds s, and returns the log.
-func waitLogContains(ctx context.Context, t *testing.T, ns, name, s string, timeout time.Duration) string {
-	t.Helper()
-	var log string
-	if err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		b, err := suite.Client.CoreV1().Pods(ns).GetLogs(name, &corev1.PodLogOptions{}).DoRaw(ctx)
-		log = string(b)
-		if err != nil {
-			return false, err
-		}
-		return strings.Contains(log, s), fmt.Errorf("no %q in the log", s)
-	}); err != nil {
-		t.Fatalf("pod %s: %v\nlog: %s\nevents:%s", name, err, log, framework.EventsOf(ctx, suite.Client, ns, "Pod", name))
-	}
-	return log
-}
-
-func podLog(ctx context.Context, t *testing.T, ns, name string) string {
-	t.Helper()
-	b, err := suite.Client.CoreV1().Pods(ns).GetLogs(name, &corev1.PodLogOptions{}).DoRaw(ctx)
-	if err != nil {
-		t.Logf("log of pod %s: %v", name, err)
-	}
-	return string(b)
 }
 
 // lastWrite is the number of the last "wrote N" line of log, 0 if none.
@@ -392,11 +349,16 @@ func lastWrite(log string) int {
 	return last
 }
 
-// guestMountsOf returns the guest's mount table lines (its root mount namespace, where kubelet
-// and the node plugin mount) whose source is source.
-func guestMountsOf(ctx context.Context, t *testing.T, source string) []string {
+// controllerProc names dirpv controller's process for guestMountsOf ([-]: not the shell that
+// runs pgrep, whose command line holds the pattern).
+const controllerProc = "$(pgrep -o -f '[-]-work-dir=/var/lib/dirpv-controller')"
+
+// guestMountsOf returns the mount table lines whose source is source in the mount namespace of
+// the guest's process proc: "self" for the guest's root one, where kubelet and the node plugin
+// mount, or controllerProc for dirpv controller's container.
+func guestMountsOf(ctx context.Context, t *testing.T, proc, source string) []string {
 	t.Helper()
-	out, err := guestNode.Exec(ctx, time.Minute, "cat", "/proc/self/mounts")
+	out, err := guestNode.Exec(ctx, time.Minute, "sh", "-c", "cat /proc/"+proc+"/mounts")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,6 +2,7 @@ package node_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"regexp"
 	"strconv"
@@ -52,58 +53,12 @@ func tenantPod(ns, name, claim, script string) *corev1.Pod {
 	if claim == "" {
 		pod.Spec.Volumes, pod.Spec.Containers[0].VolumeMounts = nil, nil
 	}
-	pod.Spec.Containers[0].Image = cluster.BusyboxImage
 	pod.Spec.Containers[0].SecurityContext = &corev1.SecurityContext{
 		RunAsUser: ptr.To[int64](tenantUID), RunAsGroup: ptr.To[int64](tenantUID), RunAsNonRoot: ptr.To(true),
 		AllowPrivilegeEscalation: ptr.To(false),
 		Capabilities:             &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}},
 	}
 	return pod
-}
-
-// createPods creates the pods.
-func createPods(ctx context.Context, t *testing.T, pods ...*corev1.Pod) {
-	t.Helper()
-	for _, p := range pods {
-		if _, err := suite.Client.CoreV1().Pods(p.Namespace).Create(ctx, p, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-}
-
-// podOutput waits for the pod to succeed and returns its log.
-func podOutput(ctx context.Context, t *testing.T, ns, name string) string {
-	t.Helper()
-	if _, err := framework.WaitForPodPhase(ctx, suite.Client, ns, name, corev1.PodSucceeded, quotaWait); err != nil {
-		t.Fatalf("%v\nlog: %s\nevents:%s", err, podLogText(ctx, ns, name), framework.EventsOf(ctx, suite.Client, ns, "Pod", name))
-	}
-	return podLogText(ctx, ns, name)
-}
-
-func podLogText(ctx context.Context, ns, name string) string {
-	b, err := suite.Client.CoreV1().Pods(ns).GetLogs(name, &corev1.PodLogOptions{}).DoRaw(ctx)
-	if err != nil {
-		return fmt.Sprintf("(no log: %v)", err)
-	}
-	return string(b)
-}
-
-// waitForLog waits until the running pod's log holds line, a whole line, and returns the log.
-func waitForLog(ctx context.Context, t *testing.T, ns, name, line string) string {
-	t.Helper()
-	var log string
-	err := framework.Poll(ctx, quotaWait, func(ctx context.Context) (bool, error) {
-		b, err := suite.Client.CoreV1().Pods(ns).GetLogs(name, &corev1.PodLogOptions{}).DoRaw(ctx)
-		if err != nil {
-			return false, err
-		}
-		log = string(b)
-		return regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(line) + `$`).MatchString(log), fmt.Errorf("no line %q in the log yet", line)
-	})
-	if err != nil {
-		t.Fatalf("pod %s/%s: %v; log:\n%s\nevents:%s", ns, name, err, log, framework.EventsOf(ctx, suite.Client, ns, "Pod", name))
-	}
-	return log
 }
 
 // logValue is the rest of the last log line that starts with key and a space ("size 123").
@@ -149,8 +104,7 @@ func TestQuotaClaimOnGuestDisk(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 			defer cancel()
 			cs := suite.Client
-			ns := suite.NewNamespace(t)
-			waitServiceAccount(ctx, t, ns)
+			ns := newNamespace(ctx, t)
 			class := quotaClass(t, ns, d)
 			suite.CreateClaim(t, ns, "small", class, framework.Request("16Mi"))
 			suite.CreateClaim(t, ns, "neighbour", class, framework.Request("16Mi"))
@@ -167,7 +121,7 @@ dd if=/dev/zero of=/data/more bs=1M count=8 conv=fsync 2>&1; echo "second dd exi
 df -Pk /data
 echo done
 sleep 600`))
-			log := waitForLog(ctx, t, ns, "filler", "full")
+			log := waitForLog(ctx, t, ns, "filler", "full", quotaWait)
 			t.Logf("%s: filler full after %s", d.FSType, time.Since(start).Round(time.Second))
 			const size = 16 << 20
 			got, _ := strconv.ParseUint(logValue(log, "size"), 10, 64)
@@ -189,7 +143,7 @@ sleep 600`))
 			// The neighbour on the same disk is not touched by the full claim.
 			createPods(ctx, t, tenantPod(ns, "next-door", "neighbour",
 				`dd if=/dev/zero of=/data/f bs=1M count=8 conv=fsync 2>&1; echo "dd exit $?"; df -Pk /data`))
-			if nlog := podOutput(ctx, t, ns, "next-door"); logValue(nlog, "dd exit") != "0" {
+			if nlog := podOutput(ctx, t, ns, "next-door", quotaWait); logValue(nlog, "dd exit") != "0" {
 				t.Errorf("neighbour claim's pod could not write 8 MiB next to a full claim: %s", nlog)
 			} else if dfSize, used := dfSizeKiB(t, nlog); dfSize != 16384 || used < 8192 || used > 8192+1024 {
 				t.Errorf("neighbour's df: size %d KiB, used %d KiB; want 16384 and its own 8 MiB", dfSize, used)
@@ -204,7 +158,7 @@ sleep 600`))
 			if _, err := framework.WaitForClaimResized(ctx, cs, ns, "small", "32Mi", quotaWait); err != nil {
 				t.Fatalf("%v\nevents:%s", err, framework.EventsOf(ctx, cs, ns, "PersistentVolumeClaim", "small"))
 			}
-			log = waitForLog(ctx, t, ns, "filler", "done")
+			log = waitForLog(ctx, t, ns, "filler", "done", quotaWait)
 			if logValue(log, "second dd exit") != "0" {
 				t.Errorf("after the claim grew to 32Mi the pod could not write 8 MiB more: log:\n%s", log)
 			}
@@ -315,8 +269,7 @@ func TestQuotaEscapesOnGuestDisk(t *testing.T) {
 			start := time.Now()
 			ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
 			defer cancel()
-			ns := suite.NewNamespace(t)
-			waitServiceAccount(ctx, t, ns)
+			ns := newNamespace(ctx, t)
 			class := quotaClass(t, ns, d)
 			// Placed on the node at once (as the scheduler would): the tenant's script needs
 			// the neighbour's project number before any pod uses the neighbour's claim.
@@ -329,7 +282,6 @@ func TestQuotaEscapesOnGuestDisk(t *testing.T) {
 			// and moves the latter out of the project; root without CAP_FOWNER cannot move it back.
 			root := suite.BusyboxPod(ns, "root", "mine", fmt.Sprintf(`P=/tools/tenant
 echo "root-without-fowner: $($P set /data/by1000 %d)"`, mine), false)
-			root.Spec.Containers[0].Image = cluster.BusyboxImage
 			root.Spec.Containers[0].SecurityContext = &corev1.SecurityContext{
 				Capabilities: &corev1.Capabilities{Drop: []corev1.Capability{"FOWNER"}}}
 			root.Spec.InitContainers = []corev1.Container{{
@@ -343,7 +295,6 @@ echo "root-moves-others: $($P set /data/by1000 0)"`},
 			// A privileged pod on a claim of its own.
 			priv := suite.BusyboxPod(ns, "privileged", "priv",
 				`dd if=/dev/zero of=/data/big bs=1M count=24 conv=fsync 2>&1; echo "dd exit $?"; echo "size $(stat -c %s /data/big)"`, false)
-			priv.Spec.Containers[0].Image = cluster.BusyboxImage
 			priv.Spec.Containers[0].SecurityContext = &corev1.SecurityContext{Privileged: ptr.To(true)}
 			createPods(ctx, t, priv)
 
@@ -354,7 +305,7 @@ echo "root-moves-others: $($P set /data/by1000 0)"`},
 			if err != nil {
 				t.Fatal(err)
 			}
-			rootLog := string(b) + podLogText(ctx, ns, "root")
+			rootLog := string(b) + podLog(ctx, ns, "root")
 			t.Logf("%s root pod:\n%s", d.FSType, rootLog)
 			if v := logValue(rootLog, "root-moves-others:"); v != "ok" {
 				t.Errorf("root with CAP_FOWNER moving UID 1000's file to project 0: %q, want ok", v)
@@ -383,7 +334,7 @@ echo h > /data/h; echo "userns: $($P userns set /data/h 0)"; echo "h-project $($
 i=0; while [ "$($P get /data/f)" != %[1]d ] || [ "$($P get /data/g)" != %[1]d ]; do i=$((i+1)); [ $i -le 600 ] || { echo "no repair seen"; exit 3; }; sleep 0.2; done
 echo repaired
 dd if=/dev/zero of=/data/f bs=1M count=1 seek=25 conv=fsync,notrunc 2>/tmp/err; echo "after-repair dd exit $?"; echo "after-repair: $(head -n 1 /tmp/err)"`, mine, theirs)), tools)
-			tenantLog := func() string { createPods(ctx, t, tenant); return podOutput(ctx, t, ns, "tenant") }()
+			tenantLog := func() string { createPods(ctx, t, tenant); return podOutput(ctx, t, ns, "tenant", quotaWait) }()
 			t.Logf("%s tenant pod:\n%s", d.FSType, tenantLog)
 			if v := logValue(tenantLog, "others-file:"); !strings.Contains(v, "operation not permitted") {
 				t.Errorf("UID 1000 moving root's file: %q, want operation not permitted", v)
@@ -426,12 +377,12 @@ dd if=/dev/zero of=/data/f bs=1M count=1 seek=25 conv=fsync,notrunc 2>/tmp/err; 
 
 			// The neighbour's claim, empty, is no longer charged the tenant's 4 MiB.
 			createPods(ctx, t, tenantPod(ns, "neighbour", "theirs", `echo "entries $(ls -A /data | wc -l)"; df -Pk /data`))
-			nlog := podOutput(ctx, t, ns, "neighbour")
+			nlog := podOutput(ctx, t, ns, "neighbour", quotaWait)
 			if _, used := dfSizeKiB(t, nlog); logValue(nlog, "entries") != "0" || used >= 4096 {
 				t.Errorf("the neighbour's claim: %s; want it empty and the tenant's 4096 KiB no longer charged to it", nlog)
 			}
 
-			plog := podOutput(ctx, t, ns, "privileged")
+			plog := podOutput(ctx, t, ns, "privileged", quotaWait)
 			t.Logf("%s privileged pod:\n%s", d.FSType, plog)
 			size, _ := strconv.ParseUint(logValue(plog, "size"), 10, 64)
 			switch d.FSType {
@@ -493,30 +444,16 @@ func checkHostUsersFalse(ctx context.Context, t *testing.T, ns, tools string) {
 		}
 	}
 	if !supported {
-		t.Logf("hostUsers: false is not tested: node %s's runtime reports no user namespace support (%s)", n.Name, describeHandlers(n.Status.RuntimeHandlers))
+		handlers, _ := json.Marshal(n.Status.RuntimeHandlers)
+		t.Logf("hostUsers: false is not tested: node %s's runtime reports no user namespace support (runtime handlers %s)", n.Name, handlers)
 		return
 	}
 	pod := framework.WithTenantTool(tenantPod(ns, "userns-pod", "mine", `P=/tools/tenant
 echo u > /data/u; echo "userns-pod-own-to-0: $($P set /data/u 0)"`), tools)
 	pod.Spec.HostUsers = ptr.To(false)
 	createPods(ctx, t, pod)
-	log := podOutput(ctx, t, ns, pod.Name)
+	log := podOutput(ctx, t, ns, pod.Name, quotaWait)
 	if v := logValue(log, "userns-pod-own-to-0:"); !strings.Contains(v, "invalid argument") {
 		t.Errorf("a hostUsers: false pod moving its own file to project 0: %q, want invalid argument; log:\n%s", v, log)
 	}
-}
-
-func describeHandlers(hs []corev1.NodeRuntimeHandler) string {
-	var parts []string
-	for _, h := range hs {
-		userns := "unset"
-		if h.Features != nil && h.Features.UserNamespaces != nil {
-			userns = strconv.FormatBool(*h.Features.UserNamespaces)
-		}
-		parts = append(parts, fmt.Sprintf("handler %q userNamespaces %s", h.Name, userns))
-	}
-	if parts == nil {
-		return "no runtime handlers in its status"
-	}
-	return strings.Join(parts, ", ")
 }

@@ -101,8 +101,7 @@ func TestNFSUpgradeFromRelease(t *testing.T) {
 
 	// Volumes made, and mounted, by the old version: a ReadWriteMany claim that a pod appends
 	// to, and claims of classes that delete and archive, which a pod writes once.
-	ns = suite.NewNamespace(t)
-	waitServiceAccount(ctx, t, ns)
+	ns = newNamespace(ctx, t)
 	// Options a mount without them would not show (the default is 4.2, relatime), so that the
 	// new pod's mount shows that this version takes them from the old PV.
 	options := []string{"nfsvers=4.1", "hard", "noatime"}
@@ -116,13 +115,11 @@ func TestNFSUpgradeFromRelease(t *testing.T) {
 		suite.CreateClaim(t, ns, p, class.Name, framework.AccessModes(corev1.ReadWriteMany), framework.Request("16Mi"))
 	}
 	createPod(ctx, t, ns, "writer", "shared", framework.WriterScript)
-	if _, err := cs.CoreV1().Pods(ns).Create(ctx, reclaimWriterPod(ns, "seeder", policies), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	createPods(ctx, t, reclaimWriterPod(ns, "seeder", policies))
 	if _, err := framework.WaitForPodPhase(ctx, cs, ns, "writer", corev1.PodRunning, podTimeout); err != nil {
 		t.Fatalf("%v\nevents:%s", err, framework.EventsOf(ctx, cs, ns, "Pod", "writer"))
 	}
-	waitPodLog(ctx, t, ns, "seeder", corev1.PodSucceeded)
+	podOutput(ctx, t, ns, "seeder", podTimeout)
 	pvs := map[string]*corev1.PersistentVolume{}
 	for _, claim := range append([]string{"shared"}, policies...) {
 		if pvs[claim], err = framework.WaitForBoundPV(ctx, cs, ns, claim, time.Minute); err != nil {
@@ -165,7 +162,7 @@ func TestNFSUpgradeFromRelease(t *testing.T) {
 
 	// A new pod mounts the old volume, mounted by this version's node plugin.
 	createPod(ctx, t, ns, "reader", "shared", "cat /data/seed && grep ' /data ' /proc/self/mounts")
-	log := waitPodLog(ctx, t, ns, "reader", corev1.PodSucceeded)
+	log := podOutput(ctx, t, ns, "reader", podTimeout)
 	t.Logf("new pod on the old claim Succeeded %s after the upgrade; log:\n%s", time.Since(upgradeStart).Round(time.Millisecond), log)
 	source := node.NFSAddr + ":/" + volDir
 	if l := strings.Split(strings.TrimSpace(log), "\n"); len(l) != 2 || l[0] != "seed" {
