@@ -48,17 +48,19 @@ func (c *copier) copyFile(name string, lst *unix.Stat_t) (bool, error) {
 // it: there is no data to read, and on NFS the open and the close of the source are each a
 // round trip, for what are often most of a tree's files. Its attributes are read through its
 // name, never following it (namedXattrs). A file that was written meanwhile is copied as the
-// stat saw it, empty, as a copy of a file written while it is copied may be.
+// stat saw it, empty, as a copy of a file written while it is copied may be; a name that is
+// no longer a regular file (replaced by a symlink, a FIFO, a directory) is left out, as
+// openSource leaves it out for a file with data.
 func (c *copier) copyEmptyFile(name string, st *unix.Stat_t) (bool, error) {
 	var stx unix.Statx_t
-	switch err := unix.Statx(c.srcCur, name, unix.AT_SYMLINK_NOFOLLOW|unix.AT_STATX_DONT_SYNC, unix.STATX_MNT_ID, &stx); {
-	case errors.Is(err, unix.ENOENT):
+	switch err := unix.Statx(c.srcCur, name, unix.AT_SYMLINK_NOFOLLOW|unix.AT_STATX_DONT_SYNC, unix.STATX_TYPE|unix.STATX_MNT_ID, &stx); {
+	case errors.Is(err, unix.ENOENT), err == nil && stx.Mask&unix.STATX_TYPE != 0 && uint32(stx.Mode)&unix.S_IFMT != unix.S_IFREG:
 		c.stats.Vanished++
 		return false, nil
 	case err != nil:
 		return false, fmt.Errorf("statx: %w", err)
-	case stx.Mask&unix.STATX_MNT_ID == 0:
-		return false, fmt.Errorf("statx: kernel did not report a mount id")
+	case stx.Mask&unix.STATX_TYPE == 0 || stx.Mask&unix.STATX_MNT_ID == 0:
+		return false, fmt.Errorf("statx: kernel did not report a file type and a mount id")
 	case stx.Mnt_id != c.srcMnt:
 		return false, fmt.Errorf("%s %w", c.where(name), ErrMountInSource)
 	}
