@@ -41,8 +41,12 @@ type copier struct {
 	// noReflink is set once the target refuses a clone as such (another file system, or
 	// none offered), so that the other files go straight to copy_file_range.
 	noReflink, noCopyRange bool
-	reflinked, copied      int64
-	entries                int64
+	// plainDir says that the target directory entries are made in (dstCur) hands none of
+	// its NFSv4 ACL down to them, so that an entry's ACL, once it has its mode, is the one
+	// its mode gives, and a source ACL that says no more (modeOnlyACL) needs no SETACL.
+	plainDir          bool
+	reflinked, copied int64
+	entries           int64
 	// files copies regular files with a single name, several at once; nil in its workers,
 	// and where copyWorkers is 1.
 	files *filePool
@@ -62,7 +66,9 @@ type copyLevel struct {
 	off      int64
 	// rescan says that off was lost when the walk came back (errOffsetLost): the directory
 	// is read again from its start, and a name the target has already is one copied.
-	rescan   bool
+	rescan bool
+	// plain is the directory's plainDir.
+	plain    bool
 	src, dst devIno
 	times    [2]unix.Timespec
 }
@@ -166,12 +172,17 @@ func newCopier(ctx context.Context, stats *CopyStats, srcFd, dstFd int, skipXatt
 		return nil, fmt.Errorf("stat copy target: %w", err)
 	}
 	c.dstDir = devIno{dst.Dev, dst.Ino}
-	if err := c.copyXattrs(fdXattrs(srcFd), fdXattrs(dstFd), ""); err != nil {
+	// The target root was made in the base, whose directory may have handed it entries of
+	// its ACL; its mode is already the source root's.
+	c.plainDir = modeOnlyTarget(dstFd, sst.Mode)
+	handsDown, err := c.copyXattrs(fdXattrs(srcFd), fdXattrs(dstFd), "", &sst)
+	if err != nil {
 		c.close()
 		return nil, err
 	}
+	c.plainDir = c.plainDir && !handsDown
 	c.stats.Allocated += sst.Blocks * 512
-	c.stack = []copyLevel{{src: devIno{sst.Dev, sst.Ino}, dst: c.dstDir, times: statTimes(&sst)}}
+	c.stack = []copyLevel{{src: devIno{sst.Dev, sst.Ino}, dst: c.dstDir, times: statTimes(&sst), plain: c.plainDir}}
 	if copyWorkers > 1 {
 		c.files = newFilePool(c, copyWorkers)
 	}
@@ -317,7 +328,7 @@ func (c *copier) up() error {
 	}
 	unix.Close(c.srcCur)
 	unix.Close(c.dstCur)
-	c.srcCur, c.dstCur = sfd, dfd
+	c.srcCur, c.dstCur, c.plainDir = sfd, dfd, parent.plain
 	return nil
 }
 
@@ -501,7 +512,8 @@ func (c *copier) enterDir(name string) error {
 	if err := setOwnerMode(dfd, &st); err != nil {
 		return fail(err)
 	}
-	if err := c.copyXattrs(fdXattrs(sfd), fdXattrs(dfd), name); err != nil {
+	handsDown, err := c.copyXattrs(fdXattrs(sfd), fdXattrs(dfd), name, &st)
+	if err != nil {
 		return fail(err)
 	}
 	var dst unix.Stat_t
@@ -514,10 +526,12 @@ func (c *copier) enterDir(name string) error {
 	unix.Close(c.srcCur)
 	unix.Close(c.dstCur)
 	c.srcCur, c.dstCur, keep = sfd, dfd, true
+	// A new directory in a plain one was handed nothing; it hands down what it was given.
+	c.plainDir = c.plainDir && !handsDown
 	// Into the directory at once; what is left of the parent's batch is read again on the
 	// way back, so that only one batch of names is held whatever the depth.
 	c.stack[len(c.stack)-1].children = nil
-	c.stack = append(c.stack, copyLevel{name: name,
+	c.stack = append(c.stack, copyLevel{name: name, plain: c.plainDir,
 		src: devIno{st.Dev, st.Ino}, dst: devIno{dst.Dev, dst.Ino}, times: statTimes(&st)})
 	return nil
 }

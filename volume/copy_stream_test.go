@@ -219,3 +219,37 @@ func TestMkdirAllFromCopiesFilesAtOnce(t *testing.T) {
 	}
 	diffTrees(t, want, treeHash(t, filepath.Join(dir, "copy")))
 }
+
+// TestMkdirAllFromEmptyFileReplaced: an empty file replaced, after the walk saw it, by a FIFO,
+// a symlink or a directory is left out of the copy (Vanished), not made as an empty regular
+// file: the copy of an empty file does not open its source, so it checks its kind by name.
+func TestMkdirAllFromEmptyFileReplaced(t *testing.T) {
+	dir := t.TempDir()
+	r, err := OpenRoot(dir)
+	must(t, err)
+	defer r.Close()
+	t.Cleanup(func() { copyFileStarted = nil })
+	for kind, replace := range map[string]func(string) error{
+		"fifo":    func(p string) error { return unix.Mkfifo(p, 0o644) },
+		"symlink": func(p string) error { return os.Symlink("/etc/hostname", p) },
+		"dir":     func(p string) error { return os.Mkdir(p, 0o755) },
+	} {
+		src := "src-" + kind
+		_, err = r.MkdirAll(src, Owner{Mode: 0o755}, Claim{UID: src})
+		must(t, err)
+		e := filepath.Join(dir, src, "e")
+		must(t, os.WriteFile(e, nil, 0o644))
+		copyFileStarted = func() {
+			must(t, os.Remove(e))
+			must(t, replace(e))
+		}
+		_, _, stats, err := r.MkdirAllFrom(context.Background(), "copy-"+kind, Claim{UID: "copy-" + kind}, 0, Source{Root: r, Rel: src})
+		must(t, err)
+		if fi, err := os.Lstat(filepath.Join(dir, "copy-"+kind, "e")); err == nil {
+			t.Errorf("%s: the copy holds a %v, want it left out: its source is no longer a regular file", kind, fi.Mode())
+		}
+		if stats.Vanished != 1 || stats.Files != 0 {
+			t.Errorf("%s: stats %+v, want 1 vanished and no file", kind, stats)
+		}
+	}
+}

@@ -48,17 +48,19 @@ func (c *copier) copyFile(name string, lst *unix.Stat_t) (bool, error) {
 // it: there is no data to read, and on NFS the open and the close of the source are each a
 // round trip, for what are often most of a tree's files. Its attributes are read through its
 // name, never following it (namedXattrs). A file that was written meanwhile is copied as the
-// stat saw it, empty, as a copy of a file written while it is copied may be.
+// stat saw it, empty, as a copy of a file written while it is copied may be; a name that is
+// no longer a regular file (replaced by a symlink, a FIFO, a directory) is left out, as
+// openSource leaves it out for a file with data.
 func (c *copier) copyEmptyFile(name string, st *unix.Stat_t) (bool, error) {
 	var stx unix.Statx_t
-	switch err := unix.Statx(c.srcCur, name, unix.AT_SYMLINK_NOFOLLOW|unix.AT_STATX_DONT_SYNC, unix.STATX_MNT_ID, &stx); {
-	case errors.Is(err, unix.ENOENT):
+	switch err := unix.Statx(c.srcCur, name, unix.AT_SYMLINK_NOFOLLOW|unix.AT_STATX_DONT_SYNC, unix.STATX_TYPE|unix.STATX_MNT_ID, &stx); {
+	case errors.Is(err, unix.ENOENT), err == nil && stx.Mask&unix.STATX_TYPE != 0 && uint32(stx.Mode)&unix.S_IFMT != unix.S_IFREG:
 		c.stats.Vanished++
 		return false, nil
 	case err != nil:
 		return false, fmt.Errorf("statx: %w", err)
-	case stx.Mask&unix.STATX_MNT_ID == 0:
-		return false, fmt.Errorf("statx: kernel did not report a mount id")
+	case stx.Mask&unix.STATX_TYPE == 0 || stx.Mask&unix.STATX_MNT_ID == 0:
+		return false, fmt.Errorf("statx: kernel did not report a file type and a mount id")
 	case stx.Mnt_id != c.srcMnt:
 		return false, fmt.Errorf("%s %w", c.where(name), ErrMountInSource)
 	}
@@ -78,7 +80,7 @@ func (c *copier) finishFile(dfd int, st *unix.Stat_t, src xattrIO, name string) 
 	if err := setOwnerMode(dfd, st); err != nil {
 		return err
 	}
-	if err := c.copyXattrs(src, fdXattrs(dfd), name); err != nil {
+	if _, err := c.copyXattrs(src, fdXattrs(dfd), name, st); err != nil {
 		return err
 	}
 	times := statTimes(st)
@@ -227,7 +229,7 @@ func (c *copier) finishNamed(name string, st *unix.Stat_t, withMode bool) error 
 			return fmt.Errorf("chmod to %o: %w", st.Mode&0o7777, err)
 		}
 	}
-	if err := c.copyXattrs(namedXattrs(c.srcCur, name), namedXattrs(c.dstCur, name), name); err != nil {
+	if _, err := c.copyXattrs(namedXattrs(c.srcCur, name), namedXattrs(c.dstCur, name), name, st); err != nil {
 		return err
 	}
 	times := statTimes(st)
@@ -309,14 +311,18 @@ func namedXattrs(dirFd int, name string) xattrIO {
 	}
 }
 
-// copyXattrs copies every extended attribute from src to dst but dirpv's own marker.
-func (c *copier) copyXattrs(src, dst xattrIO, name string) error {
+// copyXattrs copies every extended attribute from src, an entry of stat st, to dst but
+// dirpv's own marker, and but an NFSv4 ACL that says no more than st's mode where the target
+// directory hands none down (plainDir): dst, given that mode first, has that ACL already,
+// and on NFS each attribute set is a round trip. It reports whether the source's NFSv4 ACL,
+// as copied, hands entries down (handsDownACL).
+func (c *copier) copyXattrs(src, dst xattrIO, name string, st *unix.Stat_t) (handsDown bool, err error) {
 	names, err := readXattr(src.list, &c.xbuf)
 	if xattrUnsupported(err) || errors.Is(err, unix.ENOENT) {
-		return nil // none to read here (ENOENT: the name went meanwhile)
+		return false, nil // none to read here (ENOENT: the name went meanwhile)
 	}
 	if err != nil {
-		return fmt.Errorf("list extended attributes: %w", err)
+		return false, fmt.Errorf("list extended attributes: %w", err)
 	}
 	for _, attr := range strings.Split(strings.TrimSuffix(string(names), "\x00"), "\x00") {
 		if attr == "" || c.skipXattr[attr] {
@@ -327,7 +333,13 @@ func (c *copier) copyXattrs(src, dst xattrIO, name string) error {
 			continue // removed meanwhile
 		}
 		if err != nil {
-			return fmt.Errorf("read extended attribute %s: %w", attr, err)
+			return false, fmt.Errorf("read extended attribute %s: %w", attr, err)
+		}
+		if attr == nfs4ACLXattr {
+			handsDown = handsDownACL(val)
+			if c.plainDir && modeOnlyACL(val, st.Mode) {
+				continue
+			}
 		}
 		switch err := dst.set(attr, val); {
 		case err == nil:
@@ -336,10 +348,22 @@ func (c *copier) copyXattrs(src, dst xattrIO, name string) error {
 			klog.FromContext(c.ctx).V(2).Info("Extended attribute not supported by the copy's file system, left out",
 				"path", c.where(name), "attribute", attr)
 		default:
-			return fmt.Errorf("set extended attribute %s: %w", attr, err)
+			return false, fmt.Errorf("set extended attribute %s: %w", attr, err)
 		}
 	}
-	return nil
+	return handsDown, nil
+}
+
+// modeOnlyTarget reports whether the directory open at fd, of mode, has no NFSv4 ACL (not on
+// NFS, or a server without ACLs) or one that says no more than its mode (modeOnlyACL), and so
+// hands none down; false if it cannot be read.
+func modeOnlyTarget(fd int, mode uint32) bool {
+	var buf []byte
+	val, err := readXattr(func(b []byte) (int, error) { return unix.Fgetxattr(fd, nfs4ACLXattr, b) }, &buf)
+	if errors.Is(err, unix.ENODATA) || xattrUnsupported(err) {
+		return true
+	}
+	return err == nil && modeOnlyACL(val, mode)
 }
 
 // readXattr calls read with a buffer big enough for what it returns, kept in *buf; the result

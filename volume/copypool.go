@@ -36,6 +36,8 @@ type fileJob struct {
 	inDir    string
 	name     string
 	st       unix.Stat_t
+	// plain is the walk's plainDir for the directory.
+	plain bool
 }
 
 func newFilePool(c *copier, n int) *filePool {
@@ -75,13 +77,13 @@ func (p *filePool) start(c *copier, name string, st *unix.Stat_t) error {
 		return fmt.Errorf("duplicate directory handle: %w", err)
 	}
 	p.pending.Add(1)
-	p.jobs <- fileJob{src: src, dst: dst, inDir: c.where(""), name: name, st: *st}
+	p.jobs <- fileJob{src: src, dst: dst, inDir: c.where(""), name: name, st: *st, plain: c.plainDir}
 	return nil
 }
 
 // copyJob is copyEntry's end for a regular file with a single name, on a worker.
 func (c *copier) copyJob(j fileJob) error {
-	c.srcCur, c.dstCur, c.inDir = j.src, j.dst, j.inDir
+	c.srcCur, c.dstCur, c.inDir, c.plainDir = j.src, j.dst, j.inDir, j.plain
 	defer func() { c.srcCur, c.dstCur = -1, -1 }()
 	made, err := c.copyFile(j.name, &j.st)
 	if err != nil {

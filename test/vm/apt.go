@@ -11,10 +11,11 @@ import (
 
 // hostPackages are the Debian packages the VM tier needs on the host: qemu and the initramfs
 // tools, and everything the guest runs from the host's root (the NFS client and kernel server
-// user space, and the file system and quota tools of the quota tests).
+// user space, nfs4_setfacl for the ACLs of the copy tests, and the file system and quota tools
+// of the quota tests).
 var hostPackages = []string{
 	"qemu-system-x86", "busybox-static", "kmod",
-	"nfs-kernel-server", "nfs-common", "rpcbind",
+	"nfs-kernel-server", "nfs-common", "rpcbind", "nfs4-acl-tools",
 	"xfsprogs", "e2fsprogs", "quota", "btrfs-progs",
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -234,7 +235,62 @@ func TestCloneOverNFSRoundTrips(t *testing.T) {
 	if sets := ops["SETATTR"]; sets > 3*n+10 {
 		t.Errorf("%d SETATTR operations for %d empty files, want at most %d", sets, n, 3*n+10)
 	}
+	// Their NFSv4 ACLs are those of their modes, which the copies have once given the modes.
+	if sets := ops["SETACL"]; sets != 0 {
+		t.Errorf("%d SETACL operations for %d files whose ACLs say no more than their modes (%q), want none",
+			sets, n, nfs4ACL(t, filepath.Join(r.Path(), "vol/e00")))
+	}
 	sameTree(t, "clone over NFS", want, treeHash(t, filepath.Join(serverDir, "clone")))
+}
+
+// TestCloneOverNFSKeepsACLs: a clone through the NFSv4.2 client has its source's NFSv4 ACLs
+// (nfs4_setfacl, as a user sets them): entries naming a user on a file with data and on an
+// empty file, and a directory's entries for what is made in it; a file with only its mode's
+// ACL in that directory, which a new file there would not have, has it in the clone too.
+func TestCloneOverNFSKeepsACLs(t *testing.T) {
+	options := []string{"nfsvers=4.2"}
+	serverDir, share := exportFor(t, options, guest.NoRootSquash)
+	src := filepath.Join(serverDir, "vol")
+	must(t, os.MkdirAll(filepath.Join(src, "inherits"), 0o755))
+	must(t, os.WriteFile(filepath.Join(src, "data"), []byte("data"), 0o640))
+	must(t, os.WriteFile(filepath.Join(src, "empty"), nil, 0o600))
+	must(t, os.WriteFile(filepath.Join(src, "inherits/plain"), nil, 0o644))
+	r := openExport(t, share, options)
+	vol := filepath.Join(r.Path(), "vol")
+	const user = "4321" // no id mapping with sec=sys: users are their numbers
+	runCmd(t, "nfs4_setfacl", "-a", "A::"+user+":rw", filepath.Join(vol, "data"))
+	runCmd(t, "nfs4_setfacl", "-a", "A::"+user+":r", filepath.Join(vol, "empty"))
+	runCmd(t, "nfs4_setfacl", "-a", "A:fd:"+user+":rx", filepath.Join(vol, "inherits"))
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	if _, _, _, err := r.MkdirAllFrom(ctx, "clone", volume.Claim{UID: "clone"}, 0, volume.Source{Root: r, Rel: "vol"}); err != nil {
+		t.Fatalf("copy over NFS: %v", err)
+	}
+	for _, rel := range []string{".", "data", "empty", "inherits", "inherits/plain"} {
+		want, got := nfs4ACL(t, filepath.Join(vol, rel)), nfs4ACL(t, filepath.Join(r.Path(), "clone", rel))
+		if named := strings.Contains(want, ":"+user+":"); named != (rel == "data" || rel == "empty" || rel == "inherits") {
+			t.Fatalf("source %s: ACL %q: the test set it wrong", rel, want)
+		}
+		if got != want {
+			t.Errorf("clone's %s: NFSv4 ACL %q, want its source's %q", rel, got, want)
+		}
+	}
+}
+
+// nfs4ACL is the NFSv4 ACL of p on an NFSv4 mount, as nfs4_getfacl prints it, an entry a line.
+func nfs4ACL(t *testing.T, p string) string {
+	t.Helper()
+	out, err := exec.Command("nfs4_getfacl", p).CombinedOutput()
+	if err != nil {
+		t.Fatalf("nfs4_getfacl %s: %v: %s", p, err, out)
+	}
+	var aces []string
+	for _, l := range strings.Split(string(out), "\n") {
+		if l = strings.TrimSpace(l); l != "" && !strings.HasPrefix(l, "#") {
+			aces = append(aces, l)
+		}
+	}
+	return strings.Join(aces, " ")
 }
 
 // nfsOps is how many op operations (COPY, READ...) the NFS mount at mnt has sent, from its
