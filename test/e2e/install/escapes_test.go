@@ -86,7 +86,10 @@ dd if=/dev/zero of=/data/d/sub/big bs=1M count=32 conv=fsync 2>&1; echo "dd exit
 func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 	ctx := context.Background()
 	ns := suite.NewNamespace(t)
-	top := filepath.Join(basePath, "install-symlink")
+	// Per run: a second run (-count=2) reusing the first run's base path and classes, both
+	// removed at its end, waited for ever on its victim pod (Pending, no event).
+	top := filepath.Join(basePath, "install-symlink-"+ns)
+	deleteClass, archiveClass := "install-symlink-delete-"+ns, "install-symlink-archive-"+ns
 	base := filepath.Join(top, "base")
 	decoy := filepath.Join(top, "decoy")
 	t.Cleanup(func() { os.RemoveAll(top) })
@@ -95,11 +98,11 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 		must(t, os.MkdirAll(filepath.Dir(p), 0o755))
 		must(t, os.WriteFile(p, []byte(content), 0o640))
 	}
-	suite.CreateClass(t, "install-symlink-delete", map[string]string{"backend": "local", "basePath": base, "onDelete": "delete"})
-	suite.CreateClass(t, "install-symlink-archive", map[string]string{"backend": "local", "basePath": base, "onDelete": "archive"})
+	suite.CreateClass(t, deleteClass, map[string]string{"backend": "local", "basePath": base, "onDelete": "delete"})
+	suite.CreateClass(t, archiveClass, map[string]string{"backend": "local", "basePath": base, "onDelete": "archive"})
 
 	// The victim: another tenant's claim with data.
-	suite.CreateClaim(t, ns, "victim", "install-symlink-delete")
+	suite.CreateClaim(t, ns, "victim", deleteClass)
 	suite.CreatePod(t, suite.BusyboxPod(ns, "victim", "victim", "echo victim-data > /data/data && mkdir /data/sub && echo more > /data/sub/f", false))
 	podDone(t, ns, "victim")
 	victimDir := volumeDir(t, ns, "victim")
@@ -131,7 +134,7 @@ func TestSymlinksToHostSurviveDeleteArchiveAndStats(t *testing.T) {
 		pv           *v1.PersistentVolume
 		dir, target  string
 	}
-	attackers := []*attacker{{claim: "attacker-delete", class: "install-symlink-delete"}, {claim: "attacker-archive", class: "install-symlink-archive"}}
+	attackers := []*attacker{{claim: "attacker-delete", class: deleteClass}, {claim: "attacker-archive", class: archiveClass}}
 	for _, a := range attackers {
 		suite.CreateClaim(t, ns, a.claim, a.class)
 		suite.CreatePod(t, suite.BusyboxPod(ns, a.claim, a.claim, script.String(), false))
