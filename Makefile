@@ -140,13 +140,14 @@ image-debs-amd64 image-debs-arm64: image-debs-%:
 	  rm -rf $$c/lists $$c/cache $$c/debs $$c/sources.list $$c/sources.d; \
 	fi
 
-## quota-debs: btrfs-progs, for the tests and the bench that make btrfs file systems with quota
-## on loop devices (volume/quota/quotatest; losetup comes with `mount`, above).
-QUOTA_DEBS := btrfs-progs
+## quota-debs: btrfs-progs and e2fsprogs, for the tests and the bench that make btrfs (with
+## quota) and ext4 file systems on loop devices (volume/quota/quotatest; losetup comes with
+## `mount`, above).
+QUOTA_DEBS := btrfs-progs e2fsprogs
 .PHONY: quota-debs
 test-unit test-integration test-e2e bench: quota-debs
 quota-debs:
-	@if ! command -v mkfs.btrfs >/dev/null || ! command -v btrfs >/dev/null; then \
+	@if ! command -v mkfs.btrfs >/dev/null || ! command -v btrfs >/dev/null || ! command -v mkfs.ext4 >/dev/null; then \
 	  apt-get -qq -oDPkg::Lock::Timeout=600 update && \
 	  DEBIAN_FRONTEND=noninteractive apt-get -qq -oDPkg::Lock::Timeout=600 install -y --no-install-recommends $(QUOTA_DEBS); \
 	fi

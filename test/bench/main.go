@@ -293,6 +293,12 @@ func (b *bench) prepare() error {
 			return err
 		}
 	}
+	if len(b.only) == 0 || b.only["copy"] {
+		// Before dirpv starts, as the limit bases, so that it is unmounted once dirpv has let go.
+		if err := b.s.MountExt4(b.plainFS(), 8<<30); err != nil {
+			return err
+		}
+	}
 	if len(b.only) == 0 || b.only["reflink"] {
 		return b.mountReflinkBase()
 	}

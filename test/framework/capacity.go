@@ -23,15 +23,31 @@ import (
 // before it started when that volume has no mount propagation (deploy/overlays/e2e-local):
 // call this before installing dirpv, e.g. from SuiteOptions.BeforeCluster.
 func (s *Suite) MountBtrfs(dir string, size int64, quota bool) error {
+	return s.mountLoop(dir, "btrfs", func(img string) (*quotatest.BtrfsFS, error) {
+		return quotatest.MountBtrfs(img, dir, size, quota)
+	})
+}
+
+// MountExt4 mounts a new ext4 file system of size bytes, made with mkfs.ext4's defaults, at
+// dir; like MountBtrfs, until Close.
+func (s *Suite) MountExt4(dir string, size int64) error {
+	return s.mountLoop(dir, "ext4", func(img string) (*quotatest.BtrfsFS, error) {
+		return quotatest.MountExt4(img, dir, size)
+	})
+}
+
+// mountLoop mounts at dir the file system that mount makes in an image of the workspace, and
+// removes it at Close.
+func (s *Suite) mountLoop(dir, fstype string, mount func(img string) (*quotatest.BtrfsFS, error)) error {
 	// A run killed before its cleanups left its file system here: do not stack on it.
 	DetachMountsUnder(dir)
-	fs, err := quotatest.MountBtrfs(filepath.Join(s.Work.Dir, "btrfs-"+filepath.Base(dir)+".img"), dir, size, quota)
+	fs, err := mount(filepath.Join(s.Work.Dir, fstype+"-"+filepath.Base(dir)+".img"))
 	if err != nil {
-		return fmt.Errorf("btrfs base at %s: %w", dir, err)
+		return fmt.Errorf("%s base at %s: %w", fstype, dir, err)
 	}
 	s.Cleanups.Add(func() {
 		if err := fs.Remove(); err != nil {
-			fmt.Fprintf(os.Stderr, "btrfs base at %s: %v\n", dir, err)
+			fmt.Fprintf(os.Stderr, "%s base at %s: %v\n", fstype, dir, err)
 		}
 	})
 	return nil

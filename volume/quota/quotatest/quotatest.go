@@ -77,7 +77,7 @@ func run(t testing.TB, name string, args ...string) string {
 	return out
 }
 
-// BtrfsFS is a file system on a loop device made by MountBtrfs (or XFS).
+// BtrfsFS is a file system on a loop device made by MountBtrfs (or XFS, MountExt4).
 type BtrfsFS struct {
 	// Mnt is where it is mounted.
 	Mnt string
@@ -97,6 +97,13 @@ func MountBtrfs(img, mnt string, size int64, quota bool) (_ *BtrfsFS, err error)
 		return nil, err
 	}
 	return fs, nil
+}
+
+// MountExt4 makes an ext4 file system of size bytes, with mkfs.ext4's defaults (a journal:
+// ext4 as users have it), in the new image file img on a loop device of its own and mounts it
+// at mnt (made if missing). On error nothing is left.
+func MountExt4(img, mnt string, size int64) (*BtrfsFS, error) {
+	return mountLoop(img, mnt, size, "ext4", "mkfs.ext4", "-q", "-F")
 }
 
 // XFS mounts a new 320 MiB XFS file system (xfsprogs' smallest is 300 MiB; its image file is
