@@ -3,6 +3,7 @@ package framework
 import (
 	"context"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -231,12 +232,7 @@ func TakeKillSnapshot(ctx context.Context, c kubernetes.Interface, ns, dir strin
 
 // Names lists the recorded entries, sorted.
 func (s *KillSnapshot) Names() []string {
-	names := make([]string, 0, len(s.Dirs))
-	for n := range s.Dirs {
-		names = append(names, n)
-	}
-	slices.Sort(names)
-	return names
+	return slices.Sorted(maps.Keys(s.Dirs))
 }
 
 // Entries lists the directory's entries kept by the snapshot's filter as they are now.
