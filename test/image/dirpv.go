@@ -349,12 +349,6 @@ func LibraryDirs(arch string) []string {
 	return []string{"/lib/" + t, "/usr/lib/" + t, "/lib", "/usr/lib"}
 }
 
-// ELFMachine is the ELF header's e_machine of arch's programs and libraries.
-func ELFMachine(arch string) (elf.Machine, bool) {
-	m, ok := elfMachine[arch]
-	return m, ok
-}
-
 // collector gathers files of a tree (root) at their paths beneath it. Symlinks met on the way
 // (a merged /usr's /lib64 -> usr/lib64, libfoo.so.1 -> libfoo.so.1.2.3) become the same
 // symlinks in the image, so the dynamic loader and mount(8) find everything where they would

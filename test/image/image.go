@@ -225,8 +225,9 @@ func layerTar(files []File) ([]byte, error) {
 			if hdr.Mode == 0 {
 				hdr.Mode = 0o755
 			}
-			// Keep special bits such as the sticky bit of /tmp.
-			hdr.Mode |= int64(modeBits(f.Mode))
+			if f.Mode&os.ModeSticky != 0 { // /tmp's
+				hdr.Mode |= 0o1000
+			}
 			if err := tw.WriteHeader(hdr); err != nil {
 				return nil, err
 			}
@@ -255,20 +256,6 @@ func layerTar(files []File) ([]byte, error) {
 		return nil, err
 	}
 	return buf.Bytes(), nil
-}
-
-func modeBits(m os.FileMode) int64 {
-	var b int64
-	if m&os.ModeSticky != 0 {
-		b |= 0o1000
-	}
-	if m&os.ModeSetgid != 0 {
-		b |= 0o2000
-	}
-	if m&os.ModeSetuid != 0 {
-		b |= 0o4000
-	}
-	return b
 }
 
 // tarDir packs the layout directory (regular files and directories only) into dst atomically.

@@ -2,9 +2,12 @@ package release
 
 import (
 	"archive/tar"
+	"bufio"
 	"bytes"
 	"compress/gzip"
+	"crypto/sha256"
 	"debug/elf"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"io"
@@ -20,7 +23,6 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
 	"github.com/dirpv/dirpv/test/deploy"
-	"github.com/dirpv/dirpv/test/image/imagetest"
 )
 
 // TestRelease builds a release as make release does and checks it as a user receiving it
@@ -119,7 +121,7 @@ func TestRelease(t *testing.T) {
 			// The programs dirpv runs are among them (so that the checks cannot pass on an
 			// image that lacks them).
 			for _, p := range []string{"/usr/local/bin/dirpv", "/bin/mount", "/bin/umount", "/sbin/mount.nfs", "/sbin/mount.nfs4"} {
-				if real := v.layer.Resolve(p); elfs[real] == nil {
+				if real := v.layer.resolve(p); elfs[real] == nil {
 					t.Errorf("%s (-> /%s) is not an ELF file of the image", p, real)
 				}
 			}
@@ -132,7 +134,7 @@ func TestRelease(t *testing.T) {
 					}
 					b, _ := io.ReadAll(prog.Open())
 					interp := strings.TrimRight(string(b), "\x00")
-					if elfs[v.layer.Resolve(interp)] == nil {
+					if elfs[v.layer.resolve(interp)] == nil {
 						t.Errorf("/%s: its loader %s is not in the image", name, interp)
 					}
 				}
@@ -141,13 +143,13 @@ func TestRelease(t *testing.T) {
 					t.Errorf("/%s: %v", name, err)
 				}
 				for _, lib := range needed {
-					if !slices.ContainsFunc(libDirs, func(d string) bool { return elfs[v.layer.Resolve(path.Join(d, lib))] != nil }) {
+					if !slices.ContainsFunc(libDirs, func(d string) bool { return elfs[v.layer.resolve(path.Join(d, lib))] != nil }) {
 						t.Errorf("/%s needs %s, which is in none of %v", name, lib, libDirs)
 					}
 				}
 			}
 			for _, p := range []string{"/etc/netconfig", "/etc/protocols"} {
-				if real := v.layer.Resolve(p); v.layer.Hdr[real] == nil || v.layer.Hdr[real].Typeflag != tar.TypeReg {
+				if real := v.layer.resolve(p); v.layer.Hdr[real] == nil || v.layer.Hdr[real].Typeflag != tar.TypeReg {
 					t.Errorf("%s is not a file of the image", p)
 				}
 			}
@@ -155,7 +157,7 @@ func TestRelease(t *testing.T) {
 				t.Errorf("manifest %s, Build reported %s", v.digest, want)
 			}
 			if arch == runtime.GOARCH && os.Geteuid() == 0 {
-				if out := v.layer.RunTools(t)["/usr/local/bin/dirpv"]; strings.TrimSpace(out) != version {
+				if out := v.layer.runTools(t)["/usr/local/bin/dirpv"]; strings.TrimSpace(out) != version {
 					t.Errorf("dirpv version %q, want %s", out, version)
 				}
 			}
@@ -197,8 +199,16 @@ func TestRelease(t *testing.T) {
 	})
 
 	t.Run("chart", func(t *testing.T) {
-		chart := readChartYAML(t, filepath.Join(rel.Dir, rel.Chart))
-		if !strings.Contains(chart, "\nversion: 0.0.0-releasetest\n") || !strings.Contains(chart, "\nappVersion: "+version+"\n") {
+		// helm show chart loads the package as helm install would and prints its Chart.yaml.
+		helm, err := deploy.Tool(t.Context(), "helm", true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, err := deploy.Helm(t.Context(), helm, "show", "chart", filepath.Join(rel.Dir, rel.Chart))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if chart := "\n" + string(out); !strings.Contains(chart, "\nversion: 0.0.0-releasetest\n") || !strings.Contains(chart, "\nappVersion: "+version+"\n") {
 			t.Errorf("%s's Chart.yaml:\n%s", rel.Chart, chart)
 		}
 	})
@@ -220,37 +230,6 @@ func TestChartVersion(t *testing.T) {
 	}
 }
 
-// readChartYAML returns dirpv/Chart.yaml of a packaged chart.
-func readChartYAML(t *testing.T, tgz string) string {
-	t.Helper()
-	f, err := os.Open(tgz)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	gz, err := gzip.NewReader(f)
-	if err != nil {
-		t.Fatal(err)
-	}
-	tr := tar.NewReader(gz)
-	for {
-		h, err := tr.Next()
-		if errors.Is(err, io.EOF) {
-			t.Fatalf("%s has no dirpv/Chart.yaml", tgz)
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		if h.Name == "dirpv/Chart.yaml" {
-			b, err := io.ReadAll(tr)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return "\n" + string(b)
-		}
-	}
-}
-
 // index is an OCI layout tar's one image index, read with nothing but the OCI spec.
 type index struct {
 	name, digest string
@@ -263,19 +242,19 @@ type variant struct {
 		Architecture, OS string
 		Config           struct{ Labels map[string]string }
 	}
-	layer imagetest.Layer
+	layer imageLayer
 }
 
 func readIndex(t *testing.T, tarPath string) index {
 	t.Helper()
-	files := imagetest.ReadLayout(t, tarPath)
+	files := readLayout(t, tarPath)
 	type descriptor struct {
 		MediaType   string
 		Digest      string
 		Annotations map[string]string
 		Platform    *struct{ Architecture, OS string }
 	}
-	blob := func(digest string) []byte { return files.Blob(t, digest) }
+	blob := func(digest string) []byte { return files.blob(t, digest) }
 	var layout struct{ Manifests []descriptor }
 	if err := json.Unmarshal(files["index.json"], &layout); err != nil || len(layout.Manifests) != 1 ||
 		layout.Manifests[0].MediaType != "application/vnd.oci.image.index.v1+json" {
@@ -297,7 +276,7 @@ func readIndex(t *testing.T, tarPath string) index {
 		if err := json.Unmarshal(blob(m.Digest), &manifest); err != nil || len(manifest.Layers) != 1 {
 			t.Fatalf("manifest %s: %v %+v", m.Digest, err, manifest)
 		}
-		v := variant{digest: m.Digest, layer: imagetest.ReadLayer(t, blob(manifest.Layers[0].Digest))}
+		v := variant{digest: m.Digest, layer: readLayer(t, blob(manifest.Layers[0].Digest))}
 		if err := json.Unmarshal(blob(manifest.Config.Digest), &v.config); err != nil {
 			t.Fatal(err)
 		}
@@ -307,4 +286,144 @@ func readIndex(t *testing.T, tarPath string) index {
 		idx.variants[m.Platform.Architecture] = v
 	}
 	return idx
+}
+
+// ociLayout is an OCI layout tar's files: index.json and the blobs.
+type ociLayout map[string][]byte
+
+// readLayout reads the OCI layout tar at tarPath.
+func readLayout(t testing.TB, tarPath string) ociLayout {
+	t.Helper()
+	f, err := os.Open(tarPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	files := ociLayout{}
+	tr := tar.NewReader(f)
+	for {
+		h, err := tr.Next()
+		if errors.Is(err, io.EOF) {
+			return files
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if files[h.Name], err = io.ReadAll(tr); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// blob returns the content of digest, checking that it is what its digest says.
+func (l ociLayout) blob(t testing.TB, digest string) []byte {
+	t.Helper()
+	b, ok := l["blobs/"+strings.Replace(digest, ":", "/", 1)]
+	if !ok {
+		t.Fatalf("no blob %s", digest)
+	}
+	if sum := sha256.Sum256(b); "sha256:"+hex.EncodeToString(sum[:]) != digest {
+		t.Fatalf("blob %s has digest sha256:%x", digest, sum)
+	}
+	return b
+}
+
+// imageLayer is an image's layer: headers and contents by path without the leading /.
+type imageLayer struct {
+	Hdr  map[string]*tar.Header
+	Data map[string][]byte
+}
+
+// readLayer reads the layer blob b, gzipped or not.
+func readLayer(t testing.TB, b []byte) imageLayer {
+	t.Helper()
+	var r io.Reader = bytes.NewReader(b)
+	if len(b) > 2 && b[0] == 0x1f && b[1] == 0x8b {
+		gz, err := gzip.NewReader(bufio.NewReader(r))
+		if err != nil {
+			t.Fatal(err)
+		}
+		r = gz
+	}
+	l := imageLayer{Hdr: map[string]*tar.Header{}, Data: map[string][]byte{}}
+	tr := tar.NewReader(r)
+	for {
+		h, err := tr.Next()
+		if errors.Is(err, io.EOF) {
+			return l
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := io.ReadAll(tr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.Hdr[h.Name], l.Data[h.Name] = h, b
+	}
+}
+
+// resolve follows symlinks inside the layer as the container's kernel would and returns the
+// path without its leading /, or "" when a component is missing (or the links loop).
+func (l imageLayer) resolve(p string) string {
+	cur := ""
+	comps := strings.Split(strings.Trim(path.Clean(p), "/"), "/")
+	for hops := 0; len(comps) > 0; {
+		next := path.Join(cur, comps[0])
+		comps = comps[1:]
+		h := l.Hdr[next]
+		if h == nil {
+			h = l.Hdr[next+"/"]
+		}
+		if h == nil || hops > 40 {
+			return ""
+		}
+		if h.Typeflag != tar.TypeSymlink {
+			cur = next
+			continue
+		}
+		hops++
+		target := h.Linkname
+		if !path.IsAbs(target) {
+			target = path.Join("/", cur, target)
+		}
+		comps = append(strings.Split(strings.Trim(path.Clean(target), "/"), "/"), comps...)
+		cur = ""
+	}
+	return cur
+}
+
+// runTools unpacks the layer and runs dirpv and the mount tools in it with chroot, as the
+// container does, and returns what each printed by its argv[0] (a failure is the test's).
+func (l imageLayer) runTools(t testing.TB) map[string]string {
+	t.Helper()
+	root := t.TempDir()
+	for name, h := range l.Hdr {
+		dst := filepath.Join(root, name)
+		var err error
+		switch h.Typeflag {
+		case tar.TypeDir:
+			err = os.MkdirAll(dst, 0o755)
+		case tar.TypeSymlink:
+			if err = os.MkdirAll(filepath.Dir(dst), 0o755); err == nil {
+				err = os.Symlink(h.Linkname, dst)
+			}
+		case tar.TypeReg:
+			if err = os.MkdirAll(filepath.Dir(dst), 0o755); err == nil {
+				err = os.WriteFile(dst, l.Data[name], os.FileMode(h.Mode).Perm())
+			}
+		}
+		if err != nil && !errors.Is(err, os.ErrExist) {
+			t.Fatal(err)
+		}
+	}
+	out := map[string]string{}
+	for _, argv := range [][]string{{"/usr/local/bin/dirpv", "version"}, {"/bin/mount", "--version"}, {"/bin/umount", "--version"}, {"/sbin/mount.nfs", "-V"}} {
+		b, err := exec.Command("chroot", append([]string{root}, argv...)...).CombinedOutput()
+		if err != nil {
+			t.Errorf("chroot %s: %v: %s", strings.Join(argv, " "), err, b)
+		}
+		out[argv[0]] = string(b)
+	}
+	return out
 }
