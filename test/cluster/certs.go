@@ -18,6 +18,8 @@ import (
 
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	certutil "k8s.io/client-go/util/cert"
+	"k8s.io/client-go/util/keyutil"
 )
 
 // pki holds the cluster CA and writes leaf certificates signed by it. ECDSA P-256 keeps key
@@ -39,26 +41,12 @@ func newPKI(dir string) (*pki, error) {
 	if err != nil {
 		return nil, fmt.Errorf("generate CA key: %w", err)
 	}
-	now := time.Now()
-	tmpl := &x509.Certificate{
-		SerialNumber:          big.NewInt(1),
-		Subject:               pkix.Name{CommonName: "dirpv-test-ca"},
-		NotBefore:             now.Add(-time.Hour),
-		NotAfter:              now.Add(10 * 365 * 24 * time.Hour),
-		KeyUsage:              x509.KeyUsageCertSign | x509.KeyUsageDigitalSignature | x509.KeyUsageKeyEncipherment,
-		BasicConstraintsValid: true,
-		IsCA:                  true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, key.Public(), key)
+	cert, err := certutil.NewSelfSignedCACert(certutil.Config{CommonName: "dirpv-test-ca", NotBefore: time.Now().Add(-time.Hour)}, key)
 	if err != nil {
 		return nil, fmt.Errorf("create CA cert: %w", err)
 	}
-	cert, err := x509.ParseCertificate(der)
-	if err != nil {
-		return nil, fmt.Errorf("parse CA cert: %w", err)
-	}
 	p := &pki{dir: dir, caCert: cert, caKey: key}
-	if err := writePEM(p.path("ca.crt"), "CERTIFICATE", der); err != nil {
+	if err := writePEM(p.path("ca.crt"), "CERTIFICATE", cert.Raw); err != nil {
 		return nil, err
 	}
 	if err := writeKey(p.path("ca.key"), key); err != nil {
@@ -163,26 +151,18 @@ func writePEM(path, typ string, der []byte) error {
 
 // load reads the CA written by newPKI, for signing certificates after Start (node, kubelet).
 func (p *pki) load() error {
-	crtPEM, err := os.ReadFile(p.path("ca.crt"))
+	certs, err := certutil.CertsFromFile(p.path("ca.crt"))
 	if err != nil {
 		return fmt.Errorf("read CA cert: %w", err)
 	}
-	keyPEM, err := os.ReadFile(p.path("ca.key"))
+	key, err := keyutil.PrivateKeyFromFile(p.path("ca.key"))
 	if err != nil {
 		return fmt.Errorf("read CA key: %w", err)
 	}
-	cb, _ := pem.Decode(crtPEM)
-	kb, _ := pem.Decode(keyPEM)
-	if cb == nil || kb == nil {
-		return fmt.Errorf("CA files in %s are not PEM", p.dir)
+	signer, ok := key.(crypto.Signer)
+	if !ok {
+		return fmt.Errorf("CA key in %s: %T is no signing key", p.dir, key)
 	}
-	if p.caCert, err = x509.ParseCertificate(cb.Bytes); err != nil {
-		return fmt.Errorf("parse CA cert: %w", err)
-	}
-	key, err := x509.ParseECPrivateKey(kb.Bytes)
-	if err != nil {
-		return fmt.Errorf("parse CA key: %w", err)
-	}
-	p.caKey = key
+	p.caCert, p.caKey = certs[0], signer
 	return nil
 }

@@ -422,7 +422,10 @@ func (c *Cluster) Stop() error {
 	}
 	c.mu.Unlock()
 	c.logf("cluster stopped in %s", time.Since(t0).Round(time.Millisecond))
-	return joinErrs(errs)
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("stop: %w", err)
+	}
+	return nil
 }
 
 // SaveState writes the cluster's state (PIDs, paths, host changes) as JSON.
@@ -450,13 +453,6 @@ func LoadState(path string, logf func(string, ...any)) (*Cluster, error) {
 		return nil, fmt.Errorf("parse state %s: %w", path, err)
 	}
 	return c, nil
-}
-
-func joinErrs(errs []error) error {
-	if err := errors.Join(errs...); err != nil {
-		return fmt.Errorf("stop: %w", err)
-	}
-	return nil
 }
 
 // freePorts reserves n distinct loopback ports by listening on :0, then releases them. The

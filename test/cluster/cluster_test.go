@@ -3,6 +3,7 @@ package cluster
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
@@ -10,7 +11,6 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 )
 
 // binDir returns the cached Kubernetes binaries or skips: a cold build takes ~15 minutes and
@@ -89,7 +89,14 @@ func TestStopLeavesNothingOfANode(t *testing.T) {
 	if _, err := cs.CoreV1().Pods("default").Create(ctx, sleeper, metav1.CreateOptions{}); err != nil {
 		t.Fatalf("create pod: %v", err)
 	}
-	if err := waitPodPhase(ctx, cs, "sleeper", corev1.PodRunning); err != nil {
+	err = poll(ctx, 2*time.Minute, 100*time.Millisecond, "pod sleeper Running", nil, func(ctx context.Context) (bool, error) {
+		p, err := cs.CoreV1().Pods("default").Get(ctx, "sleeper", metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		return p.Status.Phase == corev1.PodRunning, fmt.Errorf("phase %s: %+v", p.Status.Phase, p.Status.ContainerStatuses)
+	})
+	if err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("pod create -> Running in %s", time.Since(t2).Round(time.Millisecond))
@@ -131,38 +138,4 @@ func TestStopLeavesNothingOfANode(t *testing.T) {
 	if _, err := os.Stat(workDir); !os.IsNotExist(err) {
 		t.Errorf("temporary work dir %s left behind", workDir)
 	}
-}
-
-func waitPodPhase(ctx context.Context, cs kubernetes.Interface, name string, want corev1.PodPhase) error {
-	return poll(ctx, 2*time.Minute, 100*time.Millisecond, "pod "+name+" "+string(want), nil, func(ctx context.Context) (bool, error) {
-		p, err := cs.CoreV1().Pods("default").Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return false, err
-		}
-		if p.Status.Phase == corev1.PodFailed && want != corev1.PodFailed {
-			return false, permanent(errors.New("pod failed: " + p.Status.Message + " " + podWhy(p)))
-		}
-		if p.Status.Phase != want {
-			return false, errors.New("phase " + string(p.Status.Phase) + " " + podWhy(p))
-		}
-		return true, nil
-	})
-}
-
-func podWhy(p *corev1.Pod) string {
-	var b strings.Builder
-	for _, s := range p.Status.ContainerStatuses {
-		if s.State.Waiting != nil {
-			b.WriteString(s.State.Waiting.Reason + ": " + s.State.Waiting.Message + " ")
-		}
-		if s.State.Terminated != nil {
-			b.WriteString("terminated " + s.State.Terminated.Reason + " ")
-		}
-	}
-	for _, c := range p.Status.Conditions {
-		if c.Status != corev1.ConditionTrue && c.Message != "" {
-			b.WriteString(string(c.Type) + ": " + c.Message + " ")
-		}
-	}
-	return b.String()
 }

@@ -3,6 +3,7 @@ package cluster
 import (
 	"context"
 	"fmt"
+	"maps"
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
@@ -35,9 +36,7 @@ func (c *Cluster) CreateReadyNode(ctx context.Context, name string, labels map[s
 		"kubernetes.io/os":       "linux",
 		"kubernetes.io/arch":     "amd64",
 	}
-	for k, v := range labels {
-		l[k] = v
-	}
+	maps.Copy(l, labels)
 	node, err := cs.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: l}}, metav1.CreateOptions{})
 	if err != nil {
 		return fmt.Errorf("create node %s: %w", name, err)

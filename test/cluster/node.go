@@ -255,52 +255,45 @@ func (c *Cluster) runNode(ctx context.Context, kubeconfig string, images []strin
 // ImportImage imports an OCI or Docker image tar into the node's containerd, in the k8s.io
 // namespace that the CRI plugin serves, so pods can use it with imagePullPolicy: Never.
 func (c *Cluster) ImportImage(ctx context.Context, tarPath string) error {
-	if c.ContainerdSocket == "" {
-		return fmt.Errorf("import %s: cluster has no node", tarPath)
+	out, err := c.ctr(ctx, c.waitFor(2*time.Minute), "images", "import", tarPath)
+	if err == nil {
+		c.logf("imported %s: %s", filepath.Base(tarPath), strings.TrimSpace(out))
 	}
-	ctx, cancel := context.WithTimeout(ctx, c.waitFor(2*time.Minute))
-	defer cancel()
-	out, err := exec.CommandContext(ctx, "ctr", "--address", c.ContainerdSocket, "-n", "k8s.io",
-		"images", "import", tarPath).CombinedOutput()
-	if err != nil {
-		return fmt.Errorf("ctr images import %s: %w: %s", tarPath, err, strings.TrimSpace(string(out)))
-	}
-	c.logf("imported %s: %s", filepath.Base(tarPath), strings.TrimSpace(string(out)))
-	return nil
+	return err
 }
 
 // TagImage gives an image already in the node's containerd another name, for suites whose
 // pods name images their own way (Kubernetes' e2e suite: registry and version in the name).
 func (c *Cluster) TagImage(ctx context.Context, src, dst string) error {
+	_, err := c.ctr(ctx, 30*time.Second, "images", "tag", "--force", src, dst)
+	return err
+}
+
+// ctr runs ctr against the node's containerd in the k8s.io namespace, within timeout.
+func (c *Cluster) ctr(ctx context.Context, timeout time.Duration, args ...string) (string, error) {
 	if c.ContainerdSocket == "" {
-		return fmt.Errorf("tag %s: cluster has no node", src)
+		return "", fmt.Errorf("ctr %s: cluster has no node", strings.Join(args, " "))
 	}
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, "ctr", "--address", c.ContainerdSocket, "-n", "k8s.io",
-		"images", "tag", "--force", src, dst).CombinedOutput()
+	out, err := exec.CommandContext(ctx, "ctr", append([]string{"--address", c.ContainerdSocket, "-n", "k8s.io"}, args...)...).CombinedOutput()
 	if err != nil {
-		return fmt.Errorf("ctr images tag %s %s: %w: %s", src, dst, err, strings.TrimSpace(string(out)))
+		return "", fmt.Errorf("ctr %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(string(out)))
 	}
-	return nil
+	return string(out), nil
 }
 
 // ContainerPID returns the host PID of a running container's main process, as the node's
 // containerd knows it. containerID is the ID in a pod's container status, with or without its
 // containerd:// prefix.
 func (c *Cluster) ContainerPID(ctx context.Context, containerID string) (int, error) {
-	if c.ContainerdSocket == "" {
-		return 0, fmt.Errorf("container %s: cluster has no node", containerID)
-	}
 	id := strings.TrimPrefix(containerID, "containerd://")
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	out, err := exec.CommandContext(ctx, "ctr", "--address", c.ContainerdSocket, "-n", "k8s.io", "tasks", "ls").CombinedOutput()
+	out, err := c.ctr(ctx, 30*time.Second, "tasks", "ls")
 	if err != nil {
-		return 0, fmt.Errorf("ctr tasks ls: %w: %s", err, strings.TrimSpace(string(out)))
+		return 0, err
 	}
 	// TASK PID STATUS, after a header line.
-	for _, line := range strings.Split(string(out), "\n") {
+	for _, line := range strings.Split(out, "\n") {
 		f := strings.Fields(line)
 		if len(f) < 3 || f[0] != id {
 			continue

@@ -145,9 +145,9 @@ func logTail(path string, n int) string {
 	return tail(string(b), n)
 }
 
-// poll calls check every interval until it returns true, an error, ctx ends or timeout passes.
-// Every wait in this package goes through here, so every wait has a deadline. If p is not nil,
-// its death aborts the wait early with its log tail.
+// poll calls check every interval until it returns true, ctx ends or timeout passes, and
+// reports check's last error. Every wait in this package goes through here, so every wait has a
+// deadline. If p is not nil, its death aborts the wait early with its log tail.
 func poll(ctx context.Context, timeout, interval time.Duration, what string, p *Proc, check func(context.Context) (bool, error)) error {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
@@ -156,10 +156,6 @@ func poll(ctx context.Context, timeout, interval time.Duration, what string, p *
 		ok, err := check(ctx)
 		if ok {
 			return nil
-		}
-		var perm permanentError
-		if errors.As(err, &perm) {
-			return fmt.Errorf("%s: %w", what, perm.error)
 		}
 		if err != nil {
 			lastErr = err
@@ -181,8 +177,3 @@ func poll(ctx context.Context, timeout, interval time.Duration, what string, p *
 		}
 	}
 }
-
-// permanentError ends a poll at once: waiting longer cannot help (e.g. the pod failed).
-type permanentError struct{ error }
-
-func permanent(err error) error { return permanentError{err} }
