@@ -112,7 +112,7 @@ type Machine struct {
 }
 
 // Start boots img and starts cmd in the guest, for a guest that runs alongside the caller (a
-// Kubernetes node): Booted and Done tell how far it is, Stop asks the command to end, and
+// Kubernetes node): BootTime and Done tell how far it is, Stop asks the command to end, and
 // Wait returns what Run would. The guest is stopped when its command ends, a deadline of cmd
 // passes or ctx ends, whichever comes first; the caller must call Wait, which returns after
 // that.
@@ -152,10 +152,7 @@ func Start(ctx context.Context, img *Image, cmd Command) (*Machine, error) {
 	return m, nil
 }
 
-// Booted is closed once the guest has booted and its command starts.
-func (m *Machine) Booted() <-chan struct{} { return m.booted }
-
-// BootTime is the time from Start to the start of the command; 0 before Booted.
+// BootTime is the time from Start to the start of the command; 0 before the boot.
 func (m *Machine) BootTime() time.Duration {
 	select {
 	case <-m.booted:
@@ -370,6 +367,12 @@ func (q *qemu) consoleTail() string {
 		b = b[len(b)-4000:]
 	}
 	return "\nguest console (tail):\n" + string(b)
+}
+
+// LastLines is the end of b, at most n lines, for failure messages.
+func LastLines(b []byte, n int) string {
+	lines := bytes.SplitAfter(b, []byte("\n"))
+	return string(bytes.Join(lines[max(0, len(lines)-n):], nil))
 }
 
 // tailer copies what the guest appends to a file to w as it appears.

@@ -15,7 +15,6 @@
 package node
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -299,7 +298,7 @@ func Diagnose(res *vm.Result) string {
 		{"containerd log", res.Files["logs/containerd.log"]},
 		{"guest console", res.Console},
 	} {
-		fmt.Fprintf(&b, "%s (tail):\n%s\n", part.name, tail(part.text, 30))
+		fmt.Fprintf(&b, "%s (tail):\n%s\n", part.name, vm.LastLines(part.text, 30))
 	}
 	return b.String()
 }
@@ -325,10 +324,4 @@ func copyFile(src, dst string, mode os.FileMode) error {
 		return fmt.Errorf("node: %w", err)
 	}
 	return nil
-}
-
-// tail is the end of b, at most n lines.
-func tail(b []byte, n int) string {
-	lines := bytes.SplitAfter(b, []byte("\n"))
-	return string(bytes.Join(lines[max(0, len(lines)-n):], nil))
 }
