@@ -2,6 +2,7 @@ package sanity
 
 import (
 	"context"
+	"maps"
 	"sync"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -79,11 +80,7 @@ func (f *nodeFront) NodePublishVolume(ctx context.Context, r *csi.NodePublishVol
 func (f *nodeFront) publishedTypes() map[string]int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	out := make(map[string]int, len(f.published))
-	for k, v := range f.published {
-		out[k] = v
-	}
-	return out
+	return maps.Clone(f.published)
 }
 
 func (f *nodeFront) NodeUnpublishVolume(ctx context.Context, r *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
