@@ -144,16 +144,3 @@ func headingAnchors(md string) []string {
 	}
 	return anchors
 }
-
-// TestHeadingAnchors: the anchors GitHub makes of headings that have punctuation, code, links,
-// non-ASCII letters and repeats.
-func TestHeadingAnchors(t *testing.T) {
-	md := "# dirpv\n## Shutdown, leader election and health\n### `dirpv node` flags\n" +
-		"## NFS: RWX volumes on an export\n```\n# not a heading\n```\n## Capacity, \"Scheduling\"\n" +
-		"## [Link](x.md) text\n#hashtag\n## Größe\n## Tests\n### Tests\n## Tests ##\n"
-	want := []string{"dirpv", "shutdown-leader-election-and-health", "dirpv-node-flags",
-		"nfs-rwx-volumes-on-an-export", "capacity-scheduling", "link-text", "größe", "tests", "tests-1", "tests-2"}
-	if got := headingAnchors(md); !slices.Equal(got, want) {
-		t.Errorf("headingAnchors:\n got %q\nwant %q", got, want)
-	}
-}

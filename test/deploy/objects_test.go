@@ -7,7 +7,6 @@ import (
 	"os"
 	"reflect"
 	"slices"
-	"sort"
 	"testing"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -103,7 +102,7 @@ func (o objects) ofKind(kind string) []string {
 			names = append(names, u.GetName())
 		}
 	}
-	sort.Strings(names)
+	slices.Sort(names)
 	return names
 }
 
@@ -190,18 +189,6 @@ func envValue(c corev1.Container, name string) (corev1.EnvVar, bool) {
 	return corev1.EnvVar{}, false
 }
 
-func rulesOf(t *testing.T, o objects, kind, ns, name string) []rbacv1.PolicyRule {
-	t.Helper()
-	switch kind {
-	case "ClusterRole":
-		return get[*rbacv1.ClusterRole](t, o, "ClusterRole /"+name).Rules
-	case "Role":
-		return get[*rbacv1.Role](t, o, "Role "+ns+"/"+name).Rules
-	}
-	t.Fatalf("kind %s", kind)
-	return nil
-}
-
 // diff lists the paths at which a and b differ, for readable failures.
 func diff(path string, a, b any) []string {
 	switch av := a.(type) {
@@ -239,15 +226,10 @@ func diff(path string, a, b any) []string {
 	return []string{fmt.Sprintf("%s: %v != %v", path, a, b)}
 }
 
-func sortedCopy(s []string) []string {
-	c := append([]string(nil), s...)
-	sort.Strings(c)
-	return c
-}
-
 func joinRule(r rbacv1.PolicyRule) string {
-	return fmt.Sprintf("groups=%v resources=%v names=%v verbs=%v", sortedCopy(r.APIGroups), sortedCopy(r.Resources),
-		sortedCopy(r.ResourceNames), sortedCopy(r.Verbs))
+	sorted := func(s []string) []string { return slices.Sorted(slices.Values(s)) }
+	return fmt.Sprintf("groups=%v resources=%v names=%v verbs=%v", sorted(r.APIGroups), sorted(r.Resources),
+		sorted(r.ResourceNames), sorted(r.Verbs))
 }
 
 // must stops the test on err.
