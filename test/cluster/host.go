@@ -1,7 +1,6 @@
 package cluster
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -14,6 +13,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/prometheus/procfs"
 	"golang.org/x/sys/unix"
 	"k8s.io/mount-utils"
 )
@@ -183,29 +183,15 @@ func cgroupPIDs(roots []string) []int {
 
 // shimPIDs finds containerd-shim processes started by the containerd listening on address.
 func shimPIDs(address string) []int {
-	ents, err := os.ReadDir("/proc")
-	if err != nil {
-		return nil
-	}
+	procs, _ := procfs.AllProcs()
 	var pids []int
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
+	for _, p := range procs {
+		args, err := p.CmdLine()
+		if err != nil || len(args) == 0 || !strings.Contains(filepath.Base(args[0]), "containerd-shim") {
 			continue
 		}
-		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
-		if err != nil {
-			continue
-		}
-		args := strings.Split(string(bytes.TrimRight(b, "\x00")), "\x00")
-		if len(args) == 0 || !strings.Contains(filepath.Base(args[0]), "containerd-shim") {
-			continue
-		}
-		for i := 0; i+1 < len(args); i++ {
-			if args[i] == "-address" && args[i+1] == address {
-				pids = append(pids, pid)
-				break
-			}
+		if i := slices.Index(args, "-address"); i >= 0 && i+1 < len(args) && args[i+1] == address {
+			pids = append(pids, p.PID)
 		}
 	}
 	return pids

@@ -1,17 +1,17 @@
 package cluster
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/prometheus/procfs"
 )
 
 // Proc is a child process of the cluster. StartTime (clock ticks since boot, from
@@ -114,26 +114,21 @@ func (p *Proc) waitGone(d time.Duration) bool {
 	return !p.alive()
 }
 
-// procStartTime returns field 22 of /proc/<pid>/stat, or an error if the process is gone or a
-// zombie.
+// procStartTime returns the start time of the process (/proc/<pid>/stat), or an error if it is
+// gone or a zombie.
 func procStartTime(pid int) (uint64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	p, err := procfs.NewProc(pid)
 	if err != nil {
 		return 0, err
 	}
-	// comm (field 2) may contain spaces; the remaining fields follow the last ')'.
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 {
-		return 0, errors.New("malformed stat")
+	st, err := p.Stat()
+	if err != nil {
+		return 0, err
 	}
-	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 20 {
-		return 0, errors.New("short stat")
-	}
-	if f[0] == "Z" || f[0] == "X" {
+	if st.State == "Z" || st.State == "X" {
 		return 0, errors.New("zombie")
 	}
-	return strconv.ParseUint(f[19], 10, 64)
+	return st.Starttime, nil
 }
 
 // logTail returns the last n lines of a log file, for error messages.

@@ -220,7 +220,7 @@ func (m *Machine) wait(ctx context.Context) (*Result, error) {
 			// A finished command powers the guest off; read what it left below.
 		case <-tick.C:
 		}
-		if !booted && exists(filepath.Join(share, "booted")) {
+		if _, err := os.Stat(filepath.Join(share, "booted")); !booted && err == nil {
 			booted = true
 			res.Boot = time.Since(m.start)
 			m.boot = res.Boot
@@ -244,7 +244,10 @@ func (m *Machine) wait(ctx context.Context) (*Result, error) {
 		default:
 		}
 	}
-	q.waitPoweroff(30 * time.Second)
+	select { // the guest's power-off gets up to 30 s before q.stop kills it
+	case <-q.exited:
+	case <-time.After(30 * time.Second):
+	}
 	res.Output = tail.all()
 	var err error
 	res.Files, err = readTree(filepath.Join(share, "results"))
@@ -339,16 +342,6 @@ func startQEMU(img *Image, share string, network *Network) (*qemu, error) {
 	return q, nil
 }
 
-// waitPoweroff gives the guest's power-off up to d before stop kills it.
-func (q *qemu) waitPoweroff(d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-q.exited:
-	case <-t.C:
-	}
-}
-
 // stop kills qemu by its PID and waits until it has been reaped.
 func (q *qemu) stop() {
 	select {
@@ -401,11 +394,6 @@ func (t *tailer) flush() {
 func (t *tailer) all() []byte {
 	t.flush()
 	return bytes.Clone(t.buf.Bytes())
-}
-
-func exists(p string) bool {
-	_, err := os.Stat(p)
-	return err == nil
 }
 
 // readTree reads every regular file below dir, keyed by its path relative to dir.

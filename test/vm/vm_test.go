@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/prometheus/procfs"
 )
 
 // These tests boot the VM; `make test-vm` runs them. They fail, with the reason, wherever the
@@ -109,22 +111,11 @@ func shareDirs(t *testing.T) []string {
 
 // qemuChildren lists this process's qemu children (any state but reaped).
 func qemuChildren() []int {
-	ents, _ := os.ReadDir("/proc")
+	procs, _ := procfs.AllProcs()
 	var pids []int
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
-		if err != nil {
-			continue
-		}
-		s := string(b)
-		i := strings.LastIndexByte(s, ')')
-		f := strings.Fields(s[i+1:])
-		if len(f) > 1 && f[1] == strconv.Itoa(os.Getpid()) && strings.Contains(s[:i], "qemu") {
-			pids = append(pids, pid)
+	for _, p := range procs {
+		if st, err := p.Stat(); err == nil && st.PPID == os.Getpid() && strings.Contains(st.Comm, "qemu") {
+			pids = append(pids, p.PID)
 		}
 	}
 	return pids
