@@ -423,7 +423,7 @@ func checkCSIDriver(t *testing.T, name string, objs objects) {
 }
 
 // checkProbes checks that both probes hit /healthz on the port the process serves
-// (--http-address) and returns it.
+// (--http-address), and that the container requests cpu and memory and limits memory.
 func checkProbes(t *testing.T, what string, c corev1.Container) {
 	t.Helper()
 	var addr string
