@@ -12,6 +12,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 )
@@ -103,29 +104,20 @@ func (c *Cluster) CreateReadyNode(ctx context.Context, name string, labels map[s
 	c.beatsWG.Add(1)
 	go func() {
 		defer c.beatsWG.Done()
-		t := time.NewTicker(leaseDuration / 4)
-		defer t.Stop()
-		for {
-			select {
-			case <-beatCtx.Done():
-				return
-			case <-t.C:
-			}
-			rctx, rcancel := context.WithTimeout(beatCtx, 5*time.Second)
+		wait.UntilWithContext(beatCtx, func(ctx context.Context) {
+			rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
+			defer rcancel()
 			l, err := cs.CoordinationV1().Leases(corev1.NamespaceNodeLease).Get(rctx, name, metav1.GetOptions{})
 			if err == nil {
 				l.Spec.RenewTime = &metav1.MicroTime{Time: time.Now()}
 				_, err = cs.CoordinationV1().Leases(corev1.NamespaceNodeLease).Update(rctx, l, metav1.UpdateOptions{})
 			}
-			rcancel()
 			if apierrors.IsNotFound(err) {
-				// The test deleted its node, and the lease went with it.
-				return
-			}
-			if err != nil && beatCtx.Err() == nil {
+				cancel() // the test deleted its node, and the lease went with it
+			} else if err != nil && ctx.Err() == nil {
 				c.logf("renew lease of fake node %s: %v", name, err)
 			}
-		}
+		}, leaseDuration/4)
 	}()
 	return nil
 }
