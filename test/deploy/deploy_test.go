@@ -196,18 +196,15 @@ func sameObjects(t *testing.T, kind, chart objects) {
 
 // TestControllerHostNetwork: the option for NFS exports restricted to node addresses, which
 // puts the controller on the node's network with cluster DNS (TestHelmMatchesKustomize), gives
-// it a port that is not the node plugin's, and the chart refuses values that would not.
+// it a port that is not the node plugin's (the chart refuses values that would not:
+// TestHelmRejects).
 func TestControllerHostNetwork(t *testing.T) {
-	kustomize, helm := tools(t)
+	kustomize, _ := tools(t)
 	// An overlay as deploy/README.md tells a user to write: kind plus the component.
 	withComponent := kustomizeObjs(t, kustomize, "test/deploy/testdata/controller-host-network")
 	spec := deployment(t, withComponent).Spec.Template.Spec
 	if c, n := httpPort(container(t, spec)), httpPort(container(t, daemonSet(t, withComponent).Spec.Template.Spec)); c == 0 || c == n {
 		t.Errorf("controller's http port %d, node plugin's %d: want two ports on the host network", c, n)
-	}
-	_, err := HelmTemplate(t.Context(), helm, "dirpv", nil, "controller.hostNetwork=true", "node.httpPort=9809")
-	if err == nil || !strings.Contains(err.Error(), "would collide") {
-		t.Errorf("same ports on the host network: err %v", err)
 	}
 }
 
@@ -878,6 +875,10 @@ func TestHelmRejects(t *testing.T) {
 		"bad tag":    {[]string{"image.tag=v1/x"}, "does not match pattern"},
 		// A flag's value without its name would be taken for a positional argument.
 		"bare arg": {[]string{"node.extraArgs[0]=1m"}, "does not match pattern"},
+		// 0 blocks every drain.
+		"PDB maxUnavailable 0":            {[]string{"controller.podDisruptionBudget.maxUnavailable=0"}, "maxUnavailable"},
+		"same ports on the host network":  {[]string{"controller.hostNetwork=true", "node.httpPort=9809"}, "would collide"},
+		"ServiceMonitor without Services": {[]string{"metrics.serviceMonitor.enabled=true", "metrics.service.enabled=false"}, "needs metrics.service.enabled"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -959,8 +960,8 @@ func checkControllerPDB(t *testing.T, name string, objs objects) {
 	}
 }
 
-// TestControllerPDB: the chart's values turn the budget off or change its maxUnavailable, but
-// never to 0, which blocks every drain.
+// TestControllerPDB: the chart's values turn the budget off or change its maxUnavailable (never
+// to 0, which blocks every drain: TestHelmRejects).
 func TestControllerPDB(t *testing.T) {
 	_, helm := tools(t)
 	for _, set := range [][]string{{"controller.podDisruptionBudget.enabled=false"}, {"controller.enabled=false"}} {
@@ -971,9 +972,6 @@ func TestControllerPDB(t *testing.T) {
 	objs := helmObjs(t, helm, nil, "controller.podDisruptionBudget.maxUnavailable=50%")
 	if got := get[*policyv1.PodDisruptionBudget](t, objs, "PodDisruptionBudget dirpv/dirpv-controller").Spec.MaxUnavailable; got == nil || *got != intstr.FromString("50%") {
 		t.Errorf("maxUnavailable %v, want 50%%", got)
-	}
-	if _, err := HelmTemplate(t.Context(), helm, "dirpv", nil, "controller.podDisruptionBudget.maxUnavailable=0"); err == nil {
-		t.Error("maxUnavailable 0 accepted: it blocks every drain")
 	}
 }
 
@@ -1078,10 +1076,6 @@ func TestServiceMonitor(t *testing.T) {
 	}
 	if !reflect.DeepEqual(selected, []string{"dirpv-controller-metrics", "dirpv-node-metrics"}) {
 		t.Errorf("selects %v", selected)
-	}
-	if _, err := HelmTemplate(t.Context(), helm, "dirpv", nil, "metrics.serviceMonitor.enabled=true", "metrics.service.enabled=false"); err == nil ||
-		!strings.Contains(err.Error(), "needs metrics.service.enabled") {
-		t.Errorf("ServiceMonitor without Services: err %v", err)
 	}
 	// No interval: the Prometheus's own default applies.
 	sm = helmObjs(t, helm, nil, "metrics.serviceMonitor.enabled=true")["ServiceMonitor dirpv/dirpv"]
