@@ -1,8 +1,7 @@
 package integration
 
-// Lifecycle of a claim beyond the happy path: PV and claim deleted in either order, refusals
-// that must not be retried hot, a node that cannot hold the volume, and a node that has no
-// dirpv node plugin at all.
+// Lifecycle of a claim beyond the happy path: PV and claim deleted in either order, a node
+// that cannot hold the volume, and a node that has no dirpv node plugin at all.
 
 import (
 	"context"
@@ -12,7 +11,6 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
@@ -135,39 +133,6 @@ func claimEventCount(ctx context.Context, ns, claim, reason string) (int32, erro
 		}
 	}
 	return n, nil
-}
-
-// A refusal no retry can fix is reported once and then retried only on the lib's slow path,
-// not every few seconds. Before, the lib retried after 15 s, 30 s, ... with an event each.
-func TestRefusedClaimIsNotRetriedHot(t *testing.T) {
-	ctx := context.Background()
-	ns := suite.NewNamespace(t)
-	class, base := localClass(t, map[string]string{"bsaePath": "/tmp"})
-	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
-	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "unknown StorageClass parameters", timeout)
-	must(t, err)
-	t.Logf("event: %s", ev.Message)
-	for _, want := range []string{`"bsaePath"`, "Retries will be delayed"} {
-		if !strings.Contains(ev.Message, want) {
-			t.Errorf("event %q does not say %q", ev.Message, want)
-		}
-	}
-	// The first retry of a plain error comes 15 s after the failure; watch well past it.
-	const window = 25 * time.Second
-	deadline := time.Now().Add(window)
-	for time.Now().Before(deadline) {
-		for _, reason := range []string{"ProvisioningFailed", "Provisioning"} {
-			n, err := claimEventCount(ctx, ns, "c", reason)
-			must(t, err)
-			if n > 1 {
-				t.Fatalf("%d %s events within %s of the first: the refusal is retried hot\n%s", n, reason, window, framework.EventsOf(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c"))
-			}
-		}
-		time.Sleep(time.Second)
-	}
-	if got := entries(t, base); len(got) != 0 {
-		t.Errorf("refused claim left %v in the base", got)
-	}
 }
 
 // A node whose base path is read-only cannot hold the volume: dirpv says so, naming the node,
