@@ -1,7 +1,7 @@
 package integration
 
-// Lifecycle of a claim beyond the happy path: PV and claim deleted in either order, a node
-// that cannot hold the volume, and a node that has no dirpv node plugin at all.
+// Lifecycle of a claim beyond the happy path: PV and claim deleted in either order, and a node
+// that cannot hold the volume.
 
 import (
 	"context"
@@ -15,7 +15,6 @@ import (
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
 
 	"github.com/dirpv/dirpv/test/framework"
 )
@@ -118,23 +117,6 @@ func TestDeletionOrderRunsOnDelete(t *testing.T) {
 	}
 }
 
-// claimEventCount sums the count of the claim's events with reason (the recorder folds
-// repeats of one event into its count).
-func claimEventCount(ctx context.Context, ns, claim, reason string) (int32, error) {
-	sel := fields.Set{"involvedObject.kind": "PersistentVolumeClaim", "involvedObject.name": claim}.AsSelector().String()
-	evs, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{FieldSelector: sel})
-	if err != nil {
-		return 0, err
-	}
-	var n int32
-	for _, e := range evs.Items {
-		if e.Reason == reason {
-			n += max(e.Count, 1)
-		}
-	}
-	return n, nil
-}
-
 // A node whose base path is read-only cannot hold the volume: dirpv says so, naming the node,
 // and hands the claim back to the scheduler by removing its selected node.
 func TestReadOnlyBaseReschedules(t *testing.T) {
@@ -170,30 +152,4 @@ func TestReadOnlyBaseReschedules(t *testing.T) {
 		return !ok, fmt.Errorf("claim still has selected node %q", node)
 	})
 	must(t, err)
-}
-
-// A local claim placed on a Ready node that runs no dirpv node plugin gets an event from the
-// controller that names the node, and stays Pending with nothing made for it in the base by
-// node-a's instance; one placed on node-a, which runs one, gets no such event and binds.
-func TestNodeWithoutPluginIsReported(t *testing.T) {
-	ctx := context.Background()
-	ns := suite.NewNamespace(t)
-	class, base := localClass(t, nil)
-	suite.CreateClaim(t, ns, "here", class.Name, framework.OnNode(nodeA))
-	suite.CreateClaim(t, ns, "elsewhere", class.Name, framework.OnNode(nodeC))
-	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "elsewhere", "NodePluginMissing", "node "+nodeC+" runs no dirpv.io node plugin", timeout)
-	must(t, err, ctrlProc)
-	t.Logf("event: %s", ev.Message)
-	_, pv := waitBound(t, ns, "here")
-	if n, err := claimEventCount(ctx, ns, "here", "NodePluginMissing"); err != nil || n != 0 {
-		t.Errorf("claim on node-a, which runs the plugin: %d NodePluginMissing events (%v)", n, err)
-	}
-	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "elsewhere", metav1.GetOptions{})
-	must(t, err)
-	if c.Status.Phase != v1.ClaimPending || c.Spec.VolumeName != "" {
-		t.Errorf("claim on node-c: phase %s volume %q, want Pending with no volume", c.Status.Phase, c.Spec.VolumeName)
-	}
-	if got := entries(t, base); !slices.Equal(got, []string{pv.Spec.CSI.VolumeAttributes["path"]}) {
-		t.Errorf("base holds %v, want only node-a's volume", got)
-	}
 }
