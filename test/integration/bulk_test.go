@@ -2,40 +2,11 @@ package integration
 
 import (
 	"context"
-	"fmt"
 	"strings"
-	"sync"
 	"testing"
-
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/dirpv/dirpv/test/framework"
 )
-
-// createClaims creates n claims c-000, c-001... in parallel as a kind e2e suite would.
-func createClaims(t *testing.T, ns, class string, n int, opts ...framework.ClaimOption) {
-	t.Helper()
-	var wg sync.WaitGroup
-	errs := make(chan error, n)
-	sem := make(chan struct{}, 16)
-	for i := 0; i < n; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			c := framework.NewClaim(ns, fmt.Sprintf("c-%03d", i), class, opts...)
-			if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
-				errs <- err
-			}
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
-}
 
 // blockPVsOf makes the API server refuse PVs of the held claims of ns until the returned
 // function is called (also at cleanup). Their Provision then makes the directory and fails to

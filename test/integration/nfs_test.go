@@ -85,25 +85,6 @@ func claimsOnServer(t *testing.T, srv *framework.Export, ns string) []string {
 	return out
 }
 
-// Many claims on one class cost one mount of the export, not one each.
-func TestNFSManyClaimsShareOneMount(t *testing.T) {
-	const n = 20
-	ns := suite.NewNamespace(t)
-	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=20"}, nil)
-	start := time.Now()
-	createClaims(t, ns, class.Name, n, framework.AccessModes(v1.ReadWriteMany))
-	for i := range n {
-		waitBound(t, ns, fmt.Sprintf("c-%03d", i))
-	}
-	t.Logf("%d claims bound in %s", n, time.Since(start).Round(time.Millisecond))
-	if got := claimsOnServer(t, suite.NFS, ns); len(got) != n {
-		t.Errorf("export holds %d directories of %s, want %d: %v", len(got), ns, n, got)
-	}
-	if mounts := controllerMountsOf(t, suite.NFS, class.MountOptions); len(mounts) != 1 {
-		t.Errorf("controller mounts of the export for this class: %v, want exactly one", mounts)
-	}
-}
-
 // trashOnServer is where dirpv controller moves deleted NFS volumes until their trees are
 // removed (volume/export/trash.go).
 const trashOnServer = ".dirpv-trash"
