@@ -75,8 +75,7 @@ func beforeCluster(s *framework.Suite, opts *cluster.Options) error {
 			os.Remove(basePath)
 		}
 	})
-	// Mounted before dirpv's node pod starts, which must see it (btrfsBase); 3 GiB so that a
-	// 1Gi claim can grow to 2Gi (TestPodWritesPastOldSizeAfterExpansion). Cleanups run
+	// Mounted before dirpv's node pod starts, which must see it (btrfsBase). Cleanups run
 	// last first: it is unmounted before the leftovers above go, which then find only its
 	// empty mount point.
 	if err := s.MountBtrfs(btrfsBase, 3<<30, true); err != nil {
