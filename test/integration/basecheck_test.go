@@ -46,8 +46,7 @@ func TestBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 		t.Fatalf("unmount %s: %v", base, err)
 	}
 	suite.CreateClaim(t, ns, "second", class, framework.OnNode(nodeA), framework.Request("16Mi"))
-	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "second", provisioner.ReasonBaseFileSystemChanged, "not mounted", timeout)
-	must(t, err, nodeProc)
+	ev := waitEvent(t, ns, "PersistentVolumeClaim", "second", provisioner.ReasonBaseFileSystemChanged, "not mounted", nodeProc)
 	if ev.Type != v1.EventTypeWarning || !strings.Contains(ev.Message, "node "+nodeA) || !strings.Contains(ev.Message, base) {
 		t.Errorf("event %s %q: want a Warning naming node %s and base %s", ev.Type, ev.Message, nodeA, base)
 	}
@@ -104,8 +103,7 @@ func TestBaseThatMustBeAMountPointWaitsForItsDisk(t *testing.T) {
 	}
 	notMounted := func(kind, name string) {
 		t.Helper()
-		ev, err := framework.WaitForEvent(ctx, suite.Client, ns, kind, name, provisioner.ReasonBasePathNotMounted, "must be a mount point", timeout)
-		must(t, err, nodeProc)
+		ev := waitEvent(t, ns, kind, name, provisioner.ReasonBasePathNotMounted, "must be a mount point", nodeProc)
 		if ev.Type != v1.EventTypeWarning || !strings.Contains(ev.Message, "node "+nodeA) || !strings.Contains(ev.Message, base) {
 			t.Errorf("event %s %q: want a Warning naming node %s and base %s", ev.Type, ev.Message, nodeA, base)
 		}
@@ -161,9 +159,7 @@ func deleteWaitsForDisk(t *testing.T, ns, claim, pvName, reason, msg, data strin
 	t.Helper()
 	ctx := context.Background()
 	deleteClaim(t, ns, claim)
-	if _, err := framework.WaitForEvent(ctx, suite.Client, "", "PersistentVolume", pvName, reason, msg, timeout); err != nil {
-		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
-	}
+	waitEvent(t, "", "PersistentVolume", pvName, reason, msg, nodeProc)
 	if got, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{}); err != nil {
 		t.Errorf("PV %s of the deleted claim while its disk is away: %v, want it kept until its volume is deleted", pvName, err)
 	} else if got.Status.Phase != v1.VolumeReleased {

@@ -211,9 +211,7 @@ func TestCapacitySteersScheduling(t *testing.T) {
 	// Pinned to the full node, a claim that does not fit is never sent there.
 	suite.CreateClaim(t, ns, "too-big", class.Name, size)
 	pod("stuck", "too-big", map[string]string{"kubernetes.io/hostname": "host-" + full.name})
-	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "Pod", "stuck", "FailedScheduling", "enough free storage", timeout); err != nil {
-		t.Error(err)
-	}
+	waitEvent(t, ns, "Pod", "stuck", "FailedScheduling", "enough free storage")
 	if c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "too-big", metav1.GetOptions{}); err != nil {
 		t.Fatal(err)
 	} else if node, ok := c.Annotations["volume.kubernetes.io/selected-node"]; ok {
@@ -360,9 +358,7 @@ func TestUnservableLocalClassIsReportedBeforeScheduling(t *testing.T) {
 	class, base := localClass(t, map[string]string{"bsaePath": "/tmp"})
 	suite.CreateClaim(t, ns, "c", class.Name)
 	createPod(t, ns, "app", "c", nodeA)
-	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", provisioner.ReasonUnservableClass,
-		"dirpv cannot provision this claim of StorageClass", timeout)
-	must(t, err)
+	ev := waitEvent(t, ns, "PersistentVolumeClaim", "c", provisioner.ReasonUnservableClass, "dirpv cannot provision this claim of StorageClass")
 	if !strings.Contains(ev.Message, `"bsaePath"`) || ev.Source.Component != "dirpv.io-controller" {
 		t.Errorf("event from %q: %q; want the controller naming the unknown parameter", ev.Source.Component, ev.Message)
 	}
@@ -395,9 +391,7 @@ func TestSnapshotCountsInPublishedCapacity(t *testing.T) {
 	})
 	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(n.name), framework.Request("16Mi"))
 	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, "src", timeout)
-	if err != nil {
-		t.Fatalf("%v\n--- cap-snap log tail:\n%s", err, n.proc.Tail(3000))
-	}
+	must(t, err, n.proc)
 	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
 	must(t, err)
 	const data = 12 << 20

@@ -193,7 +193,7 @@ func TestCloneRefusals(t *testing.T) {
 		"backup":  "dataSource kind Backup of apiGroup backup.example.com is not supported",
 	} {
 		if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", claim, "ProvisioningFailed", want, timeout); err != nil {
-			t.Errorf("claim %s: %v\nevents: %s", claim, err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", claim))
+			t.Error(err)
 			continue
 		}
 		noPVFor(t, ns, claim)
@@ -222,10 +222,7 @@ func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 	suite.CreateClaim(t, ns, "copy", class.Name, cloneOf("src"))
 	createPod(t, ns, "app", "copy", nodeB)
 	want := "lives on node " + nodeA + ", and a local volume is copied on the node that holds it, but the scheduler chose node " + nodeB
-	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy", "ProvisioningFailed", want, timeout)
-	if err != nil {
-		t.Fatalf("%v\nevents: %s\n--- %s log tail:\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy"), nodeB, procB.Tail(3000))
-	}
+	ev := waitEvent(t, ns, "PersistentVolumeClaim", "copy", "ProvisioningFailed", want, procB)
 	t.Logf("event: %s", ev.Message)
 	if ev.Type != v1.EventTypeWarning || !strings.Contains(ev.Message, "make the pod that uses this claim run on node "+nodeA) ||
 		!strings.Contains(ev.Message, "kubernetes.io/hostname In [host-"+nodeA+"]") {
@@ -268,10 +265,7 @@ func TestCloneLargeTreeInBackground(t *testing.T) {
 	proc, ns, _ := cloneStoppedAt(t, node, point, files, failpoint.ReleaseEnv+"="+release)
 	start := time.Now()
 	// Provision gave the copy to the background: the lib says so on the claim.
-	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy", "ProvisioningFailed",
-		"in the background; the claim binds once the copy is complete", timeout); err != nil {
-		t.Fatalf("%v\nevents: %s\n--- node log tail:\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy"), proc.Tail(3000))
-	}
+	waitEvent(t, ns, "PersistentVolumeClaim", "copy", "ProvisioningFailed", "in the background; the claim binds once the copy is complete", proc)
 	src, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "src", metav1.GetOptions{})
 	must(t, err)
 	suite.CreateClaim(t, ns, "other", *src.Spec.StorageClassName, framework.OnNode(node))
@@ -403,9 +397,7 @@ func TestCloneCancelledWhenItsClaimIsDeleted(t *testing.T) {
 		}
 		return true, nil
 	})
-	if err != nil {
-		t.Fatalf("the deleted claim's copy was not cancelled: %v\n--- log tail:\n%s", err, proc.Tail(3000))
-	}
+	must(t, err, proc)
 	if log := proc.Tail(50000); !strings.Contains(log, "failpoint "+point+" released: context canceled") {
 		t.Errorf("the copy did not end by being cancelled:\n%s", log)
 	}

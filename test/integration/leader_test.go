@@ -98,9 +98,7 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 		made := dirsOf(ns, held, claimsOnServer(t, suite.NFS, ns))
 		return bound >= 5 && len(made) == len(held), fmt.Errorf("%d claims Bound, held claims' directories %v", bound, made)
 	})
-	if err != nil {
-		t.Fatalf("%v\n--- leader log tail:\n%s", err, leader.Tail(3000))
-	}
+	must(t, err, leader)
 	leader.Kill()
 	snap, err := framework.TakeKillSnapshot(ctx, suite.Client, ns, suite.NFS.ExportDir, func(name string) bool {
 		return strings.HasPrefix(name, ns+"-")
@@ -111,14 +109,10 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
 		return acquisitions(standby) > 0, fmt.Errorf("the standby has not taken the lease")
 	})
-	if err != nil {
-		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
-	}
+	must(t, err, standby)
 
 	err = framework.WaitForClaimsBound(ctx, suite.Client, ns, n, 3*time.Minute)
-	if err != nil {
-		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
-	}
+	must(t, err, standby)
 	problems, err := framework.CheckOnePVPerClaim(ctx, suite.Client, ns, claimsOnServer(t, suite.NFS, ns))
 	must(t, err)
 	for _, p := range problems {
@@ -127,18 +121,6 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 	checkAdopted(t, ns, snap, held)
 
 	handBack(t, standby, workDir)
-}
-
-// workDirOf returns the --work-dir a dirpv controller was started with.
-func workDirOf(t *testing.T, p *framework.Process) string {
-	t.Helper()
-	for i, a := range p.Args {
-		if a == "--work-dir" && i+1 < len(p.Args) {
-			return p.Args[i+1]
-		}
-	}
-	t.Fatalf("%s has no --work-dir in %q", p.Name, p.Args)
-	return ""
 }
 
 // A rollout: the leader gets SIGTERM while claims keep coming. It drains, releases its NFS
@@ -151,7 +133,7 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	ctx := context.Background()
 	standby, standbyWorkDir := startStandby(t)
 	leader := ctrlProc
-	leaderWorkDir := workDirOf(t, leader)
+	leaderWorkDir := flagOf(t, leader, "--work-dir")
 
 	// Mounts left by a controller that an earlier test SIGKILLed are not this leader's.
 	leftOver, err := framework.MountsUnder(leaderWorkDir)
@@ -179,9 +161,7 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 		return acquisitions(standby) > before, fmt.Errorf("the standby has not taken the lease")
 	})
 	handover := time.Since(sent)
-	if err != nil {
-		t.Fatalf("%v\n--- standby log tail:\n%s\n--- leader log tail:\n%s", err, standby.Tail(3000), leader.Tail(3000))
-	}
+	must(t, err, standby, leader)
 	t.Logf("rollout handover: the standby held the lease %s after the leader got SIGTERM (lease duration 15s)", handover.Round(time.Millisecond))
 	if handover > 5*time.Second {
 		t.Errorf("handover took %s; a leader that releases its lease on shutdown hands over in a few seconds", handover)
@@ -200,9 +180,7 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	if left := slices.DeleteFunc(after, func(m string) bool { return slices.Contains(leftOver, m) }); len(left) != 0 {
 		t.Errorf("the stopped leader left NFS mounts behind: %v", left)
 	}
-	if err := framework.WaitForClaimsBound(ctx, suite.Client, ns, during+1, 2*time.Minute); err != nil {
-		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
-	}
+	must(t, framework.WaitForClaimsBound(ctx, suite.Client, ns, during+1, 2*time.Minute), standby)
 	// The new leader's own metrics show the work it took over.
 	metrics, err := framework.Scrape(ctx, standby)
 	must(t, err)
@@ -245,9 +223,7 @@ func TestThrottledLeaderKeepsItsLease(t *testing.T) {
 	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
 		return acquisitions(throttled) > 0, fmt.Errorf("the throttled controller has not taken the lease")
 	})
-	if err != nil {
-		t.Fatalf("%v\n%s", err, throttled.Tail(3000))
-	}
+	must(t, err, throttled)
 
 	ns := suite.NewNamespace(t)
 	class := nfsClass(t, suite.NFS, nil, nil)

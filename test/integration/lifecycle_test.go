@@ -117,12 +117,11 @@ func TestReadOnlyBaseReschedules(t *testing.T) {
 	}
 
 	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
-	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "node "+nodeA+" cannot hold the volume", timeout)
-	must(t, err, nodeProc)
+	ev := waitEvent(t, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "node "+nodeA+" cannot hold the volume", nodeProc)
 	if !strings.Contains(ev.Message, "read-only file system") {
 		t.Errorf("event %q does not say what failed", ev.Message)
 	}
-	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
+	err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 		c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "c", metav1.GetOptions{})
 		if err != nil {
 			return false, err

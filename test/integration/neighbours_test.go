@@ -80,15 +80,10 @@ func TestOtherProvisionersObjectsUntouched(t *testing.T) {
 	// made for it in the base.
 	broken := suite.CreateClass(t, "neighbours-sentinel-broken", map[string]string{"backend": "local", "basePath": base, "bsaePath": "/tmp"})
 	suite.CreateClaim(t, ns, "sentinel-unplaced", broken.Name)
-	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "sentinel-unplaced", provisioner.ReasonUnservableClass, "dirpv cannot provision this claim", timeout); err != nil {
-		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(3000))
-	}
+	waitEvent(t, ns, "PersistentVolumeClaim", "sentinel-unplaced", provisioner.ReasonUnservableClass, "dirpv cannot provision this claim", ctrlProc)
 	valid := suite.CreateClass(t, "neighbours-sentinel", map[string]string{"backend": "local", "basePath": base})
 	suite.CreateClaim(t, ns, "sentinel-on-c", valid.Name, framework.OnNode(nodeC))
-	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "sentinel-on-c", provisioner.ReasonNodePluginMissing,
-		"node "+nodeC+" runs no dirpv.io node plugin", timeout); err != nil {
-		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(3000))
-	}
+	waitEvent(t, ns, "PersistentVolumeClaim", "sentinel-on-c", provisioner.ReasonNodePluginMissing, "node "+nodeC+" runs no dirpv.io node plugin", ctrlProc)
 
 	evs, err := suite.Client.CoreV1().Events(ns).List(ctx, metav1.ListOptions{})
 	must(t, err)

@@ -140,9 +140,7 @@ func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
 			must(t, err)
 			waitBound(t, ns, "stale")
 			deleteClaim(t, ns, "stale")
-			ev, err := framework.WaitForEvent(context.Background(), suite.Client, "", "PersistentVolume", stale.Name, "VolumeFailedDelete",
-				"belongs to another claim", timeout)
-			must(t, err)
+			ev := waitEvent(t, "", "PersistentVolume", stale.Name, "VolumeFailedDelete", "belongs to another claim")
 			t.Logf("stale PV's Delete refused: %s", ev.Message)
 			if b, err := os.ReadFile(data); err != nil || string(b) != "owner's data" {
 				t.Errorf("owner's data after the refused Delete: %q %v", b, err)

@@ -96,9 +96,7 @@ func TestLocalClaimExpandsOnline(t *testing.T) {
 	if err != nil {
 		t.Fatalf("resize beyond the free space: want %s: %v", v1.PersistentVolumeClaimControllerResizeInfeasible, err)
 	}
-	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "data", "VolumeResizeFailed", "not enough free space", timeout); err != nil {
-		t.Error(err)
-	}
+	waitEvent(t, ns, "PersistentVolumeClaim", "data", "VolumeResizeFailed", "not enough free space")
 	if pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{}); err != nil || pv.Spec.Capacity.Storage().String() != "16Mi" {
 		t.Errorf("PV capacity after an infeasible resize: %v (%v), want 16Mi", pv.Spec.Capacity, err)
 	}

@@ -18,7 +18,6 @@ import (
 // to retry it as any failure, with an event each time). The instance backs off from 10 ms to 100 ms (--retry-interval-*), so
 // that twenty failures take a second or two instead of hours.
 func TestFailuresAreRetriedPastTheLibsThreshold(t *testing.T) {
-	ctx := context.Background()
 	const node = "node-retry"
 	class, base := localClass(t, nil)
 	// Its Node does not exist yet: Provision cannot read the node's hostname label for the
@@ -36,8 +35,7 @@ func TestFailuresAreRetriedPastTheLibsThreshold(t *testing.T) {
 	// have been provisioned again meanwhile.
 	refused := suite.CreateClass(t, "retry-refused", map[string]string{"backend": "local", "basePath": base, "bsaePath": "/tmp"})
 	suite.CreateClaim(t, ns, "refused", refused.Name, framework.OnNode(node))
-	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "refused", "ProvisioningFailed", "Retries will be delayed", timeout)
-	must(t, err)
+	ev := waitEvent(t, ns, "PersistentVolumeClaim", "refused", "ProvisioningFailed", "Retries will be delayed")
 	if !strings.Contains(ev.Message, `"bsaePath"`) {
 		t.Errorf("event %q does not name the unknown parameter", ev.Message)
 	}
