@@ -249,8 +249,9 @@ func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 	}
 }
 
-// A clone whose copy outlasts Provision's wait is copied in the background: the node instance
-// binds another claim while the copy runs, and the clone binds once its copy is complete. The
+// A clone whose copy outlasts Provision's wait is copied in the background, with a CopyStarted
+// event on the claim: the node instance binds another claim while the copy runs, and the clone
+// binds once its copy is complete. The
 // copy is held halfway (failpoint.PauseDuringCopy) until the test has seen all of that, so the
 // copy's speed decides nothing: an idle machine copied the 100k files this test used to rely on
 // within Provision's wait.
@@ -266,6 +267,7 @@ func TestCloneLargeTreeInBackground(t *testing.T) {
 	start := time.Now()
 	// Provision gave the copy to the background: the lib says so on the claim.
 	waitEvent(t, ns, "PersistentVolumeClaim", "copy", "ProvisioningFailed", "in the background; the claim binds once the copy is complete", proc)
+	waitEvent(t, ns, "PersistentVolumeClaim", "copy", provisioner.ReasonCopyStarted, "PersistentVolumeClaim "+ns+"/src into the new volume", proc)
 	src, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "src", metav1.GetOptions{})
 	must(t, err)
 	suite.CreateClaim(t, ns, "other", *src.Spec.StorageClassName, framework.OnNode(node))

@@ -343,16 +343,14 @@ func TestSnapshotWhileWritingPlainCopy(t *testing.T) {
 // A long copy tells the user how it goes, on the objects they watch. A snapshot's copy, held
 // halfway (failpoint.PauseDuringCopy): a CopyStarted event on the VolumeSnapshot, its content
 // and the source claim, then a CopyProgress event saying what it copied so far (30 s in); the
-// snapshot is ready once the copy goes on. A clone's copy held the same way: CopyStarted on the
-// new claim.
+// snapshot is ready once the copy goes on. (A clone's CopyStarted: TestCloneLargeTreeInBackground.)
 func TestLongCopiesReportProgress(t *testing.T) {
 	const (
 		files = 200
 		point = failpoint.PauseDuringCopy
 	)
 	release := filepath.Join(t.TempDir(), "release")
-	node := uniqueName("node-copy-progress")
-	proc, ns, class, _ := sourceStoppedAt(t, node, point, files, failpoint.ReleaseEnv+"="+release)
+	proc, ns, _, _ := sourceStoppedAt(t, uniqueName("node-copy-progress"), point, files, failpoint.ReleaseEnv+"="+release)
 	vs := createSnapshot(t, ns, "snap", "src", snapshotClass(t, snapshotv1.VolumeSnapshotContentDelete))
 	waitHeldAt(t, proc, point)
 	content := "snapcontent-" + string(vs.UID)
@@ -366,10 +364,4 @@ func TestLongCopiesReportProgress(t *testing.T) {
 	}
 	must(t, os.WriteFile(release, nil, 0o644))
 	waitSnapshotReady(t, ns, "snap")
-	must(t, os.Remove(release))
-
-	suite.CreateClaim(t, ns, "copy", class, framework.OnNode(node), cloneOf("src"))
-	waitEvent(t, ns, "PersistentVolumeClaim", "copy", provisioner.ReasonCopyStarted, "PersistentVolumeClaim "+ns+"/src into the new volume", proc)
-	must(t, os.WriteFile(release, nil, 0o644))
-	waitBound(t, ns, "copy")
 }
