@@ -55,8 +55,8 @@ func TestBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 	}
 
 	deleteWaitsForDisk(t, ns, "first", pv.Name, provisioner.ReasonBaseFileSystemChanged, "not mounted", filepath.Join(disk, rel, "data"))
-	if c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "second", metav1.GetOptions{}); err != nil || c.Status.Phase != v1.ClaimPending {
-		t.Errorf("claim second while the disk is away: %v (%v), want Pending", c.Status.Phase, err)
+	if c := getClaim(t, ns, "second"); c.Status.Phase != v1.ClaimPending {
+		t.Errorf("claim second while the disk is away: %v, want Pending", c.Status.Phase)
 	}
 
 	if err := unix.Mount(disk, base, "", unix.MS_BIND, ""); err != nil {
@@ -117,8 +117,8 @@ func TestBaseThatMustBeAMountPointWaitsForItsDisk(t *testing.T) {
 	if _, err := os.Stat(record); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("node-a's record of base %s: %v, want none: the directory underneath must not be adopted", base, err)
 	}
-	if got, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{}); err != nil || got.Status.Phase != v1.ClaimPending {
-		t.Errorf("claim while the disk is not mounted: %v (%v), want Pending", got.Status.Phase, err)
+	if got := getClaim(t, ns, "data"); got.Status.Phase != v1.ClaimPending {
+		t.Errorf("claim while the disk is not mounted: %v, want Pending", got.Status.Phase)
 	}
 	waitCapacity(t, daemon.DefaultNamespace, c.Name, "0 on "+nodeA+" while the disk is not mounted", func(m map[string]storagev1.CSIStorageCapacity) bool {
 		o, ok := m[nodeA]

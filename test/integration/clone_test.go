@@ -110,11 +110,12 @@ func outsideDir(t *testing.T) (string, map[string]string) {
 	return dir, snapshotTree(t, dir, nil)
 }
 
-func claimFinalizers(t *testing.T, ns, name string) []string {
+// getClaim reads the claim as it is now.
+func getClaim(t *testing.T, ns, name string) *v1.PersistentVolumeClaim {
 	t.Helper()
 	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), name, metav1.GetOptions{})
 	must(t, err)
-	return c.Finalizers
+	return c
 }
 
 // A user clones a claim: the clone binds with the source's tree and the size it asked for, on
@@ -148,7 +149,7 @@ func TestCloneClaim(t *testing.T) {
 				t.Errorf("clone PV on node %q, want the source's %q", pv.Annotations["dirpv.io/node"], node)
 			}
 
-			if f := claimFinalizers(t, ns, "src"); !slices.Contains(f, cloningProtection) {
+			if f := getClaim(t, ns, "src").Finalizers; !slices.Contains(f, cloningProtection) {
 				t.Errorf("source claim finalizers %v, want %s (set before the copy)", f, cloningProtection)
 			}
 			deleteClaim(t, ns, "src")
@@ -201,7 +202,7 @@ func TestCloneRefusals(t *testing.T) {
 	if got := entries(t, base); !slices.Equal(got, dirs) {
 		t.Errorf("base holds %v after the refusals, want only the sources' %v", got, dirs)
 	}
-	if f := claimFinalizers(t, ns, "src"); slices.Contains(f, cloningProtection) {
+	if f := getClaim(t, ns, "src").Finalizers; slices.Contains(f, cloningProtection) {
 		t.Errorf("source of a refused clone has finalizers %v: nothing was copied, it must stay deletable", f)
 	}
 }
@@ -268,16 +269,12 @@ func TestCloneLargeTreeInBackground(t *testing.T) {
 	// Provision gave the copy to the background: the lib says so on the claim.
 	waitEvent(t, ns, "PersistentVolumeClaim", "copy", "ProvisioningFailed", "in the background; the claim binds once the copy is complete", proc)
 	waitEvent(t, ns, "PersistentVolumeClaim", "copy", provisioner.ReasonCopyStarted, "PersistentVolumeClaim "+ns+"/src into the new volume", proc)
-	src, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "src", metav1.GetOptions{})
-	must(t, err)
-	suite.CreateClaim(t, ns, "other", *src.Spec.StorageClassName, framework.OnNode(node))
+	suite.CreateClaim(t, ns, "other", *getClaim(t, ns, "src").Spec.StorageClassName, framework.OnNode(node))
 	waitBound(t, ns, "other")
 	if log := proc.Tail(50000); !strings.Contains(log, "failpoint "+point+" reached") || strings.Contains(log, "failpoint "+point+" released") {
 		t.Fatalf("the copy was not held at %s while the other claim bound:\n%s", point, proc.Tail(3000))
 	}
-	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "copy", metav1.GetOptions{})
-	must(t, err)
-	if c.Status.Phase != v1.ClaimPending {
+	if c := getClaim(t, ns, "copy"); c.Status.Phase != v1.ClaimPending {
 		t.Fatalf("clone is %s while its copy is held, want Pending", c.Status.Phase)
 	}
 	must(t, os.WriteFile(release, nil, 0o644))

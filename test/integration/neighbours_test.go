@@ -101,8 +101,7 @@ func TestOtherProvisionersObjectsUntouched(t *testing.T) {
 		}
 	}
 	for _, name := range append(slices.Collect(maps.Keys(foreign)), "sentinel-on-c") {
-		c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, name, metav1.GetOptions{})
-		must(t, err)
+		c := getClaim(t, ns, name)
 		if c.Status.Phase != v1.ClaimPending || c.Spec.VolumeName != "" {
 			t.Errorf("claim %s is %s (volume %q), want Pending with no volume", name, c.Status.Phase, c.Spec.VolumeName)
 		}

@@ -94,16 +94,8 @@ func TestCrashBeforePVIsSavedAdoptsDirectory(t *testing.T) {
 	if fi.Mode()&os.ModePerm != 0o750 || fi.Mode()&os.ModeSetgid == 0 || st.Uid != 1234 || st.Gid != 5678 {
 		t.Errorf("adopted directory mode %v owner %d:%d, want 2750 1234:5678", fi.Mode(), st.Uid, st.Gid)
 	}
-	pvs, err := suite.Client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
-	must(t, err)
-	n := 0
-	for _, p := range pvs.Items {
-		if p.Spec.ClaimRef != nil && p.Spec.ClaimRef.UID == c.UID {
-			n++
-		}
-	}
-	if n != 1 {
-		t.Errorf("%d PVs for claim %s, want 1", n, c.UID)
+	if pvs := pvsOf(t, ns); len(pvs) != 1 {
+		t.Errorf("PVs of claim crashy: %v, want 1", pvs)
 	}
 }
 
