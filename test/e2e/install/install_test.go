@@ -192,13 +192,8 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	held := []string{"c-00", "c-01", "c-02"}
 	unblock, err := framework.BlockPVCreation(ctx, suite.Client, ns, held)
 	must(t, err)
-	lifted := false
-	lift := func() {
-		if !lifted {
-			lifted = true
-			must(t, unblock(ctx))
-		}
-	}
+	var once sync.Once
+	lift := func() { once.Do(func() { must(t, unblock(ctx)) }) }
 	t.Cleanup(lift)
 	plugin, before := nodePlugin(ctx, t)
 
