@@ -209,7 +209,8 @@ func TestCloneRefusals(t *testing.T) {
 
 // A local clone whose pod the scheduler put on another node than the source's: the claim goes
 // back to the scheduler with an event that names the source's node and says to pin the pod
-// there; once the user does, it binds there.
+// there; once the user does, the claim is relabelled for that node (whose instance sees only
+// the claims labelled for it) and binds there.
 func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 	ctx := context.Background()
 	const nodeB = "node-clone-b"
@@ -241,9 +242,13 @@ func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 	must(t, suite.Client.CoreV1().Pods(ns).Delete(ctx, "app", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
 	must(t, framework.WaitForPodDeleted(ctx, suite.Client, ns, "app", timeout))
 	createPod(t, ns, "app2", "copy", nodeA)
+	waitLabel(t, ns, "copy", nodeA)
 	pvc, pv := waitBound(t, ns, "copy")
 	if got := pvc.Annotations["volume.kubernetes.io/selected-node"]; got != nodeA {
 		t.Errorf("clone placed on %q, want %s", got, nodeA)
+	}
+	if pv.Labels[provisioner.LabelNode] != nodeA || pv.Annotations[provisioner.AnnNode] != nodeA {
+		t.Errorf("PV labels %v annotations %v, want node %s", pv.Labels, pv.Annotations, nodeA)
 	}
 	if b, err := os.ReadFile(filepath.Join(volumeDir(pv), "seed")); err != nil || string(b) != "seed" {
 		t.Errorf("clone's seed file: %q, %v", b, err)

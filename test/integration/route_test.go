@@ -112,33 +112,6 @@ func TestNodeInstancesCacheOwnVolumesOnly(t *testing.T) {
 	}
 }
 
-// A claim the scheduler placed on one node and then, after that node handed it back, on
-// another is relabelled with the new node and provisioned there.
-func TestClaimRelabelledWhenSelectedNodeChanges(t *testing.T) {
-	ctx := context.Background()
-	ns := suite.NewNamespace(t)
-	class, _ := localClass(t, nil)
-	// node-c runs no dirpv: nothing provisions the claim there.
-	suite.CreateClaim(t, ns, "moved", class.Name, framework.OnNode(nodeC))
-	waitLabel(t, ns, "moved", nodeC)
-
-	// What the lib and the scheduler do on a reschedule: the selected node is removed, and
-	// the scheduler's next choice set.
-	claims := suite.Client.CoreV1().PersistentVolumeClaims(ns)
-	for _, patch := range []string{
-		`{"metadata":{"annotations":{"volume.kubernetes.io/selected-node":null}}}`,
-		`{"metadata":{"annotations":{"volume.kubernetes.io/selected-node":"` + nodeA + `"}}}`,
-	} {
-		_, err := claims.Patch(ctx, "moved", types.MergePatchType, []byte(patch), metav1.PatchOptions{})
-		must(t, err)
-	}
-	waitLabel(t, ns, "moved", nodeA)
-	_, pv := waitBound(t, ns, "moved")
-	if pv.Labels[provisioner.LabelNode] != nodeA || pv.Annotations[provisioner.AnnNode] != nodeA {
-		t.Errorf("PV labels %v annotations %v, want node %s", pv.Labels, pv.Annotations, nodeA)
-	}
-}
-
 // Claims and PVs made before node labels existed (an upgrade), or while no controller ran,
 // are labelled once the controller runs, and then served: the new claim is provisioned and
 // the old claim's volume deleted by its node.
