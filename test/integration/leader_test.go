@@ -24,20 +24,10 @@ func acquisitions(p *framework.Process) int {
 	return strings.Count(strings.ToLower(string(b)), leaseAcquired)
 }
 
-// startStandby starts a second controller replica beside the suite's controller, which leads,
-// and returns it with its work dir.
-func startStandby(t *testing.T) (*framework.Process, string) {
+// startStandby starts a second controller replica, name, with the extra flags beside the
+// suite's controller, which has led, and returns it with its work dir.
+func startStandby(t *testing.T, name string, flags ...string) (*framework.Process, string) {
 	t.Helper()
-	workDir := filepath.Join(t.TempDir(), "controller")
-	standby, err := suite.StartDirpv(context.Background(), "controller-standby", "controller",
-		"--v=2", "--operation-timeout=10s",
-		"--work-dir", workDir,
-		"--leader-election=true", "--leader-election-namespace=kube-system",
-		// client-go waits 1 to 2.2 retry periods between attempts to acquire: 1 s keeps a
-		// handover well inside the few seconds TestControllerRolloutHandsOverAtOnce allows.
-		"--leader-election-retry-period=1s")
-	must(t, err)
-	t.Cleanup(func() { standby.Stop(10 * time.Second) })
 	if acquisitions(ctrlProc) == 0 {
 		t.Fatalf("the suite's controller never became leader:\n%s", ctrlProc.Tail(2000))
 	}
@@ -47,6 +37,15 @@ func startStandby(t *testing.T) (*framework.Process, string) {
 			ctrlProc.Restart()
 		}
 	})
+	workDir := filepath.Join(t.TempDir(), "controller")
+	standby, err := suite.StartDirpv(context.Background(), name, "controller", append([]string{
+		"--v=2", "--operation-timeout=10s", "--work-dir", workDir,
+		"--leader-election=true", "--leader-election-namespace=kube-system",
+		// client-go waits 1 to 2.2 retry periods between attempts to acquire: 1 s keeps a
+		// handover well inside the few seconds TestControllerRolloutHandsOverAtOnce allows.
+		"--leader-election-retry-period=1s"}, flags...)...)
+	must(t, err)
+	t.Cleanup(func() { standby.Stop(10 * time.Second) })
 	return standby, workDir
 }
 
@@ -79,7 +78,7 @@ func handBack(t *testing.T, standby *framework.Process, standbyWorkDir string) {
 // exactly one PV and one directory on the server.
 func TestControllerLeaderKilledMidway(t *testing.T) {
 	ctx := context.Background()
-	standby, workDir := startStandby(t)
+	standby, workDir := startStandby(t, "controller-standby")
 	leader := ctrlProc
 
 	ns := suite.NewNamespace(t)
@@ -139,7 +138,7 @@ var rolloutRuns int
 
 func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	ctx := context.Background()
-	standby, standbyWorkDir := startStandby(t)
+	standby, standbyWorkDir := startStandby(t, "controller-standby")
 	leader := ctrlProc
 	leaderWorkDir := flagOf(t, leader, "--work-dir")
 
@@ -212,23 +211,9 @@ func TestThrottledLeaderKeepsItsLease(t *testing.T) {
 	if !ctrlProc.Stop(30 * time.Second) {
 		t.Fatalf("the suite's controller did not stop on SIGTERM:\n%s", ctrlProc.Tail(2000))
 	}
-	workDir := filepath.Join(t.TempDir(), "controller")
-	throttled, err := suite.StartDirpv(ctx, "controller-throttled", "controller",
-		"--v=2", "--operation-timeout=10s", "--work-dir", workDir,
-		"--kube-api-qps=2", "--kube-api-burst=2",
-		"--leader-election=true", "--leader-election-namespace=kube-system",
-		"--leader-election-lease-duration=5s", "--leader-election-renew-deadline=3s", "--leader-election-retry-period=1s")
-	if err != nil {
-		ctrlProc.Restart()
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		throttled.Stop(10 * time.Second)
-		if exited, _ := ctrlProc.Exited(); exited {
-			ctrlProc.Restart()
-		}
-	})
-	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
+	throttled, workDir := startStandby(t, "controller-throttled", "--kube-api-qps=2", "--kube-api-burst=2",
+		"--leader-election-lease-duration=5s", "--leader-election-renew-deadline=3s")
+	err := framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
 		return acquisitions(throttled) > 0, fmt.Errorf("the throttled controller has not taken the lease")
 	})
 	must(t, err, throttled)
