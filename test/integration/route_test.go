@@ -73,7 +73,6 @@ func TestNodeInstancesCacheOwnVolumesOnly(t *testing.T) {
 		mine int
 	}{{nodeA, nodeProc, 2}, {nodeB, procB, 3}} {
 		own := metav1.ListOptions{LabelSelector: provisioner.NodeSelector(n.node)}
-		var why error
 		if err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 			ownClaims, err := suite.Client.CoreV1().PersistentVolumeClaims("").List(ctx, own)
 			if err != nil {
@@ -96,14 +95,12 @@ func TestNodeInstancesCacheOwnVolumesOnly(t *testing.T) {
 					return false, err
 				}
 				if int(got) != want {
-					why = fmt.Errorf("%s caches %v %s, want %d", n.proc.Name, got, resource, want)
-					return false, why
+					return false, fmt.Errorf("%s caches %v %s, want %d", n.proc.Name, got, resource, want)
 				}
 			}
-			why = nil
-			return len(ownClaims.Items) >= n.mine, nil
+			return len(ownClaims.Items) >= n.mine, fmt.Errorf("%s has %d claims, want %d", n.node, len(ownClaims.Items), n.mine)
 		}); err != nil {
-			t.Errorf("%v (%v)", err, why)
+			t.Error(err)
 		}
 	}
 	// The test means something only if each instance holds fewer claims than the cluster has.
