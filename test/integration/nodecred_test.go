@@ -229,7 +229,5 @@ func uniqueName(prefix string) string { return prefix + "-" + rand.String(6) }
 // labelled labels a claim with node's dirpv.io/node label, as dirpv controller labels a claim
 // bound to a PV of the node.
 func labelled(node string) framework.ClaimOption {
-	return func(c *v1.PersistentVolumeClaim) {
-		c.Labels = map[string]string{provisioner.LabelNode: provisioner.NodeLabel(node)}
-	}
+	return withLabel(provisioner.LabelNode, provisioner.NodeLabel(node))
 }
