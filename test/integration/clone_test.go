@@ -257,10 +257,9 @@ func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 
 // A clone whose copy outlasts Provision's wait is copied in the background, with a CopyStarted
 // event on the claim: the node instance binds another claim while the copy runs, and the clone
-// binds once its copy is complete. The
-// copy is held halfway (failpoint.PauseDuringCopy) until the test has seen all of that, so the
-// copy's speed decides nothing: an idle machine copied the 100k files this test used to rely on
-// within Provision's wait.
+// binds once its copy is complete. The copy is held halfway (failpoint.PauseDuringCopy) until
+// the test has seen all of that, so the copy's speed decides nothing: an idle machine copied
+// the 100k files this test used to rely on within Provision's wait.
 func TestCloneLargeTreeInBackground(t *testing.T) {
 	ctx := context.Background()
 	const (

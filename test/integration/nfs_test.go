@@ -36,9 +36,9 @@ func nfsClass(t *testing.T, srv *framework.Export, mountOptions []string, params
 	return suite.CreateClass(t, className(t), p, opts...)
 }
 
-// controllerMountsOf lists the live mounts of srv's export under the controller's work dir
-// (its --work-dir, under which it mounts NFS exports) made with exactly the given options (the test and the controller share the mount
-// namespace). Mounts stacked on one directory count once each.
+// controllerMountsOf lists the live mounts of srv's export under the controller's --work-dir,
+// where it mounts NFS exports, made with exactly the given options (the test and the
+// controller share the mount namespace). Mounts stacked on one directory count once each.
 func controllerMountsOf(t *testing.T, srv *framework.Export, options []string) []framework.ExportMount {
 	t.Helper()
 	mounts, err := srv.MountsUnder(flagOf(t, ctrlProc, "--work-dir"))

@@ -343,7 +343,8 @@ func TestSnapshotWhileWritingPlainCopy(t *testing.T) {
 // A long copy tells the user how it goes, on the objects they watch. A snapshot's copy, held
 // halfway (failpoint.PauseDuringCopy): a CopyStarted event on the VolumeSnapshot, its content
 // and the source claim, then a CopyProgress event saying what it copied so far (30 s in); the
-// snapshot is ready once the copy goes on. (A clone's CopyStarted: TestCloneLargeTreeInBackground.)
+// snapshot is ready once the copy goes on. (A clone's CopyStarted event:
+// TestCloneLargeTreeInBackground.)
 func TestLongCopiesReportProgress(t *testing.T) {
 	const (
 		files = 200
