@@ -80,9 +80,8 @@ func mkdirWithFile(t *testing.T, dir string) {
 func waitDeleteRefused(t *testing.T, pv, why string) {
 	t.Helper()
 	ctx := context.Background()
-	if _, err := framework.WaitForEvent(ctx, suite.Client, "", "PersistentVolume", pv, "VolumeFailedDelete", why, adoptWait); err != nil {
-		t.Fatalf("%v\n--- controller log tail:\n%s", err, ctrlProc.Tail(3000))
-	}
+	_, err := framework.WaitForEvent(ctx, suite.Client, "", "PersistentVolume", pv, "VolumeFailedDelete", why, adoptWait)
+	must(t, err, ctrlProc)
 	if _, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv, metav1.GetOptions{}); err != nil {
 		t.Errorf("PV %s after dirpv refused to delete it: %v, want it kept", pv, err)
 	}
@@ -108,7 +107,7 @@ func TestTakeOverFromNFSSubdir(t *testing.T) {
 	ctx := context.Background()
 	ns := suite.NewNamespace(t)
 	srv := suite.NFS
-	class := nfsClassName(t)
+	class := className(t)
 	suite.CreateClass(t, class, map[string]string{"archiveOnDelete": "true"}, framework.Provisioner(nfsSubdir),
 		framework.Immediate, framework.MountOptions("nolock", "nfsvers=3"))
 	// nfs-subdir's directory: <namespace>-<claim>-<PV>, made 0777 on its export.
@@ -177,7 +176,7 @@ func TestTakeOverFromNFSSubdir(t *testing.T) {
 func TestTakeOverFromLocalPath(t *testing.T) {
 	ctx := context.Background()
 	ns := suite.NewNamespace(t)
-	class := nfsClassName(t)
+	class := className(t)
 	base := filepath.Join(suite.Work.BaseRoot, class)
 	suite.CreateClass(t, class, nil, framework.Provisioner(localPath))
 	onNodeA := &v1.VolumeNodeAffinity{Required: &v1.NodeSelector{NodeSelectorTerms: []v1.NodeSelectorTerm{{
@@ -208,9 +207,7 @@ func TestTakeOverFromLocalPath(t *testing.T) {
 			return got.Annotations[provisioner.AnnNode] == nodeA && got.Labels[provisioner.LabelNode] == nodeA,
 				fmt.Errorf("PV %s has annotations %v, labels %v", pv, got.Annotations, got.Labels)
 		})
-		if err != nil {
-			t.Fatalf("adopted local PV handed to node-a: %v\n--- controller log tail:\n%s", err, ctrlProc.Tail(3000))
-		}
+		must(t, err, ctrlProc)
 	}
 
 	deleteClaim(t, ns, "old")

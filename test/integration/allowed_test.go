@@ -17,19 +17,16 @@ import (
 	"github.com/dirpv/dirpv/test/framework"
 )
 
+// mountRWO is the capability kubelet publishes a ReadWriteOnce volume with.
+var mountRWO = &csi.VolumeCapability{
+	AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
+	AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+}
+
 // nodeAClient dials node-a's CSI socket, as kubelet would.
 func nodeAClient(t *testing.T) csi.NodeClient {
 	t.Helper()
-	endpoint := ""
-	for i, a := range nodeProc.Args {
-		if a == "--csi-endpoint" && i+1 < len(nodeProc.Args) {
-			endpoint = nodeProc.Args[i+1]
-		}
-	}
-	if !strings.HasPrefix(endpoint, "unix://") {
-		t.Fatalf("node-a's CSI endpoint not found in its arguments %q", nodeProc.Args)
-	}
-	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(flagOf(t, nodeProc, "--csi-endpoint"), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	must(t, err)
 	t.Cleanup(func() { conn.Close() })
 	return csi.NewNodeClient(conn)
@@ -43,9 +40,7 @@ func TestLocalClassOutsideAllowedBases(t *testing.T) {
 	outside := t.TempDir() // not under suite.Work.BaseRoot
 	class := suite.CreateClass(t, "outside-allowed-bases", map[string]string{"backend": "local", "basePath": outside})
 	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
-	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed",
-		"is not at or beneath a base path this node allows", timeout)
-	must(t, err)
+	ev := waitEvent(t, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "is not at or beneath a base path this node allows")
 	for _, want := range []string{outside, suite.Work.BaseRoot, "--allowed-base-paths"} {
 		if !strings.Contains(ev.Message, want) {
 			t.Errorf("event %q does not say %q", ev.Message, want)
@@ -59,12 +54,8 @@ func TestLocalClassOutsideAllowedBases(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	target := filepath.Join(t.TempDir(), "target")
-	_, err = nodeAClient(t).NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
-		VolumeId: "local:outside", TargetPath: target,
-		VolumeCapability: &csi.VolumeCapability{
-			AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
-			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-		},
+	_, err := nodeAClient(t).NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
+		VolumeId: "local:outside", TargetPath: target, VolumeCapability: mountRWO,
 		VolumeContext: map[string]string{"backend": "local", "basePath": outside, "path": "vol"},
 	})
 	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "--allowed-base-paths") {

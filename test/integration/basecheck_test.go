@@ -46,8 +46,7 @@ func TestBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 		t.Fatalf("unmount %s: %v", base, err)
 	}
 	suite.CreateClaim(t, ns, "second", class, framework.OnNode(nodeA), framework.Request("16Mi"))
-	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "second", provisioner.ReasonBaseFileSystemChanged, "not mounted", timeout)
-	must(t, err, nodeProc)
+	ev := waitEvent(t, ns, "PersistentVolumeClaim", "second", provisioner.ReasonBaseFileSystemChanged, "not mounted", nodeProc)
 	if ev.Type != v1.EventTypeWarning || !strings.Contains(ev.Message, "node "+nodeA) || !strings.Contains(ev.Message, base) {
 		t.Errorf("event %s %q: want a Warning naming node %s and base %s", ev.Type, ev.Message, nodeA, base)
 	}
@@ -56,8 +55,8 @@ func TestBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 	}
 
 	deleteWaitsForDisk(t, ns, "first", pv.Name, provisioner.ReasonBaseFileSystemChanged, "not mounted", filepath.Join(disk, rel, "data"))
-	if c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "second", metav1.GetOptions{}); err != nil || c.Status.Phase != v1.ClaimPending {
-		t.Errorf("claim second while the disk is away: %v (%v), want Pending", c.Status.Phase, err)
+	if c := getClaim(t, ns, "second"); c.Status.Phase != v1.ClaimPending {
+		t.Errorf("claim second while the disk is away: %v, want Pending", c.Status.Phase)
 	}
 
 	if err := unix.Mount(disk, base, "", unix.MS_BIND, ""); err != nil {
@@ -104,8 +103,7 @@ func TestBaseThatMustBeAMountPointWaitsForItsDisk(t *testing.T) {
 	}
 	notMounted := func(kind, name string) {
 		t.Helper()
-		ev, err := framework.WaitForEvent(ctx, suite.Client, ns, kind, name, provisioner.ReasonBasePathNotMounted, "must be a mount point", timeout)
-		must(t, err, nodeProc)
+		ev := waitEvent(t, ns, kind, name, provisioner.ReasonBasePathNotMounted, "must be a mount point", nodeProc)
 		if ev.Type != v1.EventTypeWarning || !strings.Contains(ev.Message, "node "+nodeA) || !strings.Contains(ev.Message, base) {
 			t.Errorf("event %s %q: want a Warning naming node %s and base %s", ev.Type, ev.Message, nodeA, base)
 		}
@@ -119,8 +117,8 @@ func TestBaseThatMustBeAMountPointWaitsForItsDisk(t *testing.T) {
 	if _, err := os.Stat(record); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("node-a's record of base %s: %v, want none: the directory underneath must not be adopted", base, err)
 	}
-	if got, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "data", metav1.GetOptions{}); err != nil || got.Status.Phase != v1.ClaimPending {
-		t.Errorf("claim while the disk is not mounted: %v (%v), want Pending", got.Status.Phase, err)
+	if got := getClaim(t, ns, "data"); got.Status.Phase != v1.ClaimPending {
+		t.Errorf("claim while the disk is not mounted: %v, want Pending", got.Status.Phase)
 	}
 	waitCapacity(t, daemon.DefaultNamespace, c.Name, "0 on "+nodeA+" while the disk is not mounted", func(m map[string]storagev1.CSIStorageCapacity) bool {
 		o, ok := m[nodeA]
@@ -161,9 +159,7 @@ func deleteWaitsForDisk(t *testing.T, ns, claim, pvName, reason, msg, data strin
 	t.Helper()
 	ctx := context.Background()
 	deleteClaim(t, ns, claim)
-	if _, err := framework.WaitForEvent(ctx, suite.Client, "", "PersistentVolume", pvName, reason, msg, timeout); err != nil {
-		t.Fatalf("%v\n--- node-a log tail:\n%s", err, nodeProc.Tail(3000))
-	}
+	waitEvent(t, "", "PersistentVolume", pvName, reason, msg, nodeProc)
 	if got, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{}); err != nil {
 		t.Errorf("PV %s of the deleted claim while its disk is away: %v, want it kept until its volume is deleted", pvName, err)
 	} else if got.Status.Phase != v1.VolumeReleased {

@@ -2,40 +2,12 @@ package integration
 
 import (
 	"context"
-	"fmt"
 	"strings"
 	"sync"
 	"testing"
 
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-
 	"github.com/dirpv/dirpv/test/framework"
 )
-
-// createClaims creates n claims c-000, c-001... in parallel as a kind e2e suite would.
-func createClaims(t *testing.T, ns, class string, n int, opts ...framework.ClaimOption) {
-	t.Helper()
-	var wg sync.WaitGroup
-	errs := make(chan error, n)
-	sem := make(chan struct{}, 16)
-	for i := 0; i < n; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			c := framework.NewClaim(ns, fmt.Sprintf("c-%03d", i), class, opts...)
-			if _, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), c, metav1.CreateOptions{}); err != nil {
-				errs <- err
-			}
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
-}
 
 // blockPVsOf makes the API server refuse PVs of the held claims of ns until the returned
 // function is called (also at cleanup). Their Provision then makes the directory and fails to
@@ -45,14 +17,9 @@ func blockPVsOf(t *testing.T, ns string, held []string) func() {
 	t.Helper()
 	unblock, err := framework.BlockPVCreation(context.Background(), suite.Client, ns, held)
 	must(t, err)
-	done := false
-	lift := func() {
-		if done {
-			return
-		}
-		done = true
-		must(t, unblock(context.Background()))
-	}
+	// Not sync.OnceFunc: it turns must's t.Fatal (runtime.Goexit) into a panic.
+	var once sync.Once
+	lift := func() { once.Do(func() { must(t, unblock(context.Background())) }) }
 	t.Cleanup(lift)
 	return lift
 }
@@ -69,28 +36,4 @@ func dirsOf(ns string, claims, dirs []string) []string {
 		}
 	}
 	return out
-}
-
-// checkKilledMidway fails unless the kill came in the middle: some claims but not all were
-// Bound, and every held claim had its directory and no PV.
-func checkKilledMidway(t *testing.T, ns string, snap *framework.KillSnapshot, n int, held []string) {
-	t.Helper()
-	t.Logf("killed with %d of %d claims Bound, %d directories, %d PVs", snap.Bound, n, len(snap.Dirs), len(snap.PVPaths))
-	if snap.Total != n || snap.Bound == 0 || snap.Bound >= n {
-		t.Fatalf("the kill was not mid-way: %d of %d claims Bound at the kill (%d claims), want some but not all", snap.Bound, n, snap.Total)
-	}
-	if got := dirsOf(ns, held, snap.Names()); len(got) != len(held) {
-		t.Fatalf("directories of the held claims at the kill: %v, want one each of %v", got, held)
-	}
-}
-
-// checkAdopted fails unless each held claim is bound to the very directory its killed attempt
-// made.
-func checkAdopted(t *testing.T, ns string, snap *framework.KillSnapshot, held []string) {
-	t.Helper()
-	problems, err := snap.CheckAdopted(context.Background(), suite.Client, ns, held)
-	must(t, err)
-	for _, p := range problems {
-		t.Error(p)
-	}
 }

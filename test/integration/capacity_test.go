@@ -14,12 +14,12 @@ import (
 	v1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/yaml"
 
+	"github.com/dirpv/dirpv/internal/daemon"
 	"github.com/dirpv/dirpv/provisioner"
 	"github.com/dirpv/dirpv/test/framework"
 )
@@ -186,9 +186,6 @@ func TestCapacitySteersScheduling(t *testing.T) {
 		}
 	}
 
-	size := func(c *v1.PersistentVolumeClaim) {
-		c.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("16Mi")
-	}
 	pod := func(name, claim string, selector map[string]string) {
 		t.Helper()
 		p := &v1.Pod{
@@ -201,7 +198,7 @@ func TestCapacitySteersScheduling(t *testing.T) {
 		must(t, err)
 	}
 	// Either node would do but for capacity.
-	suite.CreateClaim(t, ns, "fits", class.Name, size)
+	suite.CreateClaim(t, ns, "fits", class.Name, framework.Request("16Mi"))
 	pod("app", "fits", map[string]string{capacityLabel: "yes"})
 	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, "fits", timeout)
 	must(t, err, room.proc)
@@ -209,14 +206,10 @@ func TestCapacitySteersScheduling(t *testing.T) {
 		t.Errorf("the scheduler chose %q, want %s (cap-full has 4Mi free for a 16Mi claim)", node, room.name)
 	}
 	// Pinned to the full node, a claim that does not fit is never sent there.
-	suite.CreateClaim(t, ns, "too-big", class.Name, size)
+	suite.CreateClaim(t, ns, "too-big", class.Name, framework.Request("16Mi"))
 	pod("stuck", "too-big", map[string]string{"kubernetes.io/hostname": "host-" + full.name})
-	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "Pod", "stuck", "FailedScheduling", "enough free storage", timeout); err != nil {
-		t.Error(err)
-	}
-	if c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "too-big", metav1.GetOptions{}); err != nil {
-		t.Fatal(err)
-	} else if node, ok := c.Annotations["volume.kubernetes.io/selected-node"]; ok {
+	waitEvent(t, ns, "Pod", "stuck", "FailedScheduling", "enough free storage")
+	if node, ok := getClaim(t, ns, "too-big").Annotations["volume.kubernetes.io/selected-node"]; ok {
 		t.Errorf("claim too-big was placed on %s", node)
 	}
 
@@ -270,64 +263,30 @@ func TestCapacitySteersScheduling(t *testing.T) {
 	waitPVGone(t, pv.Name)
 }
 
-// nfsCapacityClass registers dirpv's CSIDriver as deploy/ does and makes an NFS class that
-// waits for its first consumer, whose CSIStorageCapacity object the suite's controller
-// publishes in home, dirpv's default namespace.
-func nfsCapacityClass(t *testing.T) (home string, class *storagev1.StorageClass) {
-	t.Helper()
-	home = "dirpv"
-	_, err := suite.Client.CoreV1().Namespaces().Create(context.Background(), &v1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: home}}, metav1.CreateOptions{})
-	if err == nil {
-		t.Cleanup(func() { suite.Client.CoreV1().Namespaces().Delete(context.Background(), home, metav1.DeleteOptions{}) })
-	} else if !apierrors.IsAlreadyExists(err) {
-		t.Fatal(err)
-	}
+// An NFS class that waits for its first consumer must keep scheduling once the CSIDriver asks
+// the scheduler to check capacity: the controller publishes one object for it in dirpv's
+// namespace, owned by the CSIDriver, that selects every node, with the export's free space. A
+// CSIDriver deleted and created again (an uninstall and reinstall, an upgrade that replaces it
+// for its immutable fields) has a new UID: the object must come back under the new one, not be
+// published for ever under the old one, which the garbage collector deletes as soon as it is
+// made. The object goes with its class.
+func TestCapacityNFSClassSchedules(t *testing.T) {
+	ctx := context.Background()
 	csiDriverFromDeploy(t)
-	return home, nfsClass(t, suite.NFS, []string{"nolock"}, nil, func(c *storagev1.StorageClass) {
+	home := daemon.DefaultNamespace
+	class := nfsClass(t, suite.NFS, []string{"nolock"}, nil, func(c *storagev1.StorageClass) {
 		c.VolumeBindingMode = ptr.To(storagev1.VolumeBindingWaitForFirstConsumer)
 	})
-}
-
-// A CSIDriver deleted and created again (an uninstall and reinstall, an upgrade that replaces
-// it for its immutable fields) has a new UID: the controller's objects, which the CSIDriver
-// owns, must come back under the new one, not be published for ever under the old one, which
-// the garbage collector deletes as soon as they are made.
-func TestCapacityFollowsARecreatedCSIDriver(t *testing.T) {
-	ctx := context.Background()
-	home, class := nfsCapacityClass(t)
 	ownedBy := func(uid types.UID) func(map[string]storagev1.CSIStorageCapacity) bool {
 		return func(c map[string]storagev1.CSIStorageCapacity) bool {
 			o, ok := c["dirpv.io-controller"]
-			return len(c) == 1 && ok && len(o.OwnerReferences) == 1 && o.OwnerReferences[0].UID == uid
+			return len(c) == 1 && ok && bytesOf(o) > 0 && len(o.OwnerReferences) == 1 && o.OwnerReferences[0].UID == uid
 		}
 	}
 	drivers := suite.Client.StorageV1().CSIDrivers()
 	first, err := drivers.Get(ctx, "dirpv.io", metav1.GetOptions{})
 	must(t, err)
-	waitCapacity(t, home, class.Name, "one object owned by the CSIDriver", ownedBy(first.UID))
-
-	must(t, drivers.Delete(ctx, first.Name, metav1.DeleteOptions{}))
-	if err := framework.WaitForDeleted(ctx, timeout, "CSIDriver "+first.Name, func(ctx context.Context) (string, error) {
-		_, err := drivers.Get(ctx, first.Name, metav1.GetOptions{})
-		return "", err
-	}); err != nil {
-		t.Fatal(err)
-	}
-	second, err := drivers.Create(ctx, deployedCSIDriver(t), metav1.CreateOptions{})
-	must(t, err)
-	waitCapacity(t, home, class.Name, "one object owned by the new CSIDriver", ownedBy(second.UID))
-}
-
-// An NFS class that waits for its first consumer must keep scheduling once the CSIDriver asks
-// the scheduler to check capacity: the controller publishes one object for it that selects
-// every node, with the export's free space.
-func TestCapacityNFSClassSchedules(t *testing.T) {
-	ctx := context.Background()
-	home, class := nfsCapacityClass(t)
-	got := waitCapacity(t, home, class.Name, "one all-nodes object", func(c map[string]storagev1.CSIStorageCapacity) bool {
-		return len(c) == 1 && bytesOf(c["dirpv.io-controller"]) > 0
-	})
-	c := got["dirpv.io-controller"]
+	c := waitCapacity(t, home, class.Name, "one all-nodes object owned by the CSIDriver", ownedBy(first.UID))["dirpv.io-controller"]
 	if c.NodeTopology == nil || len(c.NodeTopology.MatchLabels) != 0 || len(c.NodeTopology.MatchExpressions) != 0 {
 		t.Errorf("nodeTopology %v, want {} (every node)", c.NodeTopology)
 	}
@@ -345,6 +304,15 @@ func TestCapacityNFSClassSchedules(t *testing.T) {
 		t.Errorf("selected node %q, want %s", node, nodeC)
 	}
 
+	must(t, drivers.Delete(ctx, first.Name, metav1.DeleteOptions{}))
+	must(t, framework.WaitForDeleted(ctx, timeout, "CSIDriver "+first.Name, func(ctx context.Context) (string, error) {
+		_, err := drivers.Get(ctx, first.Name, metav1.GetOptions{})
+		return "", err
+	}))
+	second, err := drivers.Create(ctx, deployedCSIDriver(t), metav1.CreateOptions{})
+	must(t, err)
+	waitCapacity(t, home, class.Name, "one object owned by the new CSIDriver", ownedBy(second.UID))
+
 	must(t, suite.Client.StorageV1().StorageClasses().Delete(ctx, class.Name, metav1.DeleteOptions{}))
 	waitCapacity(t, home, class.Name, "none once the class is deleted", func(c map[string]storagev1.CSIStorageCapacity) bool {
 		return len(c) == 0
@@ -360,14 +328,11 @@ func TestUnservableLocalClassIsReportedBeforeScheduling(t *testing.T) {
 	class, base := localClass(t, map[string]string{"bsaePath": "/tmp"})
 	suite.CreateClaim(t, ns, "c", class.Name)
 	createPod(t, ns, "app", "c", nodeA)
-	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", provisioner.ReasonUnservableClass,
-		"dirpv cannot provision this claim of StorageClass", timeout)
-	must(t, err)
+	ev := waitEvent(t, ns, "PersistentVolumeClaim", "c", provisioner.ReasonUnservableClass, "dirpv cannot provision this claim of StorageClass")
 	if !strings.Contains(ev.Message, `"bsaePath"`) || ev.Source.Component != "dirpv.io-controller" {
 		t.Errorf("event from %q: %q; want the controller naming the unknown parameter", ev.Source.Component, ev.Message)
 	}
-	pvc, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "c", metav1.GetOptions{})
-	must(t, err)
+	pvc := getClaim(t, ns, "c")
 	if node := pvc.Annotations["volume.kubernetes.io/selected-node"]; node != "" || pvc.Spec.VolumeName != "" {
 		t.Errorf("claim of an unservable class was placed on %q / bound to %q", node, pvc.Spec.VolumeName)
 	}
@@ -395,9 +360,7 @@ func TestSnapshotCountsInPublishedCapacity(t *testing.T) {
 	})
 	suite.CreateClaim(t, ns, "src", class.Name, framework.OnNode(n.name), framework.Request("16Mi"))
 	pvc, err := framework.WaitForPVCBound(ctx, suite.Client, ns, "src", timeout)
-	if err != nil {
-		t.Fatalf("%v\n--- cap-snap log tail:\n%s", err, n.proc.Tail(3000))
-	}
+	must(t, err, n.proc)
 	pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
 	must(t, err)
 	const data = 12 << 20

@@ -110,11 +110,12 @@ func outsideDir(t *testing.T) (string, map[string]string) {
 	return dir, snapshotTree(t, dir, nil)
 }
 
-func claimFinalizers(t *testing.T, ns, name string) []string {
+// getClaim reads the claim as it is now.
+func getClaim(t *testing.T, ns, name string) *v1.PersistentVolumeClaim {
 	t.Helper()
 	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), name, metav1.GetOptions{})
 	must(t, err)
-	return c.Finalizers
+	return c
 }
 
 // A user clones a claim: the clone binds with the source's tree and the size it asked for, on
@@ -148,7 +149,7 @@ func TestCloneClaim(t *testing.T) {
 				t.Errorf("clone PV on node %q, want the source's %q", pv.Annotations["dirpv.io/node"], node)
 			}
 
-			if f := claimFinalizers(t, ns, "src"); !slices.Contains(f, cloningProtection) {
+			if f := getClaim(t, ns, "src").Finalizers; !slices.Contains(f, cloningProtection) {
 				t.Errorf("source claim finalizers %v, want %s (set before the copy)", f, cloningProtection)
 			}
 			deleteClaim(t, ns, "src")
@@ -193,7 +194,7 @@ func TestCloneRefusals(t *testing.T) {
 		"backup":  "dataSource kind Backup of apiGroup backup.example.com is not supported",
 	} {
 		if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", claim, "ProvisioningFailed", want, timeout); err != nil {
-			t.Errorf("claim %s: %v\nevents: %s", claim, err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", claim))
+			t.Error(err)
 			continue
 		}
 		noPVFor(t, ns, claim)
@@ -201,14 +202,15 @@ func TestCloneRefusals(t *testing.T) {
 	if got := entries(t, base); !slices.Equal(got, dirs) {
 		t.Errorf("base holds %v after the refusals, want only the sources' %v", got, dirs)
 	}
-	if f := claimFinalizers(t, ns, "src"); slices.Contains(f, cloningProtection) {
+	if f := getClaim(t, ns, "src").Finalizers; slices.Contains(f, cloningProtection) {
 		t.Errorf("source of a refused clone has finalizers %v: nothing was copied, it must stay deletable", f)
 	}
 }
 
 // A local clone whose pod the scheduler put on another node than the source's: the claim goes
 // back to the scheduler with an event that names the source's node and says to pin the pod
-// there; once the user does, it binds there.
+// there; once the user does, the claim is relabelled for that node (whose instance sees only
+// the claims labelled for it) and binds there.
 func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 	ctx := context.Background()
 	const nodeB = "node-clone-b"
@@ -222,10 +224,7 @@ func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 	suite.CreateClaim(t, ns, "copy", class.Name, cloneOf("src"))
 	createPod(t, ns, "app", "copy", nodeB)
 	want := "lives on node " + nodeA + ", and a local volume is copied on the node that holds it, but the scheduler chose node " + nodeB
-	ev, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy", "ProvisioningFailed", want, timeout)
-	if err != nil {
-		t.Fatalf("%v\nevents: %s\n--- %s log tail:\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy"), nodeB, procB.Tail(3000))
-	}
+	ev := waitEvent(t, ns, "PersistentVolumeClaim", "copy", "ProvisioningFailed", want, procB)
 	t.Logf("event: %s", ev.Message)
 	if ev.Type != v1.EventTypeWarning || !strings.Contains(ev.Message, "make the pod that uses this claim run on node "+nodeA) ||
 		!strings.Contains(ev.Message, "kubernetes.io/hostname In [host-"+nodeA+"]") {
@@ -243,20 +242,24 @@ func TestCloneLocalOnOtherNodeReschedules(t *testing.T) {
 	must(t, suite.Client.CoreV1().Pods(ns).Delete(ctx, "app", metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)}))
 	must(t, framework.WaitForPodDeleted(ctx, suite.Client, ns, "app", timeout))
 	createPod(t, ns, "app2", "copy", nodeA)
+	waitLabel(t, ns, "copy", nodeA)
 	pvc, pv := waitBound(t, ns, "copy")
 	if got := pvc.Annotations["volume.kubernetes.io/selected-node"]; got != nodeA {
 		t.Errorf("clone placed on %q, want %s", got, nodeA)
+	}
+	if pv.Labels[provisioner.LabelNode] != nodeA || pv.Annotations[provisioner.AnnNode] != nodeA {
+		t.Errorf("PV labels %v annotations %v, want node %s", pv.Labels, pv.Annotations, nodeA)
 	}
 	if b, err := os.ReadFile(filepath.Join(volumeDir(pv), "seed")); err != nil || string(b) != "seed" {
 		t.Errorf("clone's seed file: %q, %v", b, err)
 	}
 }
 
-// A clone whose copy outlasts Provision's wait is copied in the background: the node instance
-// binds another claim while the copy runs, and the clone binds once its copy is complete. The
-// copy is held halfway (failpoint.PauseDuringCopy) until the test has seen all of that, so the
-// copy's speed decides nothing: an idle machine copied the 100k files this test used to rely on
-// within Provision's wait.
+// A clone whose copy outlasts Provision's wait is copied in the background, with a CopyStarted
+// event on the claim: the node instance binds another claim while the copy runs, and the clone
+// binds once its copy is complete. The copy is held halfway (failpoint.PauseDuringCopy) until
+// the test has seen all of that, so the copy's speed decides nothing: an idle machine copied
+// the 100k files this test used to rely on within Provision's wait.
 func TestCloneLargeTreeInBackground(t *testing.T) {
 	ctx := context.Background()
 	const (
@@ -268,20 +271,14 @@ func TestCloneLargeTreeInBackground(t *testing.T) {
 	proc, ns, _ := cloneStoppedAt(t, node, point, files, failpoint.ReleaseEnv+"="+release)
 	start := time.Now()
 	// Provision gave the copy to the background: the lib says so on the claim.
-	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy", "ProvisioningFailed",
-		"in the background; the claim binds once the copy is complete", timeout); err != nil {
-		t.Fatalf("%v\nevents: %s\n--- node log tail:\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "copy"), proc.Tail(3000))
-	}
-	src, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "src", metav1.GetOptions{})
-	must(t, err)
-	suite.CreateClaim(t, ns, "other", *src.Spec.StorageClassName, framework.OnNode(node))
+	waitEvent(t, ns, "PersistentVolumeClaim", "copy", "ProvisioningFailed", "in the background; the claim binds once the copy is complete", proc)
+	waitEvent(t, ns, "PersistentVolumeClaim", "copy", provisioner.ReasonCopyStarted, "PersistentVolumeClaim "+ns+"/src into the new volume", proc)
+	suite.CreateClaim(t, ns, "other", *getClaim(t, ns, "src").Spec.StorageClassName, framework.OnNode(node))
 	waitBound(t, ns, "other")
 	if log := proc.Tail(50000); !strings.Contains(log, "failpoint "+point+" reached") || strings.Contains(log, "failpoint "+point+" released") {
 		t.Fatalf("the copy was not held at %s while the other claim bound:\n%s", point, proc.Tail(3000))
 	}
-	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "copy", metav1.GetOptions{})
-	must(t, err)
-	if c.Status.Phase != v1.ClaimPending {
+	if c := getClaim(t, ns, "copy"); c.Status.Phase != v1.ClaimPending {
 		t.Fatalf("clone is %s while its copy is held, want Pending", c.Status.Phase)
 	}
 	must(t, os.WriteFile(release, nil, 0o644))
@@ -403,9 +400,7 @@ func TestCloneCancelledWhenItsClaimIsDeleted(t *testing.T) {
 		}
 		return true, nil
 	})
-	if err != nil {
-		t.Fatalf("the deleted claim's copy was not cancelled: %v\n--- log tail:\n%s", err, proc.Tail(3000))
-	}
+	must(t, err, proc)
 	if log := proc.Tail(50000); !strings.Contains(log, "failpoint "+point+" released: context canceled") {
 		t.Errorf("the copy did not end by being cancelled:\n%s", log)
 	}

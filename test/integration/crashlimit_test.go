@@ -9,7 +9,6 @@ import (
 	"testing"
 
 	v1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"golang.org/x/sys/unix"
@@ -33,8 +32,7 @@ func TestCrashBetweenMkdirAndLimit(t *testing.T) {
 }
 
 func testCrashAt(t *testing.T, point string) {
-	ctx := context.Background()
-	const size = 16 << 20
+	const size = 16 << 20 // the claim's request
 	node := "node-crash-" + point
 	mnt := quotatest.Btrfs(t, true)
 	before := quotatest.Qgroups(t, mnt)
@@ -45,10 +43,7 @@ func testCrashAt(t *testing.T, point string) {
 	ns := suite.NewNamespace(t)
 	class := suite.CreateClass(t, "crash-"+point, map[string]string{
 		"backend": "local", "basePath": mnt, "capacityEnforcement": "required"})
-	claim := framework.NewClaim(ns, "data", class.Name, framework.OnNode(node))
-	claim.Spec.Resources.Requests[v1.ResourceStorage] = *resource.NewQuantity(size, resource.BinarySI)
-	_, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claim, metav1.CreateOptions{})
-	must(t, err)
+	suite.CreateClaim(t, ns, "data", class.Name, framework.OnNode(node), framework.Request("16Mi"))
 
 	// The crash: the process died at the point, by SIGKILL, and left exactly what that point
 	// leaves: one directory under a temporary name, a subvolume, limited only past

@@ -94,10 +94,9 @@ func TestNestedSubvolumeIsReported(t *testing.T) {
 	}
 
 	asTenant(t, vol, "btrfs subvolume create other")
-	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "data", provisioner.ReasonQuotaEscape,
-		"holds 2 nested btrfs subvolume(s)", 10*quotaCheckPeriod+timeout); err != nil {
-		t.Fatal(err)
-	}
+	_, err = framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "data", provisioner.ReasonQuotaEscape,
+		"holds 2 nested btrfs subvolume(s)", 10*quotaCheckPeriod+timeout)
+	must(t, err, nodeProc)
 	if _, found := quotaMetrics(ctx, t); found != 2 {
 		t.Errorf("dirpv_quota_escapes{kind=\"btrfs\"} is %v with the claim's two nested subvolumes, want 2", found)
 	}

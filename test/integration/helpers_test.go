@@ -19,14 +19,31 @@ import (
 
 const timeout = 60 * time.Second
 
+// className derives an object name from the test's name: a class of the test's own.
+func className(t *testing.T) string {
+	name := strings.ToLower(strings.NewReplacer("/", "-", "_", "-").Replace(t.Name()))
+	return strings.Trim(name[max(len(name)-60, 0):], "-")
+}
+
+// flagOf returns the value p was started with for flag (--flag value, or --flag=value).
+func flagOf(t *testing.T, p *framework.Process, flag string) string {
+	t.Helper()
+	for i, a := range p.Args {
+		if a == flag && i+1 < len(p.Args) {
+			return p.Args[i+1]
+		}
+		if v, ok := strings.CutPrefix(a, flag+"="); ok {
+			return v
+		}
+	}
+	t.Fatalf("%s was started without %s: %q", p.Name, flag, p.Args)
+	return ""
+}
+
 // localClass creates a local StorageClass with its own base directory and returns both.
 func localClass(t *testing.T, params map[string]string, opts ...framework.ClassOption) (*storagev1.StorageClass, string) {
 	t.Helper()
-	name := strings.ToLower(strings.NewReplacer("/", "-", "_", "-").Replace(t.Name()))
-	if len(name) > 60 {
-		name = name[len(name)-60:]
-	}
-	name = strings.Trim(name, "-")
+	name := className(t)
 	base := filepath.Join(suite.Work.BaseRoot, name)
 	p := map[string]string{"backend": "local", "basePath": base}
 	for k, v := range params {
@@ -65,6 +82,15 @@ func must(t *testing.T, err error, procs ...*framework.Process) {
 		msg += fmt.Sprintf("\n--- %s log tail:\n%s", p.Name, p.Tail(3000))
 	}
 	t.Fatal(msg)
+}
+
+// waitEvent waits for an event of reason mentioning substr on the object (ns "" for a PV) and
+// returns it; if none comes, the test fails with the procs' log tails.
+func waitEvent(t *testing.T, ns, kind, name, reason, substr string, procs ...*framework.Process) *v1.Event {
+	t.Helper()
+	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, kind, name, reason, substr, timeout)
+	must(t, err, procs...)
+	return ev
 }
 
 // waitBound waits for the claim to bind and returns it and its PV.

@@ -249,10 +249,7 @@ func TestHostileCollidingClaims(t *testing.T) {
 		secret := filepath.Join(layout.base, "shared", "secret")
 		must(t, os.WriteFile(secret, []byte("owner's data"), 0o600))
 		suite.CreateClaim(t, ns, "thief", class.Name, framework.OnNode(nodeA), framework.Annotation("dir", "shared"))
-		if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "thief", "ProvisioningFailed",
-			"directory shared already exists", timeout); err != nil {
-			t.Fatal(err)
-		}
+		waitEvent(t, ns, "PersistentVolumeClaim", "thief", "ProvisioningFailed", "directory shared already exists")
 		noPVFor(t, ns, "thief")
 		if b, err := os.ReadFile(secret); err != nil || string(b) != "owner's data" {
 			t.Errorf("owner's data after the clash: %q %v", b, err)
@@ -310,10 +307,7 @@ func TestHostileCollidingClaims(t *testing.T) {
 		deleteClaim(t, ns, "reused")
 		waitPVGone(t, pv.Name)
 		suite.CreateClaim(t, ns, "reused", retain.Name, framework.OnNode(nodeA))
-		if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "reused", "ProvisioningFailed",
-			"already exists", timeout); err != nil {
-			t.Fatal(err)
-		}
+		waitEvent(t, ns, "PersistentVolumeClaim", "reused", "ProvisioningFailed", "already exists")
 		noPVFor(t, ns, "reused")
 		if b, err := os.ReadFile(filepath.Join(dir, "previous-tenant")); err != nil || string(b) != "old data" {
 			t.Errorf("retained data: %q %v", b, err)
@@ -405,15 +399,11 @@ func TestHostileSecretsNeverLogged(t *testing.T) {
 	node := nodeAClient(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	capability := &csi.VolumeCapability{
-		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-	}
 	secrets := map[string]string{"password": canary, "token": canary}
 	target := filepath.Join(t.TempDir(), "target")
 	good := map[string]string{"backend": "local", "basePath": layout.base, "path": "vol"}
 	if _, err := node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
-		VolumeId: "local:secret-test", TargetPath: target, VolumeCapability: capability,
+		VolumeId: "local:secret-test", TargetPath: target, VolumeCapability: mountRWO,
 		VolumeContext: good, Secrets: secrets,
 	}); err != nil {
 		t.Fatalf("publish: %v", err)
@@ -428,7 +418,7 @@ func TestHostileSecretsNeverLogged(t *testing.T) {
 		{"backend": "local", "basePath": layout.base, "path": "vol", "password": "x"},
 	} {
 		if _, err := node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
-			VolumeId: "local:secret-test", TargetPath: target, VolumeCapability: capability,
+			VolumeId: "local:secret-test", TargetPath: target, VolumeCapability: mountRWO,
 			VolumeContext: vc, Secrets: secrets,
 		}); err == nil {
 			t.Errorf("publish with context %v succeeded", vc)
@@ -441,8 +431,7 @@ func TestHostileSecretsNeverLogged(t *testing.T) {
 		"backend": "local", "basePath": layout.base, "nfsPassword": canary,
 	})
 	suite.CreateClaim(t, ns, "c", class.Name, framework.OnNode(nodeA))
-	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "nfsPassword", timeout)
-	must(t, err)
+	ev := waitEvent(t, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "nfsPassword")
 	if strings.Contains(ev.Message, canary) {
 		t.Errorf("event carries the parameter's value: %s", ev.Message)
 	}
@@ -491,9 +480,7 @@ func TestHostileVolumeInsideAnotherVolume(t *testing.T) {
 	suite.CreateClaim(t, ns, "squatter", shallow.Name, framework.OnNode(nodeA), framework.Annotation("dir", "finance"))
 	waitBound(t, ns, "squatter")
 	suite.CreateClaim(t, ns, "victim", deep.Name, framework.OnNode(nodeA), withLabel("team", "finance"))
-	ev, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "victim", "ProvisioningFailed",
-		"another volume's directory", timeout)
-	must(t, err)
+	ev := waitEvent(t, ns, "PersistentVolumeClaim", "victim", "ProvisioningFailed", "another volume's directory")
 	t.Logf("victim refused: %s", ev.Message)
 	noPVFor(t, ns, "victim")
 	if got := entries(t, filepath.Join(layout.base, "finance")); len(got) != 0 {
@@ -504,10 +491,7 @@ func TestHostileVolumeInsideAnotherVolume(t *testing.T) {
 	suite.CreateClaim(t, ns, "ops-member", deep.Name, framework.OnNode(nodeA), withLabel("team", "ops"))
 	_, pv := waitBound(t, ns, "ops-member")
 	suite.CreateClaim(t, ns, "ops-squatter", shallow.Name, framework.OnNode(nodeA), framework.Annotation("dir", "ops"))
-	if _, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "ops-squatter", "ProvisioningFailed",
-		"directory ops already exists", timeout); err != nil {
-		t.Fatal(err)
-	}
+	waitEvent(t, ns, "PersistentVolumeClaim", "ops-squatter", "ProvisioningFailed", "directory ops already exists")
 	noPVFor(t, ns, "ops-squatter")
 	if got := entries(t, filepath.Join(layout.base, "ops")); !slices.Equal(got, []string{filepath.Base(pv.Spec.CSI.VolumeAttributes["path"])}) {
 		t.Errorf("ops holds %q", got)

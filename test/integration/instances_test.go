@@ -55,23 +55,21 @@ func startNodeProcess(t *testing.T, node, bases string, flags []string, env ...s
 // waitHeldAt waits until the node instance's copy is held at point (a pausing failpoint).
 func waitHeldAt(t *testing.T, proc *framework.Process, point string) {
 	t.Helper()
-	if err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
+	err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
 		return strings.Contains(proc.Tail(4000), "failpoint "+point+" reached"), errors.New("the copy did not reach the failpoint")
-	}); err != nil {
-		t.Fatalf("%v\n--- log tail:\n%s", err, proc.Tail(3000))
-	}
+	})
+	must(t, err, proc)
 }
 
 // waitKilledAt waits until proc has died at failpoint point: by SIGKILL, after logging that it
 // reached the point, so that a test of the crash proves the crash happened there.
 func waitKilledAt(t *testing.T, proc *framework.Process, point string) {
 	t.Helper()
-	if err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
+	err := framework.Poll(context.Background(), timeout, func(context.Context) (bool, error) {
 		exited, _ := proc.Exited()
 		return exited, errors.New("the node instance is still running")
-	}); err != nil {
-		t.Fatalf("%v\n--- log tail:\n%s", err, proc.Tail(3000))
-	}
+	})
+	must(t, err, proc)
 	_, exitErr := proc.Exited()
 	if !strings.Contains(proc.Tail(4000), "failpoint "+point+" reached") || exitErr == nil || !strings.Contains(exitErr.Error(), "killed") {
 		t.Fatalf("the node instance exited (%v) but not at failpoint %s:\n%s", exitErr, point, proc.Tail(3000))

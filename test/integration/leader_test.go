@@ -24,20 +24,10 @@ func acquisitions(p *framework.Process) int {
 	return strings.Count(strings.ToLower(string(b)), leaseAcquired)
 }
 
-// startStandby starts a second controller replica beside the suite's controller, which leads,
-// and returns it with its work dir.
-func startStandby(t *testing.T) (*framework.Process, string) {
+// startStandby starts a second controller replica, name, with the extra flags beside the
+// suite's controller, which has led, and returns it with its work dir.
+func startStandby(t *testing.T, name string, flags ...string) (*framework.Process, string) {
 	t.Helper()
-	workDir := filepath.Join(t.TempDir(), "controller")
-	standby, err := suite.StartDirpv(context.Background(), "controller-standby", "controller",
-		"--v=2", "--operation-timeout=10s",
-		"--work-dir", workDir,
-		"--leader-election=true", "--leader-election-namespace=kube-system",
-		// client-go waits 1 to 2.2 retry periods between attempts to acquire: 1 s keeps a
-		// handover well inside the few seconds TestControllerRolloutHandsOverAtOnce allows.
-		"--leader-election-retry-period=1s")
-	must(t, err)
-	t.Cleanup(func() { standby.Stop(10 * time.Second) })
 	if acquisitions(ctrlProc) == 0 {
 		t.Fatalf("the suite's controller never became leader:\n%s", ctrlProc.Tail(2000))
 	}
@@ -47,6 +37,15 @@ func startStandby(t *testing.T) (*framework.Process, string) {
 			ctrlProc.Restart()
 		}
 	})
+	workDir := filepath.Join(t.TempDir(), "controller")
+	standby, err := suite.StartDirpv(context.Background(), name, "controller", append([]string{
+		"--v=2", "--operation-timeout=10s", "--work-dir", workDir,
+		"--leader-election=true", "--leader-election-namespace=kube-system",
+		// client-go waits 1 to 2.2 retry periods between attempts to acquire: 1 s keeps a
+		// handover well inside the few seconds TestControllerRolloutHandsOverAtOnce allows.
+		"--leader-election-retry-period=1s"}, flags...)...)
+	must(t, err)
+	t.Cleanup(func() { standby.Stop(10 * time.Second) })
 	return standby, workDir
 }
 
@@ -79,7 +78,7 @@ func handBack(t *testing.T, standby *framework.Process, standbyWorkDir string) {
 // exactly one PV and one directory on the server.
 func TestControllerLeaderKilledMidway(t *testing.T) {
 	ctx := context.Background()
-	standby, workDir := startStandby(t)
+	standby, workDir := startStandby(t, "controller-standby")
 	leader := ctrlProc
 
 	ns := suite.NewNamespace(t)
@@ -98,47 +97,37 @@ func TestControllerLeaderKilledMidway(t *testing.T) {
 		made := dirsOf(ns, held, claimsOnServer(t, suite.NFS, ns))
 		return bound >= 5 && len(made) == len(held), fmt.Errorf("%d claims Bound, held claims' directories %v", bound, made)
 	})
-	if err != nil {
-		t.Fatalf("%v\n--- leader log tail:\n%s", err, leader.Tail(3000))
-	}
+	must(t, err, leader)
 	leader.Kill()
 	snap, err := framework.TakeKillSnapshot(ctx, suite.Client, ns, suite.NFS.ExportDir, func(name string) bool {
 		return strings.HasPrefix(name, ns+"-")
 	})
 	must(t, err)
-	checkKilledMidway(t, ns, snap, n, held)
+	t.Logf("killed with %d of %d claims Bound, %d directories, %d PVs", snap.Bound, n, len(snap.Dirs), len(snap.PVPaths))
+	if snap.Total != n || snap.Bound == 0 || snap.Bound >= n {
+		t.Fatalf("the kill was not mid-way: %d of %d claims Bound at the kill (%d claims), want some but not all", snap.Bound, n, snap.Total)
+	}
+	if got := dirsOf(ns, held, snap.Names()); len(got) != len(held) {
+		t.Fatalf("directories of the held claims at the kill: %v, want one each of %v", got, held)
+	}
 	lift()
 	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
 		return acquisitions(standby) > 0, fmt.Errorf("the standby has not taken the lease")
 	})
-	if err != nil {
-		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
-	}
+	must(t, err, standby)
 
 	err = framework.WaitForClaimsBound(ctx, suite.Client, ns, n, 3*time.Minute)
-	if err != nil {
-		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
-	}
+	must(t, err, standby)
 	problems, err := framework.CheckOnePVPerClaim(ctx, suite.Client, ns, claimsOnServer(t, suite.NFS, ns))
 	must(t, err)
-	for _, p := range problems {
+	// Each held claim is bound to the very directory its killed attempt made.
+	adoption, err := snap.CheckAdopted(ctx, suite.Client, ns, held)
+	must(t, err)
+	for _, p := range append(problems, adoption...) {
 		t.Error(p)
 	}
-	checkAdopted(t, ns, snap, held)
 
 	handBack(t, standby, workDir)
-}
-
-// workDirOf returns the --work-dir a dirpv controller was started with.
-func workDirOf(t *testing.T, p *framework.Process) string {
-	t.Helper()
-	for i, a := range p.Args {
-		if a == "--work-dir" && i+1 < len(p.Args) {
-			return p.Args[i+1]
-		}
-	}
-	t.Fatalf("%s has no --work-dir in %q", p.Name, p.Args)
-	return ""
 }
 
 // A rollout: the leader gets SIGTERM while claims keep coming. It drains, releases its NFS
@@ -149,9 +138,9 @@ var rolloutRuns int
 
 func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	ctx := context.Background()
-	standby, standbyWorkDir := startStandby(t)
+	standby, standbyWorkDir := startStandby(t, "controller-standby")
 	leader := ctrlProc
-	leaderWorkDir := workDirOf(t, leader)
+	leaderWorkDir := flagOf(t, leader, "--work-dir")
 
 	// Mounts left by a controller that an earlier test SIGKILLed are not this leader's.
 	leftOver, err := framework.MountsUnder(leaderWorkDir)
@@ -179,9 +168,7 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 		return acquisitions(standby) > before, fmt.Errorf("the standby has not taken the lease")
 	})
 	handover := time.Since(sent)
-	if err != nil {
-		t.Fatalf("%v\n--- standby log tail:\n%s\n--- leader log tail:\n%s", err, standby.Tail(3000), leader.Tail(3000))
-	}
+	must(t, err, standby, leader)
 	t.Logf("rollout handover: the standby held the lease %s after the leader got SIGTERM (lease duration 15s)", handover.Round(time.Millisecond))
 	if handover > 5*time.Second {
 		t.Errorf("handover took %s; a leader that releases its lease on shutdown hands over in a few seconds", handover)
@@ -200,9 +187,7 @@ func TestControllerRolloutHandsOverAtOnce(t *testing.T) {
 	if left := slices.DeleteFunc(after, func(m string) bool { return slices.Contains(leftOver, m) }); len(left) != 0 {
 		t.Errorf("the stopped leader left NFS mounts behind: %v", left)
 	}
-	if err := framework.WaitForClaimsBound(ctx, suite.Client, ns, during+1, 2*time.Minute); err != nil {
-		t.Fatalf("%v\n--- standby log tail:\n%s", err, standby.Tail(3000))
-	}
+	must(t, framework.WaitForClaimsBound(ctx, suite.Client, ns, during+1, 2*time.Minute), standby)
 	// The new leader's own metrics show the work it took over.
 	metrics, err := framework.Scrape(ctx, standby)
 	must(t, err)
@@ -226,28 +211,12 @@ func TestThrottledLeaderKeepsItsLease(t *testing.T) {
 	if !ctrlProc.Stop(30 * time.Second) {
 		t.Fatalf("the suite's controller did not stop on SIGTERM:\n%s", ctrlProc.Tail(2000))
 	}
-	workDir := filepath.Join(t.TempDir(), "controller")
-	throttled, err := suite.StartDirpv(ctx, "controller-throttled", "controller",
-		"--v=2", "--operation-timeout=10s", "--work-dir", workDir,
-		"--kube-api-qps=2", "--kube-api-burst=2",
-		"--leader-election=true", "--leader-election-namespace=kube-system",
-		"--leader-election-lease-duration=5s", "--leader-election-renew-deadline=3s", "--leader-election-retry-period=1s")
-	if err != nil {
-		ctrlProc.Restart()
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		throttled.Stop(10 * time.Second)
-		if exited, _ := ctrlProc.Exited(); exited {
-			ctrlProc.Restart()
-		}
-	})
-	err = framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
+	throttled, workDir := startStandby(t, "controller-throttled", "--kube-api-qps=2", "--kube-api-burst=2",
+		"--leader-election-lease-duration=5s", "--leader-election-renew-deadline=3s")
+	err := framework.Poll(ctx, timeout, func(context.Context) (bool, error) {
 		return acquisitions(throttled) > 0, fmt.Errorf("the throttled controller has not taken the lease")
 	})
-	if err != nil {
-		t.Fatalf("%v\n%s", err, throttled.Tail(3000))
-	}
+	must(t, err, throttled)
 
 	ns := suite.NewNamespace(t)
 	class := nfsClass(t, suite.NFS, nil, nil)

@@ -68,8 +68,7 @@ func TestRejectionsAreEventsAndTouchNothing(t *testing.T) {
 				opts = append([]framework.ClaimOption{func(c *v1.PersistentVolumeClaim) { c.Annotations = map[string]string{} }}, opts...)
 			}
 			suite.CreateClaim(t, ns, "c", class.Name, opts...)
-			_, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", tc.want, timeout)
-			must(t, err)
+			waitEvent(t, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", tc.want)
 			if got := entries(t, base); len(got) != 0 {
 				t.Errorf("refused claim left %v in the base", got)
 			}
@@ -81,8 +80,7 @@ func TestNFSClassWithoutServerIsRefused(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	class := suite.CreateClass(t, "nfs-no-server", map[string]string{"backend": "nfs", "share": "/export"}, framework.Immediate)
 	suite.CreateClaim(t, ns, "c", class.Name, framework.AccessModes(v1.ReadWriteMany))
-	_, err := framework.WaitForEvent(context.Background(), suite.Client, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "server and share", timeout)
-	must(t, err)
+	waitEvent(t, ns, "PersistentVolumeClaim", "c", "ProvisioningFailed", "server and share")
 }
 
 // A claim can reach a node instance before the class it names (the claim's watch and the

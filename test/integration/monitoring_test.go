@@ -38,10 +38,7 @@ func TestMonitoringMetricsAreServed(t *testing.T) {
 	target := filepath.Join(t.TempDir(), "target")
 	if _, err := node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
 		VolumeId: localPV.Spec.CSI.VolumeHandle, TargetPath: target, VolumeContext: localPV.Spec.CSI.VolumeAttributes,
-		VolumeCapability: &csi.VolumeCapability{
-			AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
-			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-		},
+		VolumeCapability: mountRWO,
 	}); err != nil {
 		t.Fatalf("publish %s: %v", localPV.Name, err)
 	}

@@ -26,15 +26,6 @@ import (
 	"github.com/dirpv/dirpv/test/framework"
 )
 
-// nfsClassName derives a StorageClass name from the test's name, as localClass does.
-func nfsClassName(t *testing.T) string {
-	name := strings.ToLower(strings.NewReplacer("/", "-", "_", "-").Replace(t.Name()))
-	if len(name) > 60 {
-		name = name[len(name)-60:]
-	}
-	return strings.Trim(name, "-")
-}
-
 // nfsClass creates an Immediate StorageClass for srv's export with mountOptions; tests pass
 // distinct options so that their class gets its own controller mount.
 func nfsClass(t *testing.T, srv *framework.Export, mountOptions []string, params map[string]string, opts ...framework.ClassOption) *storagev1.StorageClass {
@@ -42,30 +33,15 @@ func nfsClass(t *testing.T, srv *framework.Export, mountOptions []string, params
 	p := map[string]string{"backend": "nfs", "server": srv.Addr, "share": srv.Share}
 	maps.Copy(p, params)
 	opts = append([]framework.ClassOption{framework.Immediate, framework.MountOptions(mountOptions...)}, opts...)
-	return suite.CreateClass(t, nfsClassName(t), p, opts...)
+	return suite.CreateClass(t, className(t), p, opts...)
 }
 
-// controllerWorkDir is the controller's --work-dir, under which it mounts NFS exports.
-func controllerWorkDir(t *testing.T) string {
-	t.Helper()
-	for i, a := range ctrlProc.Args {
-		if a == "--work-dir" && i+1 < len(ctrlProc.Args) {
-			return ctrlProc.Args[i+1]
-		}
-		if v, ok := strings.CutPrefix(a, "--work-dir="); ok {
-			return v
-		}
-	}
-	t.Fatalf("controller started without --work-dir: %q", ctrlProc.Args)
-	return ""
-}
-
-// controllerMountsOf lists the live mounts of srv's export under the controller's work dir
-// made with exactly the given options (the test and the controller share the mount
-// namespace). Mounts stacked on one directory count once each.
+// controllerMountsOf lists the live mounts of srv's export under the controller's --work-dir,
+// where it mounts NFS exports, made with exactly the given options (the test and the
+// controller share the mount namespace). Mounts stacked on one directory count once each.
 func controllerMountsOf(t *testing.T, srv *framework.Export, options []string) []framework.ExportMount {
 	t.Helper()
-	mounts, err := srv.MountsUnder(controllerWorkDir(t))
+	mounts, err := srv.MountsUnder(flagOf(t, ctrlProc, "--work-dir"))
 	must(t, err)
 	return slices.DeleteFunc(mounts, func(m framework.ExportMount) bool {
 		return m.Source != srv.Source("") || !slices.Equal(m.Options, options)
@@ -83,25 +59,6 @@ func claimsOnServer(t *testing.T, srv *framework.Export, ns string) []string {
 		}
 	}
 	return out
-}
-
-// Many claims on one class cost one mount of the export, not one each.
-func TestNFSManyClaimsShareOneMount(t *testing.T) {
-	const n = 20
-	ns := suite.NewNamespace(t)
-	class := nfsClass(t, suite.NFS, []string{"nolock", "actimeo=20"}, nil)
-	start := time.Now()
-	createClaims(t, ns, class.Name, n, framework.AccessModes(v1.ReadWriteMany))
-	for i := range n {
-		waitBound(t, ns, fmt.Sprintf("c-%03d", i))
-	}
-	t.Logf("%d claims bound in %s", n, time.Since(start).Round(time.Millisecond))
-	if got := claimsOnServer(t, suite.NFS, ns); len(got) != n {
-		t.Errorf("export holds %d directories of %s, want %d: %v", len(got), ns, n, got)
-	}
-	if mounts := controllerMountsOf(t, suite.NFS, class.MountOptions); len(mounts) != 1 {
-		t.Errorf("controller mounts of the export for this class: %v, want exactly one", mounts)
-	}
 }
 
 // trashOnServer is where dirpv controller moves deleted NFS volumes until their trees are

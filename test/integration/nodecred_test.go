@@ -43,16 +43,6 @@ func TestNodeCredentialsWriteOnlyTheirNode(t *testing.T) {
 	must(t, framework.WaitNodeWritePolicy(ctx, asA, nodeA, timeout))
 	pvs := asA.CoreV1().PersistentVolumes()
 
-	// PersistentVolumes made by the test's own (admin) credentials, as another node would.
-	adminPV := func(pv *v1.PersistentVolume) *v1.PersistentVolume {
-		t.Helper()
-		made, err := suite.Client.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
-		must(t, err)
-		t.Cleanup(func() {
-			suite.Client.CoreV1().PersistentVolumes().Delete(context.Background(), made.Name, metav1.DeleteOptions{})
-		})
-		return made
-	}
 	// A PV the node's credentials (or others) create where they should not is taken away too.
 	createPV := func(c kubernetes.Interface, pv *v1.PersistentVolume) (*v1.PersistentVolume, error) {
 		made, err := c.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
@@ -73,7 +63,9 @@ func TestNodeCredentialsWriteOnlyTheirNode(t *testing.T) {
 	// Another node's PV: not created, changed (repointed to another claim), nor deleted.
 	_, err := createPV(asA, framework.LocalPV(uniqueName("pv-c"), nodeC))
 	wantRefused(t, "create a PV of node-c", err, pvRefused)
-	otherPV := adminPV(framework.LocalPV(uniqueName("pv-c"), nodeC))
+	// Made by the test's own (admin) credentials, as another node would.
+	otherPV, err := createPV(suite.Client, framework.LocalPV(uniqueName("pv-c"), nodeC))
+	must(t, err)
 	repoint := mergePatch(map[string]any{"spec": map[string]any{"claimRef": map[string]any{"namespace": "elsewhere", "name": "theirs"}}})
 	_, err = pvs.Patch(ctx, otherPV.Name, types.MergePatchType, repoint, metav1.PatchOptions{})
 	wantRefused(t, "repoint a PV of node-c", err, pvRefused)
@@ -237,7 +229,5 @@ func uniqueName(prefix string) string { return prefix + "-" + rand.String(6) }
 // labelled labels a claim with node's dirpv.io/node label, as dirpv controller labels a claim
 // bound to a PV of the node.
 func labelled(node string) framework.ClaimOption {
-	return func(c *v1.PersistentVolumeClaim) {
-		c.Labels = map[string]string{provisioner.LabelNode: provisioner.NodeLabel(node)}
-	}
+	return withLabel(provisioner.LabelNode, provisioner.NodeLabel(node))
 }

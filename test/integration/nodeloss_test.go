@@ -2,9 +2,7 @@ package integration
 
 import (
 	"context"
-	"path/filepath"
 	"testing"
-	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -17,14 +15,7 @@ import (
 func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 	const nodeB = "node-b"
 	ctx := context.Background()
-	must(t, suite.Cluster.CreateReadyNode(ctx, nodeB, map[string]string{"kubernetes.io/hostname": "host-" + nodeB}))
-	work := t.TempDir()
-	proc, err := suite.StartDirpv(ctx, "node-b", "node",
-		"--v=2", "--node-name", nodeB, "--allowed-base-paths", suite.Work.BaseRoot,
-		"--csi-endpoint", "unix://"+filepath.Join(work, "csi.sock"), "--plugin-registration-dir", "-")
-	must(t, err)
-	t.Cleanup(func() { proc.Stop(10 * time.Second) })
-	must(t, suite.Cluster.RegisterCSIDriver(ctx, nodeB, "dirpv.io"))
+	proc := startNodeInstance(t, nodeB, suite.Work.BaseRoot)
 
 	ns := suite.NewNamespace(t)
 	class, base := localClass(t, nil)
@@ -35,9 +26,7 @@ func TestLostNodeDoesNotJamDeletion(t *testing.T) {
 	must(t, suite.Client.CoreV1().Nodes().Delete(ctx, nodeB, metav1.DeleteOptions{}))
 	deleteClaim(t, ns, "lost")
 	waitPVGone(t, pv.Name)
-	if _, err := framework.WaitForEvent(ctx, suite.Client, "", "PersistentVolume", pv.Name, "VolumeDataOnLostNode", nodeB, timeout); err != nil {
-		t.Error(err)
-	}
+	waitEvent(t, "", "PersistentVolume", pv.Name, "VolumeDataOnLostNode", nodeB)
 	if got := entries(t, base); len(got) != 1 {
 		t.Errorf("base = %v: nobody may remove a lost node's directory", got)
 	}

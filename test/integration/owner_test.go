@@ -94,16 +94,8 @@ func TestCrashBeforePVIsSavedAdoptsDirectory(t *testing.T) {
 	if fi.Mode()&os.ModePerm != 0o750 || fi.Mode()&os.ModeSetgid == 0 || st.Uid != 1234 || st.Gid != 5678 {
 		t.Errorf("adopted directory mode %v owner %d:%d, want 2750 1234:5678", fi.Mode(), st.Uid, st.Gid)
 	}
-	pvs, err := suite.Client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
-	must(t, err)
-	n := 0
-	for _, p := range pvs.Items {
-		if p.Spec.ClaimRef != nil && p.Spec.ClaimRef.UID == c.UID {
-			n++
-		}
-	}
-	if n != 1 {
-		t.Errorf("%d PVs for claim %s, want 1", n, c.UID)
+	if pvs := pvsOf(t, ns); len(pvs) != 1 {
+		t.Errorf("PVs of claim crashy: %v, want 1", pvs)
 	}
 }
 
@@ -140,9 +132,7 @@ func TestDeleteOfAnotherClaimsDirectoryIsRefused(t *testing.T) {
 			must(t, err)
 			waitBound(t, ns, "stale")
 			deleteClaim(t, ns, "stale")
-			ev, err := framework.WaitForEvent(context.Background(), suite.Client, "", "PersistentVolume", stale.Name, "VolumeFailedDelete",
-				"belongs to another claim", timeout)
-			must(t, err)
+			ev := waitEvent(t, "", "PersistentVolume", stale.Name, "VolumeFailedDelete", "belongs to another claim")
 			t.Logf("stale PV's Delete refused: %s", ev.Message)
 			if b, err := os.ReadFile(data); err != nil || string(b) != "owner's data" {
 				t.Errorf("owner's data after the refused Delete: %q %v", b, err)

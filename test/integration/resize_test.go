@@ -6,10 +6,12 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/dirpv/dirpv/test/framework"
@@ -60,9 +62,8 @@ func waitResized(t *testing.T, ns, name, size string) *v1.PersistentVolumeClaim 
 // A bound 16Mi claim on a btrfs base is asked to grow beyond the base's free space: that is
 // refused as infeasible, with an event, and the PV keeps its size; the user lowers the request
 // to a size that fits, which is accepted, and a process that keeps its file open, stopped at
-// the old limit, writes past it. (Growing a claim under a running pod, and refusing a shrink,
-// test/e2e/install's TestPodWritesPastOldSizeAfterExpansion shows on btrfs, and
-// test/vm/node's TestQuotaClaimOnGuestDisk on XFS and ext4.)
+// the old limit, writes past it; the API server refuses a shrink. (Growing a claim under a
+// running pod: test/vm/node's TestQuotaClaimOnGuestDisk, on XFS and ext4.)
 func TestLocalClaimExpandsOnline(t *testing.T) {
 	ns := suite.NewNamespace(t)
 	class, base, _ := btrfsClass(t, map[string]string{"capacityEnforcement": "required"}, framework.AllowVolumeExpansion)
@@ -95,9 +96,7 @@ func TestLocalClaimExpandsOnline(t *testing.T) {
 	if err != nil {
 		t.Fatalf("resize beyond the free space: want %s: %v", v1.PersistentVolumeClaimControllerResizeInfeasible, err)
 	}
-	if _, err := framework.WaitForEvent(ctx, suite.Client, ns, "PersistentVolumeClaim", "data", "VolumeResizeFailed", "not enough free space", timeout); err != nil {
-		t.Error(err)
-	}
+	waitEvent(t, ns, "PersistentVolumeClaim", "data", "VolumeResizeFailed", "not enough free space")
 	if pv, err := suite.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{}); err != nil || pv.Spec.Capacity.Storage().String() != "16Mi" {
 		t.Errorf("PV capacity after an infeasible resize: %v (%v), want 16Mi", pv.Spec.Capacity, err)
 	}
@@ -107,6 +106,10 @@ func TestLocalClaimExpandsOnline(t *testing.T) {
 	waitResized(t, ns, "data", "48Mi")
 	if n, err := quotatest.WriteFull(f, 12<<20); err != nil {
 		t.Errorf("after the resize to 48Mi, %d of 12 more MiB went in: %v", n, err)
+	}
+	err = setClaimSize(ctx, ns, "data", "16Mi")
+	if !apierrors.IsInvalid(err) || !strings.Contains(err.Error(), "can not be less than status.capacity") {
+		t.Errorf("shrinking the claim back to 16Mi: %v, want the API server's Invalid: can not be less than status.capacity", err)
 	}
 }
 

@@ -73,7 +73,6 @@ func TestNodeInstancesCacheOwnVolumesOnly(t *testing.T) {
 		mine int
 	}{{nodeA, nodeProc, 2}, {nodeB, procB, 3}} {
 		own := metav1.ListOptions{LabelSelector: provisioner.NodeSelector(n.node)}
-		var why error
 		if err := framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
 			ownClaims, err := suite.Client.CoreV1().PersistentVolumeClaims("").List(ctx, own)
 			if err != nil {
@@ -96,46 +95,17 @@ func TestNodeInstancesCacheOwnVolumesOnly(t *testing.T) {
 					return false, err
 				}
 				if int(got) != want {
-					why = fmt.Errorf("%s caches %v %s, want %d", n.proc.Name, got, resource, want)
-					return false, why
+					return false, fmt.Errorf("%s caches %v %s, want %d", n.proc.Name, got, resource, want)
 				}
 			}
-			why = nil
-			return len(ownClaims.Items) >= n.mine, nil
+			return len(ownClaims.Items) >= n.mine, fmt.Errorf("%s has %d claims, want %d", n.node, len(ownClaims.Items), n.mine)
 		}); err != nil {
-			t.Errorf("%v (%v)", err, why)
+			t.Error(err)
 		}
 	}
 	// The test means something only if each instance holds fewer claims than the cluster has.
 	if own, _ := cached(ctx, procB, "persistentvolumeclaims"); int(own) >= len(allClaims.Items) {
 		t.Errorf("%s caches %v claims of the cluster's %d", nodeB, own, len(allClaims.Items))
-	}
-}
-
-// A claim the scheduler placed on one node and then, after that node handed it back, on
-// another is relabelled with the new node and provisioned there.
-func TestClaimRelabelledWhenSelectedNodeChanges(t *testing.T) {
-	ctx := context.Background()
-	ns := suite.NewNamespace(t)
-	class, _ := localClass(t, nil)
-	// node-c runs no dirpv: nothing provisions the claim there.
-	suite.CreateClaim(t, ns, "moved", class.Name, framework.OnNode(nodeC))
-	waitLabel(t, ns, "moved", nodeC)
-
-	// What the lib and the scheduler do on a reschedule: the selected node is removed, and
-	// the scheduler's next choice set.
-	claims := suite.Client.CoreV1().PersistentVolumeClaims(ns)
-	for _, patch := range []string{
-		`{"metadata":{"annotations":{"volume.kubernetes.io/selected-node":null}}}`,
-		`{"metadata":{"annotations":{"volume.kubernetes.io/selected-node":"` + nodeA + `"}}}`,
-	} {
-		_, err := claims.Patch(ctx, "moved", types.MergePatchType, []byte(patch), metav1.PatchOptions{})
-		must(t, err)
-	}
-	waitLabel(t, ns, "moved", nodeA)
-	_, pv := waitBound(t, ns, "moved")
-	if pv.Labels[provisioner.LabelNode] != nodeA || pv.Annotations[provisioner.AnnNode] != nodeA {
-		t.Errorf("PV labels %v annotations %v, want node %s", pv.Labels, pv.Annotations, nodeA)
 	}
 }
 

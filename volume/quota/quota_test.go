@@ -91,8 +91,8 @@ func TestParseID(t *testing.T) {
 
 // TestBtrfsResizeRaisesTheLimitOfOneVolume: Resize raises the limit of the subvolume that
 // carries the ID, refuses another volume's ID, and leaves the neighbour's limit enforced. That a
-// full volume's pod then writes past the old size: test/e2e/install
-// TestPodWritesPastOldSizeAfterExpansion.
+// full volume's writer then writes past the old size: test/integration
+// TestLocalClaimExpandsOnline.
 func TestBtrfsResizeRaisesTheLimitOfOneVolume(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	fs := probe(t, openDir(t, mnt))

@@ -12,9 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/volume/quota/quotatest"
@@ -166,69 +164,6 @@ func waitLogContains(t *testing.T, ns, name, substr string) string {
 		t.Fatalf("pod %s/%s: %v; log:\n%s\n%s", ns, name, err, logs, framework.EventsOf(context.Background(), suite.Client, ns, "Pod", name))
 	}
 	return logs
-}
-
-// A running pod whose 1Gi claim is full keeps running while the claim grows to 2Gi, and then
-// writes past 1Gi: the limit is raised in place, with no remount and no restart. The PV, the
-// claim and kubelet's figures say 2Gi; a shrink back is refused by the API server.
-func TestPodWritesPastOldSizeAfterExpansion(t *testing.T) {
-	ctx := context.Background()
-	ns := suite.NewNamespace(t)
-	suite.CreateClass(t, "install-capacity-grow",
-		map[string]string{"backend": "local", "basePath": btrfsBase, "capacityEnforcement": "required"},
-		framework.AllowVolumeExpansion)
-	suite.CreateClaim(t, ns, "grow", "install-capacity-grow", framework.Request("1Gi"))
-	// The pod waits for the test's go-ahead between its two writes; its own loop, not the
-	// test's synchronisation.
-	suite.CreatePod(t, suite.BusyboxPod(ns, "grower", "grow",
-		`dd if=/dev/zero of=/data/first bs=1M count=1100 conv=fsync 2>&1; echo "first dd exit $?"; `+
-			`while [ ! -e /data/resized ]; do sleep 1; done; `+
-			`dd if=/dev/zero of=/data/second bs=1M count=512 conv=fsync 2>&1 && echo second-write-ok; sleep 3600`, false))
-	logs := waitLogContains(t, ns, "grower", "first dd exit")
-	if strings.Contains(logs, "first dd exit 0") {
-		t.Fatalf("1100 MiB went into a 1Gi claim: %q", logs)
-	}
-	dir := volumeDir(t, ns, "grow")
-	st, err := os.Stat(filepath.Join(dir, "first"))
-	must(t, err)
-	if n := st.Size(); n > 1<<30 || n < 1<<30-1<<20 {
-		t.Fatalf("the pod's first file holds %d bytes, want the claim's 1Gi within 1 MiB below it; log %q", n, logs)
-	}
-	pod, err := suite.Client.CoreV1().Pods(ns).Get(ctx, "grower", metav1.GetOptions{})
-	must(t, err)
-
-	must(t, framework.SetClaimSize(ctx, suite.Client, ns, "grow", "2Gi"))
-	if _, err := framework.WaitForClaimResized(ctx, suite.Client, ns, "grow", "2Gi", timeout); err != nil {
-		t.Fatalf("%v\n%s", err, framework.EventsOf(ctx, suite.Client, ns, "PersistentVolumeClaim", "grow"))
-	}
-	must(t, os.WriteFile(filepath.Join(dir, "resized"), nil, 0o644))
-	logs = waitLogContains(t, ns, "grower", "second-write-ok")
-	if st, err := os.Stat(filepath.Join(dir, "second")); err != nil || st.Size() != 512<<20 {
-		t.Errorf("after the resize the pod's second file is %v (%v), want 512 MiB; log %q", st, err, logs)
-	}
-	after, err := suite.Client.CoreV1().Pods(ns).Get(ctx, "grower", metav1.GetOptions{})
-	must(t, err)
-	if after.UID != pod.UID || len(after.Status.ContainerStatuses) != 1 || after.Status.ContainerStatuses[0].RestartCount != 0 {
-		t.Errorf("the pod was replaced or restarted across the resize: uid %s -> %s, statuses %+v", pod.UID, after.UID, after.Status.ContainerStatuses)
-	}
-
-	var last string
-	err = framework.Poll(ctx, timeout, func(ctx context.Context) (bool, error) {
-		vs, err := framework.KubeletVolumeStats(ctx, suite.Client, suite.Cluster.NodeName, ns, "grow")
-		if err != nil || vs == nil || vs.CapacityBytes == nil {
-			return false, fmt.Errorf("kubelet's figures: %+v, %v", vs, err)
-		}
-		last = fmt.Sprintf("capacity %d", *vs.CapacityBytes)
-		return *vs.CapacityBytes == 2<<30, fmt.Errorf("kubelet reports %s", last)
-	})
-	if err != nil {
-		t.Errorf("kubelet's capacity of the grown claim: %v, want %d", err, 2<<30)
-	}
-
-	err = framework.SetClaimSize(ctx, suite.Client, ns, "grow", "1Gi")
-	if !apierrors.IsInvalid(err) || !strings.Contains(err.Error(), "can not be less than status.capacity") {
-		t.Errorf("shrinking the claim back to 1Gi: %v, want the API server's Invalid: can not be less than status.capacity", err)
-	}
 }
 
 // A disk an admin mounts beneath /var/lib/dirpv while dirpv's node pod runs reaches the pod

@@ -9,7 +9,6 @@ import (
 
 	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/dirpv/dirpv/test/framework"
 )
@@ -83,11 +82,8 @@ mkfifo fifo; touch -d '2020-01-02 03:04:05' a.txt; sync
 	}
 	// The node plugin's log says how the tree was copied: on a btrfs base whose volumes are
 	// subvolumes, by snapshot.
-	pods, err := suite.Client.CoreV1().Pods("dirpv").List(ctx, metav1.ListOptions{LabelSelector: nodeSel})
-	if err != nil || len(pods.Items) != 1 {
-		t.Fatalf("dirpv node pods: %v, %v", pods, err)
-	}
-	logs, err := suite.Client.CoreV1().Pods("dirpv").GetLogs(pods.Items[0].Name, &v1.PodLogOptions{Container: "dirpv"}).DoRaw(ctx)
+	plugin, _ := nodePlugin(ctx, t)
+	logs, err := suite.Client.CoreV1().Pods("dirpv").GetLogs(plugin.Name, &v1.PodLogOptions{Container: "dirpv"}).DoRaw(ctx)
 	must(t, err)
 	var copied string
 	for _, l := range strings.Split(string(logs), "\n") {

@@ -28,7 +28,9 @@ var exampleChecks = map[string]func(t *testing.T, ns string){
 		examplePodRunning(t, ns, "local-writer")
 		dir := volumeDir(t, ns, "local-data")
 		waitFileHas(t, filepath.Join(dir, "hello.txt"), "hello from local-writer")
-		if class := claimClass(t, ns, "local-data"); class != "dirpv-local" {
+		c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), "local-data", metav1.GetOptions{})
+		must(t, err)
+		if class := ptr.Deref(c.Spec.StorageClassName, ""); class != "dirpv-local" {
 			t.Errorf("claim local-data is of class %q, want the default class dirpv-local", class)
 		}
 	},
@@ -262,13 +264,6 @@ func waitFileHas(t *testing.T, path, substr string) {
 	if err != nil {
 		t.Fatalf("%s does not hold %q: %v", path, substr, err)
 	}
-}
-
-func claimClass(t *testing.T, ns, name string) string {
-	t.Helper()
-	c, err := suite.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), name, metav1.GetOptions{})
-	must(t, err)
-	return ptr.Deref(c.Spec.StorageClassName, "")
 }
 
 // deletePod deletes the pod, if it is there, and waits until it is gone.

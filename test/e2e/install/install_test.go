@@ -75,8 +75,7 @@ func beforeCluster(s *framework.Suite, opts *cluster.Options) error {
 			os.Remove(basePath)
 		}
 	})
-	// Mounted before dirpv's node pod starts, which must see it (btrfsBase); 3 GiB so that a
-	// 1Gi claim can grow to 2Gi (TestPodWritesPastOldSizeAfterExpansion). Cleanups run
+	// Mounted before dirpv's node pod starts, which must see it (btrfsBase). Cleanups run
 	// last first: it is unmounted before the leftovers above go, which then find only its
 	// empty mount point.
 	if err := s.MountBtrfs(btrfsBase, 3<<30, true); err != nil {
@@ -193,13 +192,8 @@ func TestNodePluginKilledDuringProvisioning(t *testing.T) {
 	held := []string{"c-00", "c-01", "c-02"}
 	unblock, err := framework.BlockPVCreation(ctx, suite.Client, ns, held)
 	must(t, err)
-	lifted := false
-	lift := func() {
-		if !lifted {
-			lifted = true
-			must(t, unblock(ctx))
-		}
-	}
+	var once sync.Once
+	lift := func() { once.Do(func() { must(t, unblock(ctx)) }) }
 	t.Cleanup(lift)
 	plugin, before := nodePlugin(ctx, t)
 

@@ -163,10 +163,11 @@ func TestRBACCoversEveryCallMade(t *testing.T) {
 func grantedCalls(t *testing.T) map[call]bool {
 	t.Helper()
 	roles := map[string][]rbacv1.PolicyRule{}
-	var bindings []struct {
+	type binding struct {
 		role     string
 		subjects []rbacv1.Subject
 	}
+	var bindings []binding
 	for _, o := range inst.Objects {
 		switch o.GetKind() {
 		case "ClusterRole", "Role":
@@ -176,10 +177,7 @@ func grantedCalls(t *testing.T) map[call]bool {
 		case "ClusterRoleBinding", "RoleBinding":
 			var b rbacv1.RoleBinding
 			must(t, runtime.DefaultUnstructuredConverter.FromUnstructured(o.Object, &b))
-			bindings = append(bindings, struct {
-				role     string
-				subjects []rbacv1.Subject
-			}{b.RoleRef.Kind + "/" + b.RoleRef.Name, b.Subjects})
+			bindings = append(bindings, binding{b.RoleRef.Kind + "/" + b.RoleRef.Name, b.Subjects})
 		}
 	}
 	granted := map[call]bool{}
