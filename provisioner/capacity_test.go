@@ -76,29 +76,10 @@ func TestProvisionLocalEnforcesSize(t *testing.T) {
 	}
 }
 
-// TestProvisionLocalRequiredRefusedWithoutQuota: a class that requires enforcement on a base
-// that cannot enforce gets its claim refused, with a message that says how to fix it, and
-// nothing on disk.
-func TestProvisionLocalRequiredRefusedWithoutQuota(t *testing.T) {
-	f := newFixtureOn(t, quotatest.Btrfs(t, false))
-	class := f.localClass(map[string]string{ParamCapacityEnforcement: string(EnforceRequired)})
-	_, state, err := f.node.Provision(context.Background(), opts(class, sizedClaim("a", "10Mi")))
-	if err == nil || state != controller.ProvisioningReschedule {
-		t.Fatalf("Provision = %v, %v; want a refusal that lets another node try", state, err)
-	}
-	for _, want := range []string{"capacityEnforcement: required", f.base, "btrfs quota enable"} {
-		if !strings.Contains(err.Error(), want) {
-			t.Errorf("refusal %q does not say %q", err, want)
-		}
-	}
-	if tree := listTree(t, f.base); len(tree) != 0 {
-		t.Errorf("refused claim left %v", tree)
-	}
-}
-
-// TestQuotaEnabledUnderRunningNodeIsUsed: once the admin enables quota on a base that could
-// not enforce, the running node instance publishes its room for a class that requires limits
-// and provisions that class's claims with a limit, without a restart.
+// TestQuotaEnabledUnderRunningNodeIsUsed: a class that requires enforcement on a base that
+// cannot enforce gets its claim refused, with a message that says how to fix it, and nothing
+// on disk; once the admin enables quota there, the running node instance publishes its room
+// for the class and provisions its claims with a limit, without a restart.
 func TestQuotaEnabledUnderRunningNodeIsUsed(t *testing.T) {
 	f := newFixtureOn(t, quotatest.Btrfs(t, false))
 	class := f.localClass(map[string]string{ParamCapacityEnforcement: string(EnforceRequired)})
@@ -113,8 +94,17 @@ func TestQuotaEnabledUnderRunningNodeIsUsed(t *testing.T) {
 	if got := capacity(); got != 0 {
 		t.Errorf("capacity for a required class before quota is enabled = %d, want 0", got)
 	}
-	if _, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("before", "10Mi"))); err == nil {
-		t.Fatal("a required class was provisioned on a base without quota")
+	_, state, err := f.node.Provision(context.Background(), opts(class, sizedClaim("before", "10Mi")))
+	if err == nil || state != controller.ProvisioningReschedule {
+		t.Fatalf("Provision = %v, %v; want a refusal that lets another node try", state, err)
+	}
+	for _, want := range []string{"capacityEnforcement: required", f.base, "btrfs quota enable"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("refusal %q does not say %q", err, want)
+		}
+	}
+	if tree := listTree(t, f.base); len(tree) != 0 {
+		t.Errorf("refused claim left %v", tree)
 	}
 	if out, err := exec.Command("btrfs", "quota", "enable", f.base).CombinedOutput(); err != nil {
 		t.Fatalf("btrfs quota enable: %v: %s", err, out)
@@ -133,19 +123,6 @@ func TestQuotaEnabledUnderRunningNodeIsUsed(t *testing.T) {
 	if n, err := quotatest.Fill(t, filepath.Join(f.base, rel, "data"), 20<<20); !errors.Is(err, unix.EDQUOT) {
 		t.Errorf("10Mi volume took %d bytes of 20 MiB: %v; want EDQUOT", n, err)
 	}
-}
-
-// TestProvisionLocalBestEffortWithoutQuota: by default a base without quota still provisions,
-// without a quota in the PV, and the claim gets an event saying its size is not enforced.
-func TestProvisionLocalBestEffortWithoutQuota(t *testing.T) {
-	f := newFixture(t)
-	class := f.localClass(nil)
-	pv, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("a", "10Mi")))
-	must(t, err)
-	if q, ok := pv.Spec.CSI.VolumeAttributes[volume.AttrQuota]; ok {
-		t.Errorf("PV names quota %q on a base without quota", q)
-	}
-	waitEvent(t, f.events, "Normal SizeNotEnforced ", "10Mi", "prjquota")
 }
 
 // The controller reports a WaitForFirstConsumer claim that dirpv cannot serve anywhere, which

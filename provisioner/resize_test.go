@@ -64,14 +64,17 @@ func TestResizeLocalRaisesTheLimitOnItsNodeOnly(t *testing.T) {
 	}
 }
 
-// TestResizeUnlimitedIsRecorded: a bestEffort volume on a base that cannot enforce sizes has no
-// limit to raise; its resize is recorded, whatever the size, and changes nothing on disk.
+// TestResizeUnlimitedIsRecorded: by default (bestEffort) a base that cannot enforce sizes
+// still provisions, without a quota in the PV, and the claim gets an event saying its size is
+// not enforced; such a volume has no limit to raise: its resize is recorded, whatever the
+// size, and changes nothing on disk.
 func TestResizeUnlimitedIsRecorded(t *testing.T) {
 	f := newFixture(t)
 	_, pv := f.boundLocalVolume()
-	if q := pv.Spec.CSI.VolumeAttributes[volume.AttrQuota]; q != "" {
-		t.Fatalf("volume on the temp dir has quota %q, want none", q)
+	if q, ok := pv.Spec.CSI.VolumeAttributes[volume.AttrQuota]; ok {
+		t.Fatalf("PV names quota %q on a base without quota", q)
 	}
+	waitEvent(t, f.events, "Normal SizeNotEnforced ", "8Mi", "prjquota")
 	before := listTree(t, f.base)
 	size, _, err := f.node.Resizer(context.Background()).Resize(pv, resource.MustParse("1Pi"))
 	if err != nil || size.Cmp(resource.MustParse("1Pi")) != 0 {
