@@ -3,6 +3,7 @@ package csinode
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -11,6 +12,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"k8s.io/apimachinery/pkg/util/wait"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 	"k8s.io/mount-utils"
 
@@ -23,21 +25,16 @@ var noLocalBases, _ = volume.NewAllowedBases(nil, "/var/lib/kubelet")
 // waitReady polls Ready until it succeeds or the deadline passes.
 func waitReady(t *testing.T, d *Driver, runErr <-chan error) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		err := d.Ready()
-		if err == nil {
-			return
-		}
+	err := wait.PollUntilContextTimeout(context.Background(), 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
 		select {
 		case err := <-runErr:
-			t.Fatalf("Run returned early: %v", err)
+			return false, fmt.Errorf("Run returned early: %v", err)
 		default:
+			return d.Ready() == nil, nil
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("driver not ready: %v", err)
-		}
-		time.Sleep(10 * time.Millisecond) // poll interval
+	})
+	if err != nil {
+		t.Fatalf("driver not ready: %v (Ready: %v)", err, d.Ready())
 	}
 }
 
