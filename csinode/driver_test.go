@@ -89,12 +89,10 @@ func TestRunAndRegistration(t *testing.T) {
 	}
 
 	// A rejection is logged; the plugin keeps serving so kubelet can retry.
-	if _, err := reg.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: false, Error: "test rejection"}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := reg.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: true}); err != nil {
-		t.Fatal(err)
-	}
+	_, err = reg.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: false, Error: "test rejection"})
+	must(t, err)
+	_, err = reg.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: true})
+	must(t, err)
 	if err := d.Ready(); err != nil {
 		t.Errorf("not ready after registration: %v", err)
 	}
@@ -136,9 +134,8 @@ func TestRunReplacesStaleSocketOnly(t *testing.T) {
 
 func TestNewDriverValidates(t *testing.T) {
 	good := Options{DriverName: "dirpv.io", Version: "v", NodeID: "n", Endpoint: "unix:///run/csi.sock", LocalBases: noLocalBases}
-	if _, err := NewDriver(good); err != nil {
-		t.Fatal(err)
-	}
+	_, err := NewDriver(good)
+	must(t, err)
 	for name, mutate := range map[string]func(*Options){
 		"bad name":         func(o *Options) { o.DriverName = "-dirpv" },
 		"no version":       func(o *Options) { o.Version = "" },

@@ -41,9 +41,8 @@ func TestPublishMetrics(t *testing.T) {
 	target := newTarget(t)
 	id := volume.Handle(volume.BackendLocal, "pvc-1")
 	rw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
-	if _, err := node.NodePublishVolume(ctx, publishReq(id, target, attrs, rw, false)); err != nil {
-		t.Fatal(err)
-	}
+	_, err = node.NodePublishVolume(ctx, publishReq(id, target, attrs, rw, false))
+	must(t, err)
 	if !isMounted(t, target) {
 		t.Fatal("publish mounted nothing")
 	}
@@ -52,9 +51,8 @@ func TestPublishMetrics(t *testing.T) {
 		AccessMode: rw.AccessMode,
 	}, false))
 	wantCode(t, err, codes.InvalidArgument)
-	if _, err := node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target}); err != nil {
-		t.Fatal(err)
-	}
+	_, err = node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target})
+	must(t, err)
 	if isMounted(t, target) {
 		t.Fatal("unpublish left the mount")
 	}

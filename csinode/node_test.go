@@ -56,9 +56,8 @@ func localVolume(t *testing.T, rel string) (base string, attrs volume.Attributes
 	root, err := volume.OpenRoot(base)
 	must(t, err)
 	defer root.Close()
-	if _, err := root.MkdirAll(rel, volume.Owner{Mode: 0o777, UID: -1, GID: -1}, volume.Claim{UID: "uid-test", PVName: "pv-test"}); err != nil {
-		t.Fatal(err)
-	}
+	_, err = root.MkdirAll(rel, volume.Owner{Mode: 0o777, UID: -1, GID: -1}, volume.Claim{UID: "uid-test", PVName: "pv-test"})
+	must(t, err)
 	return base, volume.Attributes{Backend: volume.BackendLocal, BasePath: base, Path: rel}
 }
 

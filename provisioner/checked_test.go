@@ -29,9 +29,8 @@ func makeVolumeAt(t *testing.T, base, rel string) {
 	root, err := volume.OpenRoot(base)
 	must(t, err)
 	defer root.Close()
-	if _, err := root.MkdirAll(rel, volume.Owner{Mode: 0o755, UID: -1, GID: -1}, newClaimOfSameName); err != nil {
-		t.Fatal(err)
-	}
+	_, err = root.MkdirAll(rel, volume.Owner{Mode: 0o755, UID: -1, GID: -1}, newClaimOfSameName)
+	must(t, err)
 	must(t, os.WriteFile(filepath.Join(base, rel, "data"), []byte("new claim's"), 0o644))
 }
 

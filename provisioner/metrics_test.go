@@ -71,9 +71,8 @@ func TestExportMetrics(t *testing.T) {
 	f.classes.Add(class)
 	c := claim("shared", v1.ReadWriteMany)
 	delete(c.Annotations, annSelectedNode)
-	if _, _, err := p.Provision(context.Background(), opts(class, c)); err != nil {
-		t.Fatal(err)
-	}
+	_, _, err := p.Provision(context.Background(), opts(class, c))
+	must(t, err)
 	if n := metricstest.HistogramCount(t, reg, "dirpv_provision_duration_seconds", map[string]string{"backend": "nfs", "result": "success"}); n != 1 {
 		t.Errorf("successful NFS provisions: %d, want 1", n)
 	}

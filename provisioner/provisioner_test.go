@@ -132,8 +132,9 @@ func listTree(t *testing.T, dir string) []string {
 }
 
 // The node instance's part in a local claim's life that the integration tier does not see:
-// which instance takes the claim and the PV, the annotations its Delete reads instead of the
-// class, retried Provision and Delete. The directory's mode and owner and the PV's attributes,
+// which instance takes the claim and the PV, retried Provision and Delete. The annotations its
+// Delete reads instead of the class are in the stored PVs of formats_test.go and
+// mountpoint_test.go (the default onDelete). The directory's mode and owner and the PV's attributes,
 // node affinity and label, test/integration's TestLocalClaimBindsOnScheduledNode and
 // TestNodeInstancesCacheOwnVolumesOnly check through a real apiserver.
 func TestProvisionLocal(t *testing.T) {
@@ -155,9 +156,6 @@ func TestProvisionLocal(t *testing.T) {
 	dir := filepath.Join(f.base, "ns", "web-pvc-uid-data")
 	if _, err := os.Stat(dir); err != nil || pv.Spec.CSI.VolumeAttributes["path"] != "ns/web-pvc-uid-data" {
 		t.Fatalf("volume directory: %v; PV path %q", err, pv.Spec.CSI.VolumeAttributes["path"])
-	}
-	if pv.Annotations[AnnOnDelete] != "delete" || pv.Annotations[AnnNode] != testNode {
-		t.Errorf("annotations = %v", pv.Annotations)
 	}
 
 	// A retried Provision (e.g. after a crash before the PV was saved) finds its own directory.
@@ -376,9 +374,8 @@ func TestPathThroughVolumeOrLinkIsInfeasible(t *testing.T) {
 			"inside another volume": {plant: func(t *testing.T, s *storeFixture, _ string) {
 				outer := s.class.DeepCopy()
 				outer.Parameters["pathPattern"] = "${pvc.metadata.namespace}"
-				if _, _, err := s.p.Provision(context.Background(), opts(outer, s.claim("outer"))); err != nil {
-					t.Fatal(err)
-				}
+				_, _, err := s.p.Provision(context.Background(), opts(outer, s.claim("outer")))
+				must(t, err)
 			}, want: "never created inside another"},
 			"through a symlink": {plant: func(t *testing.T, s *storeFixture, outside string) {
 				must(t, os.Symlink(outside, filepath.Join(s.base, "ns")))
@@ -482,9 +479,8 @@ func TestProvisionNFSEmitsSelfDescribingPV(t *testing.T) {
 	}
 	// The fake mounter mounts nothing, so the directories are in the mount point dir itself.
 	dir := filepath.Join(f.mounter.MountPoints[0].Path, "ns-a-pvc-uid-a")
-	if _, err := os.Stat(dir); err != nil {
-		t.Fatal(err)
-	}
+	_, err = os.Stat(dir)
+	must(t, err)
 	// The class may be gone by delete time: the PV says what to do.
 	f.classes.Delete(class)
 	must(t, f.ctrl.Delete(context.Background(), pv))
@@ -582,17 +578,10 @@ func TestNodeLocalFailureReschedules(t *testing.T) {
 func TestControllerReportsNodeWithoutPlugin(t *testing.T) {
 	f := newFixture(t)
 	client := f.ctrl.cfg.Client
-	if _, err := client.StorageV1().CSINodes().Create(context.Background(), &storagev1.CSINode{
-		ObjectMeta: metav1.ObjectMeta{Name: testNode},
-		Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: testDriver, NodeID: testNode}}},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := client.StorageV1().CSINodes().Create(context.Background(), &storagev1.CSINode{
-		ObjectMeta: metav1.ObjectMeta{Name: "node-b"},
-		Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: "other.csi.io", NodeID: "node-b"}}},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
+	for node, driver := range map[string]string{testNode: testDriver, "node-b": "other.csi.io"} {
+		_, err := client.StorageV1().CSINodes().Create(context.Background(), &storagev1.CSINode{ObjectMeta: metav1.ObjectMeta{Name: node},
+			Spec: storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: driver, NodeID: node}}}}, metav1.CreateOptions{})
+		must(t, err)
 	}
 	events := record.NewFakeRecorder(10)
 	f.ctrl.cfg.Events = events

@@ -29,20 +29,16 @@ func TestResizeLocalRaisesTheLimitOnItsNodeOnly(t *testing.T) {
 	if !node.CanSupport(pv, pvc) || ctrl.CanSupport(pv, pvc) {
 		t.Errorf("CanSupport of a local PV: node %v, controller %v; want only the node", node.CanSupport(pv, pvc), ctrl.CanSupport(pv, pvc))
 	}
-	released := pv.DeepCopy()
-	released.Status.Phase = v1.VolumeReleased
-	if node.CanSupport(released, pvc) {
-		t.Error("CanSupport of a Released PV is true: a resize could race its deletion")
-	}
-	elsewhere := pv.DeepCopy()
-	elsewhere.Annotations[AnnNode] = "node-b"
-	if node.CanSupport(elsewhere, pvc) {
-		t.Error("CanSupport of another node's PV is true")
-	}
-	outside := pv.DeepCopy()
-	outside.Spec.CSI.VolumeAttributes[volume.AttrBasePath] = "/etc"
-	if node.CanSupport(outside, pvc) {
-		t.Error("CanSupport of a PV outside the allowed bases is true")
+	for what, change := range map[string]func(*v1.PersistentVolume){
+		"a Released PV (a resize could race its deletion)": func(pv *v1.PersistentVolume) { pv.Status.Phase = v1.VolumeReleased },
+		"another node's PV":                 func(pv *v1.PersistentVolume) { pv.Annotations[AnnNode] = "node-b" },
+		"a PV outside the allowed bases":    func(pv *v1.PersistentVolume) { pv.Spec.CSI.VolumeAttributes[volume.AttrBasePath] = "/etc" },
+	} {
+		other := pv.DeepCopy()
+		change(other)
+		if node.CanSupport(other, pvc) {
+			t.Errorf("CanSupport of %s is true", what)
+		}
 	}
 
 	stale := pv.DeepCopy()
@@ -105,9 +101,7 @@ func (f *fixture) boundLocalVolume() (*v1.PersistentVolumeClaim, *v1.PersistentV
 	f.t.Helper()
 	pvc := sizedClaim("a", "8Mi")
 	pv, _, err := f.node.Provision(context.Background(), opts(f.localClass(nil), pvc))
-	if err != nil {
-		f.t.Fatal(err)
-	}
+	must(f.t, err)
 	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}
 	pv.Status.Phase = v1.VolumeBound
 	return pvc, pv
