@@ -14,14 +14,20 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 )
 
+// must stops the test on err.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 // serve runs the process's HTTP server on a free loopback address until the test ends, with
 // healthy as its health check, and returns the address once it answers.
 func serve(t *testing.T, cfg httpConfig, healthy func() error) string {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	cfg.address = l.Addr().String()
 	l.Close()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -103,9 +109,7 @@ func TestProfilingOnlyWhenAsked(t *testing.T) {
 	for _, profiling := range []bool{false, true} {
 		addr := serve(t, httpConfig{profiling: profiling}, nil)
 		resp, err := http.Get("http://" + addr + "/debug/pprof/heap")
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		resp.Body.Close()
 		if want := map[bool]int{false: http.StatusNotFound, true: http.StatusOK}[profiling]; resp.StatusCode != want {
 			t.Errorf("profiling=%v: /debug/pprof/heap answered %d, want %d", profiling, resp.StatusCode, want)

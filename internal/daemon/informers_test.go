@@ -96,9 +96,7 @@ func TestInformerCacheDropsOnlyWhatNobodyReads(t *testing.T) {
 
 	for what, sent := range map[string]runtime.Object{"claim": claim, "volume": volume, "class": class} {
 		key, err := cache.MetaNamespaceKeyFunc(sent)
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 		var cached any
 		err = wait.PollUntilContextCancel(ctx, 10*time.Millisecond, true, func(context.Context) (bool, error) {
 			var ok bool
