@@ -10,12 +10,15 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"k8s.io/apimachinery/pkg/util/wait"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 	"k8s.io/mount-utils"
 
+	"github.com/dirpv/dirpv/internal/metricstest"
 	"github.com/dirpv/dirpv/volume"
 )
 
@@ -48,7 +51,7 @@ func dial(t *testing.T, path string) *grpc.ClientConn {
 
 // TestRunAndRegistration starts the driver as the node plugin runs and talks to it as kubelet
 // does: the plugin watcher finds <registry>/dirpv.io-reg.sock, dials the CSI endpoint, and
-// reports the result with NotifyRegistrationStatus.
+// reports the result with NotifyRegistrationStatus; publishes through the endpoint are measured.
 func TestRunAndRegistration(t *testing.T) {
 	dir := t.TempDir()
 	registry := filepath.Join(dir, "plugins_registry")
@@ -64,6 +67,8 @@ func TestRunAndRegistration(t *testing.T) {
 		Mounter: mount.NewFakeMounter(nil), OperationTimeout: time.Second, LocalBases: noLocalBases,
 	})
 	must(t, err)
+	metrics := prometheus.NewPedanticRegistry()
+	metrics.MustRegister(d.Collectors()...)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	runErr := make(chan error, 1)
@@ -86,6 +91,32 @@ func TestRunAndRegistration(t *testing.T) {
 	pr, err := csi.NewIdentityClient(conn).Probe(ctx, &csi.ProbeRequest{})
 	if err != nil || !pr.GetReady().GetValue() {
 		t.Errorf("Probe = %v, %v", pr, err)
+	}
+
+	// Publish and unpublish calls made through the endpoint, as kubelet makes them, are counted
+	// and timed by backend and result: a publish, a refused one, an unpublish.
+	node := csi.NewNodeClient(conn)
+	id, target := volume.Handle(volume.BackendNFS, "pvc-1"), filepath.Join(dir, "target")
+	attrs := volume.Attributes{Backend: volume.BackendNFS, Server: "nfs.example", Share: "/export", Path: "v"}
+	rwx := mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
+	_, err = node.NodePublishVolume(ctx, publishReq(id, target, attrs, rwx, false))
+	must(t, err)
+	_, err = node.NodePublishVolume(ctx, publishReq(id, target, attrs, &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}, AccessMode: rwx.AccessMode}, false))
+	wantCode(t, err, codes.InvalidArgument)
+	_, err = node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target})
+	must(t, err)
+	for _, c := range []struct{ name, backend, result string }{
+		{"dirpv_node_publish_duration_seconds", "nfs", "success"},
+		{"dirpv_node_publish_duration_seconds", "nfs", "InvalidArgument"},
+		{"dirpv_node_unpublish_duration_seconds", "nfs", "success"},
+		// Identity and other Node calls are not publish calls.
+		{"dirpv_node_publish_duration_seconds", "local", "success"},
+	} {
+		want := map[string]uint64{"nfs": 1, "local": 0}[c.backend]
+		if n := metricstest.HistogramCount(t, metrics, c.name, map[string]string{"backend": c.backend, "result": c.result}); n != want {
+			t.Errorf("%s{backend=%s,result=%s} counted %d calls, want %d", c.name, c.backend, c.result, n, want)
+		}
 	}
 
 	// A rejection is logged; the plugin keeps serving so kubelet can retry.
