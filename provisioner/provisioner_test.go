@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -30,6 +32,7 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
+	"github.com/dirpv/dirpv/internal/metricstest"
 	"github.com/dirpv/dirpv/volume"
 )
 
@@ -132,13 +135,17 @@ func listTree(t *testing.T, dir string) []string {
 }
 
 // The node instance's part in a local claim's life that the integration tier does not see:
-// which instance takes the claim and the PV, retried Provision and Delete. The annotations its
+// which instance takes the claim and the PV, retried Provision and Delete, and the metrics of
+// each call, a refused one and an NFS PV's Delete passed over included. The annotations its
 // Delete reads instead of the class are in the stored PVs of formats_test.go and
 // mountpoint_test.go (the default onDelete). The directory's mode and owner and the PV's attributes,
 // node affinity and label, test/integration's TestLocalClaimBindsOnScheduledNode and
 // TestNodeInstancesCacheOwnVolumesOnly check through a real apiserver.
 func TestProvisionLocal(t *testing.T) {
 	f := newFixture(t)
+	// As the lib calls it: every Provision and Delete is counted under its backend and result.
+	reg := prometheus.NewPedanticRegistry()
+	node := Instrument(f.node, reg)
 	class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.labels['app']}-${pv.metadata.name}"})
 	pvc := claim("data")
 	pvc.Labels = map[string]string{"app": "web"}
@@ -149,7 +156,7 @@ func TestProvisionLocal(t *testing.T) {
 	if f.ctrl.ShouldProvision(context.Background(), o.PVC) {
 		t.Fatal("controller accepts a claim of a valid local class")
 	}
-	pv, state, err := f.node.Provision(context.Background(), o)
+	pv, state, err := node.Provision(context.Background(), o)
 	if err != nil || state != controller.ProvisioningFinished {
 		t.Fatalf("Provision = %v, %v", state, err)
 	}
@@ -159,8 +166,13 @@ func TestProvisionLocal(t *testing.T) {
 	}
 
 	// A retried Provision (e.g. after a crash before the PV was saved) finds its own directory.
-	if _, _, err := f.node.Provision(context.Background(), o); err != nil {
+	if _, _, err := node.Provision(context.Background(), o); err != nil {
 		t.Errorf("repeated Provision: %v", err)
+	}
+	block := claim("block")
+	block.Spec.VolumeMode = ptr.To(v1.PersistentVolumeBlock)
+	if _, _, err := node.Provision(context.Background(), opts(class, block)); err == nil {
+		t.Fatal("a Block claim was provisioned")
 	}
 
 	// Released, its node still there: the controller leaves it to that node, which deletes the
@@ -169,12 +181,36 @@ func TestProvisionLocal(t *testing.T) {
 	if !f.node.ShouldDelete(context.Background(), pv) || f.ctrl.ShouldDelete(context.Background(), pv) {
 		t.Error("ShouldDelete: want node yes, controller no")
 	}
-	must(t, f.node.Delete(context.Background(), pv))
+	must(t, node.Delete(context.Background(), pv))
 	if _, err := os.Stat(dir); !os.IsNotExist(err) {
 		t.Errorf("directory still there after delete: %v", err)
 	}
-	if err := f.node.Delete(context.Background(), pv); err != nil {
+	if err := node.Delete(context.Background(), pv); err != nil {
 		t.Errorf("repeated Delete: %v", err)
+	}
+	nfsPV := &v1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: "pv-nfs"}, Spec: v1.PersistentVolumeSpec{
+		PersistentVolumeSource: v1.PersistentVolumeSource{CSI: &v1.CSIPersistentVolumeSource{
+			Driver: testDriver, VolumeAttributes: map[string]string{"backend": "nfs"}}}}}
+	if err := node.Delete(context.Background(), nfsPV); err == nil {
+		t.Fatal("a node instance deleted an NFS volume")
+	}
+
+	for _, c := range []struct {
+		name, backend, result string
+		want                  uint64
+	}{
+		{"dirpv_provision_duration_seconds", "local", "success", 2},
+		{"dirpv_provision_duration_seconds", "local", "infeasible", 1},
+		{"dirpv_delete_duration_seconds", "local", "success", 2},
+		{"dirpv_delete_duration_seconds", "nfs", "ignored", 1},
+	} {
+		if n := metricstest.HistogramCount(t, reg, c.name, map[string]string{"backend": c.backend, "result": c.result}); n != c.want {
+			t.Errorf("%s{backend=%s,result=%s} counted %d calls, want %d", c.name, c.backend, c.result, n, c.want)
+		}
+	}
+	// A node has no NFS exports to report.
+	if n := testutil.CollectAndCount(&exportsCollector{p: f.node}); n != 0 {
+		t.Errorf("node instance reports %d export metrics, want none", n)
 	}
 }
 
@@ -453,23 +489,28 @@ func (s *storeFixture) settle(t *testing.T) {
 
 // An NFS claim is the controller's: its PV has no node affinity and exactly the attributes a
 // node plugin mounts it by, the class may be gone by the time it is deleted, and no node
-// instance takes its Delete; an idle export is unmounted in the background. That the claims of
+// instance takes its Delete; the export's metrics never carry its mount options; an idle
+// export is unmounted in the background. That the claims of
 // the export's classes share one mount with the classes' options, that the PV carries the
 // class's mountOptions to each pod's mount of server:share/path, and that onDelete archive
 // renames the directory to archived-<dir>-<time>, test/vm/node's TestNFSReclaimOnGuestNode
 // and TestNFSClaimRWXOnGuestNode show on a kernel NFS server with real pods.
 func TestProvisionNFSEmitsSelfDescribingPV(t *testing.T) {
 	f := newFixture(t)
+	reg := prometheus.NewPedanticRegistry()
+	ctrl := Instrument(f.ctrl, reg)
 	class := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: "nfs"}, Provisioner: testDriver,
-		Parameters: map[string]string{"backend": "nfs", "server": "127.0.0.1", "share": "/export", "onDelete": "archive"}}
+		Parameters:   map[string]string{"backend": "nfs", "server": "127.0.0.1", "share": "/export", "onDelete": "archive"},
+		MountOptions: []string{"vers=4.1", "sec=sys,secret-token=hunter2"}}
 	f.classes.Add(class)
 	pvc := claim("a", v1.ReadWriteMany)
 	delete(pvc.Annotations, annSelectedNode)
 	if f.node.ShouldProvision(context.Background(), pvc) || !f.ctrl.ShouldProvision(context.Background(), opts(class, pvc).PVC) {
 		t.Fatal("want the controller, not a node, to take NFS claims")
 	}
-	pv, _, err := f.ctrl.Provision(context.Background(), opts(class, claim("a", v1.ReadWriteMany)))
+	pv, _, err := ctrl.Provision(context.Background(), opts(class, claim("a", v1.ReadWriteMany)))
 	must(t, err)
+	checkExportMetrics(t, reg)
 	if pv.Spec.NodeAffinity != nil {
 		t.Error("NFS PV has node affinity")
 	}
@@ -483,7 +524,7 @@ func TestProvisionNFSEmitsSelfDescribingPV(t *testing.T) {
 	must(t, err)
 	// The class may be gone by delete time: the PV says what to do.
 	f.classes.Delete(class)
-	must(t, f.ctrl.Delete(context.Background(), pv))
+	must(t, ctrl.Delete(context.Background(), pv))
 	if _, ok := f.node.Delete(context.Background(), pv).(*controller.IgnoredError); !ok {
 		t.Error("node instance did not ignore an NFS PV")
 	}
@@ -497,6 +538,42 @@ func TestProvisionNFSEmitsSelfDescribingPV(t *testing.T) {
 		mps, _ := f.mounter.List()
 		return len(mps) == 0, fmt.Sprintf("still mounted after idle sweep: %+v", mps)
 	})
+}
+
+// checkExportMetrics checks what the controller reports after one NFS provision: the provision,
+// one mounted export, nothing stuck, labelled server:share only: mount options, which may
+// carry credentials, never reach a label.
+func checkExportMetrics(t *testing.T, reg *prometheus.Registry) {
+	t.Helper()
+	if n := metricstest.HistogramCount(t, reg, "dirpv_provision_duration_seconds", map[string]string{"backend": "nfs", "result": "success"}); n != 1 {
+		t.Errorf("successful NFS provisions: %d, want 1", n)
+	}
+	want := `
+# HELP dirpv_nfs_export_saturated 1 while every call slot of an NFS export is taken, so that new calls on it fail at once; 0 otherwise. By export (server:share).
+# TYPE dirpv_nfs_export_saturated gauge
+dirpv_nfs_export_saturated{export="127.0.0.1:/export"} 0
+# HELP dirpv_nfs_export_stuck_calls Calls on an NFS export whose callers gave up waiting for the server but that still run, by export (server:share).
+# TYPE dirpv_nfs_export_stuck_calls gauge
+dirpv_nfs_export_stuck_calls{export="127.0.0.1:/export"} 0
+# HELP dirpv_nfs_exports_mounted NFS exports the controller has mounted under its work dir now.
+# TYPE dirpv_nfs_exports_mounted gauge
+dirpv_nfs_exports_mounted 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
+		"dirpv_nfs_export_saturated", "dirpv_nfs_export_stuck_calls", "dirpv_nfs_exports_mounted"); err != nil {
+		t.Error(err)
+	}
+	mfs, err := reg.Gather()
+	must(t, err)
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if strings.Contains(l.GetValue(), "hunter2") {
+					t.Errorf("%s carries a mount option in label %s=%q", mf.GetName(), l.GetName(), l.GetValue())
+				}
+			}
+		}
+	}
 }
 
 func TestArchiveNameFits(t *testing.T) {
