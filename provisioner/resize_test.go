@@ -79,18 +79,13 @@ func TestResizeUnlimitedIsRecorded(t *testing.T) {
 	if after := listTree(t, f.base); !slices.Equal(before, after) {
 		t.Errorf("recorded-only resize changed the base: %v, then %v", before, after)
 	}
-}
 
-// Once drained, at shutdown, the Resizer takes no more resizes (the bases they need are
-// about to close), and says so with a code the resize controller retries, for the next
-// instance to do.
-func TestResizeAfterDrainIsRetriedElsewhere(t *testing.T) {
-	f := newFixture(t)
-	_, pv := f.boundLocalVolume()
+	// Once drained, at shutdown, the Resizer takes no more resizes (the bases they need are
+	// about to close), and says so with a code the resize controller retries, for the next
+	// instance to do.
 	r := f.node.Resizer(context.Background())
 	r.Drain()
-	_, _, err := r.Resize(pv, resource.MustParse("16Mi"))
-	if status.Code(err) != codes.Unavailable || util.IsFinalError(err) {
+	if _, _, err := r.Resize(pv, resource.MustParse("16Mi")); status.Code(err) != codes.Unavailable || util.IsFinalError(err) {
 		t.Errorf("Resize after Drain = %v; want a non-final Unavailable", err)
 	}
 }
