@@ -147,25 +147,13 @@ func TestRunAndRegistration(t *testing.T) {
 	}
 }
 
-// Run replaces a stale socket (TestRunAndRegistration starts over one), and nothing else.
-func TestRunReplacesStaleSocketOnly(t *testing.T) {
-	dir := t.TempDir()
-	sock := filepath.Join(dir, "csi.sock")
-	// A regular file where the socket should be is not ours to delete.
-	must(t, os.WriteFile(sock, []byte("data"), 0o600))
-	d, err := NewDriver(Options{DriverName: "dirpv.io", Version: "v", NodeID: "n", Endpoint: "unix://" + sock, LocalBases: noLocalBases})
-	must(t, err)
-	if err := d.Run(context.Background()); err == nil {
-		t.Fatal("Run replaced a regular file")
-	}
-	if b, _ := os.ReadFile(sock); string(b) != "data" {
-		t.Error("regular file was touched")
-	}
-}
-
 func TestNewDriverValidates(t *testing.T) {
-	good := Options{DriverName: "dirpv.io", Version: "v", NodeID: "n", Endpoint: "unix:///run/csi.sock", LocalBases: noLocalBases}
-	_, err := NewDriver(good)
+	// A regular file where the socket should be: Run replaces a stale socket
+	// (TestRunAndRegistration starts over one), and nothing else, so it does not start.
+	sock := filepath.Join(t.TempDir(), "csi.sock")
+	must(t, os.WriteFile(sock, []byte("data"), 0o600))
+	good := Options{DriverName: "dirpv.io", Version: "v", NodeID: "n", Endpoint: "unix://" + sock, LocalBases: noLocalBases}
+	d, err := NewDriver(good)
 	must(t, err)
 	for name, mutate := range map[string]func(*Options){
 		"bad name":         func(o *Options) { o.DriverName = "-dirpv" },
@@ -182,5 +170,11 @@ func TestNewDriverValidates(t *testing.T) {
 		if _, err := NewDriver(o); err == nil {
 			t.Errorf("%s: accepted", name)
 		}
+	}
+	if err := d.Run(context.Background()); err == nil {
+		t.Fatal("Run replaced a regular file")
+	}
+	if b, _ := os.ReadFile(sock); string(b) != "data" {
+		t.Error("regular file was touched")
 	}
 }
