@@ -213,7 +213,7 @@ func TestCloneOfDeletedClaimLeavesNothing(t *testing.T) {
 // own, nothing is written, the claim is not refused for good, and once space is freed the
 // next retry makes the copy.
 func TestCloneWithoutRoomWaits(t *testing.T) {
-	f := newFixtureOn(t, smallTmpfs(t))
+	f := newFixtureOn(t, tmpfs(t, "size=12m")) // a base that a few MiB fill
 	class := f.localClass(nil)
 	var srcDir string
 	src := f.sourceClaim(t, class, "src", "1Mi", func(dir string) {
@@ -250,11 +250,11 @@ func TestCloneWithoutRoomWaits(t *testing.T) {
 	}
 }
 
-// smallTmpfs mounts a 12 MiB tmpfs, for the test's lifetime, as a base that a few MiB fill.
-func smallTmpfs(t *testing.T) string {
+// tmpfs mounts a tmpfs with the given options, for the test's lifetime, as a base.
+func tmpfs(t *testing.T, options string) string {
 	t.Helper()
 	base := t.TempDir()
-	if err := unix.Mount("tmpfs", base, "tmpfs", 0, "size=12m"); err != nil {
+	if err := unix.Mount("tmpfs", base, "tmpfs", 0, options); err != nil {
 		t.Fatalf("mount tmpfs: %v", err)
 	}
 	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })

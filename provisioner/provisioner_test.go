@@ -586,64 +586,42 @@ func TestArchiveNameFits(t *testing.T) {
 	}
 }
 
-// mountForTest mounts over the fixture's base and undoes it after the test, once the
-// provisioners have closed the base.
-func (f *fixture) mountForTest(source, fstype string, flags uintptr, data string) {
-	f.t.Helper()
-	if err := unix.Mount(source, f.base, fstype, flags, data); err != nil {
-		f.t.Fatalf("mount %s on %s: %v", source, f.base, err)
-	}
-	dir := f.base
-	f.t.Cleanup(func() {
-		f.node.locals.Close()
-		if err := unix.Unmount(dir, 0); err != nil {
-			f.t.Errorf("unmount %s: %v", dir, err)
-		}
-	})
-}
-
 // A node whose base path cannot take the volume hands the claim back to the scheduler, and
 // says which node and what failed. A read-only base: test/integration's
 // TestReadOnlyBaseReschedules, through the real scheduler.
 func TestNodeLocalFailureReschedules(t *testing.T) {
-	for name, setup := range map[string]func(t *testing.T, f *fixture) string{
-		"base not creatable": func(t *testing.T, f *fixture) string {
-			file := filepath.Join(f.base, "file")
-			must(t, os.WriteFile(file, nil, 0o600))
-			f.base = filepath.Join(file, "base")
-			return "not a directory"
-		},
-		"full base": func(t *testing.T, f *fixture) string {
-			// A tmpfs with no free inode: mkdir fails with ENOSPC, as on a full disk.
-			f.mountForTest("tmpfs", "tmpfs", 0, "size=1m,nr_inodes=1")
-			return "no space left on device"
-		},
-		"claim larger than the free space": func(t *testing.T, f *fixture) string {
-			// A limit reserves nothing: the scheduler's figure was stale, the claim cannot fit.
-			f.mountForTest("tmpfs", "tmpfs", 0, "size=8m")
-			return "the claim asks for 1Gi but only 8Mi is free"
-		},
+	for name, tc := range map[string]struct {
+		base       func(t *testing.T) string // the allowed base
+		sub        string                    // the class's base path in it
+		size, want string
+	}{
+		"base not creatable": {func(t *testing.T) string {
+			base := t.TempDir()
+			must(t, os.WriteFile(filepath.Join(base, "file"), nil, 0o600))
+			return base
+		}, "file/base", "1Gi", "not a directory"},
+		// A tmpfs with no free inode: mkdir fails with ENOSPC, as on a full disk. The claim is
+		// small enough to pass the free-space check, so that mkdir itself fails.
+		"full base": {func(t *testing.T) string { return tmpfs(t, "size=1m,nr_inodes=1") }, "", "1Ki", "no space left on device"},
+		// A limit reserves nothing: the scheduler's figure was stale, the claim cannot fit.
+		"claim larger than the free space": {func(t *testing.T) string { return tmpfs(t, "size=8m") }, "", "1Gi",
+			"the claim asks for 1Gi but only 8Mi is free"},
 	} {
 		t.Run(name, func(t *testing.T) {
-			f := newFixture(t)
-			want := setup(t, f)
-			class := f.localClass(nil)
-			c := claim("c")
-			if name == "full base" {
-				// Small enough to pass the free-space check, so that mkdir itself fails.
-				c = sizedClaim("c", "1Ki")
-			}
-			_, state, err := f.node.Provision(context.Background(), opts(class, c))
+			f := newFixtureOn(t, tc.base(t))
+			classBase := filepath.Join(f.base, tc.sub)
+			class := f.localClass(map[string]string{"basePath": classBase})
+			_, state, err := f.node.Provision(context.Background(), opts(class, sizedClaim("c", tc.size)))
 			if state != controller.ProvisioningReschedule {
 				t.Errorf("state = %s (err %v), want Reschedule", state, err)
 			}
-			if err == nil || !strings.Contains(err.Error(), "node "+testNode) || !strings.Contains(err.Error(), want) {
-				t.Errorf("error = %v, want one naming node %s and saying %q", err, testNode, want)
+			if err == nil || !strings.Contains(err.Error(), "node "+testNode) || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("error = %v, want one naming node %s and saying %q", err, testNode, tc.want)
 			}
 			if status.Code(err) == codes.InvalidArgument {
 				t.Error("a node-local failure is marked infeasible; the lib would not reschedule it")
 			}
-			if got := listTree(t, f.base); len(got) != 0 {
+			if got := listTree(t, classBase); len(got) != 0 {
 				t.Errorf("base holds %v after the refusal, want nothing", got)
 			}
 		})

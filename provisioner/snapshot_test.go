@@ -174,7 +174,7 @@ func TestSnapshotRefusals(t *testing.T) {
 // tried again, however often the sidecar asks, before its back-off has passed; then, once
 // there is room, the copy is made.
 func TestSnapshotWithoutRoomBacksOff(t *testing.T) {
-	f := newFixtureOn(t, smallTmpfs(t))
+	f := newFixtureOn(t, tmpfs(t, "size=12m")) // a base that a few MiB fill
 	c := claim("src")
 	c.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("1Mi")
 	pv, _, err := f.node.Provision(context.Background(), opts(f.localClass(nil), c))
