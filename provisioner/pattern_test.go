@@ -14,11 +14,11 @@ func TestPatternExpand(t *testing.T) {
 		annotations: map[string]string{"nfs.io/storage-path": "data", "slash": "a/b", "dir": export.TrashDir}}
 	for pat, want := range map[string]string{ // want "": refused
 		"${pvc.metadata.namespace}/${pvc.metadata.annotations['nfs.io/storage-path']}": "ns/data",
-		"${pvc.metadata.annotations['slash']}":                                          "",
-		export.TrashDir:                                                                 "",
-		export.TrashDir + "/${pv.metadata.name}":                                        "",
-		".dirpv-x-${pv.metadata.name}":                                                  "",
-		"${pvc.metadata.annotations['dir']}":                                            "",
+		"${pvc.metadata.annotations['slash']}":                                         "",
+		export.TrashDir:                                                                "",
+		export.TrashDir + "/${pv.metadata.name}":                                       "",
+		".dirpv-x-${pv.metadata.name}":                                                 "",
+		"${pvc.metadata.annotations['dir']}":                                           "",
 	} {
 		p, err := parsePattern(pat)
 		must(t, err)

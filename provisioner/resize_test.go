@@ -31,8 +31,8 @@ func TestResizeLocalRaisesTheLimitOnItsNodeOnly(t *testing.T) {
 	}
 	for what, change := range map[string]func(*v1.PersistentVolume){
 		"a Released PV (a resize could race its deletion)": func(pv *v1.PersistentVolume) { pv.Status.Phase = v1.VolumeReleased },
-		"another node's PV":                 func(pv *v1.PersistentVolume) { pv.Annotations[AnnNode] = "node-b" },
-		"a PV outside the allowed bases":    func(pv *v1.PersistentVolume) { pv.Spec.CSI.VolumeAttributes[volume.AttrBasePath] = "/etc" },
+		"another node's PV":              func(pv *v1.PersistentVolume) { pv.Annotations[AnnNode] = "node-b" },
+		"a PV outside the allowed bases": func(pv *v1.PersistentVolume) { pv.Spec.CSI.VolumeAttributes[volume.AttrBasePath] = "/etc" },
 	} {
 		other := pv.DeepCopy()
 		change(other)
