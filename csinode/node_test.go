@@ -129,15 +129,14 @@ func unpublish(t *testing.T, ns *nodeServer, id, target string) {
 	}
 }
 
-// What test/sanity's csi-sanity run does not check of a local publish: a read-only publish at
-// the target of a read-write one is refused, a multi-writer publish of a single-writer volume
-// at a second target is fine (a second single-writer one is csi-sanity's "should fail when
-// volume with single node single writer access mode is already mounted at a different target
-// path"), and stats and health answer only for the volume mounted at the target, not once it
-// is unpublished. That publish is idempotent and unpublish
-// removes the target, csi-sanity checks ("should be idempotent", "should remove target path");
-// that a pod's data lands in the volume's directory and outlives the pod, test/e2e's
-// TestLocalVolumeKeepsDataAcrossPods.
+// What test/sanity's csi-sanity run does not check of a local publish: a read-only publish at the
+// target of a read-write one is refused, a multi-writer publish of a single-writer volume at a
+// second target is fine (a second single-writer one is csi-sanity's "should fail when volume with
+// single node single writer access mode is already mounted at a different target path"), and stats
+// and health answer only for the volume mounted at the target, not once it is unpublished. That
+// publish is idempotent and unpublish removes the target, csi-sanity checks ("should be
+// idempotent", "should remove target path"); that a pod's data lands in the volume's directory and
+// outlives the pod, test/e2e's TestLocalVolumeKeepsDataAcrossPods.
 func TestPublishLocalBindMount(t *testing.T) {
 	requireRoot(t)
 	ctx := context.Background()

@@ -134,13 +134,13 @@ func listTree(t *testing.T, dir string) []string {
 	return out
 }
 
-// The node instance's part in a local claim's life that the integration tier does not see:
-// which instance takes the claim and the PV, retried Provision and Delete, and the metrics of
-// each call, a refused one and an NFS PV's Delete passed over included. The annotations its
-// Delete reads instead of the class are in the stored PVs of formats_test.go and
-// mountpoint_test.go (the default onDelete). The directory's mode and owner and the PV's attributes,
-// node affinity and label, test/integration's TestLocalClaimBindsOnScheduledNode and
-// TestNodeInstancesCacheOwnVolumesOnly check through a real apiserver.
+// The node instance's part in a local claim's life that the integration tier does not see: which
+// instance takes the claim and the PV, retried Provision and Delete, and the metrics of each call,
+// a refused one and an NFS PV's Delete passed over included. The annotations its Delete reads
+// instead of the class are in the stored PVs of formats_test.go and mountpoint_test.go (the default
+// onDelete). The directory's mode and owner and the PV's attributes, node affinity and label,
+// test/integration's TestLocalClaimBindsOnScheduledNode and TestNodeInstancesCacheOwnVolumesOnly
+// check through a real apiserver.
 func TestProvisionLocal(t *testing.T) {
 	f := newFixture(t)
 	// As the lib calls it: every Provision and Delete is counted under its backend and result.
@@ -487,14 +487,14 @@ func (s *storeFixture) settle(t *testing.T) {
 	})
 }
 
-// An NFS claim is the controller's: its PV has no node affinity and exactly the attributes a
-// node plugin mounts it by, the class may be gone by the time it is deleted, and no node
-// instance takes its Delete; the export's metrics never carry its mount options; an idle
-// export is unmounted in the background. That the claims of
-// the export's classes share one mount with the classes' options, that the PV carries the
-// class's mountOptions to each pod's mount of server:share/path, and that onDelete archive
-// renames the directory to archived-<dir>-<time>, test/vm/node's TestNFSReclaimOnGuestNode
-// and TestNFSClaimRWXOnGuestNode show on a kernel NFS server with real pods.
+// An NFS claim is the controller's: its PV has no node affinity and exactly the attributes a node
+// plugin mounts it by, the class may be gone by the time it is deleted, and no node instance takes
+// its Delete; the export's metrics never carry its mount options; an idle export is unmounted in
+// the background. That the claims of the export's classes share one mount with the classes'
+// options, that the PV carries the class's mountOptions to each pod's mount of server:share/path,
+// and that onDelete archive renames the directory to archived-<dir>-<time>, test/vm/node's
+// TestNFSReclaimOnGuestNode and TestNFSClaimRWXOnGuestNode show on a kernel NFS server with real
+// pods.
 func TestProvisionNFSEmitsSelfDescribingPV(t *testing.T) {
 	f := newFixture(t)
 	reg := prometheus.NewPedanticRegistry()
