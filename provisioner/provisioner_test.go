@@ -48,9 +48,6 @@ type fixture struct {
 	node    *Provisioner
 	ctrl    *Provisioner
 	mounter *mount.FakeMounter
-	work    string
-	// state is the node instance's state dir.
-	state string
 	// events holds what the node instance recorded beyond the lib's events.
 	events *record.FakeRecorder
 }
@@ -63,7 +60,7 @@ func newFixture(t *testing.T) *fixture {
 // newFixtureOn is newFixture with local volumes under base.
 func newFixtureOn(t *testing.T, base string) *fixture {
 	t.Helper()
-	f := &fixture{t: t, base: base, work: t.TempDir(), state: t.TempDir(), mounter: mount.NewFakeMounter(nil), events: record.NewFakeRecorder(100)}
+	f := &fixture{t: t, base: base, mounter: mount.NewFakeMounter(nil), events: record.NewFakeRecorder(100)}
 	f.classes = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
 	client := fake.NewClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{
 		Name: testNode, Labels: map[string]string{v1.LabelHostname: "host-a"},
@@ -71,10 +68,10 @@ func newFixtureOn(t *testing.T, base string) *fixture {
 	lister := storagelisters.NewStorageClassLister(f.classes)
 	bases, err := volume.NewAllowedBases([]string{f.base}, "/var/lib/kubelet")
 	must(t, err)
-	f.node, err = New(Config{DriverName: testDriver, Role: RoleNode, NodeName: testNode, Client: client, Classes: lister, AllowedBases: bases, StateDir: f.state, Events: f.events})
+	f.node, err = New(Config{DriverName: testDriver, Role: RoleNode, NodeName: testNode, Client: client, Classes: lister, AllowedBases: bases, StateDir: t.TempDir(), Events: f.events})
 	must(t, err)
 	f.ctrl, err = New(Config{DriverName: testDriver, Role: RoleController, Client: client, Classes: lister,
-		Mounter: f.mounter, WorkDir: f.work, OperationTimeout: 5 * time.Second})
+		Mounter: f.mounter, WorkDir: t.TempDir(), OperationTimeout: 5 * time.Second})
 	must(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	go f.node.Run(ctx)
