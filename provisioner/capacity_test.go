@@ -11,10 +11,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	v1 "k8s.io/api/core/v1"
-	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/tools/record"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
 	"golang.org/x/sys/unix"
@@ -122,47 +119,5 @@ func TestQuotaEnabledUnderRunningNodeIsUsed(t *testing.T) {
 	rel := pv.Spec.CSI.VolumeAttributes[volume.AttrPath]
 	if n, err := quotatest.Fill(t, filepath.Join(f.base, rel, "data"), 20<<20); !errors.Is(err, unix.EDQUOT) {
 		t.Errorf("10Mi volume took %d bytes of 20 MiB: %v; want EDQUOT", n, err)
-	}
-}
-
-// The controller reports a WaitForFirstConsumer claim that dirpv cannot serve anywhere, which
-// published capacity keeps unplaced, once per period, for local and NFS classes alike; a
-// class that is fine gets no such event.
-func TestControllerReportsUnplaceableClaims(t *testing.T) {
-	f := newFixture(t)
-	events := record.NewFakeRecorder(10)
-	ctrl := f.ctrl
-	ctrl.cfg.Events = events
-	wffc := storagev1.VolumeBindingWaitForFirstConsumer
-	for _, tc := range []struct {
-		name   string
-		params map[string]string
-		want   string
-	}{
-		{"local-typo", map[string]string{"backend": "local", "bsaePath": "/x"}, `"bsaePath"`},
-		{"nfs-typo", map[string]string{"backend": "nfs", "server": "nfs.example", "share": "/export", "onDelte": "retain"}, `"onDelte"`},
-		{"local-good", map[string]string{"backend": "local", "basePath": f.base}, ""},
-		{"nfs-good", map[string]string{"backend": "nfs", "server": "nfs.example", "share": "/export"}, ""},
-	} {
-		f.classes.Add(&storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: tc.name}, Provisioner: testDriver, Parameters: tc.params, VolumeBindingMode: &wffc})
-		c := claim(tc.name)
-		delete(c.Annotations, annSelectedNode)
-		c.Spec.StorageClassName = &tc.name
-		// The lib asks on every update and resync: one event per period.
-		ctrl.ShouldProvision(context.Background(), c)
-		ctrl.ShouldProvision(context.Background(), c)
-		var got []string
-		for len(events.Events) > 0 {
-			got = append(got, <-events.Events)
-		}
-		switch {
-		case tc.want == "" && len(got) != 0:
-			t.Errorf("%s: events %q, want none", tc.name, got)
-		case tc.want != "" && (len(got) != 1 || !strings.Contains(got[0], "cannot provision this claim") || !strings.Contains(got[0], tc.want)):
-			t.Errorf("%s: events %q, want one naming %s", tc.name, got, tc.want)
-		}
-	}
-	if len(f.mounter.GetLog()) != 0 {
-		t.Errorf("checking claims mounted something: %v", f.mounter.GetLog())
 	}
 }

@@ -625,9 +625,11 @@ func TestNodeLocalFailureReschedules(t *testing.T) {
 	}
 }
 
-// The controller tells the user when a local claim waits on a node where no dirpv node plugin
-// is registered, once per claim per period, and says nothing about nodes that have one.
-func TestControllerReportsNodeWithoutPlugin(t *testing.T) {
+// The controller tells the user, once per claim per period, when a local claim waits on a node
+// where no dirpv node plugin is registered, and says nothing about nodes that have one; and when
+// a WaitForFirstConsumer claim cannot be served anywhere, which published capacity keeps
+// unplaced, for local and NFS classes alike, while a class that is fine gets no such event.
+func TestControllerReportsClaimsItCannotServe(t *testing.T) {
 	f := newFixture(t)
 	client := f.ctrl.cfg.Client
 	for node, driver := range map[string]string{testNode: testDriver, "node-b": "other.csi.io"} {
@@ -675,6 +677,39 @@ func TestControllerReportsNodeWithoutPlugin(t *testing.T) {
 	}
 	if lookups != 1 {
 		t.Errorf("%d CSINode lookups for 5 claims on a node that runs the plugin, want 1", lookups)
+	}
+
+	wffc := storagev1.VolumeBindingWaitForFirstConsumer
+	for _, tc := range []struct {
+		name   string
+		params map[string]string
+		want   string
+	}{
+		{"local-typo", map[string]string{"backend": "local", "bsaePath": "/x"}, `"bsaePath"`},
+		{"nfs-typo", map[string]string{"backend": "nfs", "server": "nfs.example", "share": "/export", "onDelte": "retain"}, `"onDelte"`},
+		{"local-good", map[string]string{"backend": "local", "basePath": f.base}, ""},
+		{"nfs-good", map[string]string{"backend": "nfs", "server": "nfs.example", "share": "/export"}, ""},
+	} {
+		f.classes.Add(&storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: tc.name}, Provisioner: testDriver, Parameters: tc.params, VolumeBindingMode: &wffc})
+		c := claim(tc.name)
+		delete(c.Annotations, annSelectedNode)
+		c.Spec.StorageClassName = &tc.name
+		// The lib asks on every update and resync: one event per period.
+		f.ctrl.ShouldProvision(context.Background(), c)
+		f.ctrl.ShouldProvision(context.Background(), c)
+		var got []string
+		for len(events.Events) > 0 {
+			got = append(got, <-events.Events)
+		}
+		switch {
+		case tc.want == "" && len(got) != 0:
+			t.Errorf("%s: events %q, want none", tc.name, got)
+		case tc.want != "" && (len(got) != 1 || !strings.Contains(got[0], "cannot provision this claim") || !strings.Contains(got[0], tc.want)):
+			t.Errorf("%s: events %q, want one naming %s", tc.name, got, tc.want)
+		}
+	}
+	if len(f.mounter.GetLog()) != 0 {
+		t.Errorf("checking claims mounted something: %v", f.mounter.GetLog())
 	}
 }
 
