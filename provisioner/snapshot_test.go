@@ -270,12 +270,8 @@ func TestSnapshotUsageMetric(t *testing.T) {
 	if n, _ := series(restarted); n != 0 {
 		t.Errorf("%d series of a process that has not read the snapshot's record yet, want none", n)
 	}
-	err = wait.PollUntilContextTimeout(context.Background(), 10*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+	eventually(t, 30*time.Second, func() (bool, string) {
 		n, v := series(restarted)
-		return n == 1 && v == float64(info.Size), nil
+		return n == 1 && v == float64(info.Size), fmt.Sprintf("after a restart: %d series, snapcontent-1's %v; want only it, at %d", n, v, info.Size)
 	})
-	if err != nil {
-		n, v := series(restarted)
-		t.Errorf("after a restart: %d series, snapcontent-1's %v; want only it, at %d", n, v, info.Size)
-	}
 }
