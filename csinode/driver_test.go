@@ -3,17 +3,22 @@ package csinode
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"k8s.io/apimachinery/pkg/util/wait"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 	"k8s.io/mount-utils"
 
+	"github.com/dirpv/dirpv/internal/metricstest"
 	"github.com/dirpv/dirpv/volume"
 )
 
@@ -23,21 +28,16 @@ var noLocalBases, _ = volume.NewAllowedBases(nil, "/var/lib/kubelet")
 // waitReady polls Ready until it succeeds or the deadline passes.
 func waitReady(t *testing.T, d *Driver, runErr <-chan error) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		err := d.Ready()
-		if err == nil {
-			return
-		}
+	err := wait.PollUntilContextTimeout(context.Background(), 10*time.Millisecond, 10*time.Second, true, func(context.Context) (bool, error) {
 		select {
 		case err := <-runErr:
-			t.Fatalf("Run returned early: %v", err)
+			return false, fmt.Errorf("Run returned early: %v", err)
 		default:
+			return d.Ready() == nil, nil
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("driver not ready: %v", err)
-		}
-		time.Sleep(10 * time.Millisecond) // poll interval
+	})
+	if err != nil {
+		t.Fatalf("driver not ready: %v (Ready: %v)", err, d.Ready())
 	}
 }
 
@@ -51,7 +51,7 @@ func dial(t *testing.T, path string) *grpc.ClientConn {
 
 // TestRunAndRegistration starts the driver as the node plugin runs and talks to it as kubelet
 // does: the plugin watcher finds <registry>/dirpv.io-reg.sock, dials the CSI endpoint, and
-// reports the result with NotifyRegistrationStatus.
+// reports the result with NotifyRegistrationStatus; publishes through the endpoint are measured.
 func TestRunAndRegistration(t *testing.T) {
 	dir := t.TempDir()
 	registry := filepath.Join(dir, "plugins_registry")
@@ -67,6 +67,8 @@ func TestRunAndRegistration(t *testing.T) {
 		Mounter: mount.NewFakeMounter(nil), OperationTimeout: time.Second, LocalBases: noLocalBases,
 	})
 	must(t, err)
+	metrics := prometheus.NewPedanticRegistry()
+	metrics.MustRegister(d.Collectors()...)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	runErr := make(chan error, 1)
@@ -91,13 +93,37 @@ func TestRunAndRegistration(t *testing.T) {
 		t.Errorf("Probe = %v, %v", pr, err)
 	}
 
+	// Publish and unpublish calls made through the endpoint, as kubelet makes them, are counted
+	// and timed by backend and result: a publish, a refused one, an unpublish.
+	node := csi.NewNodeClient(conn)
+	id, target := volume.Handle(volume.BackendNFS, "pvc-1"), filepath.Join(dir, "target")
+	attrs := volume.Attributes{Backend: volume.BackendNFS, Server: "nfs.example", Share: "/export", Path: "v"}
+	rwx := mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
+	_, err = node.NodePublishVolume(ctx, publishReq(id, target, attrs, rwx, false))
+	must(t, err)
+	_, err = node.NodePublishVolume(ctx, publishReq(id, target, attrs, &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}, AccessMode: rwx.AccessMode}, false))
+	wantCode(t, err, codes.InvalidArgument)
+	_, err = node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target})
+	must(t, err)
+	for _, c := range []struct{ name, backend, result string }{
+		{"dirpv_node_publish_duration_seconds", "nfs", "success"},
+		{"dirpv_node_publish_duration_seconds", "nfs", "InvalidArgument"},
+		{"dirpv_node_unpublish_duration_seconds", "nfs", "success"},
+		// Identity and other Node calls are not publish calls.
+		{"dirpv_node_publish_duration_seconds", "local", "success"},
+	} {
+		want := map[string]uint64{"nfs": 1, "local": 0}[c.backend]
+		if n := metricstest.HistogramCount(t, metrics, c.name, map[string]string{"backend": c.backend, "result": c.result}); n != want {
+			t.Errorf("%s{backend=%s,result=%s} counted %d calls, want %d", c.name, c.backend, c.result, n, want)
+		}
+	}
+
 	// A rejection is logged; the plugin keeps serving so kubelet can retry.
-	if _, err := reg.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: false, Error: "test rejection"}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := reg.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: true}); err != nil {
-		t.Fatal(err)
-	}
+	_, err = reg.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: false, Error: "test rejection"})
+	must(t, err)
+	_, err = reg.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: true})
+	must(t, err)
 	if err := d.Ready(); err != nil {
 		t.Errorf("not ready after registration: %v", err)
 	}
@@ -121,27 +147,14 @@ func TestRunAndRegistration(t *testing.T) {
 	}
 }
 
-// Run replaces a stale socket (TestRunAndRegistration starts over one), and nothing else.
-func TestRunReplacesStaleSocketOnly(t *testing.T) {
-	dir := t.TempDir()
-	sock := filepath.Join(dir, "csi.sock")
-	// A regular file where the socket should be is not ours to delete.
-	must(t, os.WriteFile(sock, []byte("data"), 0o600))
-	d, err := NewDriver(Options{DriverName: "dirpv.io", Version: "v", NodeID: "n", Endpoint: "unix://" + sock, LocalBases: noLocalBases})
-	must(t, err)
-	if err := d.Run(context.Background()); err == nil {
-		t.Fatal("Run replaced a regular file")
-	}
-	if b, _ := os.ReadFile(sock); string(b) != "data" {
-		t.Error("regular file was touched")
-	}
-}
-
 func TestNewDriverValidates(t *testing.T) {
-	good := Options{DriverName: "dirpv.io", Version: "v", NodeID: "n", Endpoint: "unix:///run/csi.sock", LocalBases: noLocalBases}
-	if _, err := NewDriver(good); err != nil {
-		t.Fatal(err)
-	}
+	// A regular file where the socket should be: Run replaces a stale socket
+	// (TestRunAndRegistration starts over one), and nothing else, so it does not start.
+	sock := filepath.Join(t.TempDir(), "csi.sock")
+	must(t, os.WriteFile(sock, []byte("data"), 0o600))
+	good := Options{DriverName: "dirpv.io", Version: "v", NodeID: "n", Endpoint: "unix://" + sock, LocalBases: noLocalBases}
+	d, err := NewDriver(good)
+	must(t, err)
 	for name, mutate := range map[string]func(*Options){
 		"bad name":         func(o *Options) { o.DriverName = "-dirpv" },
 		"no version":       func(o *Options) { o.Version = "" },
@@ -157,5 +170,11 @@ func TestNewDriverValidates(t *testing.T) {
 		if _, err := NewDriver(o); err == nil {
 			t.Errorf("%s: accepted", name)
 		}
+	}
+	if err := d.Run(context.Background()); err == nil {
+		t.Fatal("Run replaced a regular file")
+	}
+	if b, _ := os.ReadFile(sock); string(b) != "data" {
+		t.Error("regular file was touched")
 	}
 }

@@ -75,12 +75,19 @@ func wantRefused(t *testing.T, err error, code codes.Code, target string, want .
 // list, kubelet's root dir, the attributes' checks and the walk from the allowed base that
 // follows no symlink (here one a tenant planted in its own volume, pointing at kubelet's root)
 // are all that stand between it and the mount. kubelet's root is refused even when an allowed
-// base holds it or is it. The base itself and directories beneath it are served.
+// base holds it or is it, and so is a CSI inline volume. The base itself and directories
+// beneath it are served, with or without the pod's info.
 func TestPublishRefusals(t *testing.T) {
 	requireRoot(t)
 	l := newTrustLayout(t)
 	rw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
 	etc, vol, wide := filepath.Join(l.top, "etc"), filepath.Join(l.base, "tenant/vol"), filepath.Dir(l.top)
+	// kubelet passes the pod's info with every volume of a podInfoOnMount driver, and says
+	// whether the volume is a CSI inline one.
+	podInfo := func(attrs map[string]string, ephemeral string) map[string]string {
+		attrs[ephemeralKey], attrs["csi.storage.k8s.io/pod.name"] = ephemeral, "p"
+		return attrs
+	}
 	for name, tc := range map[string]struct {
 		allowed string
 		attrs   map[string]string
@@ -102,6 +109,9 @@ func TestPublishRefusals(t *testing.T) {
 		"symlink in the basePath":    {l.base, localAttrs(filepath.Join(vol, "escape/pods"), "uid/volumes/secret"), codes.FailedPrecondition, []string{"symlinks are never followed"}},
 		"missing volume":             {l.base, localAttrs(l.base, "tenant/gone"), codes.NotFound, nil},
 		"missing base":               {l.base, localAttrs(filepath.Join(l.base, "gone"), "vol"), codes.NotFound, nil},
+		// Even naming an allowed volume: an inline volume's attributes are the pod author's.
+		"inline ephemeral": {l.base, podInfo(localAttrs(l.base, "tenant/vol"), "true"), codes.InvalidArgument,
+			[]string{"does not serve CSI inline ephemeral volumes", "use a generic ephemeral volume"}},
 	} {
 		t.Run(name, func(t *testing.T) {
 			target := newTarget(t)
@@ -113,7 +123,8 @@ func TestPublishRefusals(t *testing.T) {
 	}
 
 	ns := l.driver(t, l.base)
-	for _, attrs := range []map[string]string{localAttrs(l.base, "tenant/vol"), localAttrs(filepath.Join(l.base, "tenant"), "vol")} {
+	for _, attrs := range []map[string]string{localAttrs(l.base, "tenant/vol"), localAttrs(filepath.Join(l.base, "tenant"), "vol"),
+		podInfo(localAttrs(l.base, "tenant/vol"), "false")} {
 		target := newTarget(t)
 		publish(t, ns, &csi.NodePublishVolumeRequest{VolumeId: "v", TargetPath: target, VolumeCapability: rw, VolumeContext: attrs})
 		if _, err := os.Lstat(filepath.Join(target, "escape")); err != nil {
@@ -121,29 +132,4 @@ func TestPublishRefusals(t *testing.T) {
 		}
 		unpublish(t, ns, "v", target)
 	}
-}
-
-func TestPublishRefusesInlineEphemeral(t *testing.T) {
-	requireRoot(t)
-	l := newTrustLayout(t)
-	ns := l.driver(t, l.base)
-	rw := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
-	// Even naming an allowed volume: an inline volume's attributes are the pod author's.
-	ctx := localAttrs(l.base, "tenant/vol")
-	ctx[ephemeralKey] = "true"
-	ctx["csi.storage.k8s.io/pod.name"] = "p"
-	target := newTarget(t)
-	_, err := ns.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
-		VolumeId: "csi-0123", TargetPath: target, VolumeCapability: rw, VolumeContext: ctx,
-	})
-	wantRefused(t, err, codes.InvalidArgument, target, "does not serve CSI inline ephemeral volumes", "use a generic ephemeral volume")
-
-	// kubelet says "false" for every persistent volume of a podInfoOnMount driver.
-	ctx[ephemeralKey] = "false"
-	if _, err := ns.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
-		VolumeId: "local:pv", TargetPath: target, VolumeCapability: rw, VolumeContext: ctx,
-	}); err != nil {
-		t.Fatalf("persistent volume with pod info: %v", err)
-	}
-	unpublish(t, ns, "local:pv", target)
 }

@@ -35,6 +35,36 @@ func waitEvent(t *testing.T, events *record.FakeRecorder, prefix string, substrs
 	}
 }
 
+// diskAt makes the directory rel beneath the fixture's base, on which mount bind-mounts a
+// "disk" (a directory of the same file system: a mount point all the same, which a comparison
+// of device numbers would miss) and unmount takes it away lazily, as an admin would have to
+// while the provisioner holds the base open. A disk still mounted is unmounted after the test.
+func (f *fixture) diskAt(t *testing.T, rel string) (disk, mnt string, mount, unmount func()) {
+	t.Helper()
+	disk, mnt = t.TempDir(), filepath.Join(f.base, rel)
+	must(t, os.Mkdir(mnt, 0o755))
+	mounted := false
+	mount = func() {
+		t.Helper()
+		if err := unix.Mount(disk, mnt, "", unix.MS_BIND, ""); err != nil {
+			t.Fatalf("mount the disk on %s: %v", mnt, err)
+		}
+		mounted = true
+	}
+	unmount = func() {
+		t.Helper()
+		must(t, unix.Unmount(mnt, unix.MNT_DETACH))
+		mounted = false
+	}
+	t.Cleanup(func() {
+		if mounted {
+			f.node.locals.Close()
+			unix.Unmount(mnt, unix.MNT_DETACH)
+		}
+	})
+	return disk, mnt, mount, unmount
+}
+
 // The disk under a local base does not mount (after a reboot, say): the path leads to the
 // directory underneath. A new claim is refused there, not rescheduled, with an error that
 // names the node and says what is wrong, and nothing is made underneath, nor the base itself
@@ -50,23 +80,7 @@ func TestLocalBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			f := newFixture(t)
-			disk := t.TempDir()
-			mnt := filepath.Join(f.base, tc.mountAt)
-			must(t, os.Mkdir(mnt, 0o755))
-			mounted := false
-			mount := func() {
-				t.Helper()
-				if err := unix.Mount(disk, mnt, "", unix.MS_BIND, ""); err != nil {
-					t.Fatalf("mount the disk on %s: %v", mnt, err)
-				}
-				mounted = true
-			}
-			t.Cleanup(func() {
-				if mounted {
-					f.node.locals.Close()
-					unix.Unmount(mnt, unix.MNT_DETACH)
-				}
-			})
+			disk, mnt, mount, unmount := f.diskAt(t, tc.mountAt)
 			mount()
 			class := f.localClass(map[string]string{"basePath": filepath.Join(f.base, tc.basePath)})
 			ctx := context.Background()
@@ -77,9 +91,7 @@ func TestLocalBaseWhoseDiskIsGoneIsRefused(t *testing.T) {
 				t.Fatalf("volume on the disk: %v", err)
 			}
 
-			// The provisioner holds the base open: lazily, as an admin would have to.
-			must(t, unix.Unmount(mnt, unix.MNT_DETACH))
-			mounted = false
+			unmount()
 			_, state, err := f.node.Provision(ctx, opts(class, claim("b")))
 			if !errors.Is(err, volume.ErrBaseChanged) || state != controller.ProvisioningFinished {
 				t.Fatalf("Provision with the disk gone = %s, %v; want Finished (the claim waits here) and ErrBaseChanged", state, err)

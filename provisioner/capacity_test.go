@@ -11,10 +11,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	v1 "k8s.io/api/core/v1"
-	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/tools/record"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
 	"golang.org/x/sys/unix"
@@ -76,29 +73,10 @@ func TestProvisionLocalEnforcesSize(t *testing.T) {
 	}
 }
 
-// TestProvisionLocalRequiredRefusedWithoutQuota: a class that requires enforcement on a base
-// that cannot enforce gets its claim refused, with a message that says how to fix it, and
-// nothing on disk.
-func TestProvisionLocalRequiredRefusedWithoutQuota(t *testing.T) {
-	f := newFixtureOn(t, quotatest.Btrfs(t, false))
-	class := f.localClass(map[string]string{ParamCapacityEnforcement: string(EnforceRequired)})
-	_, state, err := f.node.Provision(context.Background(), opts(class, sizedClaim("a", "10Mi")))
-	if err == nil || state != controller.ProvisioningReschedule {
-		t.Fatalf("Provision = %v, %v; want a refusal that lets another node try", state, err)
-	}
-	for _, want := range []string{"capacityEnforcement: required", f.base, "btrfs quota enable"} {
-		if !strings.Contains(err.Error(), want) {
-			t.Errorf("refusal %q does not say %q", err, want)
-		}
-	}
-	if tree := listTree(t, f.base); len(tree) != 0 {
-		t.Errorf("refused claim left %v", tree)
-	}
-}
-
-// TestQuotaEnabledUnderRunningNodeIsUsed: once the admin enables quota on a base that could
-// not enforce, the running node instance publishes its room for a class that requires limits
-// and provisions that class's claims with a limit, without a restart.
+// TestQuotaEnabledUnderRunningNodeIsUsed: a class that requires enforcement on a base that
+// cannot enforce gets its claim refused, with a message that says how to fix it, and nothing
+// on disk; once the admin enables quota there, the running node instance publishes its room
+// for the class and provisions its claims with a limit, without a restart.
 func TestQuotaEnabledUnderRunningNodeIsUsed(t *testing.T) {
 	f := newFixtureOn(t, quotatest.Btrfs(t, false))
 	class := f.localClass(map[string]string{ParamCapacityEnforcement: string(EnforceRequired)})
@@ -113,8 +91,17 @@ func TestQuotaEnabledUnderRunningNodeIsUsed(t *testing.T) {
 	if got := capacity(); got != 0 {
 		t.Errorf("capacity for a required class before quota is enabled = %d, want 0", got)
 	}
-	if _, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("before", "10Mi"))); err == nil {
-		t.Fatal("a required class was provisioned on a base without quota")
+	_, state, err := f.node.Provision(context.Background(), opts(class, sizedClaim("before", "10Mi")))
+	if err == nil || state != controller.ProvisioningReschedule {
+		t.Fatalf("Provision = %v, %v; want a refusal that lets another node try", state, err)
+	}
+	for _, want := range []string{"capacityEnforcement: required", f.base, "btrfs quota enable"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("refusal %q does not say %q", err, want)
+		}
+	}
+	if tree := listTree(t, f.base); len(tree) != 0 {
+		t.Errorf("refused claim left %v", tree)
 	}
 	if out, err := exec.Command("btrfs", "quota", "enable", f.base).CombinedOutput(); err != nil {
 		t.Fatalf("btrfs quota enable: %v: %s", err, out)
@@ -132,60 +119,5 @@ func TestQuotaEnabledUnderRunningNodeIsUsed(t *testing.T) {
 	rel := pv.Spec.CSI.VolumeAttributes[volume.AttrPath]
 	if n, err := quotatest.Fill(t, filepath.Join(f.base, rel, "data"), 20<<20); !errors.Is(err, unix.EDQUOT) {
 		t.Errorf("10Mi volume took %d bytes of 20 MiB: %v; want EDQUOT", n, err)
-	}
-}
-
-// TestProvisionLocalBestEffortWithoutQuota: by default a base without quota still provisions,
-// without a quota in the PV, and the claim gets an event saying its size is not enforced.
-func TestProvisionLocalBestEffortWithoutQuota(t *testing.T) {
-	f := newFixture(t)
-	class := f.localClass(nil)
-	pv, _, err := f.node.Provision(context.Background(), opts(class, sizedClaim("a", "10Mi")))
-	must(t, err)
-	if q, ok := pv.Spec.CSI.VolumeAttributes[volume.AttrQuota]; ok {
-		t.Errorf("PV names quota %q on a base without quota", q)
-	}
-	waitEvent(t, f.events, "Normal SizeNotEnforced ", "10Mi", "prjquota")
-}
-
-// The controller reports a WaitForFirstConsumer claim that dirpv cannot serve anywhere, which
-// published capacity keeps unplaced, once per period, for local and NFS classes alike; a
-// class that is fine gets no such event.
-func TestControllerReportsUnplaceableClaims(t *testing.T) {
-	f := newFixture(t)
-	events := record.NewFakeRecorder(10)
-	ctrl := f.ctrl
-	ctrl.cfg.Events = events
-	wffc := storagev1.VolumeBindingWaitForFirstConsumer
-	for _, tc := range []struct {
-		name   string
-		params map[string]string
-		want   string
-	}{
-		{"local-typo", map[string]string{"backend": "local", "bsaePath": "/x"}, `"bsaePath"`},
-		{"nfs-typo", map[string]string{"backend": "nfs", "server": "nfs.example", "share": "/export", "onDelte": "retain"}, `"onDelte"`},
-		{"local-good", map[string]string{"backend": "local", "basePath": f.base}, ""},
-		{"nfs-good", map[string]string{"backend": "nfs", "server": "nfs.example", "share": "/export"}, ""},
-	} {
-		f.classes.Add(&storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: tc.name}, Provisioner: testDriver, Parameters: tc.params, VolumeBindingMode: &wffc})
-		c := claim(tc.name)
-		delete(c.Annotations, annSelectedNode)
-		c.Spec.StorageClassName = &tc.name
-		// The lib asks on every update and resync: one event per period.
-		ctrl.ShouldProvision(context.Background(), c)
-		ctrl.ShouldProvision(context.Background(), c)
-		var got []string
-		for len(events.Events) > 0 {
-			got = append(got, <-events.Events)
-		}
-		switch {
-		case tc.want == "" && len(got) != 0:
-			t.Errorf("%s: events %q, want none", tc.name, got)
-		case tc.want != "" && (len(got) != 1 || !strings.Contains(got[0], "cannot provision this claim") || !strings.Contains(got[0], tc.want)):
-			t.Errorf("%s: events %q, want one naming %s", tc.name, got, tc.want)
-		}
-	}
-	if len(f.mounter.GetLog()) != 0 {
-		t.Errorf("checking claims mounted something: %v", f.mounter.GetLog())
 	}
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/dirpv/dirpv/internal/failpoint"
 	"github.com/dirpv/dirpv/volume"
+	"github.com/dirpv/dirpv/volume/export"
 )
 
 // newClaimOfSameName is the claim a user makes again under the name of one whose PV is being
@@ -28,9 +29,8 @@ func makeVolumeAt(t *testing.T, base, rel string) {
 	root, err := volume.OpenRoot(base)
 	must(t, err)
 	defer root.Close()
-	if _, err := root.MkdirAll(rel, volume.Owner{Mode: 0o755, UID: -1, GID: -1}, newClaimOfSameName); err != nil {
-		t.Fatal(err)
-	}
+	_, err = root.MkdirAll(rel, volume.Owner{Mode: 0o755, UID: -1, GID: -1}, newClaimOfSameName)
+	must(t, err)
 	must(t, os.WriteFile(filepath.Join(base, rel, "data"), []byte("new claim's"), 0o644))
 }
 
@@ -65,78 +65,53 @@ func deleteHeldAtCheck(t *testing.T, p *Provisioner, pv *v1.PersistentVolume, me
 	}
 }
 
-// Delete removes or archives the directory it checked, or nothing: a volume that another
-// process makes at the path after the check (the PV's directory was gone at the check, or went
-// after it) is left whole, with a pattern without ${pv.metadata.name} giving the same path to
-// a claim made again under the same name.
+// Delete removes, archives or moves to the trash (NFS) the directory it checked, or nothing: a
+// volume that another process makes at the path after the check (the PV's directory was gone
+// at the check, or went after it) is left whole, neither removed nor sent to the background
+// walk, with a pattern without ${pv.metadata.name} giving the same path to a claim made again
+// under the same name.
 func TestDeleteActsOnTheCheckedDirectory(t *testing.T) {
-	for _, policy := range []string{"delete", "archive"} {
-		for _, when := range []string{"gone at the check", "replaced after the check"} {
-			t.Run(policy+"/"+when, func(t *testing.T) {
-				f := newFixture(t)
-				class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}", "onDelete": policy})
-				old := claim("c")
-				pv, _, err := f.node.Provision(context.Background(), opts(class, old))
-				must(t, err)
-				pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: old.Namespace, Name: old.Name, UID: old.UID}
-				rel := pv.Spec.CSI.VolumeAttributes[volume.AttrPath]
-				if when == "gone at the check" {
-					// The lib retries a Delete whose result it did not see.
-					must(t, f.node.Delete(context.Background(), pv))
-				}
-				err = deleteHeldAtCheck(t, f.node, pv, func() { makeVolumeAt(t, f.base, rel) })
-				if err != nil {
-					t.Errorf("Delete: %v", err)
-				}
-				checkNewVolume(t, f.base, rel)
-				// Only the first Delete of the retried one archives anything.
-				wantArchived := 0
-				if policy == "archive" && when == "gone at the check" {
-					wantArchived = 1
-				}
-				var others, archived []string
-				for _, e := range listTree(t, f.base) {
-					if strings.HasPrefix(e, "archived-") {
-						if !strings.Contains(e, "/") {
-							archived = append(archived, e)
-						}
-					} else if e != rel && e != rel+"/data" {
-						others = append(others, e)
+	for _, backend := range []volume.Backend{volume.BackendLocal, volume.BackendNFS} {
+		for _, policy := range []string{"delete", "archive"} {
+			for _, when := range []string{"gone at the check", "replaced after the check"} {
+				t.Run(string(backend)+"/"+policy+"/"+when, func(t *testing.T) {
+					s := newStoreFixture(t, backend, map[string]string{"pathPattern": "${pvc.metadata.namespace}-${pvc.metadata.name}", "onDelete": policy})
+					old := s.claim("c")
+					pv, _, err := s.p.Provision(context.Background(), opts(s.class, old))
+					must(t, err)
+					pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: old.Namespace, Name: old.Name, UID: old.UID}
+					rel := pv.Spec.CSI.VolumeAttributes[volume.AttrPath]
+					if when == "gone at the check" {
+						// The lib retries a Delete whose result it did not see, after the walk is done.
+						must(t, s.p.Delete(context.Background(), pv))
+						s.settle(t)
 					}
-				}
-				if len(others) != 0 || len(archived) != wantArchived {
-					t.Errorf("base holds %v and archived %v besides the new volume, want %d archived", others, archived, wantArchived)
-				}
-			})
+					if err := deleteHeldAtCheck(t, s.p, pv, func() { makeVolumeAt(t, s.base, rel) }); err != nil {
+						t.Errorf("Delete: %v", err)
+					}
+					checkNewVolume(t, s.base, rel)
+					s.settle(t)
+					// Only the first Delete of the retried one archives anything.
+					wantArchived := 0
+					if policy == "archive" && when == "gone at the check" {
+						wantArchived = 1
+					}
+					var others, archived []string
+					for _, e := range listTree(t, s.base) {
+						switch {
+						case strings.HasPrefix(e, "archived-"):
+							if !strings.Contains(e, "/") {
+								archived = append(archived, e)
+							}
+						case e != rel && e != rel+"/data" && e != export.TrashDir:
+							others = append(others, e)
+						}
+					}
+					if len(others) != 0 || len(archived) != wantArchived {
+						t.Errorf("base holds %v and archived %v besides the new volume, want %d archived", others, archived, wantArchived)
+					}
+				})
+			}
 		}
-	}
-}
-
-// Deleting an NFS volume moves to the trash the directory it checked, or nothing: a volume
-// that another process makes at the path after the check is not sent to the background walk
-// that would remove it.
-func TestTrashMovesTheCheckedDirectory(t *testing.T) {
-	for _, when := range []string{"gone at the check", "replaced after the check"} {
-		t.Run(when, func(t *testing.T) {
-			f := newTrashFixture(t, 30*time.Second)
-			f.class.Parameters["pathPattern"] = "${pvc.metadata.namespace}-${pvc.metadata.name}"
-			p := f.start(t)
-			pv := f.provision(t, p, "c")
-			pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: "ns", Name: "c", UID: "uid-c"}
-			rel := pv.Spec.CSI.VolumeAttributes[volume.AttrPath]
-			if when == "gone at the check" {
-				// The lib retries a Delete whose result it did not see, after the walk is done.
-				must(t, p.Delete(context.Background(), pv))
-				f.waitTrashEmpty(t, p, time.Minute)
-			}
-			err := deleteHeldAtCheck(t, p, pv, func() { makeVolumeAt(t, f.src, rel) })
-			if err != nil {
-				t.Errorf("Delete: %v", err)
-			}
-			if got := f.trashEntries(t); len(got) != 0 {
-				t.Errorf("trash = %v, want nothing", got)
-			}
-			checkNewVolume(t, f.src, rel)
-		})
 	}
 }

@@ -103,9 +103,8 @@ func TestCheckSourceOwner(t *testing.T) {
 	root, err := volume.OpenRoot(t.TempDir())
 	must(t, err)
 	defer root.Close()
-	if _, err := root.MkdirAll("vol", volume.Owner{Mode: 0o755, UID: -1, GID: -1}, volume.Claim{UID: "mine", PVName: "pv-mine"}); err != nil {
-		t.Fatal(err)
-	}
+	_, err = root.MkdirAll("vol", volume.Owner{Mode: 0o755, UID: -1, GID: -1}, volume.Claim{UID: "mine", PVName: "pv-mine"})
+	must(t, err)
 	src := func(uid string) *sourceTree {
 		return &sourceTree{what: "source", attrs: volume.Attributes{Path: "vol"}, owner: &volume.Claim{UID: uid}}
 	}
@@ -130,12 +129,10 @@ func (f *fixture) sourceClaim(t *testing.T, class *storagev1.StorageClass, name,
 	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}
 	pvc.Spec.VolumeName, pvc.Status.Phase = pv.Name, v1.ClaimBound
 	client := f.node.cfg.Client
-	if _, err := client.CoreV1().PersistentVolumes().Create(context.Background(), pv, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := client.CoreV1().PersistentVolumeClaims(pvc.Namespace).Create(context.Background(), pvc, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err = client.CoreV1().PersistentVolumes().Create(context.Background(), pv, metav1.CreateOptions{})
+	must(t, err)
+	_, err = client.CoreV1().PersistentVolumeClaims(pvc.Namespace).Create(context.Background(), pvc, metav1.CreateOptions{})
+	must(t, err)
 	return pvc
 }
 
@@ -145,9 +142,8 @@ func (f *fixture) cloneOf(t *testing.T, class *storagev1.StorageClass, name stri
 	pvc := claim(name)
 	pvc.Spec.DataSource = &v1.TypedLocalObjectReference{Kind: kindPVC, Name: src.Name}
 	o := opts(class, pvc)
-	if _, err := f.node.cfg.Client.CoreV1().PersistentVolumeClaims(pvc.Namespace).Create(context.Background(), pvc, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	_, err := f.node.cfg.Client.CoreV1().PersistentVolumeClaims(pvc.Namespace).Create(context.Background(), pvc, metav1.CreateOptions{})
+	must(t, err)
 	return o
 }
 
@@ -217,7 +213,7 @@ func TestCloneOfDeletedClaimLeavesNothing(t *testing.T) {
 // own, nothing is written, the claim is not refused for good, and once space is freed the
 // next retry makes the copy.
 func TestCloneWithoutRoomWaits(t *testing.T) {
-	f := newFixtureOn(t, smallTmpfs(t))
+	f := newFixtureOn(t, tmpfs(t, "size=12m")) // a base that a few MiB fill
 	class := f.localClass(nil)
 	var srcDir string
 	src := f.sourceClaim(t, class, "src", "1Mi", func(dir string) {
@@ -254,11 +250,11 @@ func TestCloneWithoutRoomWaits(t *testing.T) {
 	}
 }
 
-// smallTmpfs mounts a 12 MiB tmpfs, for the test's lifetime, as a base that a few MiB fill.
-func smallTmpfs(t *testing.T) string {
+// tmpfs mounts a tmpfs with the given options, for the test's lifetime, as a base.
+func tmpfs(t *testing.T, options string) string {
 	t.Helper()
 	base := t.TempDir()
-	if err := unix.Mount("tmpfs", base, "tmpfs", 0, "size=12m"); err != nil {
+	if err := unix.Mount("tmpfs", base, "tmpfs", 0, options); err != nil {
 		t.Fatalf("mount tmpfs: %v", err)
 	}
 	t.Cleanup(func() { unix.Unmount(base, unix.MNT_DETACH) })

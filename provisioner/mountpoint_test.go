@@ -8,7 +8,6 @@ import (
 	"strings"
 	"testing"
 
-	"golang.org/x/sys/unix"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
 	"github.com/dirpv/dirpv/volume"
@@ -19,36 +18,13 @@ import (
 // compare with): a claim is refused, not rescheduled, with an error that names the node and
 // says what to do. Once the disk is mounted the claim goes through; once it is gone again, the
 // Delete of its volume is refused the same way and leaves the data alone, and goes through when
-// the disk is back. The disk is a bind mount of a directory of the same file system: a mount
-// point all the same, which a comparison of device numbers would miss. With a disk of its own
+// the disk is back. The disk is diskAt's bind mount. With a disk of its own
 // (btrfs on a loop device), test/integration's TestBaseThatMustBeAMountPointWaitsForItsDisk
 // shows the rest through a real apiserver: the BasePathNotMounted warnings on claim and PV,
 // nothing made underneath, no record adopting it, no room published until the disk is there.
 func TestBasePathThatMustBeAMountPoint(t *testing.T) {
 	f := newFixture(t)
-	disk := t.TempDir()
-	mnt := filepath.Join(f.base, "disk")
-	must(t, os.Mkdir(mnt, 0o755))
-	mounted := false
-	mount := func() {
-		t.Helper()
-		if err := unix.Mount(disk, mnt, "", unix.MS_BIND, ""); err != nil {
-			t.Fatalf("mount the disk on %s: %v", mnt, err)
-		}
-		mounted = true
-	}
-	unmount := func() {
-		t.Helper()
-		// The provisioner holds the base open: lazily, as an admin would have to.
-		must(t, unix.Unmount(mnt, unix.MNT_DETACH))
-		mounted = false
-	}
-	t.Cleanup(func() {
-		if mounted {
-			f.node.locals.Close()
-			unix.Unmount(mnt, unix.MNT_DETACH)
-		}
-	})
+	disk, mnt, mount, unmount := f.diskAt(t, "disk")
 	class := f.localClass(map[string]string{ParamBasePath: mnt, ParamBasePathMountPoint: string(MountPointRequired)})
 	ctx := context.Background()
 	refused := func(what string, err error) {
@@ -105,39 +81,32 @@ func TestBasePathThatMustBeAMountPoint(t *testing.T) {
 // allowed base itself is refused as such a base, since in the node plugin's pod it is always a
 // mount point (a hostPath volume); a class that does not ask keeps today's behaviour.
 func TestBasePathMountPointRefusals(t *testing.T) {
-	ctx := context.Background()
-	t.Run("missing base path", func(t *testing.T) {
-		f := newFixture(t)
-		missing := filepath.Join(f.base, "disk", "fast")
-		class := f.localClass(map[string]string{ParamBasePath: missing, ParamBasePathMountPoint: string(MountPointRequired)})
-		_, _, err := f.node.Provision(ctx, opts(class, claim("a")))
-		if !errors.Is(err, volume.ErrBaseChanged) || !strings.Contains(err.Error(), "does not exist") {
-			t.Errorf("Provision = %v, want a refusal saying the base path does not exist", err)
-		}
-		if got := listTree(t, f.base); len(got) != 0 {
-			t.Errorf("allowed base holds %v, want nothing", got)
-		}
-	})
-	t.Run("allowed base itself", func(t *testing.T) {
-		f := newFixture(t)
-		class := f.localClass(map[string]string{ParamBasePathMountPoint: string(MountPointRequired)})
-		_, _, err := f.node.Provision(ctx, opts(class, claim("a")))
-		if !errors.Is(err, volume.ErrBaseChanged) || !strings.Contains(err.Error(), "allowed base path itself") {
-			t.Errorf("Provision = %v, want a refusal saying to mount the disk beneath the allowed base path", err)
-		}
-		if got := listTree(t, f.base); len(got) != 0 {
-			t.Errorf("allowed base holds %v, want nothing", got)
-		}
-	})
-	t.Run("optional", func(t *testing.T) {
-		f := newFixture(t)
-		class := f.localClass(map[string]string{ParamBasePath: filepath.Join(f.base, "plain"), ParamBasePathMountPoint: string(MountPointOptional)})
-		pv, _, err := f.node.Provision(ctx, opts(class, claim("a")))
-		if err != nil {
-			t.Fatalf("Provision on a plain directory of a class that does not require a mount point: %v", err)
-		}
-		if _, ok := pv.Annotations[AnnBasePathMountPoint]; ok {
-			t.Errorf("PV annotations %v, want no %s", pv.Annotations, AnnBasePathMountPoint)
-		}
-	})
+	for name, tc := range map[string]struct {
+		basePath, mountPoint, want string // basePath beneath the allowed base; want "": provisioned
+	}{
+		"missing base path":   {"disk/fast", string(MountPointRequired), "does not exist"},
+		"allowed base itself": {"", string(MountPointRequired), "allowed base path itself"},
+		"optional":            {"plain", string(MountPointOptional), ""},
+	} {
+		t.Run(name, func(t *testing.T) {
+			f := newFixture(t)
+			class := f.localClass(map[string]string{ParamBasePath: filepath.Join(f.base, tc.basePath), ParamBasePathMountPoint: tc.mountPoint})
+			pv, _, err := f.node.Provision(context.Background(), opts(class, claim("a")))
+			if tc.want == "" {
+				if err != nil {
+					t.Fatalf("Provision on a plain directory of a class that does not require a mount point: %v", err)
+				}
+				if _, ok := pv.Annotations[AnnBasePathMountPoint]; ok {
+					t.Errorf("PV annotations %v, want no %s", pv.Annotations, AnnBasePathMountPoint)
+				}
+				return
+			}
+			if !errors.Is(err, volume.ErrBaseChanged) || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("Provision = %v, want a refusal saying %q", err, tc.want)
+			}
+			if got := listTree(t, f.base); len(got) != 0 {
+				t.Errorf("allowed base holds %v, want nothing", got)
+			}
+		})
+	}
 }

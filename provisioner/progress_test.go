@@ -95,9 +95,8 @@ func TestCopyProgressEvents(t *testing.T) {
 	clk = fakeCopyClock(t)
 	ctx, stop := reportCopy(context.Background(), events, w)
 	defer stop()
-	if _, _, _, err := root.MkdirAllFrom(ctx, "dst", volume.Claim{UID: "u"}, 0, volume.Source{Root: root, Rel: src}); err != nil {
-		t.Fatal(err)
-	}
+	_, _, _, err = root.MkdirAllFrom(ctx, "dst", volume.Claim{UID: "u"}, 0, volume.Source{Root: root, Rel: src})
+	must(t, err)
 	// The reporter sees the start at its next look, a tick after.
 	waitWaiters(t, clk, 1)
 	clk.Step(copyStartPoll)

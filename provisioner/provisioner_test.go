@@ -2,7 +2,9 @@ package provisioner
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -10,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -28,6 +32,7 @@ import (
 	"k8s.io/utils/ptr"
 	"sigs.k8s.io/sig-storage-lib-external-provisioner/v13/controller"
 
+	"github.com/dirpv/dirpv/internal/metricstest"
 	"github.com/dirpv/dirpv/volume"
 )
 
@@ -43,9 +48,6 @@ type fixture struct {
 	node    *Provisioner
 	ctrl    *Provisioner
 	mounter *mount.FakeMounter
-	work    string
-	// state is the node instance's state dir.
-	state string
 	// events holds what the node instance recorded beyond the lib's events.
 	events *record.FakeRecorder
 }
@@ -58,7 +60,7 @@ func newFixture(t *testing.T) *fixture {
 // newFixtureOn is newFixture with local volumes under base.
 func newFixtureOn(t *testing.T, base string) *fixture {
 	t.Helper()
-	f := &fixture{t: t, base: base, work: t.TempDir(), state: t.TempDir(), mounter: mount.NewFakeMounter(nil), events: record.NewFakeRecorder(100)}
+	f := &fixture{t: t, base: base, mounter: mount.NewFakeMounter(nil), events: record.NewFakeRecorder(100)}
 	f.classes = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
 	client := fake.NewClientset(&v1.Node{ObjectMeta: metav1.ObjectMeta{
 		Name: testNode, Labels: map[string]string{v1.LabelHostname: "host-a"},
@@ -66,10 +68,10 @@ func newFixtureOn(t *testing.T, base string) *fixture {
 	lister := storagelisters.NewStorageClassLister(f.classes)
 	bases, err := volume.NewAllowedBases([]string{f.base}, "/var/lib/kubelet")
 	must(t, err)
-	f.node, err = New(Config{DriverName: testDriver, Role: RoleNode, NodeName: testNode, Client: client, Classes: lister, AllowedBases: bases, StateDir: f.state, Events: f.events})
+	f.node, err = New(Config{DriverName: testDriver, Role: RoleNode, NodeName: testNode, Client: client, Classes: lister, AllowedBases: bases, StateDir: t.TempDir(), Events: f.events})
 	must(t, err)
 	f.ctrl, err = New(Config{DriverName: testDriver, Role: RoleController, Client: client, Classes: lister,
-		Mounter: f.mounter, WorkDir: f.work, OperationTimeout: 5 * time.Second})
+		Mounter: f.mounter, WorkDir: t.TempDir(), OperationTimeout: 5 * time.Second})
 	must(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	go f.node.Run(ctx)
@@ -129,13 +131,18 @@ func listTree(t *testing.T, dir string) []string {
 	return out
 }
 
-// The node instance's part in a local claim's life that the integration tier does not see:
-// which instance takes the claim and the PV, the annotations its Delete reads instead of the
-// class, retried Provision and Delete. The directory's mode and owner and the PV's attributes,
-// node affinity and label, test/integration's TestLocalClaimBindsOnScheduledNode and
-// TestNodeInstancesCacheOwnVolumesOnly check through a real apiserver.
+// The node instance's part in a local claim's life that the integration tier does not see: which
+// instance takes the claim and the PV, retried Provision and Delete, and the metrics of each call,
+// a refused one and an NFS PV's Delete passed over included. The annotations its Delete reads
+// instead of the class are in the stored PVs of formats_test.go and mountpoint_test.go (the default
+// onDelete). The directory's mode and owner and the PV's attributes, node affinity and label,
+// test/integration's TestLocalClaimBindsOnScheduledNode and TestNodeInstancesCacheOwnVolumesOnly
+// check through a real apiserver.
 func TestProvisionLocal(t *testing.T) {
 	f := newFixture(t)
+	// As the lib calls it: every Provision and Delete is counted under its backend and result.
+	reg := prometheus.NewPedanticRegistry()
+	node := Instrument(f.node, reg)
 	class := f.localClass(map[string]string{"pathPattern": "${pvc.metadata.namespace}/${pvc.metadata.labels['app']}-${pv.metadata.name}"})
 	pvc := claim("data")
 	pvc.Labels = map[string]string{"app": "web"}
@@ -146,7 +153,7 @@ func TestProvisionLocal(t *testing.T) {
 	if f.ctrl.ShouldProvision(context.Background(), o.PVC) {
 		t.Fatal("controller accepts a claim of a valid local class")
 	}
-	pv, state, err := f.node.Provision(context.Background(), o)
+	pv, state, err := node.Provision(context.Background(), o)
 	if err != nil || state != controller.ProvisioningFinished {
 		t.Fatalf("Provision = %v, %v", state, err)
 	}
@@ -154,13 +161,15 @@ func TestProvisionLocal(t *testing.T) {
 	if _, err := os.Stat(dir); err != nil || pv.Spec.CSI.VolumeAttributes["path"] != "ns/web-pvc-uid-data" {
 		t.Fatalf("volume directory: %v; PV path %q", err, pv.Spec.CSI.VolumeAttributes["path"])
 	}
-	if pv.Annotations[AnnOnDelete] != "delete" || pv.Annotations[AnnNode] != testNode {
-		t.Errorf("annotations = %v", pv.Annotations)
-	}
 
 	// A retried Provision (e.g. after a crash before the PV was saved) finds its own directory.
-	if _, _, err := f.node.Provision(context.Background(), o); err != nil {
+	if _, _, err := node.Provision(context.Background(), o); err != nil {
 		t.Errorf("repeated Provision: %v", err)
+	}
+	block := claim("block")
+	block.Spec.VolumeMode = ptr.To(v1.PersistentVolumeBlock)
+	if _, _, err := node.Provision(context.Background(), opts(class, block)); err == nil {
+		t.Fatal("a Block claim was provisioned")
 	}
 
 	// Released, its node still there: the controller leaves it to that node, which deletes the
@@ -169,12 +178,36 @@ func TestProvisionLocal(t *testing.T) {
 	if !f.node.ShouldDelete(context.Background(), pv) || f.ctrl.ShouldDelete(context.Background(), pv) {
 		t.Error("ShouldDelete: want node yes, controller no")
 	}
-	must(t, f.node.Delete(context.Background(), pv))
+	must(t, node.Delete(context.Background(), pv))
 	if _, err := os.Stat(dir); !os.IsNotExist(err) {
 		t.Errorf("directory still there after delete: %v", err)
 	}
-	if err := f.node.Delete(context.Background(), pv); err != nil {
+	if err := node.Delete(context.Background(), pv); err != nil {
 		t.Errorf("repeated Delete: %v", err)
+	}
+	nfsPV := &v1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: "pv-nfs"}, Spec: v1.PersistentVolumeSpec{
+		PersistentVolumeSource: v1.PersistentVolumeSource{CSI: &v1.CSIPersistentVolumeSource{
+			Driver: testDriver, VolumeAttributes: map[string]string{"backend": "nfs"}}}}}
+	if err := node.Delete(context.Background(), nfsPV); err == nil {
+		t.Fatal("a node instance deleted an NFS volume")
+	}
+
+	for _, c := range []struct {
+		name, backend, result string
+		want                  uint64
+	}{
+		{"dirpv_provision_duration_seconds", "local", "success", 2},
+		{"dirpv_provision_duration_seconds", "local", "infeasible", 1},
+		{"dirpv_delete_duration_seconds", "local", "success", 2},
+		{"dirpv_delete_duration_seconds", "nfs", "ignored", 1},
+	} {
+		if n := metricstest.HistogramCount(t, reg, c.name, map[string]string{"backend": c.backend, "result": c.result}); n != c.want {
+			t.Errorf("%s{backend=%s,result=%s} counted %d calls, want %d", c.name, c.backend, c.result, n, c.want)
+		}
+	}
+	// A node has no NFS exports to report.
+	if n := testutil.CollectAndCount(&exportsCollector{p: f.node}); n != 0 {
+		t.Errorf("node instance reports %d export metrics, want none", n)
 	}
 }
 
@@ -374,9 +407,8 @@ func TestPathThroughVolumeOrLinkIsInfeasible(t *testing.T) {
 			"inside another volume": {plant: func(t *testing.T, s *storeFixture, _ string) {
 				outer := s.class.DeepCopy()
 				outer.Parameters["pathPattern"] = "${pvc.metadata.namespace}"
-				if _, _, err := s.p.Provision(context.Background(), opts(outer, s.claim("outer"))); err != nil {
-					t.Fatal(err)
-				}
+				_, _, err := s.p.Provision(context.Background(), opts(outer, s.claim("outer")))
+				must(t, err)
 			}, want: "never created inside another"},
 			"through a symlink": {plant: func(t *testing.T, s *storeFixture, outside string) {
 				must(t, os.Symlink(outside, filepath.Join(s.base, "ns")))
@@ -452,65 +484,49 @@ func (s *storeFixture) settle(t *testing.T) {
 	})
 }
 
-func TestProvisionNFSMountsOnceAndEmitsSelfDescribingPV(t *testing.T) {
+// An NFS claim is the controller's: its PV has no node affinity and exactly the attributes a node
+// plugin mounts it by, the class may be gone by the time it is deleted, and no node instance takes
+// its Delete; the export's metrics never carry its mount options; an idle export is unmounted in
+// the background. That the claims of the export's classes share one mount with the classes'
+// options, that the PV carries the class's mountOptions to each pod's mount of server:share/path,
+// and that onDelete archive renames the directory to archived-<dir>-<time>, test/vm/node's
+// TestNFSReclaimOnGuestNode and TestNFSClaimRWXOnGuestNode show on a kernel NFS server with real
+// pods.
+func TestProvisionNFSEmitsSelfDescribingPV(t *testing.T) {
 	f := newFixture(t)
+	reg := prometheus.NewPedanticRegistry()
+	ctrl := Instrument(f.ctrl, reg)
 	class := &storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: "nfs"}, Provisioner: testDriver,
 		Parameters:   map[string]string{"backend": "nfs", "server": "127.0.0.1", "share": "/export", "onDelete": "archive"},
-		MountOptions: []string{"vers=4.1", "noatime"}}
+		MountOptions: []string{"vers=4.1", "sec=sys,secret-token=hunter2"}}
 	f.classes.Add(class)
-	pvc := claim("shared", v1.ReadWriteMany)
+	pvc := claim("a", v1.ReadWriteMany)
 	delete(pvc.Annotations, annSelectedNode)
 	if f.node.ShouldProvision(context.Background(), pvc) || !f.ctrl.ShouldProvision(context.Background(), opts(class, pvc).PVC) {
 		t.Fatal("want the controller, not a node, to take NFS claims")
 	}
-	var pvs []*v1.PersistentVolume
-	for _, name := range []string{"a", "b", "c"} {
-		c := claim(name, v1.ReadWriteMany)
-		pv, _, err := f.ctrl.Provision(context.Background(), opts(class, c))
-		must(t, err)
-		pvs = append(pvs, pv)
-	}
-	mounts := f.mounter.GetLog()
-	if len(mounts) != 1 || mounts[0].Action != mount.FakeActionMount || mounts[0].Source != "127.0.0.1:/export" {
-		t.Fatalf("mount log = %+v, want one mount of 127.0.0.1:/export", mounts)
-	}
-	if !slices.Equal(f.mounter.MountPoints[0].Opts, []string{"vers=4.1", "noatime"}) {
-		t.Errorf("controller mount options = %v", f.mounter.MountPoints[0].Opts)
-	}
-	pv := pvs[0]
+	pv, _, err := ctrl.Provision(context.Background(), opts(class, claim("a", v1.ReadWriteMany)))
+	must(t, err)
+	checkExportMetrics(t, reg)
 	if pv.Spec.NodeAffinity != nil {
 		t.Error("NFS PV has node affinity")
 	}
-	if !slices.Equal(pv.Spec.MountOptions, class.MountOptions) {
-		t.Errorf("PV mountOptions = %v", pv.Spec.MountOptions)
-	}
 	want := map[string]string{"backend": "nfs", "server": "127.0.0.1", "share": "/export", "path": "ns-a-pvc-uid-a"}
-	for k, v := range want {
-		if pv.Spec.CSI.VolumeAttributes[k] != v {
-			t.Errorf("attribute %s = %q, want %q", k, pv.Spec.CSI.VolumeAttributes[k], v)
-		}
-	}
-	if len(pv.Spec.CSI.VolumeAttributes) != len(want) {
-		t.Errorf("extra attributes: %v", pv.Spec.CSI.VolumeAttributes)
+	if !maps.Equal(pv.Spec.CSI.VolumeAttributes, want) {
+		t.Errorf("attributes %v, want %v", pv.Spec.CSI.VolumeAttributes, want)
 	}
 	// The fake mounter mounts nothing, so the directories are in the mount point dir itself.
-	exportDir := f.mounter.MountPoints[0].Path
-	if _, err := os.Stat(filepath.Join(exportDir, "ns-a-pvc-uid-a")); err != nil {
-		t.Fatal(err)
-	}
+	dir := filepath.Join(f.mounter.MountPoints[0].Path, "ns-a-pvc-uid-a")
+	_, err = os.Stat(dir)
+	must(t, err)
 	// The class may be gone by delete time: the PV says what to do.
 	f.classes.Delete(class)
-	must(t, f.ctrl.Delete(context.Background(), pv))
+	must(t, ctrl.Delete(context.Background(), pv))
 	if _, ok := f.node.Delete(context.Background(), pv).(*controller.IgnoredError); !ok {
 		t.Error("node instance did not ignore an NFS PV")
 	}
-	entries, _ := os.ReadDir(exportDir)
-	var names []string
-	for _, e := range entries {
-		names = append(names, e.Name())
-	}
-	if len(names) != 3 || !slices.ContainsFunc(names, func(n string) bool { return strings.HasPrefix(n, "archived-ns-a-pvc-uid-a-") }) {
-		t.Errorf("export after archive: %v", names)
+	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("volume directory after Delete: %v", err)
 	}
 
 	// Idle exports are unmounted, in the background.
@@ -519,6 +535,42 @@ func TestProvisionNFSMountsOnceAndEmitsSelfDescribingPV(t *testing.T) {
 		mps, _ := f.mounter.List()
 		return len(mps) == 0, fmt.Sprintf("still mounted after idle sweep: %+v", mps)
 	})
+}
+
+// checkExportMetrics checks what the controller reports after one NFS provision: the provision,
+// one mounted export, nothing stuck, labelled server:share only: mount options, which may
+// carry credentials, never reach a label.
+func checkExportMetrics(t *testing.T, reg *prometheus.Registry) {
+	t.Helper()
+	if n := metricstest.HistogramCount(t, reg, "dirpv_provision_duration_seconds", map[string]string{"backend": "nfs", "result": "success"}); n != 1 {
+		t.Errorf("successful NFS provisions: %d, want 1", n)
+	}
+	want := `
+# HELP dirpv_nfs_export_saturated 1 while every call slot of an NFS export is taken, so that new calls on it fail at once; 0 otherwise. By export (server:share).
+# TYPE dirpv_nfs_export_saturated gauge
+dirpv_nfs_export_saturated{export="127.0.0.1:/export"} 0
+# HELP dirpv_nfs_export_stuck_calls Calls on an NFS export whose callers gave up waiting for the server but that still run, by export (server:share).
+# TYPE dirpv_nfs_export_stuck_calls gauge
+dirpv_nfs_export_stuck_calls{export="127.0.0.1:/export"} 0
+# HELP dirpv_nfs_exports_mounted NFS exports the controller has mounted under its work dir now.
+# TYPE dirpv_nfs_exports_mounted gauge
+dirpv_nfs_exports_mounted 1
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want),
+		"dirpv_nfs_export_saturated", "dirpv_nfs_export_stuck_calls", "dirpv_nfs_exports_mounted"); err != nil {
+		t.Error(err)
+	}
+	mfs, err := reg.Gather()
+	must(t, err)
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if strings.Contains(l.GetValue(), "hunter2") {
+					t.Errorf("%s carries a mount option in label %s=%q", mf.GetName(), l.GetName(), l.GetValue())
+				}
+			}
+		}
+	}
 }
 
 func TestArchiveNameFits(t *testing.T) {
@@ -531,86 +583,59 @@ func TestArchiveNameFits(t *testing.T) {
 	}
 }
 
-// mountForTest mounts over the fixture's base and undoes it after the test, once the
-// provisioners have closed the base.
-func (f *fixture) mountForTest(source, fstype string, flags uintptr, data string) {
-	f.t.Helper()
-	if err := unix.Mount(source, f.base, fstype, flags, data); err != nil {
-		f.t.Fatalf("mount %s on %s: %v", source, f.base, err)
-	}
-	dir := f.base
-	f.t.Cleanup(func() {
-		f.node.locals.Close()
-		if err := unix.Unmount(dir, 0); err != nil {
-			f.t.Errorf("unmount %s: %v", dir, err)
-		}
-	})
-}
-
 // A node whose base path cannot take the volume hands the claim back to the scheduler, and
 // says which node and what failed. A read-only base: test/integration's
 // TestReadOnlyBaseReschedules, through the real scheduler.
 func TestNodeLocalFailureReschedules(t *testing.T) {
-	for name, setup := range map[string]func(t *testing.T, f *fixture) string{
-		"base not creatable": func(t *testing.T, f *fixture) string {
-			file := filepath.Join(f.base, "file")
-			must(t, os.WriteFile(file, nil, 0o600))
-			f.base = filepath.Join(file, "base")
-			return "not a directory"
-		},
-		"full base": func(t *testing.T, f *fixture) string {
-			// A tmpfs with no free inode: mkdir fails with ENOSPC, as on a full disk.
-			f.mountForTest("tmpfs", "tmpfs", 0, "size=1m,nr_inodes=1")
-			return "no space left on device"
-		},
-		"claim larger than the free space": func(t *testing.T, f *fixture) string {
-			// A limit reserves nothing: the scheduler's figure was stale, the claim cannot fit.
-			f.mountForTest("tmpfs", "tmpfs", 0, "size=8m")
-			return "the claim asks for 1Gi but only 8Mi is free"
-		},
+	for name, tc := range map[string]struct {
+		base       func(t *testing.T) string // the allowed base
+		sub        string                    // the class's base path in it
+		size, want string
+	}{
+		"base not creatable": {func(t *testing.T) string {
+			base := t.TempDir()
+			must(t, os.WriteFile(filepath.Join(base, "file"), nil, 0o600))
+			return base
+		}, "file/base", "1Gi", "not a directory"},
+		// A tmpfs with no free inode: mkdir fails with ENOSPC, as on a full disk. The claim is
+		// small enough to pass the free-space check, so that mkdir itself fails.
+		"full base": {func(t *testing.T) string { return tmpfs(t, "size=1m,nr_inodes=1") }, "", "1Ki", "no space left on device"},
+		// A limit reserves nothing: the scheduler's figure was stale, the claim cannot fit.
+		"claim larger than the free space": {func(t *testing.T) string { return tmpfs(t, "size=8m") }, "", "1Gi",
+			"the claim asks for 1Gi but only 8Mi is free"},
 	} {
 		t.Run(name, func(t *testing.T) {
-			f := newFixture(t)
-			want := setup(t, f)
-			class := f.localClass(nil)
-			c := claim("c")
-			if name == "full base" {
-				// Small enough to pass the free-space check, so that mkdir itself fails.
-				c = sizedClaim("c", "1Ki")
-			}
-			_, state, err := f.node.Provision(context.Background(), opts(class, c))
+			f := newFixtureOn(t, tc.base(t))
+			classBase := filepath.Join(f.base, tc.sub)
+			class := f.localClass(map[string]string{"basePath": classBase})
+			_, state, err := f.node.Provision(context.Background(), opts(class, sizedClaim("c", tc.size)))
 			if state != controller.ProvisioningReschedule {
 				t.Errorf("state = %s (err %v), want Reschedule", state, err)
 			}
-			if err == nil || !strings.Contains(err.Error(), "node "+testNode) || !strings.Contains(err.Error(), want) {
-				t.Errorf("error = %v, want one naming node %s and saying %q", err, testNode, want)
+			if err == nil || !strings.Contains(err.Error(), "node "+testNode) || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("error = %v, want one naming node %s and saying %q", err, testNode, tc.want)
 			}
 			if status.Code(err) == codes.InvalidArgument {
 				t.Error("a node-local failure is marked infeasible; the lib would not reschedule it")
 			}
-			if got := listTree(t, f.base); len(got) != 0 {
+			if got := listTree(t, classBase); len(got) != 0 {
 				t.Errorf("base holds %v after the refusal, want nothing", got)
 			}
 		})
 	}
 }
 
-// The controller tells the user when a local claim waits on a node where no dirpv node plugin
-// is registered, once per claim per period, and says nothing about nodes that have one.
-func TestControllerReportsNodeWithoutPlugin(t *testing.T) {
+// The controller tells the user, once per claim per period, when a local claim waits on a node
+// where no dirpv node plugin is registered, and says nothing about nodes that have one; and when
+// a WaitForFirstConsumer claim cannot be served anywhere, which published capacity keeps
+// unplaced, for local and NFS classes alike, while a class that is fine gets no such event.
+func TestControllerReportsClaimsItCannotServe(t *testing.T) {
 	f := newFixture(t)
 	client := f.ctrl.cfg.Client
-	if _, err := client.StorageV1().CSINodes().Create(context.Background(), &storagev1.CSINode{
-		ObjectMeta: metav1.ObjectMeta{Name: testNode},
-		Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: testDriver, NodeID: testNode}}},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := client.StorageV1().CSINodes().Create(context.Background(), &storagev1.CSINode{
-		ObjectMeta: metav1.ObjectMeta{Name: "node-b"},
-		Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: "other.csi.io", NodeID: "node-b"}}},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
+	for node, driver := range map[string]string{testNode: testDriver, "node-b": "other.csi.io"} {
+		_, err := client.StorageV1().CSINodes().Create(context.Background(), &storagev1.CSINode{ObjectMeta: metav1.ObjectMeta{Name: node},
+			Spec: storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: driver, NodeID: node}}}}, metav1.CreateOptions{})
+		must(t, err)
 	}
 	events := record.NewFakeRecorder(10)
 	f.ctrl.cfg.Events = events
@@ -652,6 +677,39 @@ func TestControllerReportsNodeWithoutPlugin(t *testing.T) {
 	}
 	if lookups != 1 {
 		t.Errorf("%d CSINode lookups for 5 claims on a node that runs the plugin, want 1", lookups)
+	}
+
+	wffc := storagev1.VolumeBindingWaitForFirstConsumer
+	for _, tc := range []struct {
+		name   string
+		params map[string]string
+		want   string
+	}{
+		{"local-typo", map[string]string{"backend": "local", "bsaePath": "/x"}, `"bsaePath"`},
+		{"nfs-typo", map[string]string{"backend": "nfs", "server": "nfs.example", "share": "/export", "onDelte": "retain"}, `"onDelte"`},
+		{"local-good", map[string]string{"backend": "local", "basePath": f.base}, ""},
+		{"nfs-good", map[string]string{"backend": "nfs", "server": "nfs.example", "share": "/export"}, ""},
+	} {
+		f.classes.Add(&storagev1.StorageClass{ObjectMeta: metav1.ObjectMeta{Name: tc.name}, Provisioner: testDriver, Parameters: tc.params, VolumeBindingMode: &wffc})
+		c := claim(tc.name)
+		delete(c.Annotations, annSelectedNode)
+		c.Spec.StorageClassName = &tc.name
+		// The lib asks on every update and resync: one event per period.
+		f.ctrl.ShouldProvision(context.Background(), c)
+		f.ctrl.ShouldProvision(context.Background(), c)
+		var got []string
+		for len(events.Events) > 0 {
+			got = append(got, <-events.Events)
+		}
+		switch {
+		case tc.want == "" && len(got) != 0:
+			t.Errorf("%s: events %q, want none", tc.name, got)
+		case tc.want != "" && (len(got) != 1 || !strings.Contains(got[0], "cannot provision this claim") || !strings.Contains(got[0], tc.want)):
+			t.Errorf("%s: events %q, want one naming %s", tc.name, got, tc.want)
+		}
+	}
+	if len(f.mounter.GetLog()) != 0 {
+		t.Errorf("checking claims mounted something: %v", f.mounter.GetLog())
 	}
 }
 

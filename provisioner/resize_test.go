@@ -29,20 +29,16 @@ func TestResizeLocalRaisesTheLimitOnItsNodeOnly(t *testing.T) {
 	if !node.CanSupport(pv, pvc) || ctrl.CanSupport(pv, pvc) {
 		t.Errorf("CanSupport of a local PV: node %v, controller %v; want only the node", node.CanSupport(pv, pvc), ctrl.CanSupport(pv, pvc))
 	}
-	released := pv.DeepCopy()
-	released.Status.Phase = v1.VolumeReleased
-	if node.CanSupport(released, pvc) {
-		t.Error("CanSupport of a Released PV is true: a resize could race its deletion")
-	}
-	elsewhere := pv.DeepCopy()
-	elsewhere.Annotations[AnnNode] = "node-b"
-	if node.CanSupport(elsewhere, pvc) {
-		t.Error("CanSupport of another node's PV is true")
-	}
-	outside := pv.DeepCopy()
-	outside.Spec.CSI.VolumeAttributes[volume.AttrBasePath] = "/etc"
-	if node.CanSupport(outside, pvc) {
-		t.Error("CanSupport of a PV outside the allowed bases is true")
+	for what, change := range map[string]func(*v1.PersistentVolume){
+		"a Released PV (a resize could race its deletion)": func(pv *v1.PersistentVolume) { pv.Status.Phase = v1.VolumeReleased },
+		"another node's PV":              func(pv *v1.PersistentVolume) { pv.Annotations[AnnNode] = "node-b" },
+		"a PV outside the allowed bases": func(pv *v1.PersistentVolume) { pv.Spec.CSI.VolumeAttributes[volume.AttrBasePath] = "/etc" },
+	} {
+		other := pv.DeepCopy()
+		change(other)
+		if node.CanSupport(other, pvc) {
+			t.Errorf("CanSupport of %s is true", what)
+		}
 	}
 
 	stale := pv.DeepCopy()
@@ -64,14 +60,17 @@ func TestResizeLocalRaisesTheLimitOnItsNodeOnly(t *testing.T) {
 	}
 }
 
-// TestResizeUnlimitedIsRecorded: a bestEffort volume on a base that cannot enforce sizes has no
-// limit to raise; its resize is recorded, whatever the size, and changes nothing on disk.
+// TestResizeUnlimitedIsRecorded: by default (bestEffort) a base that cannot enforce sizes
+// still provisions, without a quota in the PV, and the claim gets an event saying its size is
+// not enforced; such a volume has no limit to raise: its resize is recorded, whatever the
+// size, and changes nothing on disk.
 func TestResizeUnlimitedIsRecorded(t *testing.T) {
 	f := newFixture(t)
 	_, pv := f.boundLocalVolume()
-	if q := pv.Spec.CSI.VolumeAttributes[volume.AttrQuota]; q != "" {
-		t.Fatalf("volume on the temp dir has quota %q, want none", q)
+	if q, ok := pv.Spec.CSI.VolumeAttributes[volume.AttrQuota]; ok {
+		t.Fatalf("PV names quota %q on a base without quota", q)
 	}
+	waitEvent(t, f.events, "Normal SizeNotEnforced ", "8Mi", "prjquota")
 	before := listTree(t, f.base)
 	size, _, err := f.node.Resizer(context.Background()).Resize(pv, resource.MustParse("1Pi"))
 	if err != nil || size.Cmp(resource.MustParse("1Pi")) != 0 {
@@ -80,18 +79,13 @@ func TestResizeUnlimitedIsRecorded(t *testing.T) {
 	if after := listTree(t, f.base); !slices.Equal(before, after) {
 		t.Errorf("recorded-only resize changed the base: %v, then %v", before, after)
 	}
-}
 
-// Once drained, at shutdown, the Resizer takes no more resizes (the bases they need are
-// about to close), and says so with a code the resize controller retries, for the next
-// instance to do.
-func TestResizeAfterDrainIsRetriedElsewhere(t *testing.T) {
-	f := newFixture(t)
-	_, pv := f.boundLocalVolume()
+	// Once drained, at shutdown, the Resizer takes no more resizes (the bases they need are
+	// about to close), and says so with a code the resize controller retries, for the next
+	// instance to do.
 	r := f.node.Resizer(context.Background())
 	r.Drain()
-	_, _, err := r.Resize(pv, resource.MustParse("16Mi"))
-	if status.Code(err) != codes.Unavailable || util.IsFinalError(err) {
+	if _, _, err := r.Resize(pv, resource.MustParse("16Mi")); status.Code(err) != codes.Unavailable || util.IsFinalError(err) {
 		t.Errorf("Resize after Drain = %v; want a non-final Unavailable", err)
 	}
 }
@@ -102,9 +96,7 @@ func (f *fixture) boundLocalVolume() (*v1.PersistentVolumeClaim, *v1.PersistentV
 	f.t.Helper()
 	pvc := sizedClaim("a", "8Mi")
 	pv, _, err := f.node.Provision(context.Background(), opts(f.localClass(nil), pvc))
-	if err != nil {
-		f.t.Fatal(err)
-	}
+	must(f.t, err)
 	pv.Spec.ClaimRef = &v1.ObjectReference{Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID}
 	pv.Status.Phase = v1.VolumeBound
 	return pvc, pv

@@ -174,7 +174,7 @@ func TestSnapshotRefusals(t *testing.T) {
 // tried again, however often the sidecar asks, before its back-off has passed; then, once
 // there is room, the copy is made.
 func TestSnapshotWithoutRoomBacksOff(t *testing.T) {
-	f := newFixtureOn(t, smallTmpfs(t))
+	f := newFixtureOn(t, tmpfs(t, "size=12m")) // a base that a few MiB fill
 	c := claim("src")
 	c.Spec.Resources.Requests[v1.ResourceStorage] = resource.MustParse("1Mi")
 	pv, _, err := f.node.Provision(context.Background(), opts(f.localClass(nil), c))
@@ -270,12 +270,8 @@ func TestSnapshotUsageMetric(t *testing.T) {
 	if n, _ := series(restarted); n != 0 {
 		t.Errorf("%d series of a process that has not read the snapshot's record yet, want none", n)
 	}
-	err = wait.PollUntilContextTimeout(context.Background(), 10*time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) {
+	eventually(t, 30*time.Second, func() (bool, string) {
 		n, v := series(restarted)
-		return n == 1 && v == float64(info.Size), nil
+		return n == 1 && v == float64(info.Size), fmt.Sprintf("after a restart: %d series, snapcontent-1's %v; want only it, at %d", n, v, info.Size)
 	})
-	if err != nil {
-		n, v := series(restarted)
-		t.Errorf("after a restart: %d series, snapcontent-1's %v; want only it, at %d", n, v, info.Size)
-	}
 }

@@ -105,13 +105,26 @@ func (f *trashFixture) waitTrashEmpty(t *testing.T, p *Provisioner, within time.
 	})
 }
 
-// Deleting a big NFS volume, or a snapshot of one, returns within the operation timeout though
-// removing the tree takes longer: it leaves its name at once, its tree goes to the export's
-// trash, other claims on the export are served meanwhile, also while a step of the walk
-// outlasts the timeout, a retried delete (the lib's, the snapshot sidecar's) starts no second
-// walk, the trash ends empty, and the export is never taken for dead (mounted once throughout).
+// Deleting a big NFS volume, or a snapshot of one, or discarding a copy made for a claim
+// deleted meanwhile, returns within the operation timeout though removing the tree takes
+// longer: it leaves its name at once, its tree goes to the export's trash, other claims on the
+// export are served meanwhile, also while a step of the walk outlasts the timeout, a retried
+// delete (the lib's, the snapshot sidecar's) starts no second walk, the trash ends empty, and
+// the export is never taken for dead (mounted once throughout).
 func TestLargeNFSDeleteReturnsAtOnce(t *testing.T) {
 	const timeout = 2 * time.Second
+	// trashed says what is wrong if pv's directory is not gone from its name into the trash.
+	trashed := func(t *testing.T, f *trashFixture, pv *v1.PersistentVolume) func() error {
+		return func() error {
+			if _, err := os.Lstat(filepath.Join(f.src, pv.Spec.CSI.VolumeAttributes["path"])); !errors.Is(err, os.ErrNotExist) {
+				return fmt.Errorf("volume directory: %v", err)
+			}
+			if got := f.trashEntries(t); len(got) != 1 || got[0] != pv.Name {
+				return fmt.Errorf("trash %v, want [%s]", got, pv.Name)
+			}
+			return nil
+		}
+	}
 	for _, tc := range []struct {
 		name  string
 		files int
@@ -120,15 +133,16 @@ func TestLargeNFSDeleteReturnsAtOnce(t *testing.T) {
 		prepare func(t *testing.T, f *trashFixture, p *Provisioner, pv *v1.PersistentVolume) (del func() error, notGone func() error)
 	}{
 		{"volume", 100_000, func(t *testing.T, f *trashFixture, p *Provisioner, pv *v1.PersistentVolume) (func() error, func() error) {
-			return func() error { return p.Delete(context.Background(), pv) }, func() error {
-				if _, err := os.Lstat(filepath.Join(f.src, pv.Spec.CSI.VolumeAttributes["path"])); !errors.Is(err, os.ErrNotExist) {
-					return fmt.Errorf("volume directory: %v", err)
-				}
-				if got := f.trashEntries(t); len(got) != 1 || got[0] != pv.Name {
-					return fmt.Errorf("trash %v, want [%s]", got, pv.Name)
-				}
+			return func() error { return p.Delete(context.Background(), pv) }, trashed(t, f, pv)
+		}},
+		// A copy made for a claim that was deleted meanwhile: discarded as a deleted volume is.
+		{"discarded copy", 20_000, func(t *testing.T, f *trashFixture, p *Provisioner, pv *v1.PersistentVolume) (func() error, func() error) {
+			attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
+			must(t, err)
+			return func() error {
+				p.discardVolume(klog.Background(), attrs, nil, claimOf(pv), made{created: true})
 				return nil
-			}
+			}, trashed(t, f, pv)
 		}},
 		{"snapshot", 20_000, func(t *testing.T, f *trashFixture, p *Provisioner, pv *v1.PersistentVolume) (func() error, func() error) {
 			s := startSnapshotter(t, p, pv)
@@ -210,49 +224,4 @@ func TestTrashResumedAfterRestart(t *testing.T) {
 	second := f.start(t)
 	f.provision(t, second, "new")
 	f.waitTrashEmpty(t, second, time.Minute)
-}
-
-// No pathPattern can name a volume after dirpv's own directories.
-func TestPatternCannotProduceTrash(t *testing.T) {
-	for _, pat := range []string{export.TrashDir, export.TrashDir + "/${pv.metadata.name}", ".dirpv-x-${pv.metadata.name}", "${pvc.metadata.annotations['dir']}"} {
-		p, err := parsePattern(pat)
-		if err != nil {
-			t.Fatalf("parse %q: %v", pat, err)
-		}
-		got, err := p.expand(pathVars{namespace: "ns", pvcName: "c", pvName: "pv", annotations: map[string]string{"dir": export.TrashDir}})
-		if err == nil {
-			t.Errorf("pattern %q expands to %q, want it refused", pat, got)
-		}
-	}
-}
-
-// A big NFS copy made for a claim that was deleted meanwhile is discarded through the trash,
-// as a deleted volume is: the call returns within the operation timeout and the tree is
-// removed in the background.
-func TestNFSDiscardedCopyGoesToTheTrash(t *testing.T) {
-	const timeout, files = 2 * time.Second, 20_000
-	f := newTrashFixture(t, timeout)
-	p := f.start(t)
-	pv := f.provision(t, p, "copy")
-	attrs, err := volume.ParseAttributes(pv.Spec.CSI.VolumeAttributes)
-	must(t, err)
-	must(t, framework.FillEmptyFiles(filepath.Join(f.src, attrs.Path), files))
-	release := make(chan struct{})
-	p.exports.HoldSteps(func() { <-release })
-	start := time.Now()
-	p.discardVolume(klog.Background(), attrs, nil, claimOf(pv), made{created: true})
-	if d := time.Since(start); d >= timeout {
-		t.Errorf("discarding the copy took %v, operation timeout %v", d, timeout)
-	}
-	if _, err := os.Lstat(filepath.Join(f.src, attrs.Path)); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("the discarded copy after the call: %v, want it gone from its name", err)
-	}
-	if got := f.trashEntries(t); len(got) != 1 || got[0] != pv.Name {
-		t.Errorf("trash = %v, want [%s], removed in the background", got, pv.Name)
-	}
-	close(release)
-	f.waitTrashEmpty(t, p, 2*time.Minute)
-	if n := f.m.Mounts.Load(); n != 1 {
-		t.Errorf("export mounted %d times, want once", n)
-	}
 }

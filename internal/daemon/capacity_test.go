@@ -45,9 +45,7 @@ func TestFilteredClasses(t *testing.T) {
 	factory := informers.NewSharedInformerFactory(fake.NewClientset(), 0)
 	inf := factory.Storage().V1().StorageClasses()
 	for _, c := range []*storagev1.StorageClass{keep, drop} {
-		if err := inf.Informer().GetIndexer().Add(c); err != nil {
-			t.Fatal(err)
-		}
+		must(t, inf.Informer().GetIndexer().Add(c))
 	}
 	f := filteredClasses{inf, func(c *storagev1.StorageClass) bool { return c.Name == "keep" }}
 	all, err := f.Lister().List(labels.Everything())
@@ -88,9 +86,7 @@ func TestCapacityPublisherWaitsForItsOwner(t *testing.T) {
 	p, err := provisioner.New(provisioner.Config{DriverName: DriverName, Role: provisioner.RoleController, Client: fake.NewClientset(),
 		Classes: informers.NewSharedInformerFactory(fake.NewClientset(), 0).Storage().V1().StorageClasses().Lister(),
 		WorkDir: t.TempDir(), Mounter: mount.NewFakeMounter(nil)})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	missing := 20
 	owner := &metav1.OwnerReference{Kind: "CSIDriver", Name: DriverName, UID: types.UID("uid-1")}
 	c := &capacityPublisher{p: p, timeout: time.Second, retryFirst: time.Millisecond, retryMax: 4 * time.Millisecond,

@@ -14,14 +14,20 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 )
 
+// must stops the test on err.
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 // serve runs the process's HTTP server on a free loopback address until the test ends, with
 // healthy as its health check, and returns the address once it answers.
 func serve(t *testing.T, cfg httpConfig, healthy func() error) string {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	cfg.address = l.Addr().String()
 	l.Close()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -50,16 +56,18 @@ func serve(t *testing.T, cfg httpConfig, healthy func() error) string {
 
 // /healthz answers 503 with the reason while the process reports itself unhealthy, which is
 // what makes kubelet's liveness probe restart it, and 200 again once it recovers.
-func TestHealthzFollowsTheHealthCheck(t *testing.T) {
+// /debug/pprof/ is served only with --profiling: a heap profile is what tells where a
+// process's memory goes, and is not something every scraper of /metrics should be able to pull.
+func TestHealthzAndProfiling(t *testing.T) {
 	var wedged atomic.Bool
-	addr := serve(t, httpConfig{}, func() error {
+	healthy := func() error {
 		if wedged.Load() {
 			return errors.New("NFS exports wedged")
 		}
 		return nil
-	})
-	get := func() (int, string) {
-		resp, err := http.Get("http://" + addr + "/healthz")
+	}
+	get := func(addr, path string) (int, string) {
+		resp, err := http.Get("http://" + addr + path)
 		if err != nil {
 			return 0, err.Error()
 		}
@@ -67,16 +75,23 @@ func TestHealthzFollowsTheHealthCheck(t *testing.T) {
 		b, _ := io.ReadAll(resp.Body)
 		return resp.StatusCode, string(b)
 	}
-	if code, body := get(); code != http.StatusOK {
-		t.Errorf("healthy: /healthz answered %d %q, want 200", code, body)
-	}
-	wedged.Store(true)
-	if code, body := get(); code != http.StatusServiceUnavailable || !strings.Contains(body, "NFS exports wedged") {
-		t.Errorf("unhealthy: /healthz answered %d %q, want 503 with the reason", code, body)
-	}
-	wedged.Store(false)
-	if code, body := get(); code != http.StatusOK {
-		t.Errorf("recovered: /healthz answered %d %q, want 200", code, body)
+	for _, profiling := range []bool{false, true} {
+		addr := serve(t, httpConfig{profiling: profiling}, healthy)
+		want := map[bool]int{false: http.StatusNotFound, true: http.StatusOK}[profiling]
+		if code, _ := get(addr, "/debug/pprof/heap"); code != want {
+			t.Errorf("profiling=%v: /debug/pprof/heap answered %d, want %d", profiling, code, want)
+		}
+		if code, body := get(addr, "/healthz"); code != http.StatusOK {
+			t.Errorf("healthy: /healthz answered %d %q, want 200", code, body)
+		}
+		wedged.Store(true)
+		if code, body := get(addr, "/healthz"); code != http.StatusServiceUnavailable || !strings.Contains(body, "NFS exports wedged") {
+			t.Errorf("unhealthy: /healthz answered %d %q, want 503 with the reason", code, body)
+		}
+		wedged.Store(false)
+		if code, body := get(addr, "/healthz"); code != http.StatusOK {
+			t.Errorf("recovered: /healthz answered %d %q, want 200", code, body)
+		}
 	}
 }
 
@@ -93,22 +108,6 @@ func TestRefuseOldKernelAtStartup(t *testing.T) {
 	} {
 		if err := run(); !errors.Is(err, tooOld) {
 			t.Errorf("%s started on an old kernel: %v", name, err)
-		}
-	}
-}
-
-// /debug/pprof/ is served only with --profiling: a heap profile is what tells where a
-// process's memory goes, and is not something every scraper of /metrics should be able to pull.
-func TestProfilingOnlyWhenAsked(t *testing.T) {
-	for _, profiling := range []bool{false, true} {
-		addr := serve(t, httpConfig{profiling: profiling}, nil)
-		resp, err := http.Get("http://" + addr + "/debug/pprof/heap")
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		if want := map[bool]int{false: http.StatusNotFound, true: http.StatusOK}[profiling]; resp.StatusCode != want {
-			t.Errorf("profiling=%v: /debug/pprof/heap answered %d, want %d", profiling, resp.StatusCode, want)
 		}
 	}
 }

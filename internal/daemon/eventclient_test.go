@@ -26,19 +26,15 @@ func TestEventsHaveTheirOwnRateLimiter(t *testing.T) {
 	}))
 	defer srv.Close()
 	kubeconfig := filepath.Join(t.TempDir(), "kubeconfig")
-	if err := os.WriteFile(kubeconfig, []byte(fmt.Sprintf(`apiVersion: v1
+	must(t, os.WriteFile(kubeconfig, []byte(fmt.Sprintf(`apiVersion: v1
 kind: Config
 clusters: [{name: c, cluster: {server: %q}}]
 users: [{name: u, user: {}}]
 contexts: [{name: c, context: {cluster: c, user: u}}]
 current-context: c
-`, srv.URL)), 0o600); err != nil {
-		t.Fatal(err)
-	}
+`, srv.URL)), 0o600))
 	client, err := KubeConfig{Path: kubeconfig, QPS: 1.0 / 86400, Burst: 1}.client()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	pv := func(name string) error {

@@ -91,9 +91,7 @@ func TestHideNodeContents(t *testing.T) {
 				t.Errorf("node to label for %q, want %q", node, tc.wantNode)
 			}
 			obj, err := hideNodeContents(tc.content)
-			if err != nil {
-				t.Fatal(err)
-			}
+			must(t, err)
 			if got := obj.(*snapshotv1.VolumeSnapshotContent).Spec.Driver; got != tc.wantDriver {
 				t.Errorf("driver seen by the controller's sidecar %q, want %q", got, tc.wantDriver)
 			}

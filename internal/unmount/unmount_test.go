@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -21,12 +22,7 @@ func isMounted(t *testing.T, dir string) bool {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, mp := range mps {
-		if mp.Path == dir {
-			return true
-		}
-	}
-	return false
+	return slices.ContainsFunc(mps, func(mp mount.MountPoint) bool { return mp.Path == dir })
 }
 
 // A forced unmount that fails leaves the lazy one to take the mount away; one that works is
@@ -70,16 +66,7 @@ func TestForceThenLazy(t *testing.T) {
 		return errors.New(what + " hangs")
 	}
 	_, err = ForceThenLazy(context.Background(), dir, Force(dir), time.Second, time.Second, failing)
-	if err == nil || !errorsContain(err, "forced unmount", "lazy unmount") {
+	if err == nil || !strings.Contains(err.Error(), "forced unmount") || !strings.Contains(err.Error(), "lazy unmount") {
 		t.Fatalf("both steps failing: %v, want both errors", err)
 	}
-}
-
-func errorsContain(err error, parts ...string) bool {
-	for _, p := range parts {
-		if !strings.Contains(err.Error(), p) {
-			return false
-		}
-	}
-	return true
 }
