@@ -65,9 +65,7 @@ func TestMkdirAllRefusesToNestInsideAnotherVolume(t *testing.T) {
 		if !errors.Is(err, ErrInsideVolume) {
 			t.Fatalf("volume inside another volume: err %v, want ErrInsideVolume", err)
 		}
-		if _, err := os.Lstat(filepath.Join(base, "finance/victim")); !os.IsNotExist(err) {
-			t.Errorf("finance/victim exists after the refusal: %v", err)
-		}
+		absent(t, filepath.Join(base, "finance/victim"), "finance/victim exists after the refusal")
 		_, err = r.MkdirAll("finance/a/b/victim", owner, claimB)
 		if !errors.Is(err, ErrInsideVolume) {
 			t.Fatalf("volume deep inside another volume: err %v, want ErrInsideVolume", err)
@@ -117,19 +115,32 @@ func sameTree(t *testing.T, what string, before, after map[string]string) {
 	}
 }
 
-// A pattern without ${pv.metadata.name} maps claims to directories by name alone. The claim a
-// directory was made for gets it back when it asks again (its PV was never saved); any other
-// claim is refused and nothing on disk changes.
+// A volume gets exactly the class's mode and owner, whatever the umask; its parents stay
+// root's. A pattern without ${pv.metadata.name} maps claims to directories by name alone. The
+// claim a directory was made for gets it back when it asks again (its PV was never saved), as
+// it is; any other claim is refused and nothing on disk changes.
 func TestMkdirAllAdoptsOnlyItsOwnClaimsDirectory(t *testing.T) {
 	forEachMarker(t, func(t *testing.T, r *Root, base string) {
 		owner := Owner{Mode: 0o2770, UID: 1234, GID: 5678}
-		if created, err := r.MkdirAll("ns/db", owner, claimA); err != nil || !created {
+		umask := unix.Umask(0o077)
+		created, err := r.MkdirAll("ns/db", owner, claimA)
+		unix.Umask(umask)
+		if err != nil || !created {
 			t.Fatalf("MkdirAll = %v %v", created, err)
+		}
+		var st unix.Stat_t
+		must(t, unix.Stat(filepath.Join(base, "ns/db"), &st))
+		if st.Mode&0o7777 != 0o2770 || st.Uid != 1234 || st.Gid != 5678 {
+			t.Errorf("volume mode %o owner %d:%d, want 2770 1234:5678 despite umask 077", st.Mode&0o7777, st.Uid, st.Gid)
+		}
+		must(t, unix.Stat(filepath.Join(base, "ns"), &st))
+		if st.Uid != 0 {
+			t.Errorf("parent owner = %d, want root: only the volume itself belongs to the class's uid", st.Uid)
 		}
 		must(t, os.WriteFile(filepath.Join(base, "ns/db/data"), []byte("a's data"), 0o600))
 		before := tree(t, base)
 
-		created, err := r.MkdirAll("ns/db", Owner{Mode: 0o700, UID: 1, GID: 1}, claimA)
+		created, err = r.MkdirAll("ns/db", Owner{Mode: 0o700, UID: 1, GID: 1}, claimA)
 		if err != nil || created {
 			t.Fatalf("same claim again: created %v err %v, want adopted", created, err)
 		}
@@ -239,9 +250,7 @@ func TestCrashLeftoversAreNotVolumes(t *testing.T) {
 		if created, err := r.MkdirAll("ns/db", owner, claimA); err != nil || !created {
 			t.Fatalf("retry: %v %v", created, err)
 		}
-		if _, err := os.Lstat(filepath.Join(base, "ns", leftover)); !os.IsNotExist(err) {
-			t.Errorf("leftover still there after the retry: %v", err)
-		}
+		absent(t, filepath.Join(base, "ns", leftover), "leftover still there after the retry")
 		if entries, err := os.ReadDir(filepath.Join(base, "ns/db")); err != nil || len(entries) != 0 {
 			t.Errorf("retried volume holds %v (%v), want it empty", entries, err)
 		}
@@ -284,9 +293,7 @@ func TestCrashAfterPlaceholderIsRetried(t *testing.T) {
 		if got, _, err := r.VolumeOwner("ns/db"); err != nil || got != claimA {
 			t.Errorf("volume's owner %+v (%v), want claim A", got, err)
 		}
-		if _, err := os.Lstat(filepath.Join(base, "ns", tempName(claimA, "db"))); !os.IsNotExist(err) {
-			t.Errorf("temporary directory still there: %v", err)
-		}
+		absent(t, filepath.Join(base, "ns", tempName(claimA, "db")), "temporary directory still there")
 
 		crash("full", true)
 		var exists *ExistsError
@@ -314,9 +321,7 @@ func TestMarkerFollowsItsVolume(t *testing.T) {
 	forEachMarker(t, func(t *testing.T, r *Root, base string) {
 		owner := Owner{Mode: 0o755, UID: -1, GID: -1}
 		for _, rel := range []string{"ns/a", "ns/b"} {
-			if _, err := r.MkdirAll(rel, owner, claimA); err != nil {
-				t.Fatal(err)
-			}
+			mkVolume(t, r, rel, owner, claimA)
 		}
 		must(t, renameVolume(r, "ns/a", "archived-a"))
 		must(t, r.Mkdir(".dirpv-trash", 0o700))
