@@ -118,10 +118,8 @@ func TestBaseThatHeldVolumesMustKeepItsFileSystem(t *testing.T) {
 		f.unmount()
 		other := filepath.Join(filepath.Dir(f.base), "other")
 		must(t, os.Mkdir(other, 0o755))
-		otherRoot, err := OpenRoot(other)
-		must(t, err)
+		otherRoot := rootAt(t, other)
 		otherRoot.xattr = f.xattr
-		defer otherRoot.Close()
 		must(t, NewBaseRecords(t.TempDir()).Check(other, otherRoot))
 		must(t, unix.Mount(other, f.base, "", unix.MS_BIND, ""))
 		f.mounted = true

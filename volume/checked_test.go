@@ -35,9 +35,7 @@ func renameVolume(r *Root, rel, newName string) error {
 func replace(t *testing.T, r *Root, base, rel string, claim Claim) {
 	t.Helper()
 	must(t, os.RemoveAll(filepath.Join(base, rel)))
-	if _, err := r.MkdirAll(rel, Owner{Mode: 0o755, UID: -1, GID: -1}, claim); err != nil {
-		t.Fatal(err)
-	}
+	mkVolume(t, r, rel, Owner{Mode: 0o755, UID: -1, GID: -1}, claim)
 	must(t, os.WriteFile(filepath.Join(base, rel, "data"), []byte("new"), 0o644))
 }
 
@@ -67,9 +65,7 @@ func TestCheckedVolumeReplacedIsLeftAlone(t *testing.T) {
 	for what, act := range acts {
 		t.Run(what, func(t *testing.T) {
 			forEachMarker(t, func(t *testing.T, r *Root, base string) {
-				if _, err := r.MkdirAll("ns/a", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA); err != nil {
-					t.Fatal(err)
-				}
+				mkVolume(t, r, "ns/a", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA)
 				must(t, r.Mkdir(".dirpv-trash", 0o700))
 				v, err := r.OpenVolume("ns/a")
 				must(t, err)
@@ -104,9 +100,7 @@ func TestCheckedVolumeReplacedIsLeftAlone(t *testing.T) {
 // left behind, the private one included.
 func TestCheckedVolumeRemovalResumed(t *testing.T) {
 	forEachMarker(t, func(t *testing.T, r *Root, base string) {
-		if _, err := r.MkdirAll("ns/a", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA); err != nil {
-			t.Fatal(err)
-		}
+		mkVolume(t, r, "ns/a", Owner{Mode: 0o755, UID: -1, GID: -1}, claimA)
 		must(t, os.MkdirAll(filepath.Join(base, "ns/a/sub"), 0o755))
 		v, err := r.OpenVolume("ns/a")
 		must(t, err)

@@ -29,12 +29,7 @@ func TestCopyMemoryBounded(t *testing.T) {
 	dir := mountTmpfs(t, "size=512m,nr_inodes=1m")
 	base := filepath.Join(dir, "base")
 	must(t, os.Mkdir(base, 0o755))
-	r, err := OpenRoot(base)
-	must(t, err)
-	defer r.Close()
-	if _, err := r.MkdirAll("src", Owner{Mode: 0o755}, Claim{UID: "src"}); err != nil {
-		t.Fatal(err)
-	}
+	r := srcRoot(t, base)
 	big := filepath.Join(base, "src", "big")
 	must(t, os.Mkdir(big, 0o755))
 	dfd, err := unix.Open(big, unix.O_RDONLY|unix.O_DIRECTORY, 0)
@@ -63,9 +58,7 @@ func TestCopyMemoryBounded(t *testing.T) {
 	peak := idle
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
+	wg.Go(func() {
 		tick := time.NewTicker(2 * time.Millisecond)
 		defer tick.Stop()
 		for {
@@ -78,7 +71,7 @@ func TestCopyMemoryBounded(t *testing.T) {
 			case <-tick.C:
 			}
 		}
-	}()
+	})
 	start := time.Now()
 	_, _, stats, err := r.MkdirAllFrom(context.Background(), "clone", Claim{UID: "clone"}, 0, Source{Root: r, Rel: "src"})
 	close(stop)
@@ -167,11 +160,7 @@ func TestCopyWhereOffsetsAreLost(t *testing.T) {
 // still copies every file whole with its attributes.
 func TestMkdirAllFromCopiesFilesAtOnce(t *testing.T) {
 	dir := t.TempDir()
-	r, err := OpenRoot(dir)
-	must(t, err)
-	defer r.Close()
-	_, err = r.MkdirAll("src", Owner{Mode: 0o755}, Claim{UID: "src"})
-	must(t, err)
+	r := srcRoot(t, dir)
 	for i := range 32 {
 		p := filepath.Join(dir, "src", fmt.Sprintf("f%02d", i))
 		must(t, os.WriteFile(p, bytes.Repeat([]byte{byte(i)}, i*1000), 0o640))
@@ -225,9 +214,7 @@ func TestMkdirAllFromCopiesFilesAtOnce(t *testing.T) {
 // file: the copy of an empty file does not open its source, so it checks its kind by name.
 func TestMkdirAllFromEmptyFileReplaced(t *testing.T) {
 	dir := t.TempDir()
-	r, err := OpenRoot(dir)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, dir)
 	t.Cleanup(func() { copyFileStarted = nil })
 	for kind, replace := range map[string]func(string) error{
 		"fifo":    func(p string) error { return unix.Mkfifo(p, 0o644) },
@@ -235,8 +222,7 @@ func TestMkdirAllFromEmptyFileReplaced(t *testing.T) {
 		"dir":     func(p string) error { return os.Mkdir(p, 0o755) },
 	} {
 		src := "src-" + kind
-		_, err = r.MkdirAll(src, Owner{Mode: 0o755}, Claim{UID: src})
-		must(t, err)
+		mkVolume(t, r, src, Owner{Mode: 0o755}, Claim{UID: src})
 		e := filepath.Join(dir, src, "e")
 		must(t, os.WriteFile(e, nil, 0o644))
 		copyFileStarted = func() {

@@ -5,11 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -116,19 +114,14 @@ type copyBase struct {
 	outside string
 }
 
-func newCopyBase(t testing.TB, dir string) *copyBase {
+func newCopyBase(t *testing.T, dir string) *copyBase {
 	t.Helper()
 	b := &copyBase{base: filepath.Join(dir, "base"), outside: filepath.Join(dir, "outside")}
 	must(t, os.MkdirAll(b.base, 0o755))
 	must(t, os.WriteFile(b.outside, []byte("secret"), 0o600))
 	must(t, os.Chtimes(b.outside, oldTime, oldTime))
-	r, err := OpenRoot(b.base)
-	must(t, err)
-	t.Cleanup(func() { r.Close() })
-	b.root = r
-	if _, err := r.MkdirAll("ns/src", Owner{Mode: 0o2750, UID: 1000, GID: 2000}, Claim{UID: "src-uid", PVName: "pv-src"}); err != nil {
-		t.Fatal(err)
-	}
+	b.root = rootAt(t, b.base)
+	mkVolume(t, b.root, "ns/src", Owner{Mode: 0o2750, UID: 1000, GID: 2000}, Claim{UID: "src-uid", PVName: "pv-src"})
 	writeEveryKind(t, filepath.Join(b.base, "ns/src"), b.outside)
 	return b
 }
@@ -150,6 +143,14 @@ func noTemp(t testing.TB, dir string) {
 			t.Errorf("temporary directory %s left in %s", e.Name(), dir)
 		}
 	}
+}
+
+// srcRoot opens a Root on dir for the test's lifetime, with an empty source volume "src".
+func srcRoot(t *testing.T, dir string) *Root {
+	t.Helper()
+	r := rootAt(t, dir)
+	mkVolume(t, r, "src", Owner{Mode: 0o755}, Claim{UID: "src"})
+	return r
 }
 
 // TestMkdirAllFromCopiesEveryKind: a copy holds the same tree as its source (names, kinds,
@@ -219,21 +220,30 @@ func TestMkdirAllFromCopiesEveryKind(t *testing.T) {
 }
 
 // TestMkdirAllFromRefusesEscapes: a source reached through a symlink is refused, whether it
-// leads outside the base or not, and nothing is made.
+// leads outside the base or not, and a cancelled copy fails with the context's error; nothing
+// is made.
 func TestMkdirAllFromRefusesEscapes(t *testing.T) {
 	dir := t.TempDir()
 	b := newCopyBase(t, dir)
 	must(t, os.Mkdir(filepath.Join(dir, "elsewhere"), 0o755))
 	must(t, os.Symlink(filepath.Join(dir, "elsewhere"), filepath.Join(b.base, "ns/escape")))
 	must(t, os.Symlink("src", filepath.Join(b.base, "ns/alias")))
-	for _, rel := range []string{"ns/escape", "ns/alias", "ns/../../elsewhere", "ns/missing"} {
-		_, _, _, err := b.root.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "u"}, 0, Source{Root: b.root, Rel: rel})
-		if err == nil {
-			t.Errorf("copy from %s: no error", rel)
+	cancelled, cancel := context.WithCancel(context.Background())
+	cancel()
+	for _, tc := range []struct {
+		rel  string
+		ctx  context.Context
+		want error
+	}{
+		{"ns/escape", context.Background(), nil}, {"ns/alias", context.Background(), nil},
+		{"ns/../../elsewhere", context.Background(), nil}, {"ns/missing", context.Background(), nil},
+		{"ns/src", cancelled, context.Canceled},
+	} {
+		_, _, _, err := b.root.MkdirAllFrom(tc.ctx, "ns/copy", Claim{UID: "u"}, 0, Source{Root: b.root, Rel: tc.rel})
+		if err == nil || tc.want != nil && !errors.Is(err, tc.want) {
+			t.Errorf("copy from %s: %v, want an error (%v)", tc.rel, err, tc.want)
 		}
-		if _, err := os.Lstat(filepath.Join(b.base, "ns/copy")); !errors.Is(err, os.ErrNotExist) {
-			t.Errorf("copy from %s: a volume was made (%v)", rel, err)
-		}
+		absent(t, filepath.Join(b.base, "ns/copy"), "copy from "+tc.rel+": a volume was made")
 	}
 	noTemp(t, filepath.Join(b.base, "ns"))
 }
@@ -241,6 +251,16 @@ func TestMkdirAllFromRefusesEscapes(t *testing.T) {
 // TestMkdirAllFromDoesNotCrossMounts: a mount inside the source, of a directory or of a single
 // file, stops the copy with ErrMountInSource; nothing is left, and what is mounted is not read.
 func TestMkdirAllFromDoesNotCrossMounts(t *testing.T) {
+	bindFile := func(data []byte) func(t *testing.T, mnt string) {
+		return func(t *testing.T, mnt string) {
+			secret := filepath.Join(t.TempDir(), "secret")
+			must(t, os.WriteFile(secret, data, 0o600))
+			must(t, unix.Setxattr(secret, "user.secret", []byte("outside"), 0))
+			must(t, os.WriteFile(mnt, nil, 0o644))
+			must(t, unix.Mount(secret, mnt, "", unix.MS_BIND, ""))
+			t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
+		}
+	}
 	for _, tc := range []struct {
 		name  string
 		mount func(t *testing.T, mnt string)
@@ -251,21 +271,8 @@ func TestMkdirAllFromDoesNotCrossMounts(t *testing.T) {
 			t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
 			must(t, os.WriteFile(filepath.Join(mnt, "other"), []byte("another file system"), 0o644))
 		}},
-		{"file", func(t *testing.T, mnt string) {
-			secret := filepath.Join(t.TempDir(), "secret")
-			must(t, os.WriteFile(secret, []byte("a file outside the source"), 0o644))
-			must(t, os.WriteFile(mnt, nil, 0o644))
-			must(t, unix.Mount(secret, mnt, "", unix.MS_BIND, ""))
-			t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
-		}},
-		{"empty file", func(t *testing.T, mnt string) { // copied without being opened
-			secret := filepath.Join(t.TempDir(), "empty")
-			must(t, os.WriteFile(secret, nil, 0o600))
-			must(t, unix.Setxattr(secret, "user.secret", []byte("outside"), 0))
-			must(t, os.WriteFile(mnt, nil, 0o644))
-			must(t, unix.Mount(secret, mnt, "", unix.MS_BIND, ""))
-			t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
-		}},
+		{"file", bindFile([]byte("a file outside the source"))},
+		{"empty file", bindFile(nil)}, // copied without being opened
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			b := newCopyBase(t, t.TempDir())
@@ -274,9 +281,7 @@ func TestMkdirAllFromDoesNotCrossMounts(t *testing.T) {
 			if !errors.Is(err, ErrMountInSource) {
 				t.Fatalf("copy across a mount: %v, want ErrMountInSource", err)
 			}
-			if _, err := os.Lstat(filepath.Join(b.base, "ns/copy")); !errors.Is(err, os.ErrNotExist) {
-				t.Errorf("a volume was made: %v", err)
-			}
+			absent(t, filepath.Join(b.base, "ns/copy"), "a volume was made")
 			noTemp(t, filepath.Join(b.base, "ns"))
 		})
 	}
@@ -289,14 +294,8 @@ func TestMkdirAllFromBigTrees(t *testing.T) {
 		t.Skip("100k files")
 	}
 	// tmpfs: making 100k files on a disk takes longer than copying them.
-	dir := t.TempDir()
-	must(t, unix.Mount("tmpfs", dir, "tmpfs", 0, "size=512m"))
-	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
-	r, err := OpenRoot(dir)
-	must(t, err)
-	defer r.Close()
-	_, err = r.MkdirAll("src", Owner{Mode: 0o755}, Claim{UID: "src"})
-	must(t, err)
+	dir := mountTmpfs(t, "size=512m")
+	r := srcRoot(t, dir)
 	src := filepath.Join(dir, "src")
 	for d := 0; d < 100; d++ {
 		sub := filepath.Join(src, fmt.Sprintf("d%02d", d))
@@ -341,11 +340,7 @@ func TestMkdirAllFromBigTrees(t *testing.T) {
 // made and removed all the time) is copied without error, and what was not touched is there.
 func TestMkdirAllFromSourceChanging(t *testing.T) {
 	dir := t.TempDir()
-	r, err := OpenRoot(dir)
-	must(t, err)
-	defer r.Close()
-	_, err = r.MkdirAll("src", Owner{Mode: 0o755}, Claim{UID: "src"})
-	must(t, err)
+	r := srcRoot(t, dir)
 	src := filepath.Join(dir, "src")
 	for d := 0; d < 20; d++ {
 		must(t, os.MkdirAll(filepath.Join(src, "stable", fmt.Sprint(d)), 0o755))
@@ -355,9 +350,7 @@ func TestMkdirAllFromSourceChanging(t *testing.T) {
 	}
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
+	wg.Go(func() {
 		for i := 0; ; i++ {
 			select {
 			case <-stop:
@@ -372,7 +365,7 @@ func TestMkdirAllFromSourceChanging(t *testing.T) {
 				os.RemoveAll(filepath.Join(src, "churn", fmt.Sprint((i+3)%7)))
 			}
 		}
-	}()
+	})
 	for i := 0; i < 5; i++ {
 		name := fmt.Sprint("copy", i)
 		_, _, _, err := r.MkdirAllFrom(context.Background(), name, Claim{UID: name}, 0, Source{Root: r, Rel: "src"})
@@ -389,53 +382,17 @@ func TestMkdirAllFromSourceChanging(t *testing.T) {
 	wg.Wait()
 }
 
-// TestMkdirAllFromCancelled: a cancelled copy fails with the context's error and leaves
-// nothing.
-func TestMkdirAllFromCancelled(t *testing.T) {
-	b := newCopyBase(t, t.TempDir())
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	_, _, _, err := b.root.MkdirAllFrom(ctx, "ns/copy", Claim{UID: "u"}, 0, Source{Root: b.root, Rel: "ns/src"})
-	if !errors.Is(err, context.Canceled) {
-		t.Fatalf("cancelled copy: %v, want context.Canceled", err)
-	}
-	if _, err := os.Lstat(filepath.Join(b.base, "ns/copy")); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("a volume was made: %v", err)
-	}
-	noTemp(t, filepath.Join(b.base, "ns"))
-}
-
-// TestHelperCopyCrash is the process TestMkdirAllFromCrash starts and kills mid-copy.
-func TestHelperCopyCrash(t *testing.T) {
-	base := os.Getenv("DIRPV_TEST_COPY_BASE")
-	if base == "" {
-		t.Skip("run by TestMkdirAllFromCrash")
-	}
-	r, err := OpenRoot(base)
-	must(t, err)
-	_, _, _, err = r.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "copy-uid"}, 0, Source{Root: r, Rel: "ns/src"})
-	t.Fatalf("the copy returned (%v) instead of dying at its failpoint", err)
-}
-
 // TestMkdirAllFromCrash: a process killed in the middle of a copy leaves only the temporary
 // directory, half full; the next attempt removes it and makes a complete copy.
 func TestMkdirAllFromCrash(t *testing.T) {
 	b := newCopyBase(t, t.TempDir())
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperCopyCrash$", "-test.v")
-	cmd.Env = append(os.Environ(), "DIRPV_TEST_COPY_BASE="+b.base, failpoint.Env+"="+failpoint.DuringCopy+":10")
-	out, err := cmd.CombinedOutput()
-	var exit *exec.ExitError
-	if !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
-		t.Fatalf("copy armed to die: %v, want killed\n%s", err, out)
-	}
+	killedAt(t, b.base, "copy", failpoint.DuringCopy+":10")
 	ns := filepath.Join(b.base, "ns")
 	tmp := filepath.Join(ns, tempName(Claim{UID: "copy-uid"}, "copy"))
 	if n, err := os.ReadDir(tmp); err != nil || len(n) == 0 {
 		t.Fatalf("the killed copy left %d entries in %s (%v), want a half copy", len(n), tmp, err)
 	}
-	if _, err := os.Lstat(filepath.Join(ns, "copy")); !errors.Is(err, os.ErrNotExist) {
-		t.Fatalf("the killed copy is in place: %v", err)
-	}
+	absent(t, filepath.Join(ns, "copy"), "the killed copy is in place")
 	created, _, _, err := b.root.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "copy-uid"}, 0, Source{Root: b.root, Rel: "ns/src"})
 	if err != nil || !created {
 		t.Fatalf("copy after the crash = %v, %v", created, err)
@@ -448,31 +405,23 @@ func TestMkdirAllFromCrash(t *testing.T) {
 // leaves nothing, its limit released.
 func TestMkdirAllFromFull(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
-	r, err := OpenRoot(mnt)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, mnt)
 	srcDir := t.TempDir() // another file system: a plain copy
-	sr, err := OpenRoot(srcDir)
-	must(t, err)
-	defer sr.Close()
-	_, err = sr.MkdirAll("src", Owner{Mode: 0o755}, Claim{UID: "src"})
-	must(t, err)
+	sr := srcRoot(t, srcDir)
 	data := make([]byte, 8<<20)
 	for i := range data {
 		data[i] = byte(i * 7)
 	}
 	must(t, os.WriteFile(filepath.Join(srcDir, "src/big"), data, 0o644))
 	before := quotatest.Qgroups(t, mnt)
-	_, _, _, err = r.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "u"}, 2<<20, Source{Root: sr, Rel: "src"})
+	_, _, _, err := r.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "u"}, 2<<20, Source{Root: sr, Rel: "src"})
 	if !errors.Is(err, unix.EDQUOT) && !errors.Is(err, unix.ENOSPC) {
 		t.Fatalf("copy of 8 MiB into 2 MiB: %v, want EDQUOT", err)
 	}
 	if !strings.Contains(err.Error(), "full") {
 		t.Errorf("error does not say the volume is full: %v", err)
 	}
-	if _, err := os.Lstat(filepath.Join(mnt, "ns/copy")); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("a volume was made: %v", err)
-	}
+	absent(t, filepath.Join(mnt, "ns/copy"), "a volume was made")
 	noTemp(t, filepath.Join(mnt, "ns"))
 	if after := quotatest.Qgroups(t, mnt); len(after) != len(before) {
 		t.Errorf("qgroups %v after the failed copy, want %v", after, before)
@@ -483,9 +432,7 @@ func TestMkdirAllFromFull(t *testing.T) {
 // volume) leaves itself out instead of copying itself without end.
 func TestMkdirAllFromIntoItsSource(t *testing.T) {
 	dir := t.TempDir()
-	r, err := OpenRoot(dir)
-	must(t, err)
-	defer r.Close()
+	r := rootAt(t, dir)
 	must(t, os.MkdirAll(filepath.Join(dir, "ns/data"), 0o755))
 	must(t, os.WriteFile(filepath.Join(dir, "ns/data/f"), []byte("f"), 0o644))
 	_, _, stats, err := r.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "u"}, 0, Source{Root: r, Rel: "ns"})
@@ -495,7 +442,5 @@ func TestMkdirAllFromIntoItsSource(t *testing.T) {
 	if stats.Dirs != 1 || stats.Files != 1 {
 		t.Errorf("stats %+v, want only data/ and data/f copied", stats)
 	}
-	if _, err := os.Lstat(filepath.Join(dir, "ns/copy/copy")); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("the copy holds itself: %v", err)
-	}
+	absent(t, filepath.Join(dir, "ns/copy/copy"), "the copy holds itself")
 }

@@ -36,9 +36,7 @@ func projectOfPath(t *testing.T, p string) uint32 {
 func TestFindEscapesMovesFilesBackIntoTheirProject(t *testing.T) {
 	mnt := quotatest.XFS(t)
 	r := rootAt(t, mnt)
-	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755, UID: 1000, GID: 1000}, claimA); err != nil {
-		t.Fatal(err)
-	}
+	mkVolume(t, r, "ns/vol", Owner{Mode: 0o755, UID: 1000, GID: 1000}, claimA)
 	// The volume as MkdirAllLimited makes it where quotas are on: its project on the directory,
 	// inherited, and named by its marker.
 	const project = 4242
@@ -104,42 +102,5 @@ echo new > a/new
 	}
 	if e, err := v.FindEscapes(context.Background(), true); err != nil || e.Found != 0 {
 		t.Errorf("second check: %+v, %v; want nothing found", e, err)
-	}
-}
-
-// A tenant of a limited btrfs volume makes nested subvolumes, one inside a directory, one in
-// another: FindEscapes reports the two made in the volume itself (the third is inside one of
-// them), with the path of one of them relative to the volume, and leaves them as they are.
-func TestFindEscapesReportsNestedSubvolumes(t *testing.T) {
-	mnt := quotatest.Btrfs(t, true)
-	r := rootAt(t, mnt)
-	if _, _, err := r.MkdirAllLimited("ns/vol", Owner{Mode: 0o755, UID: 1000, GID: 1000}, claimA, 16<<20); err != nil {
-		t.Fatal(err)
-	}
-	v, err := r.OpenVolume("ns/vol")
-	must(t, err)
-	defer v.Close()
-	if e, err := v.FindEscapes(context.Background(), true); err != nil || e.Found != 0 || e.Kind != quota.Btrfs {
-		t.Fatalf("check of the new volume: %+v, %v; want a btrfs volume with nothing found", e, err)
-	}
-	vol := filepath.Join(mnt, "ns/vol")
-	if out, err := asTenant(vol, `set -e
-mkdir -p d/e
-btrfs subvolume create d/e/sub
-btrfs subvolume create d/e/sub/inner
-btrfs subvolume create other
-`); err != nil {
-		t.Fatalf("tenant's nested subvolumes: %v\n%s", err, out)
-	}
-	e, err := v.FindEscapes(context.Background(), true)
-	must(t, err)
-	t.Logf("found %+v", e)
-	if e.Found != 2 || e.Repaired != 0 || !slices.Contains([]string{"d/e/sub", "other"}, e.Example) {
-		t.Errorf("FindEscapes = %+v; want 2 nested subvolumes found, none repaired, the example d/e/sub or other", e)
-	}
-	for _, p := range []string{"d/e/sub/inner", "other"} {
-		if st, err := os.Stat(filepath.Join(vol, p)); err != nil || !st.IsDir() {
-			t.Errorf("nested subvolume %s after the check: %v", p, err)
-		}
 	}
 }

@@ -2,11 +2,11 @@ package volume
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -53,13 +53,16 @@ func subvolumeID(t *testing.T, fs *quota.FS, p string) uint64 {
 }
 
 // A tenant (UID 1000, no capability) of a limited btrfs volume makes subvolumes inside it,
-// one nested in another, writes beyond the volume's limit into them, and fills the volume
-// itself up to its limit. Delete's removal of the volume (Volume.Remove with its quota ID)
-// must still take everything: the volume's directory and every nested subvolume gone, nothing
-// left in the base, no qgroup of any of them left behind, and the file system's used space
-// back to what it was before the tenant wrote. Delete releases the volume's own qgroup; those
-// of the nested subvolumes the kernel drops with them (6.18 does; older kernels may leave them,
-// empty and unlimited, and fail this test's last qgroup check).
+// one inside a directory with another nested in it, one in the volume itself, writes beyond
+// the volume's limit into them, and fills the volume itself up to its limit. FindEscapes
+// reports the two made in the volume (the third is inside one of them), with the path of one
+// of them relative to the volume, and leaves them as they are. Delete's removal of the volume
+// (Volume.Remove with its quota ID) must still take everything: the volume's directory and
+// every nested subvolume gone, nothing left in the base, no qgroup of any of them left behind,
+// and the file system's used space back to what it was before the tenant wrote. Delete
+// releases the volume's own qgroup; those of the nested subvolumes the kernel drops with them
+// (6.18 does; older kernels may leave them, empty and unlimited, and fail this test's last
+// qgroup check).
 func TestRemoveLimitedVolumeWithNestedSubvolumesAtItsLimit(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	r := rootAt(t, mnt)
@@ -71,18 +74,35 @@ func TestRemoveLimitedVolumeWithNestedSubvolumesAtItsLimit(t *testing.T) {
 	vol := filepath.Join(mnt, "ns/vol")
 	quotatest.Qgroups(t, mnt) // settles the file system, so that the figure below is stable
 	usedBefore := usedBytes(t, mnt)
+	v, err := r.OpenVolume("ns/vol")
+	must(t, err)
+	if e, err := v.FindEscapes(context.Background(), true); err != nil || e.Found != 0 || e.Kind != quota.Btrfs {
+		t.Fatalf("check of the new volume: %+v, %v; want a btrfs volume with nothing found", e, err)
+	}
 
 	// The tenant's escape: subvolumes of its own, with data the volume's qgroup does not count.
 	if out, err := asTenant(vol, `set -e
-btrfs subvolume create sub
-btrfs subvolume create sub/inner
+mkdir -p d/e
+btrfs subvolume create d/e/sub
+btrfs subvolume create d/e/sub/inner
 btrfs subvolume create other
-mkdir sub/dir sub/inner/dir
-dd if=/dev/urandom of=sub/dir/data bs=1M count=20 conv=fsync status=none
-dd if=/dev/urandom of=sub/inner/dir/data bs=1M count=20 conv=fsync status=none
-echo small > sub/inner/note
+mkdir d/e/sub/dir d/e/sub/inner/dir
+dd if=/dev/urandom of=d/e/sub/dir/data bs=1M count=20 conv=fsync status=none
+dd if=/dev/urandom of=d/e/sub/inner/dir/data bs=1M count=20 conv=fsync status=none
+echo small > d/e/sub/inner/note
 `); err != nil {
 		t.Fatalf("tenant's nested subvolumes: %v\n%s", err, out)
+	}
+	e, err := v.FindEscapes(context.Background(), true)
+	must(t, err)
+	t.Logf("found %+v", e)
+	if e.Found != 2 || e.Repaired != 0 || !slices.Contains([]string{"d/e/sub", "other"}, e.Example) {
+		t.Errorf("FindEscapes = %+v; want 2 nested subvolumes found, none repaired, the example d/e/sub or other", e)
+	}
+	for _, p := range []string{"d/e/sub/inner", "other"} {
+		if st, err := os.Stat(filepath.Join(vol, p)); err != nil || !st.IsDir() {
+			t.Errorf("nested subvolume %s after the check: %v", p, err)
+		}
 	}
 	// Then the volume itself up to its limit.
 	out, err := asTenant(vol, `dd if=/dev/urandom of=fill bs=1M count=64 conv=fsync status=none`)
@@ -96,10 +116,10 @@ echo small > sub/inner/note
 	} else {
 		t.Logf("tenant's rm -rf of a nested subvolume at the limit: %v: %s", err, strings.TrimSpace(out))
 	}
-	if _, err := os.Lstat(filepath.Join(vol, "sub/inner/note")); err != nil {
+	if _, err := os.Lstat(filepath.Join(vol, "d/e/sub/inner/note")); err != nil {
 		t.Fatalf("the nested subvolumes are not in place for the removal: %v", err)
 	}
-	groups := map[string]uint64{"volume": id.Num, "sub": subvolumeID(t, fs, filepath.Join(vol, "sub")), "sub/inner": subvolumeID(t, fs, filepath.Join(vol, "sub/inner"))}
+	groups := map[string]uint64{"volume": id.Num, "sub": subvolumeID(t, fs, filepath.Join(vol, "d/e/sub")), "sub/inner": subvolumeID(t, fs, filepath.Join(vol, "d/e/sub/inner"))}
 	if _, err := os.Lstat(filepath.Join(vol, "other")); err == nil {
 		groups["other"] = subvolumeID(t, fs, filepath.Join(vol, "other"))
 	}
@@ -132,17 +152,13 @@ echo small > sub/inner/note
 		t.Errorf("Usage = %+v; want the volume's limit and no more than it used", u)
 	}
 
-	v, err := r.OpenVolume("ns/vol")
-	must(t, err)
 	if err := v.Remove(claimA.PVName, id); err != nil {
 		t.Fatalf("Remove of a volume holding nested subvolumes at its limit: %v", err)
 	}
 	if entries, err := os.ReadDir(filepath.Join(mnt, "ns")); err != nil || len(entries) != 0 {
 		t.Errorf("ns holds %v (%v) after Remove, want nothing", entries, err)
 	}
-	if _, err := os.Lstat(vol); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("volume still there after Remove: %v", err)
-	}
+	absent(t, vol, "volume still there after Remove")
 	qgroups = quotatest.Qgroups(t, mnt)
 	for what, sub := range groups {
 		if limit, ok := qgroups["0/"+strconv.FormatUint(sub, 10)]; ok {

@@ -65,9 +65,7 @@ func TestMkdirAllRefusesToNestInsideAnotherVolume(t *testing.T) {
 		if !errors.Is(err, ErrInsideVolume) {
 			t.Fatalf("volume inside another volume: err %v, want ErrInsideVolume", err)
 		}
-		if _, err := os.Lstat(filepath.Join(base, "finance/victim")); !os.IsNotExist(err) {
-			t.Errorf("finance/victim exists after the refusal: %v", err)
-		}
+		absent(t, filepath.Join(base, "finance/victim"), "finance/victim exists after the refusal")
 		_, err = r.MkdirAll("finance/a/b/victim", owner, claimB)
 		if !errors.Is(err, ErrInsideVolume) {
 			t.Fatalf("volume deep inside another volume: err %v, want ErrInsideVolume", err)
@@ -117,19 +115,32 @@ func sameTree(t *testing.T, what string, before, after map[string]string) {
 	}
 }
 
-// A pattern without ${pv.metadata.name} maps claims to directories by name alone. The claim a
-// directory was made for gets it back when it asks again (its PV was never saved); any other
-// claim is refused and nothing on disk changes.
+// A volume gets exactly the class's mode and owner, whatever the umask; its parents stay
+// root's. A pattern without ${pv.metadata.name} maps claims to directories by name alone. The
+// claim a directory was made for gets it back when it asks again (its PV was never saved), as
+// it is; any other claim is refused and nothing on disk changes.
 func TestMkdirAllAdoptsOnlyItsOwnClaimsDirectory(t *testing.T) {
 	forEachMarker(t, func(t *testing.T, r *Root, base string) {
 		owner := Owner{Mode: 0o2770, UID: 1234, GID: 5678}
-		if created, err := r.MkdirAll("ns/db", owner, claimA); err != nil || !created {
+		umask := unix.Umask(0o077)
+		created, err := r.MkdirAll("ns/db", owner, claimA)
+		unix.Umask(umask)
+		if err != nil || !created {
 			t.Fatalf("MkdirAll = %v %v", created, err)
+		}
+		var st unix.Stat_t
+		must(t, unix.Stat(filepath.Join(base, "ns/db"), &st))
+		if st.Mode&0o7777 != 0o2770 || st.Uid != 1234 || st.Gid != 5678 {
+			t.Errorf("volume mode %o owner %d:%d, want 2770 1234:5678 despite umask 077", st.Mode&0o7777, st.Uid, st.Gid)
+		}
+		must(t, unix.Stat(filepath.Join(base, "ns"), &st))
+		if st.Uid != 0 {
+			t.Errorf("parent owner = %d, want root: only the volume itself belongs to the class's uid", st.Uid)
 		}
 		must(t, os.WriteFile(filepath.Join(base, "ns/db/data"), []byte("a's data"), 0o600))
 		before := tree(t, base)
 
-		created, err := r.MkdirAll("ns/db", Owner{Mode: 0o700, UID: 1, GID: 1}, claimA)
+		created, err = r.MkdirAll("ns/db", Owner{Mode: 0o700, UID: 1, GID: 1}, claimA)
 		if err != nil || created {
 			t.Fatalf("same claim again: created %v err %v, want adopted", created, err)
 		}
@@ -210,15 +221,52 @@ func openNewDir(t *testing.T, r *Root, base, name string) int {
 
 // What a crash leaves between mkdir and the rename into place sits under a reserved name:
 // no pattern can name it, the same claim's next attempt removes it, other claims ignore it.
-func TestCrashLeftoversAreNotVolumes(t *testing.T) {
+// A crash inside the rename into place where the file system has no RENAME_NOREPLACE (NFS)
+// leaves the name claimed by an empty mode-0 directory beside the claim's complete temporary
+// one: the claim's retry removes that placeholder and makes the volume. A placeholder with
+// something in it, or without the claim's temporary directory beside it, is refused as before.
+func TestCrashLeftoversAreRetried(t *testing.T) {
 	forEachMarker(t, func(t *testing.T, r *Root, base string) {
 		owner := Owner{Mode: 0o750, UID: -1, GID: -1}
 		ns := openNewDir(t, r, base, "ns")
-		// The crash: claim A's volume is made and marked under its temporary name, not renamed.
-		leftover := tempName(claimA, "db")
-		if _, err := r.makeMarked(ns, leftover, owner, claimA, 0, nil); err != nil {
-			t.Fatal(err)
+		// crash leaves what claim A's attempt at name leaves when it dies: its volume made and
+		// marked under its temporary name, and, inside the rename, the placeholder, which may
+		// hold a file.
+		crash := func(name string, placeholder, inPlaceholder bool) string {
+			t.Helper()
+			tmp := tempName(claimA, name)
+			if _, err := r.makeMarked(ns, tmp, owner, claimA, 0, nil); err != nil {
+				t.Fatal(err)
+			}
+			if placeholder {
+				must(t, unix.Mkdirat(ns, name, 0))
+			}
+			if inPlaceholder {
+				must(t, os.WriteFile(filepath.Join(base, "ns", name, "data"), nil, 0o600))
+			}
+			return tmp
 		}
+		// retry is claim A's next attempt at name: a fresh, empty volume of its own, the
+		// leftovers gone.
+		retry := func(name string) {
+			t.Helper()
+			if created, err := r.MkdirAll("ns/"+name, owner, claimA); err != nil || !created {
+				t.Fatalf("retry of %s: %v %v", name, created, err)
+			}
+			absent(t, filepath.Join(base, "ns", tempName(claimA, name)), "the temporary directory after the retry")
+			if entries, err := os.ReadDir(filepath.Join(base, "ns", name)); err != nil || len(entries) != 0 {
+				t.Errorf("retried volume %s holds %v (%v), want it empty", name, entries, err)
+			}
+			var st unix.Stat_t
+			if err := unix.Stat(filepath.Join(base, "ns", name), &st); err != nil || st.Mode&0o7777 != 0o750 {
+				t.Errorf("retried volume %s mode %o (%v), want 750", name, st.Mode&0o7777, err)
+			}
+			if got, _, err := r.VolumeOwner("ns/" + name); err != nil || got != claimA {
+				t.Errorf("retried volume %s's owner %+v (%v), want claim A", name, got, err)
+			}
+		}
+
+		leftover := crash("db", false, false)
 		must(t, os.WriteFile(filepath.Join(base, "ns", leftover, "half"), nil, 0o600))
 		if !strings.HasPrefix(leftover, ReservedPrefix) {
 			t.Fatalf("temporary name %q is not reserved", leftover)
@@ -235,60 +283,12 @@ func TestCrashLeftoversAreNotVolumes(t *testing.T) {
 		if _, err := os.Stat(filepath.Join(base, "ns", leftover, "half")); err != nil {
 			t.Errorf("another claim's attempt touched the leftover: %v", err)
 		}
-		// The same claim's retry replaces it with a fresh volume.
-		if created, err := r.MkdirAll("ns/db", owner, claimA); err != nil || !created {
-			t.Fatalf("retry: %v %v", created, err)
-		}
-		if _, err := os.Lstat(filepath.Join(base, "ns", leftover)); !os.IsNotExist(err) {
-			t.Errorf("leftover still there after the retry: %v", err)
-		}
-		if entries, err := os.ReadDir(filepath.Join(base, "ns/db")); err != nil || len(entries) != 0 {
-			t.Errorf("retried volume holds %v (%v), want it empty", entries, err)
-		}
-		var st unix.Stat_t
-		if err := unix.Stat(filepath.Join(base, "ns/db"), &st); err != nil || st.Mode&0o7777 != 0o750 {
-			t.Errorf("retried volume mode %o (%v), want 750", st.Mode&0o7777, err)
-		}
-		if owner, _, err := r.VolumeOwner("ns/db"); err != nil || owner != claimA {
-			t.Errorf("retried volume's owner %+v (%v)", owner, err)
-		}
-	})
-}
+		retry("db")
 
-// A crash inside the rename into place where the file system has no RENAME_NOREPLACE (NFS)
-// leaves the name claimed by an empty mode-0 directory beside the claim's complete temporary
-// one: the claim's retry removes that placeholder and makes the volume. A placeholder with
-// something in it, or without the claim's temporary directory beside it, is refused as before.
-func TestCrashAfterPlaceholderIsRetried(t *testing.T) {
-	forEachMarker(t, func(t *testing.T, r *Root, base string) {
-		owner := Owner{Mode: 0o750, UID: -1, GID: -1}
-		ns := openNewDir(t, r, base, "ns")
-		crash := func(name string, inPlaceholder bool) {
-			t.Helper()
-			if _, err := r.makeMarked(ns, tempName(claimA, name), owner, claimA, 0, nil); err != nil {
-				t.Fatal(err)
-			}
-			must(t, unix.Mkdirat(ns, name, 0))
-			if inPlaceholder {
-				must(t, os.WriteFile(filepath.Join(base, "ns", name, "data"), nil, 0o600))
-			}
-		}
-		crash("db", false)
-		if created, err := r.MkdirAll("ns/db", owner, claimA); err != nil || !created {
-			t.Fatalf("retry after the crash: %v %v", created, err)
-		}
-		var st unix.Stat_t
-		if err := unix.Stat(filepath.Join(base, "ns/db"), &st); err != nil || st.Mode&0o7777 != 0o750 {
-			t.Errorf("volume mode %o (%v), want 750", st.Mode&0o7777, err)
-		}
-		if got, _, err := r.VolumeOwner("ns/db"); err != nil || got != claimA {
-			t.Errorf("volume's owner %+v (%v), want claim A", got, err)
-		}
-		if _, err := os.Lstat(filepath.Join(base, "ns", tempName(claimA, "db"))); !os.IsNotExist(err) {
-			t.Errorf("temporary directory still there: %v", err)
-		}
+		crash("placed", true, false)
+		retry("placed")
 
-		crash("full", true)
+		crash("full", true, true)
 		var exists *ExistsError
 		if _, err := r.MkdirAll("ns/full", owner, claimA); !errors.As(err, &exists) {
 			t.Errorf("placeholder holding a file: %v, want ExistsError", err)
@@ -300,7 +300,7 @@ func TestCrashAfterPlaceholderIsRetried(t *testing.T) {
 		if _, err := r.MkdirAll("ns/stray", owner, claimA); !errors.As(err, &exists) {
 			t.Errorf("empty mode-0 directory without a temporary one: %v, want ExistsError", err)
 		}
-		crash("theirs", false)
+		crash("theirs", true, false)
 		if _, err := r.MkdirAll("ns/theirs", owner, claimB); !errors.As(err, &exists) {
 			t.Errorf("another claim at claim A's placeholder: %v, want ExistsError", err)
 		}
@@ -314,9 +314,7 @@ func TestMarkerFollowsItsVolume(t *testing.T) {
 	forEachMarker(t, func(t *testing.T, r *Root, base string) {
 		owner := Owner{Mode: 0o755, UID: -1, GID: -1}
 		for _, rel := range []string{"ns/a", "ns/b"} {
-			if _, err := r.MkdirAll(rel, owner, claimA); err != nil {
-				t.Fatal(err)
-			}
+			mkVolume(t, r, rel, owner, claimA)
 		}
 		must(t, renameVolume(r, "ns/a", "archived-a"))
 		must(t, r.Mkdir(".dirpv-trash", 0o700))

@@ -106,13 +106,11 @@ func TestMkdirAllAndRemoveAllRacedWithSymlinkSwaps(t *testing.T) {
 	var swapWG sync.WaitGroup
 	swapErrs := make(chan error, len(swappers))
 	for _, s := range swappers {
-		swapWG.Add(1)
-		go func() {
-			defer swapWG.Done()
+		swapWG.Go(func() {
 			if err := s.run(stop); err != nil {
 				swapErrs <- err
 			}
-		}()
+		})
 	}
 
 	// Errors a refused or raced path may give; anything else (EBADF, EINVAL, a panic) is a bug.
@@ -136,20 +134,15 @@ func TestMkdirAllAndRemoveAllRacedWithSymlinkSwaps(t *testing.T) {
 		maxOps   = 3000
 		maxDelay = 5 * time.Second
 	)
-	type tally struct {
-		ok     int
-		errors map[string]int
-		bad    []string
-	}
-	results := make([]tally, workers)
+	var (
+		mu   sync.Mutex
+		ok   int
+		errs = map[string]int{}
+	)
 	deadline := time.Now().Add(maxDelay)
 	var wg sync.WaitGroup
-	for w := range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			res := &results[w]
-			res.errors = map[string]int{}
+	for range workers {
+		wg.Go(func() {
 			owner := Owner{Mode: 0o750, UID: -1, GID: -1}
 			for i := 0; i < maxOps && time.Now().Before(deadline); i++ {
 				var (
@@ -171,16 +164,18 @@ func TestMkdirAllAndRemoveAllRacedWithSymlinkSwaps(t *testing.T) {
 					op = "RemoveAll a/b/vol-leaf"
 					err = r.RemoveAll("a/b/vol-leaf")
 				}
+				mu.Lock()
 				switch {
 				case err == nil:
-					res.ok++
+					ok++
 				case allowed(err):
-					res.errors[unwrapAll(err)]++
+					errs[unwrapAll(err)]++
 				default:
-					res.bad = append(res.bad, fmt.Sprintf("%s: %v", op, err))
+					t.Errorf("operation failed with an unexpected error: %s: %v", op, err)
 				}
+				mu.Unlock()
 			}
-		}()
+		})
 	}
 	wg.Wait()
 	close(stop)
@@ -190,17 +185,6 @@ func TestMkdirAllAndRemoveAllRacedWithSymlinkSwaps(t *testing.T) {
 		t.Errorf("swapper: %v", err)
 	}
 
-	ok := 0
-	errs := map[string]int{}
-	for _, res := range results {
-		ok += res.ok
-		for k, v := range res.errors {
-			errs[k] += v
-		}
-		for _, b := range res.bad {
-			t.Errorf("operation failed with an unexpected error: %s", b)
-		}
-	}
 	var flips []string
 	for _, s := range swappers {
 		flips = append(flips, fmt.Sprintf("%s: %d", s.name, s.flips.Load()))

@@ -1,7 +1,6 @@
 package volume
 
 import (
-	"errors"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -11,57 +10,15 @@ import (
 )
 
 // A removal in steps removes no more than each step's budget, carries on where the last step
-// stopped, and ends with the tree gone, so a caller can bound each step by a deadline.
+// stopped, and ends with the tree gone, so a caller can bound each step by a deadline. A tenant
+// decides how many names a directory of its volume holds: the removal reads them a batch at a
+// time and keeps no more than one batch, whatever the directory's size and however many
+// directories it has descended through, so a directory of millions of names cannot run the
+// controller out of memory; and it still removes every name, those of a batch cut short by a
+// descent included. A symlink in the volume is removed, never followed.
 func TestRemovalInSteps(t *testing.T) {
 	r, base := newRoot(t)
-	const dirs, files = 5, 40
-	for d := range dirs {
-		dir := filepath.Join(base, "vol", "d"+strconv.Itoa(d), "deeper")
-		must(t, os.MkdirAll(dir, 0o755))
-		for f := range files {
-			must(t, os.WriteFile(filepath.Join(dir, strconv.Itoa(f)), nil, 0o644))
-		}
-	}
-	must(t, os.Symlink("/etc", filepath.Join(base, "vol", "link")))
-	rm, err := r.StartRemoval("vol")
-	must(t, err)
-	defer rm.Close()
-	total, steps := 0, 0
-	for {
-		n, done, err := rm.Step(7)
-		must(t, err)
-		if n > 7 {
-			t.Fatalf("step removed %d entries, budget 7", n)
-		}
-		total += n
-		steps++
-		if done {
-			break
-		}
-		if steps > 1000 {
-			t.Fatal("removal does not end")
-		}
-	}
-	// Every file, the link, each d<i> and its deeper, and vol itself.
-	if want := dirs*files + 1 + 2*dirs + 1; total != want {
-		t.Errorf("removed %d entries, want %d", total, want)
-	}
-	if _, err := os.Lstat(filepath.Join(base, "vol")); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("vol after the removal: %v, want it gone", err)
-	}
-	if _, err := os.Stat("/etc/hostname"); err != nil {
-		t.Errorf("symlink target touched: %v", err)
-	}
-}
-
-// A tenant decides how many names a directory of its volume holds. A removal reads them a
-// batch at a time and keeps no more than one batch, whatever the directory's size and however
-// many directories it has descended through, so a directory of millions of names cannot run the
-// controller out of memory; and it still removes every name, those of a batch cut short by a
-// descent included.
-func TestRemovalHoldsAtMostOneBatchOfNames(t *testing.T) {
-	r, base := newRoot(t)
-	const files, dirs, perDir = 3*dirBatch + 7, 6, dirBatch + 300
+	const files, dirs, perDir, budget = 3*dirBatch + 7, 6, dirBatch + 300, 97
 	mkfiles := func(dir string, n int) {
 		t.Helper()
 		must(t, os.MkdirAll(dir, 0o755))
@@ -71,15 +28,19 @@ func TestRemovalHoldsAtMostOneBatchOfNames(t *testing.T) {
 	}
 	mkfiles(filepath.Join(base, "vol"), files)
 	for d := range dirs {
-		mkfiles(filepath.Join(base, "vol", "d"+strconv.Itoa(d)), perDir)
+		mkfiles(filepath.Join(base, "vol", "d"+strconv.Itoa(d), "deeper"), perDir)
 	}
+	must(t, os.Symlink("/etc", filepath.Join(base, "vol", "link")))
 	rm, err := r.StartRemoval("vol")
 	must(t, err)
 	defer rm.Close()
 	total, most := 0, 0
 	for steps := 0; ; steps++ {
-		n, done, err := rm.Step(97)
+		n, done, err := rm.Step(budget)
 		must(t, err)
+		if n > budget {
+			t.Fatalf("step removed %d entries, budget %d", n, budget)
+		}
 		total += n
 		held := 0
 		for _, l := range rm.stack {
@@ -96,11 +57,13 @@ func TestRemovalHoldsAtMostOneBatchOfNames(t *testing.T) {
 			t.Fatal("removal does not end")
 		}
 	}
-	if want := files + dirs*(perDir+1) + 1; total != want {
+	// Every file, the link, each d<i> and its deeper, and vol itself.
+	if want := files + 1 + dirs*(perDir+2) + 1; total != want {
 		t.Errorf("removed %d entries, want %d", total, want)
 	}
-	if _, err := os.Lstat(filepath.Join(base, "vol")); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("vol after the removal: %v, want it gone", err)
+	absent(t, filepath.Join(base, "vol"), "vol after the removal")
+	if _, err := os.Stat("/etc/hostname"); err != nil {
+		t.Errorf("symlink target touched: %v", err)
 	}
 	t.Logf("at most %d names held at once", most)
 }
@@ -109,9 +72,7 @@ func TestRemovalHoldsAtMostOneBatchOfNames(t *testing.T) {
 // crossing it could delete data that is not the volume's.
 func TestRemoveAllStopsAtMountPoints(t *testing.T) {
 	r, base := newRoot(t)
-	if _, err := r.MkdirAll("vol/mnt", Owner{Mode: 0o755}, claimA); err != nil {
-		t.Fatal(err)
-	}
+	mkVolume(t, r, "vol/mnt", Owner{Mode: 0o755}, claimA)
 	other := t.TempDir()
 	must(t, os.WriteFile(filepath.Join(other, "data"), []byte("x"), 0o644))
 	mnt := filepath.Join(base, "vol/mnt")
@@ -129,9 +90,7 @@ func TestRemoveAllStopsAtMountPoints(t *testing.T) {
 
 	// A bind mount of a directory on the same file system is a mount point too.
 	must(t, unix.Unmount(mnt, 0))
-	if _, err := r.MkdirAll("other", Owner{Mode: 0o755}, claimA); err != nil {
-		t.Fatal(err)
-	}
+	mkVolume(t, r, "other", Owner{Mode: 0o755}, claimA)
 	must(t, os.WriteFile(filepath.Join(base, "other/keep"), []byte("x"), 0o644))
 	if err := unix.Mount(filepath.Join(base, "other"), mnt, "", unix.MS_BIND, ""); err != nil {
 		t.Fatalf("bind mount: %v", err)

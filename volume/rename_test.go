@@ -101,83 +101,87 @@ func TestRenameLockIsPerTarget(t *testing.T) {
 	}
 }
 
-func TestRenameStaysInParent(t *testing.T) {
+// Rename keeps a volume in its parent and Move takes it into another directory beneath the
+// root; neither replaces anything there, and Move never follows a symlink planted as the
+// destination directory.
+func TestRenameAndMoveStayBeneathRoot(t *testing.T) {
 	r, base := newRoot(t)
-	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755}, claimA); err != nil {
-		t.Fatal(err)
+	for _, rel := range []string{"ns/vol", "ns/taken"} {
+		mkVolume(t, r, rel, Owner{Mode: 0o755}, claimA)
 	}
-	for _, bad := range []string{"../x", "a/b", "..", ""} {
+	for _, bad := range []string{"../x", "a/b", "..", "", "taken"} {
 		if err := renameVolume(r, "ns/vol", bad); err == nil {
 			t.Errorf("Rename to %q succeeded", bad)
 		}
 	}
-	if _, err := r.MkdirAll("ns/taken", Owner{Mode: 0o755}, claimA); err != nil {
-		t.Fatal(err)
-	}
-	if err := renameVolume(r, "ns/vol", "taken"); err == nil {
-		t.Error("Rename over an existing directory succeeded")
-	}
 	must(t, renameVolume(r, "ns/vol", "archived-vol"))
-	if _, err := os.Stat(filepath.Join(base, "ns/archived-vol")); err != nil {
-		t.Errorf("archived directory missing: %v", err)
-	}
-}
 
-// Move takes a volume out of its parent into another directory beneath the root, refuses to
-// replace anything there, and never follows a symlink planted as the destination directory.
-func TestMoveStaysBeneathRoot(t *testing.T) {
-	r, base := newRoot(t)
-	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755}, Claim{UID: "uid-vol", PVName: "pv-vol"}); err != nil {
-		t.Fatal(err)
-	}
 	must(t, r.Mkdir(".trash", 0o700))
 	outside := t.TempDir()
 	must(t, os.Symlink(outside, filepath.Join(base, "evil")))
-	if err := moveVolume(r, "ns/vol", "evil", "vol"); !errors.Is(err, ErrNotDirectory) {
+	if err := moveVolume(r, "ns/archived-vol", "evil", "vol"); !errors.Is(err, ErrNotDirectory) {
 		t.Errorf("Move into a symlinked directory: %v, want ErrNotDirectory", err)
 	}
 	if err := r.Mkdir("evil", 0o700); !errors.Is(err, ErrNotDirectory) {
 		t.Errorf("Mkdir over a symlink: %v, want ErrNotDirectory", err)
 	}
-	if err := moveVolume(r, "ns/vol", "../x", "vol"); err == nil {
+	if err := moveVolume(r, "ns/archived-vol", "../x", "vol"); err == nil {
 		t.Error("Move to a directory outside the root succeeded")
 	}
 	must(t, os.Mkdir(filepath.Join(base, ".trash", "taken"), 0o755))
-	if err := moveVolume(r, "ns/vol", ".trash", "taken"); err == nil {
+	if err := moveVolume(r, "ns/archived-vol", ".trash", "taken"); err == nil {
 		t.Error("Move over an existing entry succeeded")
 	}
-	must(t, moveVolume(r, "ns/vol", ".trash", "pv-1"))
+	must(t, moveVolume(r, "ns/archived-vol", ".trash", "pv-1"))
 	if names, err := r.List(".trash"); err != nil || len(names) != 2 {
 		t.Errorf("trash holds %v (%v), want taken and pv-1", names, err)
 	}
-	if _, err := os.Stat(filepath.Join(base, "ns/vol")); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("ns/vol after Move: %v, want it gone", err)
-	}
+	absent(t, filepath.Join(base, "ns/archived-vol"), "the volume after Move")
 	if entries, _ := os.ReadDir(outside); len(entries) != 0 {
 		t.Errorf("directory behind the symlink got %v", entries)
 	}
 }
 
-// TestHelperRenameCrash is the process the rename crash tests start: it does, as on NFS, the
-// rename DIRPV_TEST_RENAME_OP names and dies inside it, at the failpoint.
-func TestHelperRenameCrash(t *testing.T) {
-	base := os.Getenv("DIRPV_TEST_RENAME_BASE")
+// TestHelperCrash is the process the crash tests start: in the base DIRPV_TEST_CRASH_BASE it
+// does what DIRPV_TEST_CRASH_OP names, a rename as on NFS, and dies at the armed failpoint.
+func TestHelperCrash(t *testing.T) {
+	base, op := os.Getenv("DIRPV_TEST_CRASH_BASE"), os.Getenv("DIRPV_TEST_CRASH_OP")
 	if base == "" {
-		t.Skip("run by the rename crash tests")
+		t.Skip("run by the crash tests")
 	}
-	withoutNoReplace(t)
+	if op != "copy" {
+		withoutNoReplace(t)
+	}
 	r, err := OpenRoot(base)
 	must(t, err)
-	switch op := os.Getenv("DIRPV_TEST_RENAME_OP"); op {
+	switch op {
+	case "copy":
+		_, _, _, err = r.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "copy-uid"}, 0, Source{Root: r, Rel: "ns/src"})
 	case "snapshot":
 		_, err = r.Snapshot(context.Background(), "ns/src", "snap", SnapshotOptions{})
 	case "move":
 		must(t, r.Mkdir("trash", 0o700))
 		err = moveVolume(r, "ns/src", "trash", "pv-src")
 	default:
-		t.Fatalf("unknown DIRPV_TEST_RENAME_OP %q", op)
+		t.Fatalf("unknown DIRPV_TEST_CRASH_OP %q", op)
 	}
-	t.Fatalf("the rename returned (%v) instead of dying at its failpoint", err)
+	t.Fatalf("the %s returned (%v) instead of dying at its failpoint", op, err)
+}
+
+// killedAt runs op in base in a process of its own (TestHelperCrash) with the failpoint point
+// armed, and checks that it was killed at that failpoint and nowhere else.
+func killedAt(t *testing.T, base, op, point string) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperCrash$", "-test.v")
+	cmd.Env = append(os.Environ(), "DIRPV_TEST_CRASH_BASE="+base, "DIRPV_TEST_CRASH_OP="+op, failpoint.Env+"="+point)
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+		t.Fatalf("%s armed to die at %s: %v, want killed\n%s", op, point, err, out)
+	}
+	if name, _, _ := strings.Cut(point, ":"); !strings.Contains(string(out), "failpoint "+name+" reached") {
+		t.Fatalf("the process was killed, but not at %s:\n%s", point, out)
+	}
 }
 
 // crashInRename runs op in a process of its own, as on NFS, and checks that it died at the
@@ -185,17 +189,7 @@ func TestHelperRenameCrash(t *testing.T) {
 // (relative to base), and nowhere else.
 func crashInRename(t *testing.T, base, op, target string) {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperRenameCrash$", "-test.v")
-	cmd.Env = append(os.Environ(), "DIRPV_TEST_RENAME_BASE="+base, "DIRPV_TEST_RENAME_OP="+op,
-		failpoint.Env+"="+failpoint.RenameClaimed)
-	out, err := cmd.CombinedOutput()
-	var exit *exec.ExitError
-	if !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
-		t.Fatalf("%s armed to die: %v, want killed\n%s", op, err, out)
-	}
-	if !strings.Contains(string(out), "failpoint "+failpoint.RenameClaimed+" reached") {
-		t.Fatalf("the process was killed, but not at %s:\n%s", failpoint.RenameClaimed, out)
-	}
+	killedAt(t, base, op, failpoint.RenameClaimed)
 	var st unix.Stat_t
 	must(t, unix.Lstat(filepath.Join(base, target), &st))
 	if names, err := os.ReadDir(filepath.Join(base, target)); err != nil || len(names) != 0 || st.Mode&0o7777 != placeholderMode {
@@ -253,7 +247,5 @@ func TestMoveRenameCrash(t *testing.T) {
 	if owner, marked, err := b.root.VolumeOwner("trash/pv-src"); err != nil || !marked || owner.UID != "src-uid" {
 		t.Errorf("trash/pv-src is owned by %+v (marked %v, %v), want the moved volume, src-uid", owner, marked, err)
 	}
-	if _, err := os.Lstat(filepath.Join(b.base, "ns/src")); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("ns/src after the move: %v, want it gone", err)
-	}
+	absent(t, filepath.Join(b.base, "ns/src"), "ns/src after the move")
 }

@@ -24,13 +24,6 @@ func mountTmpfs(t *testing.T, options string) string {
 	return dir
 }
 
-// smallBase mounts a tmpfs of size bytes and returns its path and a Root on it.
-func smallBase(t *testing.T, size string) (string, *Root) {
-	t.Helper()
-	dir := mountTmpfs(t, "size="+size)
-	return dir, rootAt(t, dir)
-}
-
 // duBlocks is what du counts for dir: the blocks of every entry, links not followed.
 func duBlocks(t *testing.T, dir string) uint64 {
 	t.Helper()
@@ -49,15 +42,24 @@ func duBlocks(t *testing.T, dir string) uint64 {
 	return sum
 }
 
-// TestCheckRoomForCopy: a copy is allowed while the base's free space holds the source's
-// usage and the margin, refused with the figures once it does not; the walk that sizes the
-// source counts what du counts, in directories of more names than one read returns. (A source
-// bigger than the free space: provisioner TestCloneWithoutRoomWaits.)
+// TestCheckRoomForCopy: Available is the base file system's free space. A copy is allowed
+// while it holds the source's usage and the margin, refused with the figures once it does not;
+// the walk that sizes the source counts what du counts, in directories of more names than one
+// read returns. (A source bigger than the free space: provisioner TestCloneWithoutRoomWaits.)
 func TestCheckRoomForCopy(t *testing.T) {
-	dir, r := smallBase(t, "48m")
+	dir := mountTmpfs(t, "size=48m")
+	r := rootAt(t, dir)
 	src := filepath.Join(dir, "src")
 	must(t, os.MkdirAll(filepath.Join(src, "a/b/c"), 0o755))
+	empty, err := r.Available()
+	must(t, err)
+	if empty > 48<<20 || empty < 47<<20 {
+		t.Fatalf("Available of an empty 48 MiB tmpfs = %d", empty)
+	}
 	must(t, os.WriteFile(filepath.Join(src, "a/b/c/big"), make([]byte, 5<<20), 0o644))
+	if now, err := r.Available(); err != nil || empty-now != 5<<20 {
+		t.Errorf("Available dropped by %d (%v) after a 5 MiB write, want %d", empty-now, err, 5<<20)
+	}
 	many := filepath.Join(src, "many")
 	must(t, os.Mkdir(many, 0o755))
 	for i := range 3000 {

@@ -24,6 +24,22 @@ func rootAt(t *testing.T, dir string) *Root {
 	return r
 }
 
+// mkVolume makes claim's volume rel in r, failing the test if it cannot.
+func mkVolume(t *testing.T, r *Root, rel string, owner Owner, claim Claim) {
+	t.Helper()
+	if _, err := r.MkdirAll(rel, owner, claim); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// absent fails the test unless nothing is at p; what says what it would be.
+func absent(t *testing.T, p, what string) {
+	t.Helper()
+	if _, err := os.Lstat(p); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("%s: %s: %v, want nothing there", what, p, err)
+	}
+}
+
 func TestRefusesBadRelativePaths(t *testing.T) {
 	r, _ := newRoot(t)
 	for _, rel := range []string{"", "/etc", "..", "a/../../b", "a//b", "./a", "a/.", "a\x00b", string(make([]byte, 256))} {
@@ -47,9 +63,7 @@ func TestSymlinksAreNeverFollowed(t *testing.T) {
 	if _, err := r.MkdirAll("ns/vol", Owner{Mode: 0o755}, claimA); !errors.Is(err, ErrNotDirectory) {
 		t.Errorf("MkdirAll through a symlink: err = %v, want ErrNotDirectory", err)
 	}
-	if _, err := os.Stat(filepath.Join(outside, "vol")); !os.IsNotExist(err) {
-		t.Errorf("MkdirAll created a directory outside the base (stat err %v)", err)
-	}
+	absent(t, filepath.Join(outside, "vol"), "MkdirAll created a directory outside the base")
 	if err := r.RemoveAll("ns/secret"); err == nil {
 		t.Errorf("RemoveAll through a symlinked parent succeeded")
 	}
@@ -61,35 +75,16 @@ func TestSymlinksAreNeverFollowed(t *testing.T) {
 	}
 
 	// Removing a volume that contains links removes the links, not their targets.
-	if _, err := r.MkdirAll("vol", Owner{Mode: 0o755}, claimA); err != nil {
-		t.Fatal(err)
-	}
+	mkVolume(t, r, "vol", Owner{Mode: 0o755}, claimA)
 	must(t, os.Symlink(outside, filepath.Join(base, "vol/dirlink")))
 	must(t, os.Symlink(secret, filepath.Join(base, "vol/filelink")))
 	must(t, r.RemoveAll("vol"))
 	if b, err := os.ReadFile(secret); err != nil || string(b) != "keep" {
 		t.Errorf("target outside the base changed: %q, %v", b, err)
 	}
-	if _, err := os.Lstat(filepath.Join(base, "vol")); !os.IsNotExist(err) {
-		t.Errorf("volume still there after RemoveAll: %v", err)
-	}
+	absent(t, filepath.Join(base, "vol"), "volume still there after RemoveAll")
 	if err := r.RemoveAll("vol"); err != nil {
 		t.Errorf("RemoveAll of a missing directory: %v, want nil", err)
-	}
-}
-
-func TestAvailableIsTheBaseFileSystemsFreeSpace(t *testing.T) {
-	base, r := smallBase(t, "8m")
-	before, err := r.Available()
-	must(t, err)
-	if before > 8<<20 || before < 7<<20 {
-		t.Fatalf("Available of an empty 8 MiB tmpfs = %d", before)
-	}
-	must(t, os.WriteFile(filepath.Join(base, "data"), make([]byte, 2<<20), 0o644))
-	after, err := r.Available()
-	must(t, err)
-	if got := before - after; got != 2<<20 {
-		t.Errorf("Available dropped by %d after a 2 MiB write, want %d", got, 2<<20)
 	}
 }
 

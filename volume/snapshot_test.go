@@ -48,61 +48,99 @@ func limitOf(t *testing.T, r *Root, rel string) (quota.ID, quota.Usage) {
 	return id, u
 }
 
-// TestMkdirAllFromBtrfsSnapshot: a limited clone of a limited volume on btrfs is a snapshot
-// of it, with a qgroup and limit of its own and the new claim's marker; a source bigger than
-// the clone's limit is refused and leaves nothing.
-func TestMkdirAllFromBtrfsSnapshot(t *testing.T) {
+// TestBtrfsSnapshots: a limited clone of a limited volume on btrfs is a snapshot of it, with a
+// qgroup and limit of its own and the new claim's marker, whose removal takes its qgroup along.
+// A snapshot of the volume is a read-only btrfs snapshot, point in time; restoring it makes a
+// writable volume with its own limit; deleting it removes it and its qgroup. A source bigger
+// than the clone's limit is refused and leaves nothing.
+func TestBtrfsSnapshots(t *testing.T) {
 	b, srcID := btrfsCopyBase(t)
-	// The snapshot is the source as it is but for its device nodes, left out as a copy
-	// leaves them out.
-	want := treeHash(t, filepath.Join(b.base, "ns/src"))
-	delete(want, "null")
+	src := filepath.Join(b.base, "ns/src")
+	// A clone or a restored snapshot is the source as it is but for its device nodes, left out
+	// as a copy leaves them out.
+	want := expectedCopy(t, src)
+	ctx := context.Background()
+	groups := len(quotatest.Qgroups(t, b.base))
+	check := func(what, rel string, stats CopyStats, id quota.ID, limit uint64) {
+		t.Helper()
+		if stats.Method != MethodBtrfsSnapshot || stats.SkippedDevices != 1 {
+			t.Errorf("%s: Method %q, %d device nodes left out; want %q, 1", what, stats.Method, stats.SkippedDevices, MethodBtrfsSnapshot)
+		}
+		if id.Kind != quota.Btrfs || id == srcID {
+			t.Errorf("%s's quota %v, want a btrfs qgroup of its own (the source's is %v)", what, id, srcID)
+		}
+		if marked, u := limitOf(t, b.root, rel); marked != id || u.LimitBytes != limit {
+			t.Errorf("%s's marker names %v with limit %d, want %v limited to %d", what, marked, u.LimitBytes, id, limit)
+		}
+		diffTrees(t, want, treeHash(t, filepath.Join(b.base, rel)))
+	}
 	claim := Claim{UID: "clone-uid", PVName: "pv-clone"}
-	created, id, stats, err := b.root.MkdirAllFrom(context.Background(), "ns/clone", claim, 32<<20, Source{Root: b.root, Rel: "ns/src"})
+	created, id, stats, err := b.root.MkdirAllFrom(ctx, "ns/clone", claim, 32<<20, Source{Root: b.root, Rel: "ns/src"})
 	if err != nil || !created {
 		t.Fatalf("MkdirAllFrom = %v, %v", created, err)
 	}
-	if stats.Method != MethodBtrfsSnapshot || stats.SkippedDevices != 1 {
-		t.Errorf("Method %q, %d device nodes left out; want %q, 1", stats.Method, stats.SkippedDevices, MethodBtrfsSnapshot)
-	}
-	if id.Kind != quota.Btrfs || id == srcID {
-		t.Errorf("clone's quota %v, want a btrfs qgroup of its own (the source's is %v)", id, srcID)
-	}
-	marked, u := limitOf(t, b.root, "ns/clone")
-	if marked != id || u.LimitBytes != 32<<20 {
-		t.Errorf("clone's marker names %v with limit %d, want %v limited to 32 MiB", marked, u.LimitBytes, id)
-	}
+	check("clone", "ns/clone", stats, id, 32<<20)
 	if owner, _, err := b.root.VolumeOwner("ns/clone"); err != nil || owner != claim {
 		t.Errorf("clone's owner %+v, %v; want %+v", owner, err, claim)
 	}
-	diffTrees(t, want, treeHash(t, filepath.Join(b.base, "ns/clone")))
 	if _, u := limitOf(t, b.root, "ns/src"); u.LimitBytes != 64<<20 {
 		t.Errorf("source's limit is now %d, want 64 MiB", u.LimitBytes)
 	}
-	withClone := quotatest.Qgroups(t, b.base)
 	if err := b.root.RemoveLimited("ns/clone", id); err != nil {
 		t.Fatalf("RemoveLimited of the clone: %v", err)
 	}
-	if after := quotatest.Qgroups(t, b.base); len(after) != len(withClone)-1 || after[fmt.Sprintf("0/%d", id.Num)] != "" {
-		t.Errorf("qgroups %v after the clone's removal, want %v without 0/%d", after, withClone, id.Num)
+	if after := quotatest.Qgroups(t, b.base); len(after) != groups || after[fmt.Sprintf("0/%d", id.Num)] != "" {
+		t.Errorf("qgroups %v after the clone's removal, want %d without 0/%d", after, groups, id.Num)
+	}
+
+	info, err := b.root.Snapshot(ctx, "ns/src", "snap", SnapshotOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if info.Method != MethodBtrfsSnapshot || info.Size < 8<<10 {
+		t.Errorf("SnapshotInfo %+v, want a btrfs snapshot of at least 8 KiB", info)
+	}
+	tree := filepath.Join(b.base, snapshotsDir, "snap", snapshotTree)
+	if err := os.WriteFile(filepath.Join(tree, "new"), nil, 0o644); !errors.Is(err, unix.EROFS) {
+		t.Errorf("writing into the snapshot: %v, want EROFS", err)
+	}
+	if err := os.Remove(filepath.Join(tree, "empty")); !errors.Is(err, unix.EROFS) {
+		t.Errorf("removing from the snapshot: %v, want EROFS", err)
+	}
+	must(t, os.WriteFile(filepath.Join(src, "later"), []byte("after"), 0o644))
+	if again, err := b.root.Snapshot(ctx, "ns/src", "snap", SnapshotOptions{}); err != nil || again != info {
+		t.Errorf("second Snapshot = %+v, %v; want %+v", again, err, info)
+	}
+	_, id, stats, err = b.root.MkdirAllFrom(ctx, "ns/restored", Claim{UID: "restored"}, 16<<20, b.root.SnapshotSource("snap"))
+	if err != nil {
+		t.Fatalf("restore: %v", err)
+	}
+	check("restored volume", "ns/restored", stats, id, 16<<20)
+	must(t, os.WriteFile(filepath.Join(b.base, "ns/restored/writable"), nil, 0o644))
+	if err := b.root.DeleteSnapshot("snap"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.root.SnapshotInfo("snap"); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("SnapshotInfo after DeleteSnapshot: %v, want ErrNotExist", err)
+	}
+	// The source's, the restored volume's; the snapshot's is gone.
+	if got := len(quotatest.Qgroups(t, b.base)); got != groups+1 {
+		t.Errorf("%d qgroups after the delete, want %d", got, groups+1)
 	}
 
 	data := make([]byte, 8<<20)
 	for i := range data {
 		data[i] = byte(i*7 + i>>9)
 	}
-	must(t, os.WriteFile(filepath.Join(b.base, "ns/src/big"), data, 0o644))
-	before := quotatest.Qgroups(t, b.base)
-	_, _, _, err = b.root.MkdirAllFrom(context.Background(), "ns/small", Claim{UID: "small"}, 4<<20, Source{Root: b.root, Rel: "ns/src"})
+	must(t, os.WriteFile(filepath.Join(src, "big"), data, 0o644))
+	_, _, _, err = b.root.MkdirAllFrom(ctx, "ns/small", Claim{UID: "small"}, 4<<20, Source{Root: b.root, Rel: "ns/src"})
 	if !errors.Is(err, unix.EDQUOT) {
 		t.Fatalf("clone of more than 8 MiB into 4 MiB: %v, want EDQUOT", err)
 	}
-	if _, err := os.Lstat(filepath.Join(b.base, "ns/small")); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("a volume was made: %v", err)
-	}
+	absent(t, filepath.Join(b.base, "ns/small"), "a volume was made")
 	noTemp(t, filepath.Join(b.base, "ns"))
-	if after := quotatest.Qgroups(t, b.base); len(after) != len(before) {
-		t.Errorf("qgroups %v after the refused clone, want %v", after, before)
+	if got := len(quotatest.Qgroups(t, b.base)); got != groups+1 {
+		t.Errorf("%d qgroups after the refused clone, want %d", got, groups+1)
 	}
 }
 
@@ -142,8 +180,7 @@ func TestBtrfsNestedSubvolumesAreCopied(t *testing.T) {
 func TestMkdirAllFromReflinkOnBtrfs(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	r := rootAt(t, mnt)
-	_, err := r.MkdirAll("ns/src", Owner{Mode: 0o755, UID: 1, GID: 2}, Claim{UID: "src"})
-	must(t, err)
+	mkVolume(t, r, "ns/src", Owner{Mode: 0o755, UID: 1, GID: 2}, Claim{UID: "src"})
 	outside := filepath.Join(t.TempDir(), "outside")
 	writeEveryKind(t, filepath.Join(mnt, "ns/src"), outside)
 	want := expectedCopy(t, filepath.Join(mnt, "ns/src"))
@@ -215,77 +252,6 @@ func TestSnapshotCopy(t *testing.T) {
 	}
 }
 
-// TestSnapshotLeftovers: what a crash left of a snapshot being deleted is removed by the next
-// DeleteSnapshot of the name. (Of one being made, by the next Snapshot: TestSnapshotKeepFailed.)
-func TestSnapshotLeftovers(t *testing.T) {
-	b := newCopyBase(t, t.TempDir())
-	dir := filepath.Join(b.base, snapshotsDir)
-	must(t, os.MkdirAll(filepath.Join(dir, snapshotGonePrefix+nameHash("s"), snapshotTree, "half"), 0o755))
-	if _, err := b.root.Snapshot(context.Background(), "ns/src", "s", SnapshotOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if err := b.root.DeleteSnapshot("s"); err != nil {
-		t.Fatal(err)
-	}
-	if n, _ := os.ReadDir(dir); len(n) != 0 {
-		t.Errorf("snapshots directory holds %v, want nothing", n)
-	}
-}
-
-// TestSnapshotBtrfs: a snapshot of a limited volume on btrfs is a read-only btrfs snapshot,
-// point in time; restoring it makes a writable volume with its own limit; deleting it removes
-// it and its qgroup.
-func TestSnapshotBtrfs(t *testing.T) {
-	b, _ := btrfsCopyBase(t)
-	src := filepath.Join(b.base, "ns/src")
-	want := treeHash(t, src)
-	ctx := context.Background()
-	groups := len(quotatest.Qgroups(t, b.base))
-	info, err := b.root.Snapshot(ctx, "ns/src", "snap", SnapshotOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if info.Method != MethodBtrfsSnapshot || info.Size < 8<<10 {
-		t.Errorf("SnapshotInfo %+v, want a btrfs snapshot of at least 8 KiB", info)
-	}
-	tree := filepath.Join(b.base, snapshotsDir, "snap", snapshotTree)
-	if err := os.WriteFile(filepath.Join(tree, "new"), nil, 0o644); !errors.Is(err, unix.EROFS) {
-		t.Errorf("writing into the snapshot: %v, want EROFS", err)
-	}
-	if err := os.Remove(filepath.Join(tree, "empty")); !errors.Is(err, unix.EROFS) {
-		t.Errorf("removing from the snapshot: %v, want EROFS", err)
-	}
-	must(t, os.WriteFile(filepath.Join(src, "later"), []byte("after"), 0o644))
-	if again, err := b.root.Snapshot(ctx, "ns/src", "snap", SnapshotOptions{}); err != nil || again != info {
-		t.Errorf("second Snapshot = %+v, %v; want %+v", again, err, info)
-	}
-
-	_, id, stats, err := b.root.MkdirAllFrom(ctx, "ns/restored", Claim{UID: "restored"}, 16<<20, b.root.SnapshotSource("snap"))
-	if err != nil {
-		t.Fatalf("restore: %v", err)
-	}
-	if stats.Method != MethodBtrfsSnapshot || stats.SkippedDevices != 1 {
-		t.Errorf("restore Method %q, %d device nodes left out; want %q, 1", stats.Method, stats.SkippedDevices, MethodBtrfsSnapshot)
-	}
-	if got, u := limitOf(t, b.root, "ns/restored"); got != id || u.LimitBytes != 16<<20 {
-		t.Errorf("restored volume's quota %v limit %d, want %v limited to 16 MiB", got, u.LimitBytes, id)
-	}
-	delete(want, "null") // the snapshot keeps it, a volume restored from it does not
-	diffTrees(t, want, treeHash(t, filepath.Join(b.base, "ns/restored")))
-	must(t, os.WriteFile(filepath.Join(b.base, "ns/restored/writable"), nil, 0o644))
-
-	if err := b.root.DeleteSnapshot("snap"); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := b.root.SnapshotInfo("snap"); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("SnapshotInfo after DeleteSnapshot: %v, want ErrNotExist", err)
-	}
-	// The source's, the restored volume's; the snapshot's is gone.
-	if got := len(quotatest.Qgroups(t, b.base)); got != groups+1 {
-		t.Errorf("%d qgroups after the delete, want %d", got, groups+1)
-	}
-}
-
 // TestMoveSnapshot: a snapshot moved away for a removal elsewhere (an NFS export's trash)
 // leaves its name at once, gets the same entry on every attempt, so a retry finds it moved,
 // and takes with it what a DeleteSnapshot cut short left under its private name and a copy
@@ -330,23 +296,32 @@ func TestMoveSnapshot(t *testing.T) {
 	}
 }
 
-// TestSnapshotKeepFailed: a copy that failed is left for the next attempt (KeepFailed), which
-// removes it and copies again.
-func TestSnapshotKeepFailed(t *testing.T) {
+// TestSnapshotLeftovers: a copy that failed is left for the next attempt (KeepFailed), which
+// removes it and copies again; what a crash left of a snapshot being deleted is removed by the
+// next DeleteSnapshot of the name.
+func TestSnapshotLeftovers(t *testing.T) {
 	b := newCopyBase(t, t.TempDir())
+	dir := filepath.Join(b.base, snapshotsDir)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	if _, err := b.root.Snapshot(ctx, "ns/src", "s", SnapshotOptions{KeepFailed: true}); !errors.Is(err, context.Canceled) {
 		t.Fatalf("cancelled snapshot: %v, want context.Canceled", err)
 	}
-	if _, err := os.Stat(filepath.Join(b.base, snapshotsDir, snapshotTemp("s"))); err != nil {
+	if _, err := os.Stat(filepath.Join(dir, snapshotTemp("s"))); err != nil {
 		t.Errorf("the failed copy was not kept: %v", err)
 	}
 	if _, err := b.root.Snapshot(context.Background(), "ns/src", "s", SnapshotOptions{KeepFailed: true}); err != nil {
 		t.Fatal(err)
 	}
-	if n, _ := os.ReadDir(filepath.Join(b.base, snapshotsDir)); len(n) != 1 {
+	if n, _ := os.ReadDir(dir); len(n) != 1 {
 		t.Errorf("snapshots directory holds %v, want the snapshot only", n)
+	}
+	must(t, os.MkdirAll(filepath.Join(dir, snapshotGonePrefix+nameHash("s"), snapshotTree, "half"), 0o755))
+	if err := b.root.DeleteSnapshot("s"); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := os.ReadDir(dir); len(n) != 0 {
+		t.Errorf("snapshots directory holds %v, want nothing", n)
 	}
 }
 
@@ -357,13 +332,12 @@ func TestSnapshotKeepFailed(t *testing.T) {
 func TestSnapshotCopyLimited(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	r := rootAt(t, mnt)
-	_, err := r.MkdirAll("ns/src", Owner{Mode: 0o755, UID: -1, GID: -1}, Claim{UID: "src"})
-	must(t, err)
+	mkVolume(t, r, "ns/src", Owner{Mode: 0o755, UID: -1, GID: -1}, Claim{UID: "src"})
 	must(t, os.WriteFile(filepath.Join(mnt, "ns/src/big"), make([]byte, 4<<20), 0o644))
 	before := quotatest.Qgroups(t, mnt)
 	ctx := context.Background()
 
-	_, err = r.Snapshot(ctx, "ns/src", "small", SnapshotOptions{Limit: 1 << 20})
+	_, err := r.Snapshot(ctx, "ns/src", "small", SnapshotOptions{Limit: 1 << 20})
 	if !errors.Is(err, unix.EDQUOT) && !errors.Is(err, unix.ENOSPC) {
 		t.Fatalf("snapshot of 4 MiB under a limit of 1 MiB: %v, want EDQUOT", err)
 	}

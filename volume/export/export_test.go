@@ -93,6 +93,17 @@ var (
 	eventually     = exporttest.Eventually
 )
 
+// bindExport serves server:share from a directory of its own (src) through Exports with the
+// operation timeout, closed at the test's end, and returns them and the export's mount point.
+func bindExport(t *testing.T, server, share string, timeout time.Duration) (m *exporttest.BindMounter, e *Exports, src, dir string) {
+	t.Helper()
+	m = newBindMounter(t)
+	src = m.Export(t, server, share)
+	e = New(m, t.TempDir(), timeout)
+	t.Cleanup(func() { e.Close(context.Background()) })
+	return m, e, src, exportDir(e, server, share)
+}
+
 // exportDir returns the mount point of server:share under e's work dir.
 func exportDir(e *Exports, server, share string) string {
 	return e.get(server, share, nil).dir
@@ -103,11 +114,7 @@ func exportDir(e *Exports, server, share string) string {
 // closed or reused descriptor, and the mount itself is gone at once (detached lazily, since
 // the call keeps it busy).
 func TestRootInUseSurvivesUnmount(t *testing.T) {
-	m := newBindMounter(t)
-	src := m.Export(t, "nfs.example", "/a")
-	e := New(m, t.TempDir(), 2*time.Second)
-	defer e.Close(context.Background())
-	dir := exportDir(e, "nfs.example", "/a")
+	m, e, src, dir := bindExport(t, "nfs.example", "/a", 2*time.Second)
 
 	entered, proceed := make(chan struct{}), make(chan struct{})
 	held := make(chan error, 1)
@@ -154,7 +161,8 @@ func TestRootInUseSurvivesUnmount(t *testing.T) {
 }
 
 // An export whose unmount hangs (dead server) holds up neither the sweep that started it,
-// nor the idle unmount of another export, nor shutdown beyond its bound.
+// nor the idle unmount of another export, nor shutdown beyond its bound; after shutdown no
+// call mounts it again.
 func TestHungUnmountBlocksNeitherSweepNorShutdown(t *testing.T) {
 	const timeout = time.Second
 	m := newBindMounter(t)
@@ -165,10 +173,8 @@ func TestHungUnmountBlocksNeitherSweepNorShutdown(t *testing.T) {
 	noop := func(*volume.Root) error { return nil }
 	mountBoth := func() {
 		t.Helper()
-		for _, s := range []string{"dead.example", "live.example"} {
-			share := map[string]string{"dead.example": "/x", "live.example": "/y"}[s]
-			must(t, e.Do(context.Background(), s, share, nil, noop))
-		}
+		must(t, e.Do(context.Background(), "dead.example", "/x", nil, noop))
+		must(t, e.Do(context.Background(), "live.example", "/y", nil, noop))
 	}
 	m.HangUnmounts("dead.example", "/x")
 	mountBoth()
@@ -201,6 +207,16 @@ func TestHungUnmountBlocksNeitherSweepNorShutdown(t *testing.T) {
 	if err := e.Do(context.Background(), "live.example", "/y", nil, noop); !errors.Is(err, errShuttingDown) {
 		t.Errorf("call after Close: %v, want errShuttingDown", err)
 	}
+	// A background delete that passed its shutdown check just before Close acquires its export
+	// after Close unmounted everything: it is refused, and nothing is mounted again behind
+	// shutdown's back.
+	root, _, err := e.acquire(context.Background(), e.get("live.example", "/y", nil))
+	if root != nil {
+		root.Close()
+	}
+	if !errors.Is(err, errShuttingDown) || isMounted(live) {
+		t.Errorf("acquire after Close: %v (mounted: %t), want errShuttingDown and nothing mounted", err, isMounted(live))
+	}
 }
 
 // When the plain unmount hangs and the mount is busy (an abandoned call still holds a file on
@@ -208,12 +224,8 @@ func TestHungUnmountBlocksNeitherSweepNorShutdown(t *testing.T) {
 // mounted, and unmount returns within its bound.
 func TestLazyUnmountLeavesNoMount(t *testing.T) {
 	const timeout = time.Second
-	m := newBindMounter(t)
-	src := m.Export(t, "dead.example", "/x")
+	m, e, src, dir := bindExport(t, "dead.example", "/x", timeout)
 	must(t, os.WriteFile(filepath.Join(src, "busy"), nil, 0o644))
-	e := New(m, t.TempDir(), timeout)
-	defer e.Close(context.Background())
-	dir := exportDir(e, "dead.example", "/x")
 	must(t, e.Do(context.Background(), "dead.example", "/x", nil, func(*volume.Root) error { return nil }))
 	busy, err := os.Open(filepath.Join(dir, "busy"))
 	must(t, err)
@@ -234,35 +246,11 @@ func TestLazyUnmountLeavesNoMount(t *testing.T) {
 	}
 }
 
-// A background delete that passed its shutdown check just before Close acquires its export
-// after Close unmounted everything: it is refused, and nothing is mounted again behind
-// shutdown's back.
-func TestNoMountAfterShutdown(t *testing.T) {
-	m := mount.NewFakeMounter(nil)
-	e := New(m, t.TempDir(), time.Second)
-	ex := e.get("nfs.example", "/export", nil)
-	e.Close(context.Background())
-	root, _, err := e.acquire(context.Background(), ex)
-	if root != nil {
-		root.Close()
-	}
-	if !errors.Is(err, errShuttingDown) {
-		t.Errorf("acquire after Close: %v, want errShuttingDown", err)
-	}
-	if mps, _ := m.List(); len(mps) != 0 {
-		t.Errorf("mounts after shutdown: %v, want none", mps)
-	}
-}
-
 // A mount left at an export's mount point by an earlier run, whose server no longer answers
 // (umount(8) hangs), is taken down with the bounded forced and lazy unmounts: the first call
 // mounts afresh within its deadline instead of hanging with the export's lock held.
 func TestLeftoverMountWithHungUnmountIsReplaced(t *testing.T) {
-	m := newBindMounter(t)
-	data := m.Export(t, "nfs.example", "/export")
-	e := New(m, t.TempDir(), 2*time.Second)
-	defer e.Close(context.Background())
-	dir := exportDir(e, "nfs.example", "/export")
+	m, e, data, dir := bindExport(t, "nfs.example", "/export", 2*time.Second)
 	must(t, os.MkdirAll(dir, 0o700))
 	must(t, m.Mount(volume.ExportSource("nfs.example", "/export"), dir, "nfs", nil))
 	m.HangUnmounts("nfs.example", "/export")
@@ -317,11 +305,7 @@ func TestStoppedCopyKeepsTheExport(t *testing.T) {
 		{"past its deadline", 100 * time.Millisecond, false, context.DeadlineExceeded},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			m := newBindMounter(t)
-			m.Export(t, "nfs.example", "/export")
-			e := New(m, t.TempDir(), 5*time.Second)
-			defer e.Close(context.Background())
-			dir := exportDir(e, "nfs.example", "/export")
+			m, e, _, dir := bindExport(t, "nfs.example", "/export", 5*time.Second)
 			ref := Ref{"nfs.example", "/export", nil}
 			// Mounted before the copy starts, so that the copy's short deadline can only
 			// pass in the copy, never in the mount (which would read as a dead server).
@@ -365,12 +349,8 @@ func TestStoppedCopyKeepsTheExport(t *testing.T) {
 // More copies than an export has call slots neither hold up its other calls nor get it
 // unmounted: copies have slots of their own, and one beyond them waits its turn.
 func TestManyCopiesLeaveCallsAlone(t *testing.T) {
-	m := newBindMounter(t)
-	m.Export(t, "nfs.example", "/export")
 	const timeout = time.Second
-	e := New(m, t.TempDir(), timeout)
-	defer e.Close(context.Background())
-	dir := exportDir(e, "nfs.example", "/export")
+	m, e, _, dir := bindExport(t, "nfs.example", "/export", timeout)
 	ref := Ref{"nfs.example", "/export", nil}
 
 	started, done := make(chan struct{}, maxCopies+1), make(chan struct{})
@@ -412,12 +392,8 @@ func TestManyCopiesLeaveCallsAlone(t *testing.T) {
 // A copy that does not stop when told to is stuck on its server: it is abandoned an
 // operation timeout later, counted among the stuck calls, and the mount is dropped.
 func TestCopyThatDoesNotStopIsAbandoned(t *testing.T) {
-	m := newBindMounter(t)
-	m.Export(t, "nfs.example", "/export")
 	const timeout = 200 * time.Millisecond
-	e := New(m, t.TempDir(), timeout)
-	defer e.Close(context.Background())
-	dir := exportDir(e, "nfs.example", "/export")
+	_, e, _, dir := bindExport(t, "nfs.example", "/export", timeout)
 	ref := Ref{"nfs.example", "/export", nil}
 
 	answer := make(chan struct{})

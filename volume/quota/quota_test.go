@@ -36,24 +36,6 @@ func makeLimited(t *testing.T, fs *quota.FS, base, name string, bytes uint64) qu
 	return id
 }
 
-func TestBtrfsReleaseAfterDelete(t *testing.T) {
-	mnt := quotatest.Btrfs(t, true)
-	base := openDir(t, mnt)
-	fs := probe(t, base)
-	id := makeLimited(t, fs, mnt, "a", 1<<20)
-	// A plain directory would put the limit on the subvolume holding it: refused.
-	must(t, os.Mkdir(filepath.Join(mnt, "plain"), 0o755))
-	if id, err := fs.SetLimit(openDir(t, filepath.Join(mnt, "plain")), 1<<20); err == nil {
-		t.Fatalf("SetLimit on a plain btrfs directory gave %v, want an error", id)
-	}
-	// rmdir of an empty subvolume deletes it, which is how volume.RemoveAll ends.
-	must(t, os.Remove(filepath.Join(mnt, "a")))
-	must(t, fs.Release(base, id))
-	if err := fs.Release(base, id); err != nil {
-		t.Fatalf("second Release: %v", err)
-	}
-}
-
 func TestProbeSaysWhyNot(t *testing.T) {
 	for name, dir := range map[string]func(*testing.T) string{
 		"btrfs without quota":     func(t *testing.T) string { return quotatest.Btrfs(t, false) },
@@ -89,33 +71,56 @@ func TestParseID(t *testing.T) {
 	}
 }
 
-// TestBtrfsResizeRaisesTheLimitOfOneVolume: Resize raises the limit of the subvolume that
-// carries the ID, refuses another volume's ID, and leaves the neighbour's limit enforced. That a
-// full volume's writer then writes past the old size: test/integration
-// TestLocalClaimExpandsOnline.
-func TestBtrfsResizeRaisesTheLimitOfOneVolume(t *testing.T) {
+// TestBtrfsResizeAndUnlimit: Resize raises the limit of the subvolume that carries the ID,
+// refuses another volume's ID, and leaves the neighbour's limit enforced. Unlimit lifts the limit
+// of the subvolume that carries the ID, even one that holds more than its limit (a snapshot clone
+// that did not fit), and leaves a subvolume that carries another ID as it is. That a full
+// volume's writer then writes past the old size: test/integration TestLocalClaimExpandsOnline.
+func TestBtrfsResizeAndUnlimit(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
-	fs := probe(t, openDir(t, mnt))
+	base := openDir(t, mnt)
+	fs := probe(t, base)
 	const limit = 8 << 20
 	id := makeLimited(t, fs, mnt, "a", limit)
 	neighbour := makeLimited(t, fs, mnt, "b", limit)
-	if err := fs.Resize(openDir(t, filepath.Join(mnt, "a")), neighbour, 32<<20); err == nil {
+	a := openDir(t, filepath.Join(mnt, "a"))
+	if err := fs.Resize(a, neighbour, 32<<20); err == nil {
 		t.Fatal("Resize of a volume with its neighbour's ID succeeded, want a refusal")
 	}
-	must(t, fs.Resize(openDir(t, filepath.Join(mnt, "a")), id, 32<<20))
-	if u, err := fs.Usage(openDir(t, mnt), id); err != nil || u.LimitBytes != 32<<20 {
+	must(t, fs.Resize(a, id, 32<<20))
+	if u, err := fs.Usage(base, id); err != nil || u.LimitBytes != 32<<20 {
 		t.Errorf("resized volume's limit reads %d (%v), want %d", u.LimitBytes, err, 32<<20)
 	}
-	if u, err := fs.Usage(openDir(t, mnt), neighbour); err != nil || u.LimitBytes != limit {
+	if u, err := fs.Usage(base, neighbour); err != nil || u.LimitBytes != limit {
 		t.Errorf("neighbour's limit reads %d (%v), want %d", u.LimitBytes, err, limit)
 	}
 	if n, err := quotatest.Fill(t, filepath.Join(mnt, "b", "file"), 16<<20); !errors.Is(err, unix.EDQUOT) || n > limit {
 		t.Errorf("neighbour took %d bytes of 16 MiB (err %v), want EDQUOT within its %d", n, err, limit)
 	}
+
+	if n, err := quotatest.Fill(t, filepath.Join(mnt, "a", "big"), 16<<20); err != nil {
+		t.Fatalf("wrote %d bytes of 16 MiB: %v", n, err)
+	}
+	must(t, fs.Resize(a, id, limit))
+	unix.Sync()
+	if err := fs.Unlimit(a, neighbour); err != nil {
+		t.Fatalf("Unlimit with the neighbour's ID: %v", err)
+	}
+	if u, err := fs.Usage(base, neighbour); err != nil || u.LimitBytes != limit {
+		t.Errorf("neighbour's limit after an Unlimit of another subvolume with its ID: %d (%v), want %d", u.LimitBytes, err, limit)
+	}
+	if err := fs.Unlimit(a, id); err != nil {
+		t.Fatalf("Unlimit of a subvolume over its limit: %v", err)
+	}
+	if u, err := fs.Usage(base, id); err != nil || u.LimitBytes != 0 || u.UsedBytes < 16<<20 {
+		t.Errorf("after Unlimit: %+v, %v; want no limit and 16 MiB used", u, err)
+	}
 }
 
 // TestBtrfsIDOf: a volume directory that has no marker yet (a crash before it) is known by its
-// subvolume, whose qgroup is the one to release; a plain directory has no ID of its own.
+// subvolume, whose qgroup is the one to limit and release; a plain directory has no ID of its
+// own, nor a limit (it would put it on the subvolume holding it). Once the subvolume is deleted
+// (rmdir of an empty one, which is how volume.RemoveAll ends) its ID is released, twice alike.
 func TestBtrfsIDOf(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	base := openDir(t, mnt)
@@ -131,38 +136,16 @@ func TestBtrfsIDOf(t *testing.T) {
 		t.Errorf("SetLimit = %v, %v; want the ID IDOf named, %v", id, err, got)
 	}
 	must(t, os.Mkdir(filepath.Join(mnt, "plain"), 0o755))
-	if id, ok, err := fs.IDOf(base, openDir(t, filepath.Join(mnt, "plain"))); err != nil || ok {
+	plain := openDir(t, filepath.Join(mnt, "plain"))
+	if id, ok, err := fs.IDOf(base, plain); err != nil || ok {
 		t.Errorf("IDOf a plain directory = %v, %v, %v; want none", id, ok, err)
 	}
-}
-
-// TestBtrfsUnlimit: Unlimit lifts the limit of the subvolume that carries the ID, even one that
-// holds more than its limit (a snapshot clone that did not fit), and leaves a subvolume that
-// carries another ID as it is.
-func TestBtrfsUnlimit(t *testing.T) {
-	mnt := quotatest.Btrfs(t, true)
-	base := openDir(t, mnt)
-	fs := probe(t, base)
-	const limit = 8 << 20
-	id := makeLimited(t, fs, mnt, "a", 32<<20)
-	neighbour := makeLimited(t, fs, mnt, "b", limit)
-	if n, err := quotatest.Fill(t, filepath.Join(mnt, "a", "big"), 16<<20); err != nil {
-		t.Fatalf("wrote %d bytes of 16 MiB: %v", n, err)
+	if id, err := fs.SetLimit(plain, 1<<20); err == nil {
+		t.Errorf("SetLimit on a plain btrfs directory gave %v, want an error", id)
 	}
-	a := openDir(t, filepath.Join(mnt, "a"))
-	must(t, fs.Resize(a, id, limit))
-	unix.Sync()
-	if err := fs.Unlimit(a, neighbour); err != nil {
-		t.Fatalf("Unlimit with the neighbour's ID: %v", err)
-	}
-	if u, err := fs.Usage(base, neighbour); err != nil || u.LimitBytes != limit {
-		t.Errorf("neighbour's limit after an Unlimit of another subvolume with its ID: %d (%v), want %d", u.LimitBytes, err, limit)
-	}
-	if err := fs.Unlimit(a, id); err != nil {
-		t.Fatalf("Unlimit of a subvolume over its limit: %v", err)
-	}
-	if u, err := fs.Usage(base, id); err != nil || u.LimitBytes != 0 || u.UsedBytes < 16<<20 {
-		t.Errorf("after Unlimit: %+v, %v; want no limit and 16 MiB used", u, err)
+	must(t, os.Remove(filepath.Join(mnt, "sub")))
+	for range 2 {
+		must(t, fs.Release(base, id))
 	}
 }
 
