@@ -13,7 +13,6 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/dirpv/dirpv/internal/failpoint"
 	"github.com/dirpv/dirpv/test/framework"
 	"github.com/dirpv/dirpv/volume/quota/quotatest"
 )
@@ -380,25 +379,6 @@ func TestMkdirAllFromSourceChanging(t *testing.T) {
 	}
 	close(stop)
 	wg.Wait()
-}
-
-// TestMkdirAllFromCrash: a process killed in the middle of a copy leaves only the temporary
-// directory, half full; the next attempt removes it and makes a complete copy.
-func TestMkdirAllFromCrash(t *testing.T) {
-	b := newCopyBase(t, t.TempDir())
-	killedAt(t, b.base, "copy", failpoint.DuringCopy+":10")
-	ns := filepath.Join(b.base, "ns")
-	tmp := filepath.Join(ns, tempName(Claim{UID: "copy-uid"}, "copy"))
-	if n, err := os.ReadDir(tmp); err != nil || len(n) == 0 {
-		t.Fatalf("the killed copy left %d entries in %s (%v), want a half copy", len(n), tmp, err)
-	}
-	absent(t, filepath.Join(ns, "copy"), "the killed copy is in place")
-	created, _, _, err := b.root.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "copy-uid"}, 0, Source{Root: b.root, Rel: "ns/src"})
-	if err != nil || !created {
-		t.Fatalf("copy after the crash = %v, %v", created, err)
-	}
-	diffTrees(t, expectedCopy(t, filepath.Join(ns, "src")), treeHash(t, filepath.Join(ns, "copy")))
-	noTemp(t, ns)
 }
 
 // TestMkdirAllFromFull: a copy that does not fit the new volume's limit fails saying so and

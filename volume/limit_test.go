@@ -96,35 +96,3 @@ func TestMkdirAllLimitedRefusedWhereNotEnforceable(t *testing.T) {
 		t.Errorf("base holds %d entries after a refusal", len(entries))
 	}
 }
-
-// TestMkdirAllLimitedAfterCrash: what a crash between setting the limit and renaming into
-// place leaves (a limited, unmarked subvolume under the temporary name) is removed by the next
-// attempt, which makes the volume in place with its own limit.
-func TestMkdirAllLimitedAfterCrash(t *testing.T) {
-	mnt := quotatest.Btrfs(t, true)
-	r := rootAt(t, mnt)
-	fs, err := r.Quota()
-	must(t, err)
-	claim := Claim{UID: "uid-a", PVName: "pv-a"}
-	base, err := os.Open(mnt)
-	must(t, err)
-	defer base.Close()
-	tmp := tempName(claim, "vol")
-	must(t, fs.Mkdir(int(base.Fd()), tmp, 0o755))
-	left, err := os.Open(filepath.Join(mnt, tmp))
-	must(t, err)
-	leftID, err := fs.SetLimit(int(left.Fd()), 1<<20)
-	left.Close()
-	must(t, err)
-	created, id, err := r.MkdirAllLimited("vol", Owner{Mode: 0o755}, claim, 5<<20)
-	if err != nil || !created || id == leftID {
-		t.Fatalf("MkdirAllLimited after a crash = %v, %v, %v; want a new volume with its own quota (not %v)", created, id, err, leftID)
-	}
-	entries, _ := os.ReadDir(mnt)
-	if len(entries) != 1 || entries[0].Name() != "vol" {
-		t.Errorf("base holds %v, want only the volume", entries)
-	}
-	if marked, u := limitOf(t, r, "vol"); marked != id || u.LimitBytes != 5<<20 {
-		t.Errorf("new volume's quota: %v, %+v; want %v with a 5 MiB limit", marked, u, id)
-	}
-}

@@ -149,14 +149,10 @@ func TestHelperCrash(t *testing.T) {
 	if base == "" {
 		t.Skip("run by the crash tests")
 	}
-	if op != "copy" {
-		withoutNoReplace(t)
-	}
+	withoutNoReplace(t)
 	r, err := OpenRoot(base)
 	must(t, err)
 	switch op {
-	case "copy":
-		_, _, _, err = r.MkdirAllFrom(context.Background(), "ns/copy", Claim{UID: "copy-uid"}, 0, Source{Root: r, Rel: "ns/src"})
 	case "snapshot":
 		_, err = r.Snapshot(context.Background(), "ns/src", "snap", SnapshotOptions{})
 	case "move":
@@ -168,28 +164,21 @@ func TestHelperCrash(t *testing.T) {
 	t.Fatalf("the %s returned (%v) instead of dying at its failpoint", op, err)
 }
 
-// killedAt runs op in base in a process of its own (TestHelperCrash) with the failpoint point
-// armed, and checks that it was killed at that failpoint and nowhere else.
-func killedAt(t *testing.T, base, op, point string) {
+// crashInRename runs op in base in a process of its own (TestHelperCrash), as on NFS, and
+// checks that it was killed at the failpoint inside the rename into place, after the
+// placeholder claimed the name target (relative to base), and nowhere else.
+func crashInRename(t *testing.T, base, op, target string) {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperCrash$", "-test.v")
-	cmd.Env = append(os.Environ(), "DIRPV_TEST_CRASH_BASE="+base, "DIRPV_TEST_CRASH_OP="+op, failpoint.Env+"="+point)
+	cmd.Env = append(os.Environ(), "DIRPV_TEST_CRASH_BASE="+base, "DIRPV_TEST_CRASH_OP="+op, failpoint.Env+"="+failpoint.RenameClaimed)
 	out, err := cmd.CombinedOutput()
 	var exit *exec.ExitError
 	if !errors.As(err, &exit) || exit.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
-		t.Fatalf("%s armed to die at %s: %v, want killed\n%s", op, point, err, out)
+		t.Fatalf("%s armed to die at %s: %v, want killed\n%s", op, failpoint.RenameClaimed, err, out)
 	}
-	if name, _, _ := strings.Cut(point, ":"); !strings.Contains(string(out), "failpoint "+name+" reached") {
-		t.Fatalf("the process was killed, but not at %s:\n%s", point, out)
+	if !strings.Contains(string(out), "failpoint "+failpoint.RenameClaimed+" reached") {
+		t.Fatalf("the process was killed, but not at %s:\n%s", failpoint.RenameClaimed, out)
 	}
-}
-
-// crashInRename runs op in a process of its own, as on NFS, and checks that it died at the
-// failpoint inside the rename into place, after the placeholder claimed the name target
-// (relative to base), and nowhere else.
-func crashInRename(t *testing.T, base, op, target string) {
-	t.Helper()
-	killedAt(t, base, op, failpoint.RenameClaimed)
 	var st unix.Stat_t
 	must(t, unix.Lstat(filepath.Join(base, target), &st))
 	if names, err := os.ReadDir(filepath.Join(base, target)); err != nil || len(names) != 0 || st.Mode&0o7777 != placeholderMode {
