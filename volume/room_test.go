@@ -10,8 +10,6 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/dirpv/dirpv/volume/quota/quotatest"
 )
 
 // mountTmpfs mounts a tmpfs with options (size=..., nr_inodes=...) on a new directory, for
@@ -89,19 +87,5 @@ func TestCheckRoomForCopy(t *testing.T) {
 	}
 	if noRoom.Need != free+1 || noRoom.Free != free {
 		t.Errorf("NoRoomError %+v, want need %d, free %d", noRoom, free+1, free)
-	}
-}
-
-// TestCheckRoomForCopyReflinks: a copy on a file system that clones files shares its source's
-// data and needs no room for it, however big the source.
-func TestCheckRoomForCopyReflinks(t *testing.T) {
-	mnt := quotatest.Btrfs(t, false)
-	r := rootAt(t, mnt)
-	free, err := r.Available()
-	must(t, err)
-	must(t, os.Mkdir(filepath.Join(mnt, "src"), 0o755))
-	must(t, os.WriteFile(filepath.Join(mnt, "src/big"), make([]byte, 8<<20), 0o644))
-	if err := r.CheckRoomForCopy(context.Background(), Source{Root: r, Rel: "src"}, free); err != nil {
-		t.Errorf("a reflink copy on btrfs: %v, want no check", err)
 	}
 }

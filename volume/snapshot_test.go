@@ -176,14 +176,21 @@ func TestBtrfsNestedSubvolumesAreCopied(t *testing.T) {
 }
 
 // TestMkdirAllFromReflinkOnBtrfs: a copy of a plain directory on btrfs clones every file
-// (reflink), into a plain directory and into a limited subvolume.
+// (reflink), into a plain directory and into a limited subvolume. Sharing its source's data,
+// it needs no room for it, however big the source: no room is checked.
 func TestMkdirAllFromReflinkOnBtrfs(t *testing.T) {
 	mnt := quotatest.Btrfs(t, true)
 	r := rootAt(t, mnt)
 	mkVolume(t, r, "ns/src", Owner{Mode: 0o755, UID: 1, GID: 2}, Claim{UID: "src"})
 	outside := filepath.Join(t.TempDir(), "outside")
 	writeEveryKind(t, filepath.Join(mnt, "ns/src"), outside)
+	must(t, os.WriteFile(filepath.Join(mnt, "ns/src/big"), make([]byte, 8<<20), 0o644))
 	want := expectedCopy(t, filepath.Join(mnt, "ns/src"))
+	free, err := r.Available()
+	must(t, err)
+	if err := r.CheckRoomForCopy(context.Background(), Source{Root: r, Rel: "ns/src"}, free); err != nil {
+		t.Errorf("room for a reflink copy on btrfs, with a margin of all the free space: %v, want no check", err)
+	}
 	for _, limit := range []uint64{0, 64 << 20} {
 		name := "ns/copy0"
 		if limit > 0 {
