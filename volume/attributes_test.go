@@ -5,12 +5,11 @@ import (
 	"testing"
 )
 
+// An NFS volume's and a btrfs-limited local one's: TestVolumeAttributeFormats.
 func TestAttributesRoundTrip(t *testing.T) {
 	for _, a := range []Attributes{
-		{Backend: BackendNFS, Server: "nfs.example.com", Share: "/export", Path: "ns-claim-pv"},
 		{Backend: BackendLocal, BasePath: "/var/lib/dirpv", Path: "a/b"},
 		{Backend: BackendLocal, BasePath: "/var/lib/dirpv", Path: "a/b", Quota: "project/4242"},
-		{Backend: BackendLocal, BasePath: "/var/lib/dirpv", Path: "a/b", Quota: "btrfs/257"},
 	} {
 		got, err := ParseAttributes(a.Map())
 		if err != nil || got != a {
