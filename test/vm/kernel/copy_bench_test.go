@@ -63,23 +63,7 @@ func benchXFSReflink(t *testing.T, rep *benchkit.GuestReport) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(scratch) })
-	img, mnt := filepath.Join(scratch, "xfs.img"), filepath.Join(scratch, "mnt")
-	if err := os.WriteFile(img, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(img, small+large+2<<30); err != nil {
-		t.Fatal(err)
-	}
-	runCmd(t, "mkfs.xfs", "-q", "-m", "reflink=1", img)
-	if err := os.Mkdir(mnt, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	runCmd(t, "mount", "-t", "xfs", "-o", "loop", img, mnt)
-	t.Cleanup(func() {
-		if out, err := exec.Command("umount", mnt).CombinedOutput(); err != nil {
-			t.Errorf("umount %s: %v: %s", mnt, err, out)
-		}
-	})
+	mnt := mountFS(t, scratch, "xfs", small+large+2<<30, "loop")
 	r, err := volume.OpenRoot(mnt)
 	if err != nil {
 		t.Fatal(err)

@@ -16,32 +16,29 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/test/vm/guest"
 	"github.com/dirpv/dirpv/volume/quota"
 )
 
-// quotaFS makes a file system (sparse, 320 MiB: mkfs.xfs wants more than 300 MB) of fstype on a loop file with project quota on and
-// returns its mount point.
+// quotaFS makes a file system of fstype on a loop file with project quota on and returns its
+// mount point.
 func quotaFS(t *testing.T, fstype string) string {
 	t.Helper()
 	return makeFS(t, fstype, "loop,prjquota")
 }
 
-// makeFS makes a file system of fstype on a loop file and mounts it with options.
+// makeFS makes a file system of fstype (sparse, 320 MiB: mkfs.xfs wants more than 300 MB) on
+// a loop file and mounts it with options.
 func makeFS(t *testing.T, fstype, options string) string {
 	t.Helper()
-	dir := t.TempDir()
-	img := filepath.Join(dir, fstype+".img")
-	must(t, os.WriteFile(img, nil, 0o600))
-	must(t, os.Truncate(img, 320<<20))
-	switch fstype {
-	case "xfs":
-		runCmd(t, "mkfs.xfs", "-q", img)
-	case "ext4":
-		runCmd(t, "mkfs.ext4", "-q", "-O", "quota,project", img)
-	}
+	return mountFS(t, t.TempDir(), fstype, 320<<20, options)
+}
+
+// mountFS is makeFS of size bytes with its image in dir, unmounted when the test ends.
+func mountFS(t *testing.T, dir, fstype string, size int64, options string) string {
+	t.Helper()
 	mnt := filepath.Join(dir, "mnt")
-	must(t, os.Mkdir(mnt, 0o755))
-	runCmd(t, "mount", "-t", fstype, "-o", options, img, mnt)
+	must(t, guest.MakeFS(filepath.Join(dir, fstype+".img"), mnt, fstype, size, options))
 	t.Cleanup(func() {
 		// An exported file system stays busy a few seconds after its unexport: nfsd's file
 		// cache closes the files it kept open in the background.
