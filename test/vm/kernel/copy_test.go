@@ -175,7 +175,7 @@ func TestCloneOverNFS(t *testing.T) {
 			r := openExport(t, share, options)
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 			defer cancel()
-			copies := nfsOps(t, r.Path(), "COPY")
+			copies := nfsOpCounts(t, r.Path())["COPY"]
 			_, _, stats, err := r.MkdirAllFrom(ctx, "clone", volume.Claim{UID: "clone"}, 0, volume.Source{Root: r, Rel: "vol"})
 			if err != nil {
 				t.Fatalf("copy over NFS: %v", err)
@@ -184,7 +184,7 @@ func TestCloneOverNFS(t *testing.T) {
 			// The data is copied by the server (NFSv4.2 COPY, what copy_file_range becomes),
 			// not read to the client and written back: one COPY at least per file with data
 			// (a/b/data, small, sparse's last extent).
-			if n := nfsOps(t, r.Path(), "COPY") - copies; vers == "nfsvers=4.2" && n < 3 {
+			if n := nfsOpCounts(t, r.Path())["COPY"] - copies; vers == "nfsvers=4.2" && n < 3 {
 				t.Errorf("%d NFSv4.2 COPY operations for the clone, want 3 or more: its data went through the client", n)
 			}
 			sameTree(t, "clone over NFS", want, treeHash(t, filepath.Join(serverDir, "clone")))
@@ -293,15 +293,9 @@ func nfs4ACL(t *testing.T, p string) string {
 	return strings.Join(aces, " ")
 }
 
-// nfsOps is how many op operations (COPY, READ...) the NFS mount at mnt has sent, from its
-// per-op statistics in /proc/self/mountstats; 0 for an op the mount's version does not have.
-func nfsOps(t *testing.T, mnt, op string) int64 {
-	t.Helper()
-	return nfsOpCounts(t, mnt)[op]
-}
-
-// nfsOpCounts is how many operations of each kind the NFS mount at mnt has sent, from its
-// /proc/self/mountstats.
+// nfsOpCounts is how many operations of each kind (COPY, READ...) the NFS mount at mnt has
+// sent, from its per-op statistics in /proc/self/mountstats; none for an op the mount's
+// version does not have.
 func nfsOpCounts(t *testing.T, mnt string) map[string]int64 {
 	t.Helper()
 	ops := map[string]int64{}

@@ -171,8 +171,8 @@ func TestDeadServerHardMount(t *testing.T) {
 	if u.took > 3*nodeTimeout {
 		t.Errorf("NodeUnpublishVolume took %v, operation timeout %v", u.took, nodeTimeout)
 	}
-	if mp := mountAt(t, target); mp != nil {
-		t.Errorf("dead mount still at the target: %+v", *mp)
+	if left, err := framework.MountsUnder(target); err != nil || len(left) > 0 {
+		t.Errorf("dead mount still at the target: %v (%v)", left, err)
 	}
 
 	// The server is back: the same calls, retried as the lib retries them, succeed.
@@ -269,7 +269,7 @@ func TestRootSquash(t *testing.T) {
 		}
 		// Not the volume's directory, nor a temp (.dirpv-new-*) or record (.dirpv-vol-*) file.
 		if left, err := os.ReadDir(serverDir); err != nil || len(left) > 0 {
-			t.Errorf("on the server after the failed Provision #%d: %v (%v)", i+1, names(left), err)
+			t.Errorf("on the server after the failed Provision #%d: %v (%v)", i+1, left, err)
 		}
 	}
 	t.Logf("Provision with uid/gid on a root_squash export: %v", err)
@@ -286,14 +286,6 @@ func TestRootSquash(t *testing.T) {
 	if st.Uid == 0 {
 		t.Errorf("volume directory on a root_squash export is owned by root")
 	}
-}
-
-func names(ents []os.DirEntry) []string {
-	var out []string
-	for _, e := range ents {
-		out = append(out, e.Name())
-	}
-	return out
 }
 
 // TestSameNameClaimsAcrossMounts: claims of one name in different namespaces, provisioned at
@@ -355,10 +347,12 @@ func TestSameNameClaimsAcrossMounts(t *testing.T) {
 		}
 	}
 	source := guest.NFSAddr + ":" + share
+	mounts, err := framework.MountInfosUnder(f.work)
+	must(t, err)
 	var mounted []string
-	for _, mp := range nfsMounts(t) {
-		if mp.Device == source && strings.HasPrefix(mp.Path, f.work+"/") {
-			mounted = append(mounted, mp.Path)
+	for _, mi := range mounts {
+		if mi.Source == source {
+			mounted = append(mounted, mi.MountPoint)
 		}
 	}
 	if len(mounted) != 2 {
