@@ -71,13 +71,11 @@ func TestDeadServerHardMount(t *testing.T) {
 	results := make([]result, 2*stuckCap)
 	var wg sync.WaitGroup
 	for i := range results {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			start := time.Now()
 			_, err := f.provision(ctx, class, fmt.Sprintf("during-%d", i))
 			results[i] = result{err, time.Since(start)}
-		}()
+		})
 	}
 	wg.Wait()
 	for i, r := range results {
@@ -131,17 +129,13 @@ func TestDeadServerHardMount(t *testing.T) {
 	// kubelet gives a CSI call two minutes; the plugin's own budget is a plain unmount, a
 	// forced one and a lazy one, each bounded.
 	const unpublishDeadline = 2 * time.Minute
-	type unpublished struct {
-		err  error
-		took time.Duration
-	}
-	nfsDone := make(chan unpublished, 1)
+	nfsDone := make(chan result, 1)
 	go func() {
 		uctx, ucancel := context.WithTimeout(ctx, unpublishDeadline)
 		defer ucancel()
 		start := time.Now()
 		_, err := node.NodeUnpublishVolume(uctx, &csi.NodeUnpublishVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, TargetPath: target})
-		nfsDone <- unpublished{err, time.Since(start)}
+		nfsDone <- result{err, time.Since(start)}
 	}()
 	// Meanwhile a pod of a local volume comes and goes on the same plugin.
 	local := node.localPV(t, "local")
@@ -318,12 +312,10 @@ func TestSameNameClaimsAcrossMounts(t *testing.T) {
 		)
 		uid := func(i int) types.UID { return types.UID(fmt.Sprintf("uid-%d-ns-%d", round, i)) }
 		for i := range claims {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
+			wg.Go(func() {
 				<-start
 				_, errs[i] = f.provisionIn(ctx, classes[i%2], fmt.Sprintf("ns-%d", i), name, uid(i))
-			}()
+			})
 		}
 		close(start)
 		wg.Wait()
