@@ -7,11 +7,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"github.com/dirpv/dirpv/test/bench/benchkit"
 	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/test/vm"
 )
 
 var flagNFSPubN = flag.Int("nfs-publish-n", 100, "NFS NodePublish+NodeUnpublish iterations in the VM (and as many bare NFS mounts); each takes ~0.5 s under emulation")
@@ -63,6 +63,5 @@ func (b *bench) nfsKernel() error {
 // logTail is the last n lines of the log file at path.
 func logTail(path string, n int) string {
 	log, _ := os.ReadFile(path)
-	lines := strings.Split(string(log), "\n")
-	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+	return vm.LastLines(log, n)
 }

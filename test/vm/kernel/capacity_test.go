@@ -33,18 +33,9 @@ func (p project) limited() bool { return p.limits != [4]uint64{} }
 // limit (xfs_quota leaves out those with neither), project 0 (the files without one) aside.
 func projects(t *testing.T, mnt string) map[uint64]project {
 	t.Helper()
-	args := []string{"-x"}
-	if !isXFS(t, mnt) {
-		args = append(args, "-f") // ext4 through xfs_quota's foreign mode
-	}
 	out := map[uint64]project{}
 	for _, kind := range []string{"-b", "-i"} {
-		cmd := exec.Command("xfs_quota", append(args, "-c", "report -p -n -N "+kind, mnt)...)
-		b, err := cmd.CombinedOutput()
-		if err != nil {
-			t.Fatalf("xfs_quota report: %v\n%s", err, b)
-		}
-		for _, line := range strings.Split(string(b), "\n") {
+		for _, line := range strings.Split(xfsQuota(t, mnt, "report -p -n -N "+kind), "\n") {
 			// #ID used soft hard warn/grace
 			f := strings.Fields(line)
 			if len(f) < 4 || !strings.HasPrefix(f[0], "#") {
@@ -75,11 +66,24 @@ func projects(t *testing.T, mnt string) map[uint64]project {
 	return out
 }
 
-func isXFS(t *testing.T, p string) bool {
+// xfsQuota runs xfs_quota's expert commands cmds on the file system at mnt (ext4 through its
+// foreign mode) and returns their output.
+func xfsQuota(t *testing.T, mnt string, cmds ...string) string {
 	t.Helper()
+	args := []string{"-x"}
 	var sfs unix.Statfs_t
-	must(t, unix.Statfs(p, &sfs))
-	return uint32(sfs.Type) == unix.XFS_SUPER_MAGIC
+	must(t, unix.Statfs(mnt, &sfs))
+	if uint32(sfs.Type) != unix.XFS_SUPER_MAGIC {
+		args = append(args, "-f")
+	}
+	for _, c := range cmds {
+		args = append(args, "-c", c)
+	}
+	out, err := exec.Command("xfs_quota", append(args, mnt)...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("xfs_quota %v: %v\n%s", args, err, out)
+	}
+	return string(out)
 }
 
 // checkNoLimitedEmptyProject fails for every project of mnt that has a limit but no files: a
@@ -261,7 +265,7 @@ func TestNFSOverXFSProjectStatfs(t *testing.T) {
 			must(t, err)
 			volDir := filepath.Join(serverDir, pv.Spec.CSI.VolumeAttributes["path"])
 			const limit, fill = 10 << 20, 4 << 20
-			runCmd(t, "xfs_quota", "-x", "-c", "project -s -p "+volDir+" 4242", "-c", "limit -p bhard=10m 4242", mnt)
+			xfsQuota(t, mnt, "project -s -p "+volDir+" 4242", "limit -p bhard=10m 4242")
 			if failed, out := writeAsTenant(t, filepath.Join(volDir, "data"), fill>>20); failed {
 				t.Fatalf("writing into the volume on the server: %s", out)
 			}

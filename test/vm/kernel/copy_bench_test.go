@@ -44,12 +44,8 @@ func TestBenchCopy(t *testing.T) {
 	t.Run("nfs", func(t *testing.T) { benchNFSClone(t, &rep) })
 	t.Run("xfs-reflink", func(t *testing.T) { benchXFSReflink(t, &rep) })
 	raw, err := json.Marshal(rep)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(guest.ResultsDir(), CopyBenchFile), raw, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
+	must(t, os.WriteFile(filepath.Join(guest.ResultsDir(), CopyBenchFile), raw, 0o644))
 }
 
 // benchXFSReflink clones, with dirpv's copier, a source of a few files holding
@@ -59,31 +55,11 @@ func TestBenchCopy(t *testing.T) {
 func benchXFSReflink(t *testing.T, rep *benchkit.GuestReport) {
 	small, large := int64(*benchSmallMiB)<<20, int64(*benchLargeMiB)<<20
 	scratch, err := os.MkdirTemp(filepath.Dir(guest.ResultsDir()), "bench-xfs-")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	t.Cleanup(func() { os.RemoveAll(scratch) })
-	img, mnt := filepath.Join(scratch, "xfs.img"), filepath.Join(scratch, "mnt")
-	if err := os.WriteFile(img, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(img, small+large+2<<30); err != nil {
-		t.Fatal(err)
-	}
-	runCmd(t, "mkfs.xfs", "-q", "-m", "reflink=1", img)
-	if err := os.Mkdir(mnt, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	runCmd(t, "mount", "-t", "xfs", "-o", "loop", img, mnt)
-	t.Cleanup(func() {
-		if out, err := exec.Command("umount", mnt).CombinedOutput(); err != nil {
-			t.Errorf("umount %s: %v: %s", mnt, err, out)
-		}
-	})
+	mnt := mountFS(t, scratch, "xfs", small+large+2<<30, "loop")
 	r, err := volume.OpenRoot(mnt)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer r.Close()
 	ctx := context.Background()
 	rep.Figures["reflink.xfs.samples"] = float64(*benchReflinkSamples)
@@ -92,9 +68,7 @@ func benchXFSReflink(t *testing.T, rep *benchkit.GuestReport) {
 		size int64
 	}{{"small", small}, {"large", large}} {
 		t0 := time.Now()
-		if err := framework.WriteDataFiles(filepath.Join(mnt, s.key), 4, s.size); err != nil {
-			t.Fatal(err)
-		}
+		must(t, framework.WriteDataFiles(filepath.Join(mnt, s.key), 4, s.size))
 		unix.Sync() // the clone must not pay for writing the source back
 		rep.Figures["reflink.xfs."+s.key+".write"] = time.Since(t0).Seconds()
 		t.Logf("%d MiB written and synced in %.1fs", s.size>>20, rep.Figures["reflink.xfs."+s.key+".write"])
@@ -150,9 +124,7 @@ func extents(t *testing.T, dir string) int {
 func usedMiB(t *testing.T, dir string) float64 {
 	t.Helper()
 	mib, err := benchkit.UsedMiB(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return mib
 }
 
@@ -164,9 +136,7 @@ func benchNFSClone(t *testing.T, rep *benchkit.GuestReport) {
 	options := []string{"nfsvers=4.2"}
 	serverDir, share := exportFor(t, options, guest.NoRootSquash)
 	scale := *benchTreeScale
-	if err := benchkit.FillTree(filepath.Join(serverDir, "src"), 1<<30/int64(scale), 10_000/scale, 100_000/scale); err != nil {
-		t.Fatal(err)
-	}
+	must(t, benchkit.FillTree(filepath.Join(serverDir, "src"), 1<<30/int64(scale), 10_000/scale, 100_000/scale))
 	r := openExport(t, share, options)
 	mnt := r.Path()
 	src := filepath.Join(mnt, "src")
@@ -203,9 +173,7 @@ func benchNFSClone(t *testing.T, rep *benchkit.GuestReport) {
 
 	tgz := filepath.Join(mnt, "snap.tgz")
 	rep.Figures["nfs.tar.c"] = run("tar", "czf", tgz, "-C", src, ".").Seconds()
-	if err := os.Mkdir(filepath.Join(mnt, "restored"), 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(filepath.Join(mnt, "restored"), 0o755))
 	rep.Figures["nfs.tar.x"] = run("tar", "xzf", tgz, "-C", filepath.Join(mnt, "restored")).Seconds()
 	rep.Figures["nfs.scale"] = float64(scale)
 	rep.Notes["nfs.tree"] = fmt.Sprintf("%d MiB file + %d files of 4-64 KiB + %d empty files", (1<<30/scale)>>20, 10_000/scale, 100_000/scale)

@@ -37,32 +37,24 @@ func writeCopyTree(t *testing.T, dir string) {
 		os.Lchown(p("a/b/data"), 1234, 5678),
 		os.Chmod(p("a"), 0o2770|os.ModeSetgid),
 	} {
-		if err != nil {
-			t.Fatal(err)
-		}
+		must(t, err)
 	}
 	f, err := os.Create(p("sparse"))
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if _, err := f.WriteAt([]byte("end"), 64<<20); err != nil {
 		t.Fatal(err)
 	}
 	f.Close()
 	old := time.Date(2001, 2, 3, 4, 5, 6, 0, time.UTC)
 	for _, rel := range []string{"a/b/data", "small", "sparse", "fifo", "a/b", "a", "."} {
-		if err := os.Chtimes(p(rel), old, old); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.Chtimes(p(rel), old, old))
 	}
 }
 
 func treeHash(t *testing.T, dir string) map[string]string {
 	t.Helper()
 	h, err := framework.TreeHash(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	return h
 }
 
@@ -82,22 +74,16 @@ func sameTree(t *testing.T, what string, want, got map[string]string) {
 func TestCloneOnXFSReflink(t *testing.T) {
 	mnt := quotaFS(t, "xfs")
 	r, err := volume.OpenRoot(mnt)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	defer r.Close()
 	_, srcID, err := r.MkdirAllLimited("ns/src", volume.Owner{Mode: 0o750, UID: 1000, GID: 1000}, volume.Claim{UID: "src"}, 128<<20)
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	writeCopyTree(t, filepath.Join(mnt, "ns/src"))
 	want := treeHash(t, filepath.Join(mnt, "ns/src"))
 	ctx := context.Background()
 
 	_, id, stats, err := r.MkdirAllFrom(ctx, "ns/clone", volume.Claim{UID: "clone"}, 32<<20, volume.Source{Root: r, Rel: "ns/src"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if stats.Method != volume.MethodReflink {
 		t.Errorf("Method %q, want %q", stats.Method, volume.MethodReflink)
 	}
@@ -106,9 +92,7 @@ func TestCloneOnXFSReflink(t *testing.T) {
 	}
 	sameTree(t, "clone", want, treeHash(t, filepath.Join(mnt, "ns/clone")))
 	fs, err := r.Quota()
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if u, err := fs.Usage(dirFd(t, filepath.Join(mnt, "ns/clone")), id); err != nil || u.LimitBytes != 32<<20 || u.UsedBytes < 900<<10 {
 		t.Errorf("clone's usage %+v, %v; want a 32 MiB limit charged the data", u, err)
 	}
@@ -135,9 +119,7 @@ func TestCloneOnXFSReflink(t *testing.T) {
 		t.Errorf("the refused snapshot left %v", names)
 	}
 	info, err := r.Snapshot(ctx, "ns/src", "snap", volume.SnapshotOptions{Limit: 32 << 20})
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	if info.Method != volume.MethodReflink {
 		t.Errorf("snapshot Method %q, want %q", info.Method, volume.MethodReflink)
 	}
@@ -152,9 +134,7 @@ func TestCloneOnXFSReflink(t *testing.T) {
 		t.Fatal(err)
 	}
 	sameTree(t, "restored snapshot", want, treeHash(t, filepath.Join(mnt, "ns/restored")))
-	if err := r.DeleteSnapshot("snap"); err != nil {
-		t.Fatal(err)
-	}
+	must(t, r.DeleteSnapshot("snap"))
 	if u, err := fs.Usage(dirFd(t, mnt), snapID); err != nil || u.LimitBytes != 0 {
 		t.Errorf("deleted snapshot's project: %+v, %v; want its limit released", u, err)
 	}
@@ -167,15 +147,13 @@ func TestCloneOverNFS(t *testing.T) {
 		t.Run(vers, func(t *testing.T) {
 			options := []string{vers}
 			serverDir, share := exportFor(t, options, guest.NoRootSquash)
-			if err := os.Mkdir(filepath.Join(serverDir, "vol"), 0o755); err != nil {
-				t.Fatal(err)
-			}
+			must(t, os.Mkdir(filepath.Join(serverDir, "vol"), 0o755))
 			writeCopyTree(t, filepath.Join(serverDir, "vol"))
 			want := treeHash(t, filepath.Join(serverDir, "vol"))
 			r := openExport(t, share, options)
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 			defer cancel()
-			copies := nfsOps(t, r.Path(), "COPY")
+			copies := nfsOpCounts(t, r.Path())["COPY"]
 			_, _, stats, err := r.MkdirAllFrom(ctx, "clone", volume.Claim{UID: "clone"}, 0, volume.Source{Root: r, Rel: "vol"})
 			if err != nil {
 				t.Fatalf("copy over NFS: %v", err)
@@ -184,7 +162,7 @@ func TestCloneOverNFS(t *testing.T) {
 			// The data is copied by the server (NFSv4.2 COPY, what copy_file_range becomes),
 			// not read to the client and written back: one COPY at least per file with data
 			// (a/b/data, small, sparse's last extent).
-			if n := nfsOps(t, r.Path(), "COPY") - copies; vers == "nfsvers=4.2" && n < 3 {
+			if n := nfsOpCounts(t, r.Path())["COPY"] - copies; vers == "nfsvers=4.2" && n < 3 {
 				t.Errorf("%d NFSv4.2 COPY operations for the clone, want 3 or more: its data went through the client", n)
 			}
 			sameTree(t, "clone over NFS", want, treeHash(t, filepath.Join(serverDir, "clone")))
@@ -208,13 +186,9 @@ func TestCloneOverNFSRoundTrips(t *testing.T) {
 	serverDir, share := exportFor(t, options, guest.NoRootSquash)
 	const n = 40
 	src := filepath.Join(serverDir, "vol")
-	if err := os.Mkdir(src, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	must(t, os.Mkdir(src, 0o755))
 	for i := range n {
-		if err := os.WriteFile(filepath.Join(src, fmt.Sprintf("e%02d", i)), nil, 0o644); err != nil {
-			t.Fatal(err)
-		}
+		must(t, os.WriteFile(filepath.Join(src, fmt.Sprintf("e%02d", i)), nil, 0o644))
 	}
 	want := treeHash(t, src)
 	r := openExport(t, share, options)
@@ -293,22 +267,14 @@ func nfs4ACL(t *testing.T, p string) string {
 	return strings.Join(aces, " ")
 }
 
-// nfsOps is how many op operations (COPY, READ...) the NFS mount at mnt has sent, from its
-// per-op statistics in /proc/self/mountstats; 0 for an op the mount's version does not have.
-func nfsOps(t *testing.T, mnt, op string) int64 {
-	t.Helper()
-	return nfsOpCounts(t, mnt)[op]
-}
-
-// nfsOpCounts is how many operations of each kind the NFS mount at mnt has sent, from its
-// /proc/self/mountstats.
+// nfsOpCounts is how many operations of each kind (COPY, READ...) the NFS mount at mnt has
+// sent, from its per-op statistics in /proc/self/mountstats; none for an op the mount's
+// version does not have.
 func nfsOpCounts(t *testing.T, mnt string) map[string]int64 {
 	t.Helper()
 	ops := map[string]int64{}
 	raw, err := os.ReadFile("/proc/self/mountstats")
-	if err != nil {
-		t.Fatal(err)
-	}
+	must(t, err)
 	in, perOp, found := false, false, false
 	for _, l := range strings.Split(string(raw), "\n") {
 		if strings.HasPrefix(l, "device ") {

@@ -2,10 +2,10 @@ package kernel
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -56,24 +56,6 @@ func nfsServer(t *testing.T) *guest.NFSServer {
 	return nfsSrv
 }
 
-// exportDir exports dir on the server side (made writable by everyone) with options until
-// the test ends.
-func exportDir(t *testing.T, dir string, options ...string) string {
-	t.Helper()
-	srv := nfsServer(t)
-	must(t, os.Chmod(dir, 0o777))
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	unexport, err := srv.Export(ctx, dir, options...)
-	must(t, err)
-	t.Cleanup(func() {
-		if err := unexport(); err != nil {
-			t.Errorf("unexport %s: %v", dir, err)
-		}
-	})
-	return dir
-}
-
 // exportFor exports a fresh directory for clients mounting with mountOptions and returns it
 // and the share a class names: its path for NFSv3, "/" for NFSv4, which mounts it as the root
 // of the pseudo file system (see guest.V4Root).
@@ -82,13 +64,25 @@ func exportFor(t *testing.T, mountOptions []string, options ...string) (dir, sha
 	return exportDirFor(t, t.TempDir(), mountOptions, options...)
 }
 
-// exportDirFor is exportFor of an existing directory.
+// exportDirFor is exportFor of an existing directory (made writable by everyone), exported
+// with options until the test ends.
 func exportDirFor(t *testing.T, dir string, mountOptions []string, options ...string) (string, string) {
 	t.Helper()
-	if slices.Contains(mountOptions, "nfsvers=3") || slices.Contains(mountOptions, "vers=3") {
-		return exportDir(t, dir, options...), dir
+	share := dir
+	if !slices.Contains(mountOptions, "nfsvers=3") && !slices.Contains(mountOptions, "vers=3") {
+		share, options = "/", append(options, guest.V4Root)
 	}
-	return exportDir(t, dir, append(options, guest.V4Root)...), "/"
+	must(t, os.Chmod(dir, 0o777))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	unexport, err := nfsServer(t).Export(ctx, dir, options...)
+	must(t, err)
+	t.Cleanup(func() {
+		if err := unexport(); err != nil {
+			t.Errorf("unexport %s: %v", dir, err)
+		}
+	})
+	return dir, share
 }
 
 // openExport mounts the guest's export share with the kernel client and options, as the
@@ -180,14 +174,10 @@ func (f *controllerFixture) provisionIn(ctx context.Context, class *storagev1.St
 	}
 	pv, state, err := f.p.Provision(ctx, controller.ProvisionOptions{StorageClass: class, PVName: "pvc-" + string(pvc.UID), PVC: pvc})
 	if err == nil && state != controller.ProvisioningFinished {
-		return pv, &unexpectedState{state}
+		err = fmt.Errorf("provisioning state %s", state)
 	}
 	return pv, err
 }
-
-type unexpectedState struct{ s controller.ProvisioningState }
-
-func (e *unexpectedState) Error() string { return "provisioning state " + string(e.s) }
 
 // must stops the test on err.
 func must(t testing.TB, err error) {
@@ -195,25 +185,6 @@ func must(t testing.TB, err error) {
 	if err != nil {
 		t.Fatal(err)
 	}
-}
-
-// nfsMounts are the NFS entries of the guest's /proc/mounts.
-func nfsMounts(t *testing.T) []mount.MountPoint {
-	t.Helper()
-	mps, err := mount.ListProcMounts("/proc/mounts")
-	must(t, err)
-	return slices.DeleteFunc(mps, func(mp mount.MountPoint) bool { return !strings.HasPrefix(mp.Type, "nfs") })
-}
-
-// mountAt is the /proc/mounts entry at dir, or nil.
-func mountAt(t *testing.T, dir string) *mount.MountPoint {
-	t.Helper()
-	for _, mp := range nfsMounts(t) {
-		if mp.Path == dir {
-			return &mp
-		}
-	}
-	return nil
 }
 
 // nodeFixture is `dirpv node`'s CSI node service on a socket, called as kubelet calls it.

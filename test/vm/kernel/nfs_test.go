@@ -71,13 +71,11 @@ func TestDeadServerHardMount(t *testing.T) {
 	results := make([]result, 2*stuckCap)
 	var wg sync.WaitGroup
 	for i := range results {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			start := time.Now()
 			_, err := f.provision(ctx, class, fmt.Sprintf("during-%d", i))
 			results[i] = result{err, time.Since(start)}
-		}()
+		})
 	}
 	wg.Wait()
 	for i, r := range results {
@@ -131,17 +129,13 @@ func TestDeadServerHardMount(t *testing.T) {
 	// kubelet gives a CSI call two minutes; the plugin's own budget is a plain unmount, a
 	// forced one and a lazy one, each bounded.
 	const unpublishDeadline = 2 * time.Minute
-	type unpublished struct {
-		err  error
-		took time.Duration
-	}
-	nfsDone := make(chan unpublished, 1)
+	nfsDone := make(chan result, 1)
 	go func() {
 		uctx, ucancel := context.WithTimeout(ctx, unpublishDeadline)
 		defer ucancel()
 		start := time.Now()
 		_, err := node.NodeUnpublishVolume(uctx, &csi.NodeUnpublishVolumeRequest{VolumeId: pv.Spec.CSI.VolumeHandle, TargetPath: target})
-		nfsDone <- unpublished{err, time.Since(start)}
+		nfsDone <- result{err, time.Since(start)}
 	}()
 	// Meanwhile a pod of a local volume comes and goes on the same plugin.
 	local := node.localPV(t, "local")
@@ -171,8 +165,8 @@ func TestDeadServerHardMount(t *testing.T) {
 	if u.took > 3*nodeTimeout {
 		t.Errorf("NodeUnpublishVolume took %v, operation timeout %v", u.took, nodeTimeout)
 	}
-	if mp := mountAt(t, target); mp != nil {
-		t.Errorf("dead mount still at the target: %+v", *mp)
+	if left, err := framework.MountsUnder(target); err != nil || len(left) > 0 {
+		t.Errorf("dead mount still at the target: %v (%v)", left, err)
 	}
 
 	// The server is back: the same calls, retried as the lib retries them, succeed.
@@ -269,7 +263,7 @@ func TestRootSquash(t *testing.T) {
 		}
 		// Not the volume's directory, nor a temp (.dirpv-new-*) or record (.dirpv-vol-*) file.
 		if left, err := os.ReadDir(serverDir); err != nil || len(left) > 0 {
-			t.Errorf("on the server after the failed Provision #%d: %v (%v)", i+1, names(left), err)
+			t.Errorf("on the server after the failed Provision #%d: %v (%v)", i+1, left, err)
 		}
 	}
 	t.Logf("Provision with uid/gid on a root_squash export: %v", err)
@@ -286,14 +280,6 @@ func TestRootSquash(t *testing.T) {
 	if st.Uid == 0 {
 		t.Errorf("volume directory on a root_squash export is owned by root")
 	}
-}
-
-func names(ents []os.DirEntry) []string {
-	var out []string
-	for _, e := range ents {
-		out = append(out, e.Name())
-	}
-	return out
 }
 
 // TestSameNameClaimsAcrossMounts: claims of one name in different namespaces, provisioned at
@@ -326,12 +312,10 @@ func TestSameNameClaimsAcrossMounts(t *testing.T) {
 		)
 		uid := func(i int) types.UID { return types.UID(fmt.Sprintf("uid-%d-ns-%d", round, i)) }
 		for i := range claims {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
+			wg.Go(func() {
 				<-start
 				_, errs[i] = f.provisionIn(ctx, classes[i%2], fmt.Sprintf("ns-%d", i), name, uid(i))
-			}()
+			})
 		}
 		close(start)
 		wg.Wait()
@@ -355,10 +339,12 @@ func TestSameNameClaimsAcrossMounts(t *testing.T) {
 		}
 	}
 	source := guest.NFSAddr + ":" + share
+	mounts, err := framework.MountInfosUnder(f.work)
+	must(t, err)
 	var mounted []string
-	for _, mp := range nfsMounts(t) {
-		if mp.Device == source && strings.HasPrefix(mp.Path, f.work+"/") {
-			mounted = append(mounted, mp.Path)
+	for _, mi := range mounts {
+		if mi.Source == source {
+			mounted = append(mounted, mi.MountPoint)
 		}
 	}
 	if len(mounted) != 2 {

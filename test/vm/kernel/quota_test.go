@@ -16,32 +16,29 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/dirpv/dirpv/test/framework"
+	"github.com/dirpv/dirpv/test/vm/guest"
 	"github.com/dirpv/dirpv/volume/quota"
 )
 
-// quotaFS makes a file system (sparse, 320 MiB: mkfs.xfs wants more than 300 MB) of fstype on a loop file with project quota on and
-// returns its mount point.
+// quotaFS makes a file system of fstype on a loop file with project quota on and returns its
+// mount point.
 func quotaFS(t *testing.T, fstype string) string {
 	t.Helper()
 	return makeFS(t, fstype, "loop,prjquota")
 }
 
-// makeFS makes a file system of fstype on a loop file and mounts it with options.
+// makeFS makes a file system of fstype (sparse, 320 MiB: mkfs.xfs wants more than 300 MB) on
+// a loop file and mounts it with options.
 func makeFS(t *testing.T, fstype, options string) string {
 	t.Helper()
-	dir := t.TempDir()
-	img := filepath.Join(dir, fstype+".img")
-	must(t, os.WriteFile(img, nil, 0o600))
-	must(t, os.Truncate(img, 320<<20))
-	switch fstype {
-	case "xfs":
-		runCmd(t, "mkfs.xfs", "-q", img)
-	case "ext4":
-		runCmd(t, "mkfs.ext4", "-q", "-O", "quota,project", img)
-	}
+	return mountFS(t, t.TempDir(), fstype, 320<<20, options)
+}
+
+// mountFS is makeFS of size bytes with its image in dir, unmounted when the test ends.
+func mountFS(t *testing.T, dir, fstype string, size int64, options string) string {
+	t.Helper()
 	mnt := filepath.Join(dir, "mnt")
-	must(t, os.Mkdir(mnt, 0o755))
-	runCmd(t, "mount", "-t", fstype, "-o", options, img, mnt)
+	must(t, guest.MakeFS(filepath.Join(dir, fstype+".img"), mnt, fstype, size, options))
 	t.Cleanup(func() {
 		// An exported file system stays busy a few seconds after its unexport: nfsd's file
 		// cache closes the files it kept open in the background.
@@ -107,25 +104,18 @@ func TestQuotaProjectLimits(t *testing.T) {
 				t.Fatalf("%s with prjquota: Kind %q, Enforces %v", fstype, fs.Kind(), err)
 			}
 			const limit = 10 << 20
-			ids := map[string]quota.ID{}
+			ids, fds := map[string]quota.ID{}, map[string]int{}
 			for _, name := range []string{"a", "b"} {
 				must(t, fs.Mkdir(base, name, 0o777))
-				fd, err := unix.Open(filepath.Join(mnt, name), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-				must(t, err)
+				fds[name] = dirFd(t, filepath.Join(mnt, name))
 				var st unix.Stat_t
-				id, err := fs.SetLimit(fd, limit)
-				if err == nil {
-					err = unix.Fstat(fd, &st)
-				}
-				unix.Close(fd)
+				must(t, unix.Fstat(fds[name], &st))
+				id, err := fs.SetLimit(fds[name], limit)
 				must(t, err)
-				if id.Num != st.Ino {
-					t.Errorf("volume %s (inode %d) got project %v, want its inode number", name, st.Ino, id)
+				if id.Num != st.Ino { // and so not the neighbour's
+					t.Fatalf("volume %s (inode %d) got project %v, want its inode number", name, st.Ino, id)
 				}
 				ids[name] = id
-			}
-			if ids["a"] == ids["b"] {
-				t.Fatalf("two volumes share quota ID %v", ids["a"])
 			}
 
 			if failed, out := writeAsTenant(t, filepath.Join(mnt, "b", "file"), 8); failed {
@@ -137,11 +127,10 @@ func TestQuotaProjectLimits(t *testing.T) {
 				t.Errorf("volume holding one 8 MiB file: usage %+v; want limit %d, ~8 MiB and 2 inodes used", u, limit)
 			}
 
-			a := dirFd(t, filepath.Join(mnt, "a"))
-			if err := fs.Resize(a, ids["b"], 24<<20); err == nil {
+			if err := fs.Resize(fds["a"], ids["b"], 24<<20); err == nil {
 				t.Error("Resize of volume a with b's project ID succeeded, want a refusal")
 			}
-			must(t, fs.Resize(a, ids["a"], 24<<20))
+			must(t, fs.Resize(fds["a"], ids["a"], 24<<20))
 			if u, err := fs.Usage(base, ids["a"]); err != nil || u.LimitBytes != 24<<20 {
 				t.Errorf("a's limit after its resize: %+v, %v; want %d", u, err, 24<<20)
 			}
@@ -172,55 +161,72 @@ func TestQuotaProbeRefuses(t *testing.T) {
 	}
 }
 
-// TestQuotaProjectIDInUseIsSkipped: a project ID someone else's files are charged to (here the
-// new directory's inode number, given by hand to a file outside dirpv) is never handed to a
-// volume (OpenEBS#359: two volumes sharing a project share a limit), and concurrent volumes get
-// distinct IDs.
+// TestQuotaProjectIDInUseIsSkipped: a project ID that is someone else's is never handed to a
+// volume (OpenEBS#359: two volumes sharing a project share a limit): here the new directory's
+// inode number, to which a file outside dirpv is charged (chattr -p), or to which an admin
+// gave a limit (block or inode, hard or soft) but no files yet. The volume gets another ID,
+// and that project's quota is left as it was. Concurrent volumes get distinct IDs.
 func TestQuotaProjectIDInUseIsSkipped(t *testing.T) {
 	for _, fstype := range []string{"xfs", "ext4"} {
-		t.Run(fstype, func(t *testing.T) {
-			mnt := quotaFS(t, fstype)
-			base := dirFd(t, mnt)
-			fs, err := quota.Probe(base)
-			must(t, err)
-			must(t, fs.Mkdir(base, "vol", 0o755))
-			var st unix.Stat_t
-			must(t, unix.Stat(filepath.Join(mnt, "vol"), &st))
-			foreign := filepath.Join(mnt, "foreign")
-			must(t, os.WriteFile(foreign, []byte("someone else's"), 0o644))
-			runCmd(t, "chattr", "-p", strconv.FormatUint(st.Ino, 10), foreign)
-			id, err := fs.SetLimit(dirFd(t, filepath.Join(mnt, "vol")), 1<<20)
-			must(t, err)
-			if id.Num == st.Ino {
-				t.Fatalf("volume got project %d, which a foreign file is charged to", id.Num)
-			}
-
-			// Concurrent provisioning: every volume its own ID.
-			const n = 16
-			ids := make(chan quota.ID, n)
-			var wg sync.WaitGroup
-			for i := range n {
-				name := "c" + strconv.Itoa(i)
-				must(t, fs.Mkdir(base, name, 0o755))
-				fd := dirFd(t, filepath.Join(mnt, name))
-				wg.Go(func() {
-					id, err := fs.SetLimit(fd, 1<<20)
-					if err != nil {
-						t.Error(err)
-					}
-					ids <- id
-				})
-			}
-			wg.Wait()
-			close(ids)
-			seen := map[quota.ID]bool{id: true}
-			for id := range ids {
-				if seen[id] {
-					t.Errorf("project %v handed out twice", id)
+		for _, use := range []string{"file", "bhard=8m", "bsoft=8m", "ihard=100", "isoft=100"} {
+			t.Run(fstype+" "+use, func(t *testing.T) {
+				mnt := quotaFS(t, fstype)
+				base := dirFd(t, mnt)
+				fs, err := quota.Probe(base)
+				must(t, err)
+				must(t, fs.Mkdir(base, "vol", 0o755))
+				fd := dirFd(t, filepath.Join(mnt, "vol"))
+				var st unix.Stat_t
+				must(t, unix.Fstat(fd, &st))
+				taken, proj := quota.ID{Kind: quota.Project, Num: st.Ino}, strconv.FormatUint(st.Ino, 10)
+				if use == "file" {
+					foreign := filepath.Join(mnt, "foreign")
+					must(t, os.WriteFile(foreign, nil, 0o644)) // an inode charged, usage that cannot change
+					runCmd(t, "chattr", "-p", proj, foreign)
+				} else {
+					xfsQuota(t, mnt, "limit -p "+use+" "+proj)
 				}
-				seen[id] = true
-			}
-		})
+				before, err := fs.Usage(base, taken)
+				must(t, err)
+				id, err := fs.SetLimit(fd, 1<<20)
+				must(t, err)
+				if id == taken {
+					t.Fatalf("volume got project %v, which %s holds", id, use)
+				}
+				if after, err := fs.Usage(base, taken); err != nil || after != before {
+					t.Errorf("project %v: quota %+v (%v) after a volume was made, want it unchanged (%+v)", taken, after, err, before)
+				}
+				if use != "file" {
+					return
+				}
+
+				// Concurrent provisioning: every volume its own ID.
+				const n = 16
+				ids := make(chan quota.ID, n)
+				var wg sync.WaitGroup
+				for i := range n {
+					name := "c" + strconv.Itoa(i)
+					must(t, fs.Mkdir(base, name, 0o755))
+					fd := dirFd(t, filepath.Join(mnt, name))
+					wg.Go(func() {
+						id, err := fs.SetLimit(fd, 1<<20)
+						if err != nil {
+							t.Error(err)
+						}
+						ids <- id
+					})
+				}
+				wg.Wait()
+				close(ids)
+				seen := map[quota.ID]bool{id: true}
+				for id := range ids {
+					if seen[id] {
+						t.Errorf("project %v handed out twice", id)
+					}
+					seen[id] = true
+				}
+			})
+		}
 	}
 }
 
@@ -278,44 +284,5 @@ func TestQuotaReleaseRacingSetLimit(t *testing.T) {
 				}
 			}
 		})
-	}
-}
-
-// TestQuotaAdminProjectIsSkipped: a project an admin gave a limit to (block or inode, hard or
-// soft) but no files yet is not free: a new volume whose inode number is that project ID gets
-// another ID, and the admin's limit is left as it was.
-func TestQuotaAdminProjectIsSkipped(t *testing.T) {
-	for _, fstype := range []string{"xfs", "ext4"} {
-		for _, lim := range []string{"bhard=8m", "bsoft=8m", "ihard=100", "isoft=100"} {
-			t.Run(fstype+" "+lim, func(t *testing.T) {
-				mnt := quotaFS(t, fstype)
-				base := dirFd(t, mnt)
-				fs, err := quota.Probe(base)
-				must(t, err)
-				must(t, fs.Mkdir(base, "vol", 0o755))
-				fd := dirFd(t, filepath.Join(mnt, "vol"))
-				var st unix.Stat_t
-				must(t, unix.Fstat(fd, &st))
-				proj := strconv.FormatUint(st.Ino, 10)
-				xq := []string{"-x"}
-				if fstype != "xfs" {
-					xq = append(xq, "-f") // xfs_quota on a foreign (non-XFS) file system
-				}
-				runCmd(t, "xfs_quota", append(xq, "-c", "limit -p "+lim+" "+proj, mnt)...)
-				admin := quota.ID{Kind: quota.Project, Num: st.Ino}
-				before, err := fs.Usage(base, admin)
-				must(t, err)
-				id, err := fs.SetLimit(fd, 1<<20)
-				must(t, err)
-				if id == admin {
-					t.Fatalf("volume got project %v, which an admin set up with %s", id, lim)
-				}
-				after, err := fs.Usage(base, admin)
-				must(t, err)
-				if after != before {
-					t.Errorf("admin's project %v: quota %+v after a volume was made, want it unchanged (%+v)", admin, after, before)
-				}
-			})
-		}
 	}
 }

@@ -6,6 +6,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+
+	"github.com/dirpv/dirpv/test/vm/guest"
 )
 
 // The guest's quota-enforcing disks (Options.Disks): each a file system on a sparse loop file
@@ -56,33 +58,12 @@ func setupDisks(dir string) (unmount func() error, err error) {
 		return nil, err
 	}
 	for _, d := range Disks {
-		img := filepath.Join(dir, d.FSType+".img")
-		f, err := os.Create(img)
-		if err != nil {
-			return nil, err
-		}
 		size := int64(xfsSize)
 		if d.FSType == "ext4" {
 			size = ext4Size
 		}
-		err = f.Truncate(size)
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
-		if err != nil {
-			return nil, fmt.Errorf("disk image %s: %w", img, err)
-		}
-		mkfs := []string{"mkfs.xfs", "-q", img}
-		if d.FSType == "ext4" {
-			mkfs = []string{"mkfs.ext4", "-q", "-O", "quota,project", img}
-		}
-		if err := os.MkdirAll(d.Base, 0o755); err != nil {
+		if err := guest.MakeFS(filepath.Join(dir, d.FSType+".img"), d.Base, d.FSType, size, "loop,prjquota"); err != nil {
 			return nil, err
-		}
-		for _, s := range [][]string{mkfs, {"mount", "-t", d.FSType, "-o", "loop,prjquota", img, d.Base}} {
-			if out, err := exec.Command(s[0], s[1:]...).CombinedOutput(); err != nil {
-				return nil, fmt.Errorf("%s: %w: %s", strings.Join(s, " "), err, strings.TrimSpace(string(out)))
-			}
 		}
 		mounted = append(mounted, d.Base)
 	}
