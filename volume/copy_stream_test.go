@@ -114,7 +114,7 @@ func TestCopyMemoryBounded(t *testing.T) {
 }
 
 // TestCopyWhereOffsetsAreLost: where a directory offset is valid only on the descriptor that
-// read it (FUSE, the test NFS client among them), the copier, back up from a subdirectory on
+// read it (FUSE file systems), the copier, back up from a subdirectory on
 // a new descriptor, reads the directory again from its start and skips what it copied: the
 // copy is whole, each name once.
 func TestCopyWhereOffsetsAreLost(t *testing.T) {
